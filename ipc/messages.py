@@ -1,0 +1,391 @@
+"""Every message that crosses a process boundary in tidal.
+
+Three conversations, each a tagged union so a decoder built for one side accepts exactly the
+messages that side may receive (anything else fails to decode, is logged and dropped):
+
+    frontend ──FrontendMessage──► engine core ──CoreToWorker──► workers (every rank)
+    frontend ◄──CoreToFrontend─── engine core ◄──WorkerToCore── worker (rank 0 answers a step)
+
+Conventions:
+- Structs are `array_like=True` (positional on the wire, new fields go at the end),
+  `omit_defaults=True`, `gc=False`; none of them holds a reference cycle.
+- Token ids travel as little-endian int32 `bytes` (see `pack_token_ids` / `unpack_token_ids`),
+  never as one Python object per token on the hot path.
+- A request id (`req_id`) is a string unique within the engine core; frontends make it unique.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+from array import array
+from typing import Union
+
+import msgspec
+
+_STRUCT = dict(array_like=True, omit_defaults=True, gc=False)
+
+# ---------------------------------------------------------------------------------------------
+# token id arrays
+
+_LITTLE = sys.byteorder == "little"
+
+
+def pack_token_ids(token_ids) -> bytes:
+    """Token ids (any iterable of ints, an `array('i')` or an int32 numpy array) to bytes."""
+    if isinstance(token_ids, (bytes, bytearray, memoryview)):
+        return bytes(token_ids)
+    if isinstance(token_ids, array) and token_ids.typecode == "i":
+        arr = token_ids
+    elif hasattr(token_ids, "astype") and hasattr(token_ids, "tobytes"):  # numpy array
+        return token_ids.astype("<i4", copy=False).tobytes()
+    else:
+        arr = array("i", token_ids)
+    if not _LITTLE:
+        arr = array("i", arr)
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def unpack_token_ids(data: bytes) -> array:
+    """Bytes from `pack_token_ids` back to an `array('i')` (supports slicing, len, tolist)."""
+    arr = array("i")
+    arr.frombytes(data)
+    if not _LITTLE:
+        arr.byteswap()
+    return arr
+
+
+# ---------------------------------------------------------------------------------------------
+# sampling
+
+
+class SamplingParams(msgspec.Struct, **_STRUCT):
+    """How to pick tokens for one request. Validated on construction and on decode.
+
+    Defaults follow vLLM's `SamplingParams`. `temperature == 0` means greedy.
+    """
+
+    n: int = 1
+    """Number of completions for the prompt; the frontend fans out n > 1 into n requests."""
+    max_tokens: int | None = 16
+    """Most tokens to generate; None means up to the model's context length."""
+    min_tokens: int = 0
+    """Tokens generated before EOS or a stop token / stop string may end the request."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (argmax)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 or -1 means all."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the most likely token's."""
+    seed: int | None = None
+    """Per-request seed: the same seed gives the same tokens whatever else is in the batch."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token already generated (OpenAI semantics)."""
+    frequency_penalty: float = 0.0
+    """Subtracted once per previous occurrence of a token among the generated tokens."""
+    repetition_penalty: float = 1.0
+    """Divides positive / multiplies negative logits of tokens in prompt or output (HF)."""
+    stop: list[str] = []
+    """Stop strings, applied by the frontend on detokenized text."""
+    stop_token_ids: list[int] = []
+    """Token ids that end the request (the stop token is part of the output)."""
+    ignore_eos: bool = False
+    """Keep generating after the EOS token."""
+    logprobs: int | None = None
+    """Return the log-probability of each sampled token plus this many top alternatives."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the detokenized text."""
+    include_stop_str_in_output: bool = False
+    """Keep the matched stop string at the end of the text."""
+
+    def __post_init__(self) -> None:
+        _check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
+               f"must be at least 1, got {self.max_tokens}")
+        _check(self.min_tokens >= 0, "min_tokens", f"must be non-negative, got {self.min_tokens}")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+               f"must be at most max_tokens={self.max_tokens}, got {self.min_tokens}")
+        _check(self.temperature >= 0.0, "temperature",
+               f"must be non-negative, got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= -1, "top_k", f"must be -1, 0 (off) or positive, got {self.top_k}")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
+               f"must be in [-2, 2], got {self.presence_penalty}")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+               f"must be in [-2, 2], got {self.frequency_penalty}")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty",
+               f"must be positive, got {self.repetition_penalty}")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop",
+               "must be non-empty strings")
+        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               "must be non-negative token ids")
+        _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
+               f"must be in [0, 20], got {self.logprobs}")
+        _check(self.seed is None or -(2**63) <= self.seed < 2**63, "seed",
+               "must fit in a signed 64-bit integer")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{field} {message}")
+
+
+# ---------------------------------------------------------------------------------------------
+# frontend ⇄ engine core
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request ended; `str(reason)` gives the OpenAI / vLLM string."""
+
+    STOP = 0  # EOS, a stop token or a stop string
+    LENGTH = 1  # max_tokens or the model's context length
+    ABORT = 2  # aborted by the client or the frontend
+    ERROR = 3  # the engine failed this request (a worker died, say)
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class Hello(msgspec.Struct, tag="hello", **_STRUCT):
+    """First message of a frontend on its socket: who it is."""
+
+    client_id: str
+    kind: str = "python"  # "python" or "http"
+    pid: int = 0
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat", **_STRUCT):
+    """Sent by a frontend every few seconds; a silent frontend's requests are aborted."""
+
+    client_id: str
+
+
+class Goodbye(msgspec.Struct, tag="goodbye", **_STRUCT):
+    """A frontend detaches cleanly; its unfinished requests are aborted."""
+
+    client_id: str
+
+
+class AddRequest(msgspec.Struct, tag="add", **_STRUCT):
+    """A new request. `prompt_token_ids` is packed int32 (see `pack_token_ids`)."""
+
+    req_id: str
+    prompt_token_ids: bytes
+    sampling: SamplingParams
+    eos_token_id: int | None = None
+    priority: int = 0
+    arrival_time: float = 0.0
+    cache_salt: str | None = None
+
+
+class Abort(msgspec.Struct, tag="abort", **_STRUCT):
+    """Abort these requests (idempotent: unknown or finished ids are ignored)."""
+
+    req_ids: list[str]
+
+
+class StatsQuery(msgspec.Struct, tag="stats_query", **_STRUCT):
+    """Ask the engine core for a `SchedulerStats` snapshot right now."""
+
+    client_id: str
+
+
+FrontendMessage = Union[Hello, Heartbeat, Goodbye, AddRequest, Abort, StatsQuery]
+
+
+class TokenLogprobs(msgspec.Struct, **_STRUCT):
+    """Log-probabilities at one position: the sampled token first, then the top alternatives.
+
+    `token_ids` is packed int32, `logprobs` packed float32; `sampled_rank` is the sampled
+    token's rank in the distribution (1 = the most likely).
+    """
+
+    token_ids: bytes
+    logprobs: bytes
+    sampled_rank: int = 1
+
+
+class RequestOutput(msgspec.Struct, **_STRUCT):
+    """What happened to one request in one step: only the new tokens (a delta)."""
+
+    req_id: str
+    new_token_ids: bytes
+    finish_reason: FinishReason | None = None
+    stop_reason: int | None = None  # the stop token id that ended it, if any
+    new_logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0  # prefix-cache hit at admission, in tokens
+    error: str | None = None  # with FinishReason.ERROR: what went wrong
+
+
+class SchedulerStats(msgspec.Struct, **_STRUCT):
+    """A snapshot of the engine core; counters are totals since start-up."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of usable blocks in use, 0..1
+    num_kv_blocks: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up
+    prefix_cache_hits: int = 0  # tokens found
+    prompt_tokens: int = 0  # tokens computed for prompts (prefill), total
+    generation_tokens: int = 0  # tokens sampled, total
+    num_steps: int = 0
+
+
+class EngineOutputs(msgspec.Struct, tag="outputs", **_STRUCT):
+    """One step's outputs for one frontend."""
+
+    outputs: list[RequestOutput]
+    stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+
+
+class EngineInfo(msgspec.Struct, tag="info", **_STRUCT):
+    """The engine core's answer to `Hello`: what a frontend needs to know."""
+
+    model: str
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    stream_interval: int = 1
+    max_num_queued_reqs: int | None = None
+    served_model_name: str | None = None
+    tokenizer: str | None = None
+
+
+class EngineDead(msgspec.Struct, tag="dead", **_STRUCT):
+    """The engine core is shutting down or failed; every unfinished request is over."""
+
+    reason: str
+
+
+CoreToFrontend = Union[EngineOutputs, EngineInfo, EngineDead]
+
+
+# ---------------------------------------------------------------------------------------------
+# engine core ⇄ workers
+
+
+class WorkerConfig(msgspec.Struct, **_STRUCT):
+    """Everything a worker needs to build its rank; sent once at start-up."""
+
+    model: str  # a local Hugging Face folder
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 | float64
+    block_size: int = 16
+    max_model_len: int = 2048
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    tensor_parallel_size: int = 1
+    rank: int = 0
+    dist_init_method: str = ""  # torch.distributed init, e.g. tcp://127.0.0.1:PORT
+    device: str = "auto"  # auto | cpu | cuda
+    gpu_memory_utilization: float = 0.92
+    kv_cache_memory: int | None = None  # bytes of KV cache per rank (CPU), None = default
+    num_kv_blocks_override: int | None = None  # tests: force this many blocks
+    attention_backend: str = "auto"  # auto | torch | triton
+    enforce_eager: bool = False
+    seed: int = 0
+
+
+class NewRequestData(msgspec.Struct, **_STRUCT):
+    """A request this worker has not seen (first scheduling, or resumed after preemption).
+
+    `token_ids` is every known token (prompt, then any generated before a preemption).
+    `num_computed_tokens` are already in the KV cache (prefix-cache hit).
+    """
+
+    req_id: str
+    token_ids: bytes
+    prompt_len: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    sampling: SamplingParams
+
+
+class CachedRequestData(msgspec.Struct, **_STRUCT):
+    """A delta for a request the worker already holds in its persistent batch.
+
+    The worker appends the token it sampled last step itself (sync and async alike), so no
+    token ids travel here; only blocks added this step and the token count.
+    """
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+
+
+class BatchPlan(msgspec.Struct, tag="plan", **_STRUCT):
+    """One step, broadcast to every rank.
+
+    Layout of the batch: `new_requests` then `cached_requests`, in that order. For each,
+    tokens [num_computed_tokens, num_computed_tokens + num_scheduled_tokens) are computed;
+    a token is sampled for a request when that range reaches the end of its known tokens.
+    `finished_req_ids` and `preempted_req_ids` are dropped from the persistent batch before
+    this step runs.
+    """
+
+    step_id: int
+    new_requests: list[NewRequestData] = []
+    cached_requests: list[CachedRequestData] = []
+    finished_req_ids: list[str] = []
+    preempted_req_ids: list[str] = []
+    total_num_scheduled_tokens: int = 0
+
+
+class InitKVCache(msgspec.Struct, tag="init_kv", **_STRUCT):
+    """Engine core → every rank, after the handshake: allocate this many KV blocks."""
+
+    num_blocks: int
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", **_STRUCT):
+    """Engine core → every rank: exit now."""
+
+
+CoreToWorker = Union[BatchPlan, InitKVCache, Shutdown]
+
+
+class WorkerReady(msgspec.Struct, tag="ready", **_STRUCT):
+    """Each rank → engine core after loading: how many KV blocks fit on this rank."""
+
+    rank: int
+    num_kv_blocks: int
+    max_model_len: int
+    device: str = "cpu"
+    load_seconds: float = 0.0
+
+
+class SampledTokens(msgspec.Struct, tag="sampled", **_STRUCT):
+    """Rank 0 → engine core: the tokens sampled in one step.
+
+    Only requests that sampled this step are listed (a prefill chunk that does not reach the
+    end of the prompt samples nothing). `token_ids` is packed int32, one per listed request.
+    `logprobs[i]` is set only for requests that asked for them.
+    """
+
+    step_id: int
+    req_ids: list[str]
+    token_ids: bytes
+    logprobs: list[TokenLogprobs | None] | None = None
+
+
+class WorkerFailed(msgspec.Struct, tag="failed", **_STRUCT):
+    """A rank hit an exception it cannot recover from; the engine core fails in-flight work."""
+
+    rank: int
+    error: str
+
+
+WorkerToCore = Union[WorkerReady, SampledTokens, WorkerFailed]
