@@ -6,3 +6,37 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+from tiny_models import make_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    """Build (once per session and arguments) a tiny random-weight HF folder; returns its path."""
+    cache: dict = {}
+
+    def build(arch: str = "llama", **overrides) -> str:
+        key = (arch, tuple(sorted(overrides.items())))
+        if key not in cache:
+            path = str(tmp_path_factory.mktemp(f"tiny-{arch}"))
+            cache[key] = make_tiny_model(path, arch, **overrides)
+        return cache[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model_factory) -> str:
+    return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tiny_model_factory) -> str:
+    return tiny_model_factory("qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tiny_model_factory) -> str:
+    return tiny_model_factory("qwen3")

@@ -1,0 +1,117 @@
+"""Tiny Hugging Face model folders for tests: random weights from a fixed seed, and a
+byte-level BPE tokenizer trained offline on a built-in corpus. Nothing is downloaded.
+
+    make_tiny_model(path, arch="llama" | "qwen2" | "qwen3", **config_overrides) -> path
+
+Each folder is a normal HF folder (config.json, model.safetensors, tokenizer.json,
+tokenizer_config.json, generation_config.json) that transformers' Auto classes load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+VOCAB_SIZE = 512
+SPECIAL_TOKENS = ["<|endoftext|>", "<|user|>", "<|assistant|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A continuous batching engine admits requests as
+soon as there is room and retires them the step they finish. Tokens flow from the prompt into
+the key value cache, one block at a time. def add(a, b):\n    return a + b\n
+class Scheduler:\n    def schedule(self):\n        return self.plan\n
+for i in range(10):\n    print(i * i)\n
+Once upon a time there was a small model that learned to count: one, two, three, four, five,
+six, seven, eight, nine, ten. Hello world! How are you today? I am fine, thank you.
+"""
+
+
+def _corpus_lines() -> list[str]:
+    lines = _CORPUS.splitlines()
+    # Repeat with variations so BPE has enough pairs to merge into a 512-token vocabulary.
+    return [f"{line} {i}" for i in range(40) for line in lines]
+
+
+def make_tokenizer(path: str) -> None:
+    """Train a byte-level BPE tokenizer (deterministic) and save it as a fast HF tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus_lines(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        bos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+
+
+_ARCH_DEFAULTS = {
+    "llama": dict(),
+    "qwen2": dict(),
+    "qwen3": dict(head_dim=16),
+}
+
+
+def make_tiny_model(path: str, arch: str = "llama", seed: int = 0, **overrides) -> str:
+    """Build a random-weight model folder at `path` (created) and return the path."""
+    import torch
+    import transformers
+
+    os.makedirs(path, exist_ok=True)
+    make_tokenizer(path)
+    eos_id = _token_id(path, "<|endoftext|>")
+    common = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        initializer_range=0.2,  # peaked logits: fewer near-ties in greedy comparisons
+        tie_word_embeddings=False,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+    )
+    common.update(_ARCH_DEFAULTS[arch])
+    common.update(overrides)
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[arch]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**common)).to(torch.float32)
+    if arch == "qwen2":  # HF initialises biases to zero; make them matter
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0.0, 0.2)
+    model.generation_config.do_sample = False
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def _token_id(path: str, token: str) -> int:
+    with open(os.path.join(path, "tokenizer.json")) as f:
+        vocab = json.load(f)["model"]["vocab"]
+    return vocab[token]
