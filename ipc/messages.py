@@ -223,6 +223,7 @@ class RequestOutput(msgspec.Struct, **_STRUCT):
     new_logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0  # prefix-cache hit at admission, in tokens
     error: str | None = None  # with FinishReason.ERROR: what went wrong
+    queue_time: float | None = None  # first output only: seconds from add() to first scheduled
 
 
 class SchedulerStats(msgspec.Struct, **_STRUCT):
