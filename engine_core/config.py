@@ -1,0 +1,272 @@
+"""The engine configuration: one frozen `EngineConfig` made of four sub-configs.
+
+Every field is documented where it is declared; every user error is a `ValueError` that names
+the field. Facts discovered at start-up (how many KV blocks fit, the resolved context length)
+are never written back into the config: they are passed to the objects that need them (see
+`Scheduler(config, num_kv_blocks, max_model_len)` and `EngineConfig.worker_config`).
+
+Defaults follow vLLM 0.33 where vLLM has one: block size 16, prefix caching on, chunked
+prefill on, policy fcfs, async scheduling on, stream interval 1, gpu_memory_utilization 0.92,
+max_num_batched_tokens 2048 and max_num_seqs 256 (vLLM's API-server defaults on GPUs under
+70 GiB; the SchedulerConfig fallback in vLLM is 2048 / 128).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+from tidal.ipc.messages import WorkerConfig
+
+DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+def _require(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} {message}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to serve and how to load it."""
+
+    model: str
+    """A local Hugging Face model folder (config.json, tokenizer files, safetensors)."""
+    tokenizer: str | None = None
+    """Tokenizer folder; None means the model folder."""
+    dtype: str = "auto"
+    """Weight and activation dtype: auto (the checkpoint's dtype, float32 on CPU for half
+    precision checkpoints is the worker's choice), float32, bfloat16, float16 or float64."""
+    max_model_len: int | None = None
+    """Context length (prompt + generated tokens); None means the model's own, read from
+    config.json (`max_position_embeddings` and friends). May not exceed the model's."""
+    seed: int = 0
+    """Seed for sampling of requests that do not carry their own seed."""
+    served_model_name: str | None = None
+    """The model name the OpenAI API reports and accepts; None means `model`."""
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.model, str) and self.model != "", "model",
+                 "must be a non-empty path to a model folder")
+        _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
+                 f"must be at least 1, got {self.max_model_len}")
+        _require(-(2**63) <= self.seed < 2**63, "seed", "must fit in a signed 64-bit integer")
+        _require(self.served_model_name is None or self.served_model_name != "",
+                 "served_model_name", "must not be empty")
+
+    @property
+    def tokenizer_path(self) -> str:
+        """Where the tokenizer lives."""
+        return self.tokenizer or self.model
+
+    @property
+    def name(self) -> str:
+        """The model name shown to API users."""
+        return self.served_model_name or self.model
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache and its prefix cache."""
+
+    block_size: int = 16
+    """Tokens per KV block (a power of two). Prefix caching works at this granularity."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks across requests that share a prefix (chained block hashes)."""
+    gpu_memory_utilization: float = 0.92
+    """Fraction of the GPU's memory this engine may use (weights + activations + KV cache)."""
+    kv_cache_memory: int | None = None
+    """Bytes of KV cache per rank; set on CPU, or to bypass gpu_memory_utilization on GPU.
+    None means the worker's default."""
+    num_kv_blocks_override: int | None = None
+    """Force this many KV blocks (tests, preemption experiments); None means measured."""
+
+    def __post_init__(self) -> None:
+        bs = self.block_size
+        _require(isinstance(bs, int) and bs >= 1 and bs & (bs - 1) == 0, "block_size",
+                 f"must be a power of two, got {bs}")
+        _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+                 f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        _require(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory",
+                 f"must be a positive number of bytes, got {self.kv_cache_memory}")
+        _require(self.num_kv_blocks_override is None or self.num_kv_blocks_override >= 2,
+                 "num_kv_blocks_override",
+                 f"must be at least 2 (block 0 is reserved), got {self.num_kv_blocks_override}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching: how many requests and tokens go into one step."""
+
+    max_num_seqs: int = 256
+    """Most requests running at once (vLLM's API-server default on GPUs under 70 GiB)."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step: prefill chunks plus one token per decode."""
+    enable_chunked_prefill: bool = True
+    """Split a prompt that does not fit the step's remaining budget over several steps.
+    Off: a prompt runs whole, and max_num_batched_tokens must cover max_model_len."""
+    scheduling_policy: str = "fcfs"
+    """fcfs: arrival order, the newest running request is preempted first. priority: lower
+    `priority` value first (ties by arrival); the largest (priority, arrival) is preempted."""
+    async_scheduling: bool = True
+    """Plan step N+1 while step N runs on the workers (same results as synchronous)."""
+    max_num_queued_reqs: int | None = None
+    """Most unfinished requests a frontend accepts before answering 503; None = unlimited."""
+    stream_interval: int = 1
+    """Frontends send streamed tokens in groups of this many (first and last at once)."""
+    long_prefill_token_threshold: int = 0
+    """Most prompt tokens one request may compute in one step (0 = no cap); ignored while
+    only one request exists."""
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, "max_num_seqs",
+                 f"must be at least 1, got {self.max_num_seqs}")
+        _require(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
+                 f"({self.max_num_batched_tokens}) must be at least max_num_seqs "
+                 f"({self.max_num_seqs}): every running request needs a token per step")
+        _require(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
+                 f"must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        _require(self.max_num_queued_reqs is None or self.max_num_queued_reqs >= 1,
+                 "max_num_queued_reqs", f"must be at least 1, got {self.max_num_queued_reqs}")
+        _require(self.stream_interval >= 1, "stream_interval",
+                 f"must be at least 1, got {self.stream_interval}")
+        _require(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold",
+                 f"must be non-negative, got {self.long_prefill_token_threshold}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Where the workers run."""
+
+    tensor_parallel_size: int = 1
+    """Worker processes (ranks); each holds 1/N of every layer's heads and KV cache."""
+    device: str = "auto"
+    """auto (cuda when available, else cpu), cpu or cuda."""
+    attention_backend: str = "auto"
+    """auto (Triton on CUDA, the torch reference elsewhere), torch or triton."""
+    enforce_eager: bool = False
+    """Never capture CUDA graphs."""
+
+    def __post_init__(self) -> None:
+        _require(self.tensor_parallel_size >= 1, "tensor_parallel_size",
+                 f"must be at least 1, got {self.tensor_parallel_size}")
+        _require(self.device in DEVICES, "device",
+                 f"must be one of {DEVICES}, got {self.device!r}")
+        _require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
+                 f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine core needs; built once, never changed."""
+
+    model: ModelConfig
+    """What to serve."""
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    """The KV cache."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """Continuous batching."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Workers."""
+
+    def __post_init__(self) -> None:
+        if self.model.max_model_len is not None:
+            check_lengths(self, self.model.max_model_len)
+
+    def worker_config(self, rank: int, max_model_len: int, dist_init_method: str) -> WorkerConfig:
+        """What rank `rank` needs to build itself (sent once at start-up)."""
+        return WorkerConfig(
+            model=self.model.model,
+            dtype=self.model.dtype,
+            block_size=self.cache.block_size,
+            max_model_len=max_model_len,
+            max_num_seqs=self.scheduler.max_num_seqs,
+            max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
+            tensor_parallel_size=self.parallel.tensor_parallel_size,
+            rank=rank,
+            dist_init_method=dist_init_method,
+            device=self.parallel.device,
+            gpu_memory_utilization=self.cache.gpu_memory_utilization,
+            kv_cache_memory=self.cache.kv_cache_memory,
+            num_kv_blocks_override=self.cache.num_kv_blocks_override,
+            attention_backend=self.parallel.attention_backend,
+            enforce_eager=self.parallel.enforce_eager,
+            seed=self.model.seed,
+        )
+
+
+def check_lengths(config: EngineConfig, max_model_len: int) -> None:
+    """Checks that depend on the context length (ValueError naming the field)."""
+    sched = config.scheduler
+    if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens ({sched.max_num_batched_tokens}) is smaller than "
+            f"max_model_len ({max_model_len}) with chunked prefill disabled, so a long prompt "
+            "could never be scheduled; raise --max-num-batched-tokens, lower --max-model-len "
+            "or enable chunked prefill")
+    if sched.long_prefill_token_threshold > max_model_len:
+        raise ValueError(
+            f"long_prefill_token_threshold ({sched.long_prefill_token_threshold}) must not "
+            f"exceed max_model_len ({max_model_len})")
+
+
+# Keys that hold a model's context length in a Hugging Face config.json, in vLLM's order;
+# the smallest one present wins.
+_MAX_LEN_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+
+
+def read_model_max_len(model_dir: str) -> int:
+    """The model's context length from `model_dir/config.json` (JSON only, no torch).
+
+    Takes the smallest of the usual keys (also inside `text_config`), scaled by a `linear`
+    or `yarn` rope-scaling factor as vLLM does. ValueError (naming `model`) if there is none.
+    """
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            hf_config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model {model_dir!r}: cannot read config.json ({e})") from e
+    sources = [hf_config]
+    if isinstance(hf_config.get("text_config"), dict):
+        sources.append(hf_config["text_config"])
+    found = [src[k] for src in sources for k in _MAX_LEN_KEYS if isinstance(src.get(k), int)]
+    if not found:
+        raise ValueError(f"model {model_dir!r}: config.json names no context length "
+                         f"(looked for {', '.join(_MAX_LEN_KEYS)}); pass --max-model-len")
+    max_len = min(found)
+    rope = hf_config.get("rope_scaling")
+    if isinstance(rope, dict):
+        rope_type = rope.get("rope_type", rope.get("type"))
+        factor = rope.get("factor")
+        if rope_type in ("linear", "yarn") and isinstance(factor, (int, float)) and factor > 1:
+            max_len = int(max_len * factor)
+    return max_len
+
+
+def resolve_max_model_len(config: EngineConfig) -> int:
+    """`--max-model-len` if given (ValueError if above the model's), else the model's own."""
+    model_len = read_model_max_len(config.model.model)
+    override = config.model.max_model_len
+    if override is None:
+        max_model_len = model_len
+    elif override > model_len:
+        raise ValueError(f"max_model_len ({override}) exceeds the model's context length "
+                         f"({model_len}) from {config.model.model}/config.json")
+    else:
+        max_model_len = override
+    check_lengths(config, max_model_len)
+    return max_model_len

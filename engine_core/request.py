@@ -1,0 +1,152 @@
+"""A request as the engine core sees it: token ids, one progress counter, a status.
+
+There is no prefill or decode phase. `num_computed_tokens` chases `num_tokens` (prompt plus
+generated): chunked prefill, prefix-cache hits and recompute after preemption all fall out of
+that one counter. With async scheduling a sampled token may be in flight (scheduled, not yet
+known to the engine core); those are counted in `num_output_placeholders`:
+
+    all_token_ids:  [ prompt ........... | generated (known) ] [ in flight ]
+                    0                 prompt_len          num_tokens   num_tokens + placeholders
+    num_computed_tokens: tokens whose KV is computed or scheduled (advanced at schedule time)
+"""
+
+from __future__ import annotations
+
+import enum
+
+from tidal.ipc.messages import AddRequest, FinishReason, SamplingParams, unpack_token_ids
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is in its life; everything after PREEMPTED is finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    def is_finished(self) -> bool:
+        """True for the four finished states."""
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        """The wire reason of a finished status, None while unfinished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+class Request:
+    """One generation request inside the engine core (mutable; owned by the scheduler)."""
+
+    __slots__ = (
+        "req_id", "client_id", "prompt_token_ids", "output_token_ids", "all_token_ids",
+        "num_prompt_tokens", "num_computed_tokens", "num_output_placeholders", "sampling",
+        "eos_token_id", "stop_token_ids", "min_tokens", "max_tokens", "priority",
+        "arrival_time", "arrival_seq", "cache_salt", "status", "stop_reason", "block_hashes",
+        "num_cached_tokens", "num_preemptions", "discard_before_step", "in_worker",
+        "first_output_sent", "error",
+    )
+
+    def __init__(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        client_id: str = "",
+        eos_token_id: int | None = None,
+        priority: int = 0,
+        arrival_time: float = 0.0,
+        cache_salt: str | None = None,
+    ) -> None:
+        self.req_id = req_id
+        """Unique within the engine core (frontends make it so)."""
+        self.client_id = client_id
+        """The frontend that sent the request; its outputs go back there."""
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        """Generated tokens known to the engine core (never placeholders)."""
+        self.all_token_ids = list(self.prompt_token_ids)
+        """Prompt then generated tokens; `len(all_token_ids) == num_tokens`."""
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        """Tokens whose KV is computed or scheduled; reset to 0 by preemption."""
+        self.num_output_placeholders = 0
+        """Sampled tokens in flight (scheduled steps whose result has not arrived)."""
+        self.sampling = sampling
+        self.eos_token_id = None if sampling.ignore_eos else eos_token_id
+        """The EOS token that stops the request (None with ignore_eos)."""
+        self.stop_token_ids = frozenset(sampling.stop_token_ids)
+        self.min_tokens = sampling.min_tokens
+        self.max_tokens = sampling.max_tokens
+        """Most tokens to generate; the scheduler caps it by the context length on add()."""
+        self.priority = priority
+        """Lower runs first under the priority policy."""
+        self.arrival_time = arrival_time
+        self.arrival_seq = 0
+        """Order of add() calls, set by the scheduler; breaks arrival-time ties."""
+        self.cache_salt = cache_salt
+        """Mixed into the first block's hash: only requests with the same salt share KV."""
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | None = None
+        """The stop token id that ended the request, if one did."""
+        self.block_hashes: list[bytes] = []
+        """Chained hashes of the full blocks of `all_token_ids` (filled lazily)."""
+        self.num_cached_tokens = 0
+        """Prefix-cache hit (tokens) at the first admission."""
+        self.num_preemptions = 0
+        self.discard_before_step = 0
+        """Results of steps with a smaller step_id are stale (planned before a preemption)."""
+        self.in_worker = False
+        """The workers hold this request in their persistent batch."""
+        self.first_output_sent = False
+        self.error: str | None = None
+
+    @classmethod
+    def from_add(cls, msg: AddRequest, client_id: str) -> Request:
+        """Build from the wire message a frontend sent."""
+        return cls(
+            msg.req_id,
+            unpack_token_ids(msg.prompt_token_ids).tolist(),
+            msg.sampling,
+            client_id=client_id,
+            eos_token_id=msg.eos_token_id,
+            priority=msg.priority,
+            arrival_time=msg.arrival_time,
+            cache_salt=msg.cache_salt,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        """Known tokens: prompt plus generated."""
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens known to the engine core."""
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status > RequestStatus.PREEMPTED
+
+    def append_output_token(self, token_id: int) -> None:
+        """Record one sampled token."""
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.req_id!r}, {self.status.name}, computed="
+                f"{self.num_computed_tokens}/{len(self.all_token_ids)}, "
+                f"placeholders={self.num_output_placeholders})")
