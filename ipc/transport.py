@@ -1,0 +1,402 @@
+"""Encoding, sockets and addresses for the three conversations in `tidal.ipc.messages`.
+
+Socket map (who binds, who connects, what travels):
+
+    frontend DEALER (identity = client_id) ──connect──► engine core ROUTER  (--listen ADDRESS)
+        frontend → core: FrontendMessage   (Hello first, then AddRequest / Abort / Heartbeat /
+                                            StatsQuery / Goodbye), one msgpack frame each
+        core → frontend: CoreToFrontend    (EngineInfo answers Hello, EngineOutputs, EngineDead)
+    engine core PUSH (bind, one per rank) ──► worker PULL (connect)   CoreToWorker
+    worker PUSH (connect, every rank) ──────► engine core PULL (bind) WorkerToCore
+
+Every message is ONE zmq frame holding one msgpack-encoded Struct (the ROUTER adds the
+identity frame in front). Decoders are typed: each accepts exactly the union its side may
+receive; anything else (garbage, a message of another conversation, a multi-part message) is
+logged at warning level (rate limited) and dropped, and the decoder keeps working.
+
+Public API, for the engine core, the workers and the frontends:
+
+    encode(msg) -> bytes                            any Struct of messages.py
+    FrontendDecoder()   .decode(frame) -> FrontendMessage | None      (engine core side)
+    CoreToFrontendDecoder() .decode(frame) -> CoreToFrontend | None   (frontend side)
+    CoreToWorkerDecoder() .decode(frame) -> CoreToWorker | None       (worker side)
+    WorkerToCoreDecoder() .decode(frame) -> WorkerToCore | None       (engine core side)
+    encode_worker_config(cfg) -> str / decode_worker_config(text) -> WorkerConfig  (argv)
+
+    HEARTBEAT_INTERVAL_S, DEFAULT_FRONTEND_TIMEOUT_S
+    default_engine_address() -> "ipc://<private dir>/engine.sock"
+    new_private_address(tag="engine") -> a fresh ipc:// address, unique per call
+    runtime_dir() -> the private (0700) directory of this user
+    is_loopback_address(address) / check_listen_address(address, key_file)
+    connect_frontend_socket(ctx, address, client_id, key_file=None) -> zmq DEALER
+    bind_engine_socket(ctx, address, key_file=None) -> (zmq ROUTER, authenticator | None)
+
+CURVE key file (`write_key_file(path)`, read by `read_key_file(path)`): a text file, mode 0600,
+lines `name = value`, `#` comments, holding four Z85 keys:
+
+    server-public-key = ...    the engine core's key pair
+    server-secret-key = ...
+    client-public-key = ...    the frontends' key pair; the engine core's ZAP handler
+    client-secret-key = ...    admits this public key only
+
+The same file is given to the daemon (`--engine-key-file`) and to every frontend; whoever
+holds it may use the engine, nobody else gets a byte back.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+import stat
+import tempfile
+import time
+import uuid
+from base64 import b64decode, b64encode
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import msgspec
+import zmq
+
+from tidal.ipc.messages import (
+    CoreToFrontend,
+    CoreToWorker,
+    FrontendMessage,
+    WorkerConfig,
+    WorkerToCore,
+)
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 1.0
+"""Seconds between two Heartbeat messages of a frontend."""
+
+DEFAULT_FRONTEND_TIMEOUT_S = 10.0
+"""A frontend silent for longer than this has its requests aborted (daemon --frontend-timeout)."""
+
+_DROP_LOG_INTERVAL_S = 1.0
+
+# ---------------------------------------------------------------------------------------------
+# encoding
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    """One message (any Struct of `tidal.ipc.messages`) to one msgpack frame."""
+    return _ENCODER.encode(msg)
+
+
+class TypedDecoder:
+    """Decode frames into exactly `msg_type` (a Struct or a tagged union of Structs).
+
+    `decode` never raises: a frame that does not decode (bad msgpack, wrong tag, a field of
+    the wrong type, a value that fails validation) is logged and dropped, returning None.
+    `num_dropped` counts them; warnings are rate limited to one per second.
+    """
+
+    def __init__(self, msg_type, name: str) -> None:
+        self._decoder = msgspec.msgpack.Decoder(msg_type)
+        self.name = name
+        self.num_dropped = 0
+        self._last_log = float("-inf")
+        self._num_unlogged = 0
+
+    def decode(self, frame, sender: str | None = None):
+        """The message in `frame`, or None when it does not decode (logged, counted)."""
+        try:
+            return self._decoder.decode(frame)
+        except Exception as e:  # noqa: BLE001 - anything a peer sends must not kill us
+            self.drop(f"{type(e).__name__}: {e}", sender)
+            return None
+
+    def drop(self, why: str, sender: str | None = None) -> None:
+        """Count and (rate limited) log a dropped frame."""
+        self.num_dropped += 1
+        now = time.monotonic()
+        if now - self._last_log < _DROP_LOG_INTERVAL_S:
+            self._num_unlogged += 1
+            return
+        more = f" ({self._num_unlogged} more dropped since last warning)" if self._num_unlogged else ""
+        who = f" from {sender!r}" if sender is not None else ""
+        logger.warning("%s: dropped a frame%s that does not decode: %s%s",
+                       self.name, who, why[:300], more)
+        self._last_log = now
+        self._num_unlogged = 0
+
+
+class FrontendDecoder(TypedDecoder):
+    """Engine core side of the frontend socket: decodes `FrontendMessage` only."""
+
+    def __init__(self) -> None:
+        super().__init__(FrontendMessage, "frontend socket")
+
+
+class CoreToFrontendDecoder(TypedDecoder):
+    """Frontend side: decodes `CoreToFrontend` (EngineInfo, EngineOutputs, EngineDead) only."""
+
+    def __init__(self) -> None:
+        super().__init__(CoreToFrontend, "engine socket")
+
+
+class CoreToWorkerDecoder(TypedDecoder):
+    """Worker side: decodes `CoreToWorker` (BatchPlan, InitKVCache, Shutdown) only."""
+
+    def __init__(self) -> None:
+        super().__init__(CoreToWorker, "plan socket")
+
+
+class WorkerToCoreDecoder(TypedDecoder):
+    """Engine core side of the worker results: `WorkerToCore` only."""
+
+    def __init__(self) -> None:
+        super().__init__(WorkerToCore, "worker results socket")
+
+
+def encode_worker_config(config: WorkerConfig) -> str:
+    """A WorkerConfig as one base64 command-line argument (msgpack inside)."""
+    return b64encode(encode(config)).decode("ascii")
+
+
+def decode_worker_config(text: str) -> WorkerConfig:
+    """Inverse of `encode_worker_config`; raises ValueError when it does not decode."""
+    try:
+        return msgspec.msgpack.decode(b64decode(text), type=WorkerConfig)
+    except (msgspec.DecodeError, ValueError) as e:
+        raise ValueError(f"worker config does not decode: {e}") from e
+
+
+# ---------------------------------------------------------------------------------------------
+# addresses
+
+
+def runtime_dir() -> str:
+    """This user's private directory for ipc:// sockets (created with mode 0700).
+
+    $XDG_RUNTIME_DIR/tidal when that is set, else <tmp>/tidal-<uid>. A directory owned by
+    someone else, or readable by others, is refused with a ValueError.
+    """
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    path = os.path.join(base, "tidal") if base else os.path.join(
+        tempfile.gettempdir(), f"tidal-{os.getuid()}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path)
+    if st.st_uid != os.getuid():
+        raise ValueError(f"socket directory {path} belongs to uid {st.st_uid}, not to you")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+def default_engine_address() -> str:
+    """Where `tidal core` listens and frontends attach by default."""
+    return f"ipc://{os.path.join(runtime_dir(), 'engine.sock')}"
+
+
+def new_private_address(tag: str = "engine") -> str:
+    """A fresh ipc:// address in the private directory, unique per call (per launch)."""
+    return f"ipc://{os.path.join(runtime_dir(), f'{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock')}"
+
+
+def is_loopback_address(address: str) -> bool:
+    """True for ipc:// and inproc:// and for tcp:// on a loopback host (127.x, ::1, localhost)."""
+    scheme, _, rest = address.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    if scheme != "tcp":
+        return False
+    host = urlsplit(f"tcp://{rest}").hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_listen_address(address: str, key_file: str | None) -> None:
+    """Refuse (ValueError) an address tidal cannot or should not use as it stands."""
+    scheme, sep, rest = address.partition("://")
+    if not sep or scheme not in ("ipc", "tcp") or not rest:
+        raise ValueError(f"listen address must be ipc://PATH or tcp://HOST:PORT, got {address!r}")
+    if scheme == "tcp" and not is_loopback_address(address) and key_file is None:
+        raise ValueError(
+            f"listen address {address} is not loopback: it needs --engine-key-file "
+            "(ZeroMQ CURVE keys; make one with `tidal core --generate-key-file PATH`)")
+
+
+def ipc_path(address: str) -> str | None:
+    """The file system path of an ipc:// address, else None."""
+    return address[len("ipc://"):] if address.startswith("ipc://") else None
+
+
+def check_ipc_free(address: str) -> None:
+    """ValueError when another process already listens on this ipc:// path.
+
+    ZeroMQ would silently unlink a live socket file and steal the address; a stale file (no
+    listener) is fine to reuse.
+    """
+    path = ipc_path(address)
+    if path is None or not os.path.exists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        return
+    finally:
+        probe.close()
+    raise ValueError(f"another process is already listening on {address}")
+
+
+def free_tcp_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now (for torch.distributed's rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# CURVE keys
+
+
+@dataclass(frozen=True)
+class EngineKeys:
+    """The four Z85 keys of a key file (bytes, as pyzmq wants them)."""
+
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+
+_KEY_NAMES = {
+    "server-public-key": "server_public",
+    "server-secret-key": "server_secret",
+    "client-public-key": "client_public",
+    "client-secret-key": "client_secret",
+}
+
+
+def write_key_file(path: str) -> EngineKeys:
+    """Generate a server and a client CURVE key pair and write them to `path` (mode 0600)."""
+    server_public, server_secret = zmq.curve_keypair()
+    client_public, client_secret = zmq.curve_keypair()
+    keys = EngineKeys(server_public, server_secret, client_public, client_secret)
+    lines = ["# tidal engine key file: ZeroMQ CURVE keys (Z85). Whoever holds it may use",
+             "# the engine; keep it private. Give it to `tidal core --engine-key-file` and to",
+             "# every frontend that attaches."]
+    lines += [f"{name} = {getattr(keys, attr).decode('ascii')}" for name, attr in _KEY_NAMES.items()]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.chmod(path, 0o600)
+    return keys
+
+
+def read_key_file(path: str) -> EngineKeys:
+    """Parse a key file written by `write_key_file`; ValueError naming what is wrong."""
+    values: dict[str, bytes] = {}
+    with open(path) as f:
+        for num, raw in enumerate(f, 1):
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            name, sep, value = (part.strip() for part in line.partition("="))
+            if not sep or name not in _KEY_NAMES or len(value) != 40:
+                raise ValueError(f"engine key file {path} line {num}: expected "
+                                 "`<server|client>-<public|secret>-key = <40 Z85 chars>`")
+            values[_KEY_NAMES[name]] = value.encode("ascii")
+    missing = [n for n, a in _KEY_NAMES.items() if a not in values]
+    if missing:
+        raise ValueError(f"engine key file {path} lacks {', '.join(missing)}")
+    if os.stat(path).st_mode & 0o077:
+        logger.warning("engine key file %s is readable by other users; chmod 600 it", path)
+    return EngineKeys(**values)
+
+
+class _AllowedKeys:
+    """ZAP credentials provider: admits exactly the given client public keys (Z85)."""
+
+    def __init__(self, keys: set[bytes]) -> None:
+        self.keys = keys
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        allowed = key in self.keys
+        if not allowed:
+            logger.warning("refused a CURVE client with an unknown key")
+        return allowed
+
+
+def _start_authenticator(ctx: zmq.Context, keys: EngineKeys):
+    from zmq.auth.thread import ThreadAuthenticator
+
+    auth = ThreadAuthenticator(ctx, log=logging.getLogger(__name__ + ".zap"))
+    auth.start()
+    auth.configure_curve_callback(domain="*", credentials_provider=_AllowedKeys({keys.client_public}))
+    return auth
+
+
+# ---------------------------------------------------------------------------------------------
+# sockets
+
+
+def _tune(sock: zmq.Socket) -> None:
+    # Unbounded queues: an output is never dropped because a peer is momentarily slow.
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+
+
+def bind_engine_socket(ctx: zmq.Context, address: str, key_file: str | None = None):
+    """The engine core's frontend ROUTER, bound at `address`; returns (socket, authenticator).
+
+    With `key_file` the socket is a CURVE server and a ZAP authenticator (returned; stop it
+    after closing the socket) admits only the key file's client key. Without it the address
+    must be loopback (see `check_listen_address`).
+    """
+    check_listen_address(address, key_file)
+    check_ipc_free(address)
+    auth = None
+    sock = ctx.socket(zmq.ROUTER)
+    _tune(sock)
+    sock.setsockopt(zmq.LINGER, 2000)  # let EngineDead / last outputs reach the frontends
+    if key_file is not None:
+        keys = read_key_file(key_file)
+        auth = _start_authenticator(ctx, keys)
+        sock.curve_secretkey = keys.server_secret
+        sock.curve_publickey = keys.server_public
+        sock.curve_server = True
+    try:
+        sock.bind(address)
+    except zmq.ZMQError as e:
+        sock.close(linger=0)
+        if auth is not None:
+            auth.stop()
+        raise ValueError(f"cannot listen on {address}: {e}") from e
+    return sock, auth
+
+
+def connect_frontend_socket(ctx: zmq.Context, address: str, client_id: str,
+                            key_file: str | None = None) -> zmq.Socket:
+    """A frontend's DEALER to the engine core at `address`, identity = `client_id`.
+
+    Send `Hello(client_id)` first, then a `Heartbeat` every HEARTBEAT_INTERVAL_S. With
+    `key_file` the socket is a CURVE client using the key file's keys. A non-loopback tcp://
+    address without a key file is refused with ValueError.
+    """
+    if not client_id:
+        raise ValueError("client_id must be a non-empty string")
+    check_listen_address(address, key_file)
+    sock = ctx.socket(zmq.DEALER)
+    _tune(sock)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.setsockopt(zmq.IDENTITY, client_id.encode("utf-8"))
+    if key_file is not None:
+        keys = read_key_file(key_file)
+        sock.curve_secretkey = keys.client_secret
+        sock.curve_publickey = keys.client_public
+        sock.curve_serverkey = keys.server_public
+    sock.connect(address)
+    return sock
