@@ -78,3 +78,126 @@ def paged_attention_ref(
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.matmul(probs, v).transpose(0, 1).to(out.dtype)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Split-K (flash-decoding) reference: the same attention computed in independent slices of the
+# cache, then merged. The Triton split-K path stores exactly these partials, so the reduce
+# kernel can be checked on its own against `merge_splits_ref`.
+#
+#   request i, seq_len = L, tile = T, num_splits = S
+#   tiles_per_split = cdiv(cdiv(L, T), S)            split_len = tiles_per_split * T
+#   split s covers cached positions [s * split_len, (s + 1) * split_len) ∩ [0, L)
+#
+# Scores are kept in base 2 (score * scale * log2(e)), as the kernels do. For each
+# (token, head, split):
+#   max_log2 = max over the split's visible positions (-inf when the split sees none)
+#   sums     = Σ exp2(score - max_log2)
+#   acc      = Σ exp2(score - max_log2) · v                 (not normalised)
+# and the merge is  out = Σ_s 2^(max_s - M) acc_s / Σ_s 2^(max_s - M) sums_s,  M = max_s max_s.
+# ---------------------------------------------------------------------------------------------
+
+LOG2E = 1.4426950408889634
+
+
+def split_len_for(seq_len: int, num_splits: int, tile_size: int) -> int:
+    """Cached positions per split of one request (a whole number of `tile_size` tiles)."""
+    num_tiles = (seq_len + tile_size - 1) // tile_size
+    tiles_per_split = (num_tiles + num_splits - 1) // num_splits
+    return tiles_per_split * tile_size
+
+
+def splitk_partials_ref(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq]
+    query_start_loc: torch.Tensor,  # [num_seqs + 1]
+    seq_lens: torch.Tensor,  # [num_seqs]
+    scale: float,
+    num_splits: int,
+    tile_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-split softmax state `(acc [T,H,S,D], max_log2 [T,H,S], sums [T,H,S])`.
+
+    Accumulated in float32 (float64 for float64 queries). Rows of tokens that no request owns
+    hold acc 0, max -inf, sums 0.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    acc_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    acc = torch.zeros(num_tokens, num_heads, num_splits, head_dim, dtype=acc_dtype)
+    max_log2 = torch.full((num_tokens, num_heads, num_splits), float("-inf"), dtype=acc_dtype)
+    sums = torch.zeros(num_tokens, num_heads, num_splits, dtype=acc_dtype)
+    qsl = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        q_start, q_end = qsl[i], qsl[i + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        num_blocks = (seq_len + block_size - 1) // block_size
+        blocks = block_tables[i, :num_blocks].long()
+        k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        k = k.transpose(0, 1).repeat_interleave(group, dim=0).to(acc_dtype)
+        v = v.transpose(0, 1).repeat_interleave(group, dim=0).to(acc_dtype)
+        q = query[q_start:q_end].transpose(0, 1).to(acc_dtype)  # [heads, q_len, d]
+        scores = torch.matmul(q, k.transpose(1, 2)) * (scale * LOG2E)  # [heads, q_len, seq]
+        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
+        k_pos = torch.arange(seq_len).unsqueeze(0)
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        split_len = split_len_for(seq_len, num_splits, tile_size)
+        for s in range(num_splits):
+            lo, hi = s * split_len, min((s + 1) * split_len, seq_len)
+            if lo >= hi:
+                continue
+            part = scores[:, :, lo:hi]
+            m = part.amax(dim=-1)  # [heads, q_len]
+            m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+            p = torch.exp2(part - m_safe.unsqueeze(-1))
+            max_log2[q_start:q_end, :, s] = m.transpose(0, 1)
+            sums[q_start:q_end, :, s] = p.sum(dim=-1).transpose(0, 1)
+            acc[q_start:q_end, :, s] = torch.matmul(p, v[:, lo:hi]).transpose(0, 1)
+    return acc, max_log2, sums
+
+
+def merge_splits_ref(
+    acc: torch.Tensor,  # [num_tokens, num_heads, num_splits, head_dim]
+    max_log2: torch.Tensor,  # [num_tokens, num_heads, num_splits]
+    sums: torch.Tensor,  # [num_tokens, num_heads, num_splits]
+    query_start_loc: torch.Tensor,  # [num_seqs + 1]
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+) -> torch.Tensor:
+    """Merge split partials into `out` for the tokens requests own (other rows untouched)."""
+    qsl = query_start_loc.tolist()
+    first, last = qsl[0], qsl[-1]
+    m = max_log2[first:last]
+    top = m.amax(dim=-1, keepdim=True)  # finite: split 0 always sees position 0
+    weight = torch.exp2(m - top)  # [tokens, heads, splits]; 0 for empty splits
+    num = (acc[first:last] * weight.unsqueeze(-1)).sum(dim=2)
+    den = (sums[first:last] * weight).sum(dim=2)
+    out[first:last] = (num / den.unsqueeze(-1)).to(out.dtype)
+    return out
+
+
+def paged_attention_splitk_ref(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int,
+    tile_size: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`paged_attention_ref` computed split-K: per-split partials, then the merge."""
+    if out is None:
+        out = torch.empty_like(query)
+    partials = splitk_partials_ref(
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
+        num_splits, tile_size,
+    )
+    return merge_splits_ref(*partials, query_start_loc, out)
