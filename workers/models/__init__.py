@@ -1,1 +1,11 @@
+"""Model definitions; `ARCHITECTURES` lists the supported config.json architectures."""
 
+from tidal.workers.models.llama import (
+    ARCHITECTURES,
+    LlamaForCausalLM,
+    ModelArgs,
+    build_model,
+    parse_model_args,
+)
+
+__all__ = ["ARCHITECTURES", "LlamaForCausalLM", "ModelArgs", "build_model", "parse_model_args"]

@@ -1,0 +1,306 @@
+"""Model building blocks: tensor-parallel linear layers, vocab-parallel embedding / LM head,
+RMSNorm and rotary embedding.
+
+Sharding (rank r of size P):
+
+    ColumnParallelLinear   weight [out/P, in]   rows r*out/P.. of the checkpoint tensor
+    RowParallelLinear      weight [out, in/P]   columns r*in/P..; outputs are all-reduced
+    VocabParallelEmbedding weight [ceil(V/P), hidden]; rows outside the checkpoint are zero
+
+Every parameter carries a `weight_loader(param, loaded, shard_id)` that checks the full
+checkpoint shape and copies this rank's slice, and a `shard_ids` tuple naming the checkpoint
+tensors it is made of (`(None,)` for a plain one, `("q", "k", "v")` for the fused qkv, `(0, 1)`
+for gate/up). `loaded` is a torch tensor or a lazy safetensors slice: only the slice this rank
+needs is read from disk.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tidal.workers.distributed import TensorParallel
+
+
+# ---------------------------------------------------------------------------------------------
+# loading helpers
+
+
+def loaded_shape(loaded: Any) -> tuple[int, ...]:
+    """Shape of a torch tensor or a safetensors slice, without reading it."""
+    if isinstance(loaded, torch.Tensor):
+        return tuple(loaded.shape)
+    return tuple(loaded.get_shape())
+
+
+def _take(loaded: Any, dim: int, start: int, size: int) -> torch.Tensor:
+    """Rows (dim 0) or columns (dim 1) [start, start+size) of `loaded` as a tensor."""
+    index = (slice(None),) * dim + (slice(start, start + size),)
+    return loaded[index]
+
+
+def _check_shape(param: nn.Parameter, loaded: Any, expected: tuple[int, ...]) -> None:
+    got = loaded_shape(loaded)
+    if got != tuple(expected):
+        name = getattr(param, "checkpoint_name", "a tensor")
+        raise ValueError(f"shape mismatch for {name}: the checkpoint has {list(got)}, "
+                         f"the model config expects {list(expected)}")
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    with torch.no_grad():
+        dst.copy_(src.to(dtype=dst.dtype))
+
+
+def _param(*shape: int, loader, shard_ids=(None,)) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(*shape), requires_grad=False)
+    param.weight_loader = loader
+    param.shard_ids = shard_ids
+    return param
+
+
+# ---------------------------------------------------------------------------------------------
+# linear layers
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W split by output rows; the output stays sharded."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        self.input_size, self.output_size = input_size, output_size
+        self.local_output_size = tp.split(output_size, "output size")
+        self.weight = _param(self.local_output_size, input_size, loader=self.load_rows)
+        self.bias = _param(self.local_output_size, loader=self.load_rows) if bias else None
+
+    def load_rows(self, param: nn.Parameter, loaded: Any, shard_id=None) -> None:
+        full = (self.output_size,) + tuple(param.shape[1:])
+        _check_shape(param, loaded, full)
+        rows = param.shape[0]
+        _copy(param, _take(loaded, 0, self.tp.rank * rows, rows))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input fused into one matmul
+    (gate/up). Local layout: [shard 0 rows of this rank | shard 1 rows of this rank | ...]."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool,
+                 tp: TensorParallel):
+        self.output_sizes = list(output_sizes)
+        for size in self.output_sizes:
+            tp.split(size, "output size")
+        super().__init__(input_size, sum(output_sizes), bias, tp)
+        shard_ids = tuple(range(len(output_sizes)))
+        self.weight.weight_loader = self.load_shard
+        self.weight.shard_ids = shard_ids
+        if self.bias is not None:
+            self.bias.weight_loader = self.load_shard
+            self.bias.shard_ids = shard_ids
+
+    def load_shard(self, param: nn.Parameter, loaded: Any, shard_id: int) -> None:
+        full_rows = self.output_sizes[shard_id]
+        _check_shape(param, loaded, (full_rows,) + tuple(param.shape[1:]))
+        rows = full_rows // self.tp.size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp.size
+        _copy(param[offset:offset + rows], _take(loaded, 0, self.tp.rank * rows, rows))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused. Query heads are split over ranks; KV heads are split
+    when there are at least as many as ranks, otherwise each KV head is replicated on
+    `size / num_kv_heads` consecutive ranks. Local layout: [q heads | k heads | v heads]."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool, tp: TensorParallel):
+        self.head_dim = head_dim
+        self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
+        self.num_heads = tp.split(num_heads, "num_attention_heads")
+        if num_kv_heads >= tp.size:
+            self.num_kv_heads = tp.split(num_kv_heads, "num_key_value_heads")
+            self.kv_head_start = tp.rank * self.num_kv_heads
+        elif tp.size % num_kv_heads == 0:
+            self.num_kv_heads = 1
+            self.kv_head_start = tp.rank // (tp.size // num_kv_heads)
+        else:
+            raise ValueError(f"tensor_parallel_size={tp.size} must divide or be a multiple of "
+                             f"num_key_value_heads={num_kv_heads}")
+        local = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        super().__init__(hidden_size, local * tp.size, bias, tp)
+        for param in (self.weight, self.bias):
+            if param is not None:
+                param.weight_loader = self.load_shard
+                param.shard_ids = ("q", "k", "v")
+
+    def load_shard(self, param: nn.Parameter, loaded: Any, shard_id: str) -> None:
+        d = self.head_dim
+        if shard_id == "q":
+            full_heads, start_head, num, offset = (
+                self.total_num_heads, self.tp.rank * self.num_heads, self.num_heads, 0)
+        else:
+            full_heads, start_head, num = (
+                self.total_num_kv_heads, self.kv_head_start, self.num_kv_heads)
+            offset = self.num_heads + (0 if shard_id == "k" else self.num_kv_heads)
+        _check_shape(param, loaded, (full_heads * d,) + tuple(param.shape[1:]))
+        _copy(param[offset * d:(offset + num) * d], _take(loaded, 0, start_head * d, num * d))
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W split by input columns: each rank holds a slice of the input
+    features, partial products are all-reduced, the bias is added once after the sum."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        self.input_size, self.output_size = input_size, output_size
+        self.local_input_size = tp.split(input_size, "input size")
+        self.weight = _param(output_size, self.local_input_size, loader=self.load_columns)
+        self.bias = _param(output_size, loader=self.load_full) if bias else None
+
+    def load_columns(self, param: nn.Parameter, loaded: Any, shard_id=None) -> None:
+        _check_shape(param, loaded, (self.output_size, self.input_size))
+        cols = self.local_input_size
+        _copy(param, _take(loaded, 1, self.tp.rank * cols, cols))
+
+    def load_full(self, param: nn.Parameter, loaded: Any, shard_id=None) -> None:
+        _check_shape(param, loaded, tuple(param.shape))
+        _copy(param, loaded[:])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+# ---------------------------------------------------------------------------------------------
+# vocabulary
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary split into `ceil(V/P)`-row ranges per rank;
+    ids outside this rank's range contribute zeros and the all-reduce fills them in."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
+        self.rows_per_rank = math.ceil(vocab_size / tp.size)
+        self.vocab_start = tp.rank * self.rows_per_rank
+        self.vocab_end = min(self.vocab_start + self.rows_per_rank, vocab_size)
+        self.weight = _param(self.rows_per_rank, hidden_size, loader=self.load_vocab_rows)
+
+    def load_vocab_rows(self, param: nn.Parameter, loaded: Any, shard_id=None) -> None:
+        _check_shape(param, loaded, (self.vocab_size, self.hidden_size))
+        num = max(self.vocab_end - self.vocab_start, 0)
+        with torch.no_grad():
+            param.zero_()
+        if num:
+            _copy(param[:num], _take(loaded, 0, self.vocab_start, num))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        in_range = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local_ids = torch.where(in_range, input_ids - self.vocab_start, 0)
+        out = F.embedding(local_ids, self.weight) * in_range.unsqueeze(-1).to(self.weight.dtype)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection sharded like the embedding; `forward` all-gathers full logits so
+    every rank sees (and samples from) the same [num_tokens, vocab_size] tensor."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp.size > 1:
+            logits = self.tp.all_gather(logits, dim=-1)
+        return logits[:, :self.vocab_size]
+
+
+# ---------------------------------------------------------------------------------------------
+# norm and rotary
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm exactly as Hugging Face computes it: the statistics in float32, the scale
+    applied in the model dtype (so float64 runs match transformers bit for bit here)."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(hidden_size, loader=self.load_full)
+
+    def load_full(self, param: nn.Parameter, loaded: Any, shard_id=None) -> None:
+        _check_shape(param, loaded, tuple(param.shape))
+        _copy(param, loaded[:])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_inv_freq(head_dim: int, theta: float, rope: dict | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] (float32) for a rope config, as transformers
+    computes them; supports the default, `linear` and `llama3` rope types."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64)
+                                .to(torch.float32) / head_dim))
+    rope_type = (rope or {}).get("rope_type", (rope or {}).get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_scaling type {rope_type!r} is not supported "
+                         f"(supported: {', '.join(ROPE_TYPES)})")
+    if rope_type == "linear":
+        return inv_freq / float(rope["factor"])
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, rope: dict) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: long wavelengths / factor, short ones kept, a smooth
+    interpolation in between."""
+    factor = rope["factor"]
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    old_len = rope["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (rotate_half) with a cos/sin table per position,
+    computed in float32 like transformers and cast to the query dtype on use."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, rope: dict | None):
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, rope)
+        positions = torch.arange(max_position, dtype=torch.int64).to(torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_cache", emb.cos(), persistent=False)
+        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q [T, heads, d], k [T, kv_heads, d] -> rotated (q, k)."""
+        cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)
+        sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

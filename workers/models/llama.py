@@ -1,0 +1,269 @@
+"""Llama-family decoder models: Llama 2/3 (and Mistral without sliding window), Qwen2
+(qkv bias) and Qwen3 (per-head q/k RMSNorm), one implementation with a registry by the
+`architectures` name in config.json.
+
+Module names mirror the Hugging Face checkpoints, except two fused projections that the
+loader fills from separate checkpoint tensors (`packed_modules_mapping`):
+
+    self_attn.qkv_proj  <- q_proj, k_proj, v_proj
+    mlp.gate_up_proj    <- gate_proj, up_proj
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tidal.kernels import AttentionOps
+from tidal.workers.attention import AttentionMetadata, KVCache, PagedAttention
+from tidal.workers.distributed import TensorParallel
+from tidal.workers.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+
+
+@dataclass(frozen=True)
+class Flavour:
+    """What distinguishes one architecture of the family from the others."""
+
+    qkv_bias: bool | None = None
+    """Force a bias on q/k/v (Qwen2); None reads `attention_bias` from the config."""
+    qk_norm: bool = False
+    """RMSNorm over each head of q and k before rotary (Qwen3)."""
+
+
+ARCHITECTURES: dict[str, Flavour] = {
+    "LlamaForCausalLM": Flavour(),
+    "MistralForCausalLM": Flavour(),
+    "Qwen2ForCausalLM": Flavour(qkv_bias=True),
+    "Qwen3ForCausalLM": Flavour(qk_norm=True),
+}
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """The fields of a Hugging Face config.json that the model needs, validated."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_kv_bytes_per_token(self) -> int:
+        """K and V elements per token over all layers (multiply by the dtype size)."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+
+
+def parse_model_args(config: dict) -> ModelArgs:
+    """Build `ModelArgs` from config.json contents; ValueError naming any bad field."""
+    archs = config.get("architectures") or []
+    arch = next((a for a in archs if a in ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(f"unknown architecture {archs or '(none in config.json)'}; "
+                         f"supported: {', '.join(ARCHITECTURES)}")
+    flavour = ARCHITECTURES[arch]
+    _check_unsupported(config)
+    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads")
+    missing = [k for k in required if k not in config]
+    if missing:
+        raise ValueError(f"config.json lacks {', '.join(missing)} (architecture {arch})")
+    heads = config["num_attention_heads"]
+    theta, rope = _rope_config(config)
+    attention_bias = bool(config.get("attention_bias", False))
+    is_qwen2 = flavour.qkv_bias is not None
+    return ModelArgs(
+        architecture=arch,
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_hidden_layers=config["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=rope,
+        max_position_embeddings=config.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qkv_bias=flavour.qkv_bias if is_qwen2 else attention_bias,
+        o_bias=False if is_qwen2 else attention_bias,
+        mlp_bias=bool(config.get("mlp_bias", False)),
+        qk_norm=flavour.qk_norm,
+        eos_token_ids=_as_list(config.get("eos_token_id")),
+    )
+
+
+def _check_unsupported(config: dict) -> None:
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
+    if config.get("use_sliding_window") or (
+            config.get("sliding_window") and "use_sliding_window" not in config):
+        raise ValueError("sliding-window attention is not supported "
+                         f"(sliding_window={config.get('sliding_window')})")
+
+
+def _rope_config(config: dict) -> tuple[float, dict | None]:
+    """(theta, scaling dict or None) from transformers 5 `rope_parameters` or the older
+    `rope_theta` + `rope_scaling` pair."""
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and params:
+        theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+        kind = params.get("rope_type", params.get("type", "default"))
+        return theta, (None if kind == "default" else dict(params))
+    theta = float(config.get("rope_theta", 10000.0))
+    scaling = config.get("rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type")) != "default":
+        return theta, dict(scaling)
+    return theta, None
+
+
+def _as_list(value) -> list[int]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [int(value)]
+
+
+# ---------------------------------------------------------------------------------------------
+# modules
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, args: ModelArgs, rotary: RotaryEmbedding, tp: TensorParallel,
+                 ops: AttentionOps):
+        super().__init__()
+        d = args.head_dim
+        self.qkv_proj = QKVParallelLinear(args.hidden_size, d, args.num_attention_heads,
+                                          args.num_key_value_heads, args.qkv_bias, tp)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = d
+        self.o_proj = RowParallelLinear(args.num_attention_heads * d, args.hidden_size,
+                                        args.o_bias, tp)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(d, args.rms_norm_eps)
+            self.k_norm = RMSNorm(d, args.rms_norm_eps)
+        self.qk_norm = args.qk_norm
+        self.rotary = [rotary]  # a list: shared by every layer, not registered per layer
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d ** -0.5, ops)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens, d = x.shape[0], self.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, d)
+        k = k.reshape(num_tokens, self.num_kv_heads, d)
+        v = v.reshape(num_tokens, self.num_kv_heads, d)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary[0](positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, args: ModelArgs, tp: TensorParallel):
+        super().__init__()
+        inter = args.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(args.hidden_size, [inter, inter],
+                                                       args.mlp_bias, tp)
+        self.down_proj = RowParallelLinear(inter, args.hidden_size, args.mlp_bias, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, rotary: RotaryEmbedding, tp: TensorParallel,
+                 ops: AttentionOps):
+        super().__init__()
+        self.self_attn = LlamaAttention(args, rotary, tp, ops)
+        self.mlp = LlamaMLP(args, tp)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        h = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: ModelArgs, tp: TensorParallel, ops: AttentionOps,
+                 max_model_len: int):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp)
+        self.rotary = RotaryEmbedding(args.head_dim, max(max_model_len, 1), args.rope_theta,
+                                      args.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(args, self.rotary, tp, ops)
+                                    for _ in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            h = layer(positions, h, kv_cache, meta)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus the LM head. `forward` returns final hidden states for every new
+    token; `compute_logits` turns the few rows that sample into full-vocabulary logits."""
+
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, args: ModelArgs, tp: TensorParallel, ops: AttentionOps,
+                 max_model_len: int):
+        super().__init__()
+        self.args = args
+        self.model = LlamaModel(args, tp, ops, max_model_len)
+        self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [num_tokens] -> hidden states [num_tokens, hidden]."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_rows, hidden] -> [num_rows, vocab_size], identical on every rank."""
+        return self.lm_head(hidden)
+
+
+def build_model(args: ModelArgs, tp: TensorParallel, ops: AttentionOps,
+                max_model_len: int) -> LlamaForCausalLM:
+    """The model for `args.architecture` (all registered ones share this class)."""
+    return LlamaForCausalLM(args, tp, ops, max_model_len)
