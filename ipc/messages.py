@@ -312,6 +312,8 @@ class NewRequestData(msgspec.Struct, **_STRUCT):
     num_computed_tokens: int
     num_scheduled_tokens: int
     sampling: SamplingParams
+    eos_token_id: int | None = None
+    """The model's EOS token: masked while fewer than `sampling.min_tokens` are generated."""
 
 
 class CachedRequestData(msgspec.Struct, **_STRUCT):
