@@ -55,7 +55,7 @@ class Request:
         "eos_token_id", "stop_token_ids", "min_tokens", "max_tokens", "priority",
         "arrival_time", "arrival_seq", "cache_salt", "status", "stop_reason", "block_hashes",
         "num_cached_tokens", "num_preemptions", "discard_before_step", "in_worker",
-        "first_output_sent", "error",
+        "first_output_sent", "error", "add_time", "queue_time",
     )
 
     def __init__(
@@ -112,6 +112,10 @@ class Request:
         """The workers hold this request in their persistent batch."""
         self.first_output_sent = False
         self.error: str | None = None
+        self.add_time = 0.0
+        """Scheduler clock at add()."""
+        self.queue_time: float | None = None
+        """Seconds from add() to the first admission."""
 
     @classmethod
     def from_add(cls, msg: AddRequest, client_id: str) -> Request:

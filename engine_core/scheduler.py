@@ -1,0 +1,495 @@
+"""The continuous-batching scheduler (rules: DESIGN.md "Scheduler rules").
+
+One step:
+
+    plan = scheduler.schedule()              # who runs, how many tokens, which blocks
+    ... the workers run the plan ...
+    outputs = scheduler.update(plan, sampled)   # append tokens, check stops, free finished
+
+`schedule()` is three passes: running requests in admission order (decodes and unfinished
+prefill chunks; preempt when a block is missing), then waiting requests while the token budget
+and `max_num_seqs` allow (never in a step that preempted), then the plan for the workers.
+
+Async scheduling: `schedule()` for step N+1 may run before `update()` for step N. A request
+whose token from an in-flight step is not yet known has a placeholder
+(`num_output_placeholders`) and is scheduled one more token; the worker fills the token in
+from its own sampler. Nobody is scheduled past max_tokens or the context length. A result
+that arrives for a request finished meanwhile, or planned before it was preempted, changes
+nothing (the preempted request recomputes that token after it resumes).
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import time
+from typing import Iterable, NamedTuple
+
+from tidal.engine_core.config import EngineConfig, check_lengths
+from tidal.engine_core.kv_cache_manager import KVCacheManager
+from tidal.engine_core.preemption_log import PreemptionLog
+from tidal.engine_core.request import Request, RequestStatus
+from tidal.engine_core.request_queue import create_request_queue, priority_key
+from tidal.ipc.messages import (
+    BatchPlan, CachedRequestData, FinishReason, NewRequestData, RequestOutput, SampledTokens,
+    SchedulerStats, pack_token_ids, unpack_token_ids,
+)
+
+logger = logging.getLogger("tidal.engine_core.scheduler")
+
+_pack_one = struct.Struct("<i").pack
+_RUNNING = RequestStatus.RUNNING
+
+Outputs = dict[str, list[RequestOutput]]
+"""client_id -> outputs for that frontend, in order."""
+
+
+class _Scheduled(NamedTuple):
+    request: Request
+    num_new_tokens: int
+    new_block_ids: list[int]
+    admitted: bool  # admitted from the waiting queue this step (blocks published already)
+
+
+class _Step:
+    """Scratch state of one schedule() call."""
+
+    __slots__ = ("step_id", "budget", "scheduled", "preempted_req_ids", "num_preempted")
+
+    def __init__(self, step_id: int, budget: int) -> None:
+        self.step_id = step_id
+        self.budget = budget
+        self.scheduled: dict[str, _Scheduled] = {}
+        """req_id -> what it runs this step, in batch order."""
+        self.preempted_req_ids: list[str] = []
+        self.num_preempted = 0
+
+
+class Scheduler:
+    """Decides each step's batch and owns the KV block pool (ids and hashes, not tensors)."""
+
+    def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int) -> None:
+        _check_runtime(config, num_kv_blocks, max_model_len)
+        sched = config.scheduler
+        self.config = config
+        self.max_model_len = max_model_len
+        self.num_kv_blocks = num_kv_blocks
+        self.block_size = config.cache.block_size
+        self.max_num_seqs = sched.max_num_seqs
+        self.max_num_batched_tokens = sched.max_num_batched_tokens
+        self.chunked_prefill = sched.enable_chunked_prefill
+        self.policy = sched.scheduling_policy
+        self.long_prefill_token_threshold = (
+            sched.long_prefill_token_threshold if sched.enable_chunked_prefill else 0)
+        self.kv_cache_manager = KVCacheManager(num_kv_blocks, self.block_size,
+                                               config.cache.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        """req_id -> every unfinished request (running or waiting)."""
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        """Requests holding KV blocks, in admission order (the fcfs victim is the last)."""
+        self._finished_req_ids: list[str] = []
+        """Requests the workers hold that finished since the last plan."""
+        self._next_step_id = 1
+        self._num_added = 0
+        self.clock = time.monotonic
+        self.preemption_log = PreemptionLog(logger, config, num_kv_blocks)
+        self._init_counters()
+
+    def _init_counters(self) -> None:
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0
+        """Tokens looked up in the prefix cache at first admissions."""
+        self.prefix_cache_hits = 0
+        self.preempted_prefix_cache_queries = 0
+        """Tokens looked up when preempted requests resume (kept apart: they mostly hit their
+        own blocks, which is recompute, not sharing)."""
+        self.preempted_prefix_cache_hits = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.num_steps = 0
+
+    @property
+    def block_pool(self):
+        return self.kv_cache_manager.block_pool
+
+    # -- requests in and out ------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        """Queue a new request. ValueError if its id is taken, its prompt is empty or leaves
+        no room to generate within max_model_len."""
+        if request.req_id in self.requests:
+            raise ValueError(f"req_id {request.req_id!r} is already in use")
+        if request.num_prompt_tokens == 0:
+            raise ValueError("prompt_token_ids must not be empty")
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt_token_ids: input length ({request.num_prompt_tokens}) must be below "
+                f"the model's maximum context length ({self.max_model_len})")
+        room = self.max_model_len - request.num_prompt_tokens
+        request.max_tokens = room if request.max_tokens is None else min(request.max_tokens,
+                                                                         room)
+        self._num_added += 1
+        request.arrival_seq = self._num_added
+        request.add_time = self.clock()
+        request.status = RequestStatus.WAITING
+        self.requests[request.req_id] = request
+        self.waiting.add(request)
+
+    def abort(self, req_ids: Iterable[str]) -> Outputs:
+        """Finish these requests with ABORT (unknown or finished ids are ignored)."""
+        return self._finish_many(req_ids, RequestStatus.FINISHED_ABORTED, None)
+
+    def abort_client(self, client_id: str) -> int:
+        """Abort every request of a frontend that went away; returns how many."""
+        req_ids = [r.req_id for r in self.requests.values() if r.client_id == client_id]
+        self.abort(req_ids)
+        return len(req_ids)
+
+    def fail_all(self, error: str) -> Outputs:
+        """Every unfinished request finishes with FinishReason.ERROR and this message."""
+        return self._finish_many(list(self.requests), RequestStatus.FINISHED_ERROR, error)
+
+    def _finish_many(self, req_ids: Iterable[str], status: RequestStatus,
+                     error: str | None) -> Outputs:
+        outputs: Outputs = {}
+        finished = []
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            self._finish(request, status)
+            request.error = error
+            finished.append(request)
+            out = RequestOutput(req_id, b"", status.finish_reason, error=error)
+            self._mark_first_output(request, out)
+            outputs.setdefault(request.client_id, []).append(out)
+        if finished:
+            self.running = [r for r in self.running if r.status == _RUNNING]
+            self.waiting.remove_many(r for r in finished)
+        return outputs
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """Mark finished, free blocks, tell the workers; the caller unlinks the queues."""
+        request.status = status
+        del self.requests[request.req_id]
+        self.kv_cache_manager.free(request)
+        if request.in_worker:
+            self._finished_req_ids.append(request.req_id)
+            request.in_worker = False
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # -- schedule -----------------------------------------------------------------------------
+
+    def schedule(self) -> BatchPlan:
+        """Plan the next step (see the module docstring)."""
+        step = _Step(self._next_step_id, self.max_num_batched_tokens)
+        self._next_step_id += 1
+        self._schedule_running(step)
+        if step.num_preempted == 0:
+            self._schedule_waiting(step)
+        return self._build_plan(step)
+
+    def _long_prefill_cap(self) -> int:
+        """Per-request chunk cap this step (0 = none); off while only one request exists."""
+        if self.long_prefill_token_threshold and len(self.requests) > 1:
+            return self.long_prefill_token_threshold
+        return 0
+
+    def _schedule_running(self, step: _Step) -> None:
+        """Give each running request its next tokens, in admission order; preempt for
+        blocks. Full blocks are published only after the pass, when nothing can be undone."""
+        cap = self._long_prefill_cap()
+        max_model_len = self.max_model_len
+        allocate = self.kv_cache_manager.allocate_slots
+        for request in list(self.running):
+            if step.budget <= 0:
+                break
+            if request.status != _RUNNING:  # preempted earlier in this pass
+                continue
+            num_projected = len(request.all_token_ids) + request.num_output_placeholders
+            if (num_projected >= max_model_len or len(request.output_token_ids)
+                    + request.num_output_placeholders >= request.max_tokens):
+                continue  # its last token is in flight: scheduling more would be wasted
+            num_new = num_projected - request.num_computed_tokens
+            if cap and num_new > cap:
+                num_new = cap
+            if num_new > step.budget:
+                num_new = step.budget
+            new_block_ids = allocate(request, num_new, publish=False)
+            if new_block_ids is None:
+                new_block_ids = self._preempt_until_fits(request, num_new, step)
+                if new_block_ids is None:
+                    if self.policy == "fcfs":
+                        break  # it was the last running request
+                    continue  # lower-priority ones are gone; later ones may still fit
+            step.scheduled[request.req_id] = _Scheduled(request, num_new, new_block_ids, False)
+            step.budget -= num_new
+
+    def _preempt_until_fits(self, request: Request, num_new: int,
+                            step: _Step) -> list[int] | None:
+        """Preempt victims until the request's blocks fit; None if it was preempted itself."""
+        while True:
+            victim = self._select_victim()
+            self._preempt(victim, step)
+            if victim is request:
+                return None
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new,
+                                                                 publish=False)
+            if new_block_ids is not None:
+                return new_block_ids
+
+    def _select_victim(self) -> Request:
+        """fcfs: the last admitted; priority: the largest (priority, arrival)."""
+        if self.policy == "fcfs":
+            return self.running[-1]
+        return max(self.running, key=priority_key)
+
+    def _preempt(self, victim: Request, step: _Step) -> None:
+        """Recompute mode: free the victim's blocks, keep its tokens, requeue it."""
+        if self.running and self.running[-1] is victim:
+            self.running.pop()
+        else:
+            self.running.remove(victim)
+        undone = step.scheduled.pop(victim.req_id, None)
+        if undone is not None:
+            step.budget += undone.num_new_tokens
+        num_lost = victim.num_computed_tokens
+        self.kv_cache_manager.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_output_placeholders = 0
+        victim.discard_before_step = step.step_id  # in-flight results are stale
+        victim.num_preemptions += 1
+        if victim.in_worker:
+            step.preempted_req_ids.append(victim.req_id)
+            victim.in_worker = False
+        self.waiting.prepend(victim)
+        step.num_preempted += 1
+        self.num_preemptions += 1
+        self.preemption_log.record(victim, num_lost, len(self.running) + 1,
+                                   self.kv_cache_manager.usage(), self.num_preemptions,
+                                   self.clock())
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        """Admit waiting requests in queue order while budget, max_num_seqs and blocks allow;
+        the first one that does not fit stops admission (no skipping ahead)."""
+        kv = self.kv_cache_manager
+        cap = self._long_prefill_cap()
+        now = None
+        while self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            hit_blocks, num_hit = kv.get_computed_blocks(request)
+            num_tokens = len(request.all_token_ids)
+            num_new = num_tokens - num_hit
+            if not self.chunked_prefill:
+                if num_new > step.budget:
+                    break
+            else:
+                if cap and num_new > cap:
+                    num_new = cap
+                num_new = min(num_new, step.budget)
+            # Admit only if the whole sequence known so far fits in free blocks now: a
+            # check, not a reservation (vLLM's scheduler_reserve_full_isl).
+            if kv.num_blocks_needed(request, num_tokens, hit_blocks) > kv.num_free_blocks():
+                break
+            new_block_ids = kv.allocate_slots(request, num_new, hit_blocks)
+            if new_block_ids is None:
+                break
+            self.waiting.pop()
+            if now is None:
+                now = self.clock()
+            self._admit(request, num_hit, now)
+            step.scheduled[request.req_id] = _Scheduled(request, num_new, new_block_ids, True)
+            step.budget -= num_new
+
+    def _admit(self, request: Request, num_hit: int, now: float) -> None:
+        """Waiting -> running, with prefix-cache statistics counted once per admission."""
+        num_tokens = len(request.all_token_ids)
+        if self.kv_cache_manager.enable_caching:
+            if request.num_preemptions:
+                self.preempted_prefix_cache_queries += num_tokens
+                self.preempted_prefix_cache_hits += num_hit
+            else:
+                self.prefix_cache_queries += num_tokens
+                self.prefix_cache_hits += num_hit
+        if request.queue_time is None:
+            request.queue_time = max(0.0, now - request.add_time)
+            request.num_cached_tokens = num_hit
+        request.status = _RUNNING
+        request.num_computed_tokens = num_hit
+        self.running.append(request)
+
+    def _build_plan(self, step: _Step) -> BatchPlan:
+        """Advance every scheduled request's counters and describe the step for the workers:
+        full data for requests they do not hold, deltas for the rest."""
+        kv = self.kv_cache_manager
+        publish = kv.publish_full_blocks if kv.enable_caching else None
+        new_reqs, cached_reqs = [], []
+        total = 0
+        for request, num_new, new_block_ids, admitted in step.scheduled.values():
+            start = request.num_computed_tokens
+            end = start + num_new
+            total += num_new
+            if publish is not None and not admitted:
+                publish(request, end)
+            request.num_computed_tokens = end
+            if end >= len(request.all_token_ids) + request.num_output_placeholders:
+                request.num_output_placeholders += 1  # this step samples a token
+            if start < request.num_prompt_tokens:
+                self.prompt_tokens += min(end, request.num_prompt_tokens) - start
+            if request.in_worker:
+                cached_reqs.append(CachedRequestData(request.req_id, new_block_ids, start,
+                                                     num_new))
+            else:
+                request.in_worker = True
+                new_reqs.append(NewRequestData(
+                    request.req_id, pack_token_ids(request.all_token_ids),
+                    request.num_prompt_tokens, kv.get_block_ids(request.req_id), start,
+                    num_new, request.sampling))
+        if total:
+            self.num_steps += 1
+        finished, self._finished_req_ids = self._finished_req_ids, []
+        return BatchPlan(step.step_id, new_reqs, cached_reqs, finished, step.preempted_req_ids,
+                         total)
+
+    # -- update -------------------------------------------------------------------------------
+
+    def update(self, plan: BatchPlan, sampled: SampledTokens) -> Outputs:
+        """Append the step's sampled tokens, check stops, free finished requests. Results for
+        requests finished meanwhile, or preempted after the step was planned, are dropped."""
+        if sampled.step_id != plan.step_id:
+            raise ValueError(f"sampled.step_id {sampled.step_id} does not match plan.step_id "
+                             f"{plan.step_id}")
+        outputs: Outputs = {}
+        step_id = plan.step_id
+        requests = self.requests
+        token_ids = unpack_token_ids(sampled.token_ids)
+        logprobs = sampled.logprobs
+        num_finished = num_accepted = 0
+        for i, req_id in enumerate(sampled.req_ids):
+            request = requests.get(req_id)
+            if (request is None or step_id < request.discard_before_step
+                    or request.num_output_placeholders <= 0):
+                continue
+            token = token_ids[i]
+            num_accepted += 1
+            request.num_output_placeholders -= 1
+            request.output_token_ids.append(token)
+            request.all_token_ids.append(token)
+            status = self._check_stop(request, token)
+            lp = logprobs[i] if logprobs else None
+            out = RequestOutput(req_id, _pack_one(token), None, None,
+                                [lp] if lp is not None else None)
+            if not request.first_output_sent:
+                self._mark_first_output(request, out)
+            if status is not None:
+                out.finish_reason = status.finish_reason
+                out.stop_reason = request.stop_reason
+                self._finish(request, status)
+                num_finished += 1
+            client_outputs = outputs.get(request.client_id)
+            if client_outputs is None:
+                outputs[request.client_id] = [out]
+            else:
+                client_outputs.append(out)
+        self.generation_tokens += num_accepted
+        if num_finished:
+            self.running = [r for r in self.running if r.status == _RUNNING]
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        """EOS (unless ignore_eos) or a stop token, once more than min_tokens tokens exist;
+        then max_tokens or the context length."""
+        num_output = len(request.output_token_ids)
+        if num_output > request.min_tokens:
+            if token == request.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if token in request.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if num_output >= request.max_tokens or len(request.all_token_ids) >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    @staticmethod
+    def _mark_first_output(request: Request, out: RequestOutput) -> None:
+        if not request.first_output_sent:
+            request.first_output_sent = True
+            out.num_cached_tokens = request.num_cached_tokens
+            out.queue_time = request.queue_time
+
+    # -- introspection ------------------------------------------------------------------------
+
+    def stats(self) -> SchedulerStats:
+        """A snapshot; counters are totals since start-up."""
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage(),
+            num_kv_blocks=self.num_kv_blocks,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            num_steps=self.num_steps,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block hash; refused (False) while any request holds blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def check_invariants(self) -> None:
+        """AssertionError if the scheduler or the block pool is inconsistent."""
+        self.kv_cache_manager.check_invariants()
+        running_ids = [r.req_id for r in self.running]
+        waiting_ids = [r.req_id for r in self.waiting]
+        assert len(set(running_ids)) == len(running_ids), "a request is twice in running"
+        assert len(set(waiting_ids)) == len(waiting_ids), "a request is twice in waiting"
+        assert not set(running_ids) & set(waiting_ids), "a request is running and waiting"
+        assert set(running_ids) | set(waiting_ids) == set(self.requests), (
+            "requests and queues disagree")
+        assert len(self.running) <= self.max_num_seqs, "more running than max_num_seqs"
+        assert set(self.kv_cache_manager.req_blocks) <= set(running_ids), (
+            "a request that is not running holds blocks")
+        for request in self.running:
+            _check_running(request, self.kv_cache_manager, self.block_size)
+        for request in self.waiting:
+            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), request
+            assert request.num_computed_tokens == 0 and request.num_output_placeholders == 0
+            assert not request.in_worker, f"{request} waits but the workers hold it"
+
+
+def _check_running(request: Request, kv: KVCacheManager, block_size: int) -> None:
+    assert request.status == _RUNNING, request
+    assert request.num_output_placeholders >= 0, request
+    assert request.in_worker, f"{request} runs but the workers were never told"
+    assert request.num_computed_tokens <= (len(request.all_token_ids)
+                                           + request.num_output_placeholders), request
+    num_slots = len(kv.req_blocks.get(request.req_id, ())) * block_size
+    assert request.num_computed_tokens <= num_slots, f"{request} has too few blocks"
+    assert (len(request.output_token_ids) + request.num_output_placeholders
+            <= request.max_tokens), f"{request} scheduled past max_tokens"
+
+
+def _check_runtime(config: EngineConfig, num_kv_blocks: int, max_model_len: int) -> None:
+    """ValueErrors for start-up facts that cannot work."""
+    if max_model_len < 1:
+        raise ValueError(f"max_model_len must be at least 1, got {max_model_len}")
+    if num_kv_blocks < 2:
+        raise ValueError(f"num_kv_blocks must be at least 2 (block 0 is reserved), "
+                         f"got {num_kv_blocks}")
+    check_lengths(config, max_model_len)
+    capacity = (num_kv_blocks - 1) * config.cache.block_size
+    if capacity < max_model_len:
+        raise ValueError(
+            f"max_model_len ({max_model_len}) does not fit in the KV cache: {num_kv_blocks - 1} "
+            f"usable blocks of {config.cache.block_size} tokens hold {capacity} tokens. Lower "
+            f"--max-model-len to at most {capacity} or give the KV cache more memory "
+            "(--gpu-memory-utilization, --kv-cache-memory)")

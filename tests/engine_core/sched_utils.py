@@ -1,0 +1,172 @@
+"""Test helpers for the scheduler: configs, requests, and a fake worker.
+
+The fake worker plays the worker's side of the contract exactly as a real one would: it keeps a
+persistent batch (token ids and block table per request), appends the tokens it samples itself,
+drops finished and preempted requests, and keeps a fake KV cache (block id -> token id per slot)
+so that every sample first checks that the KV of every earlier position holds the right token:
+a prefix-cache hit on a wrong or overwritten block fails the test. The "model" is a
+deterministic function of the whole token sequence.
+"""
+
+from __future__ import annotations
+
+from tidal.engine_core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tidal.engine_core.request import Request
+from tidal.engine_core.scheduler import Scheduler
+from tidal.ipc.messages import (
+    BatchPlan, SampledTokens, SamplingParams, pack_token_ids, unpack_token_ids,
+)
+
+VOCAB = 1000
+
+
+def fake_model(tokens: list[int], vocab: int = VOCAB) -> int:
+    """The next token: a deterministic function of the whole sequence."""
+    h = 17
+    for t in tokens:
+        h = (h * 1_000_003 + t + 1) & 0xFFFFFFFF
+    return (h >> 7) % vocab
+
+
+def make_config(*, block_size: int = 16, max_num_seqs: int | None = None,
+                max_num_batched_tokens: int = 8192, chunked: bool = True,
+                caching: bool = True, policy: str = "fcfs", threshold: int = 0,
+                async_scheduling: bool = False) -> EngineConfig:
+    if max_num_seqs is None:
+        max_num_seqs = min(256, max_num_batched_tokens)
+    return EngineConfig(
+        model=ModelConfig("unused-model-dir"),
+        cache=CacheConfig(block_size=block_size, enable_prefix_caching=caching),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                  max_num_batched_tokens=max_num_batched_tokens,
+                                  enable_chunked_prefill=chunked, scheduling_policy=policy,
+                                  long_prefill_token_threshold=threshold,
+                                  async_scheduling=async_scheduling))
+
+
+def make_scheduler(*, num_blocks: int = 10_000, max_model_len: int = 4096,
+                   **config_kwargs) -> Scheduler:
+    return Scheduler(make_config(**config_kwargs), num_blocks, max_model_len)
+
+
+def make_request(req_id, prompt, *, max_tokens: int | None = 16, min_tokens: int = 0,
+                 eos: int | None = None, stop_token_ids=(), ignore_eos: bool = False,
+                 priority: int = 0, arrival_time: float = 0.0, client_id: str = "c0",
+                 cache_salt: str | None = None) -> Request:
+    """`prompt` is a list of token ids, or an int n meaning [id-derived token] * n."""
+    if isinstance(prompt, int):
+        prompt = [hash_free_token(req_id)] * prompt
+    sampling = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens,
+                              stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+    return Request(str(req_id), prompt, sampling, client_id=client_id, eos_token_id=eos,
+                   priority=priority, arrival_time=arrival_time, cache_salt=cache_salt)
+
+
+def hash_free_token(req_id) -> int:
+    """A per-request prompt token that does not depend on Python's hash() seed."""
+    return sum(str(req_id).encode()) % 997 + 1
+
+
+class _WorkerRequest:
+    __slots__ = ("tokens", "table")
+
+    def __init__(self, tokens: list[int], table: list[int]) -> None:
+        self.tokens = tokens
+        self.table = table
+
+
+class FakeWorker:
+    """A worker with a persistent batch, a token-level fake KV cache and a fake model."""
+
+    def __init__(self, block_size: int, model=fake_model) -> None:
+        self.block_size = block_size
+        self.model = model
+        self.batch: dict[str, _WorkerRequest] = {}
+        self.kv: dict[int, list[int | None]] = {}
+        self.num_scheduled: dict[str, int] = {}
+        """req_id -> tokens computed over the whole run (for waste checks)."""
+
+    def execute(self, plan: BatchPlan, forced: dict[str, int] | None = None) -> SampledTokens:
+        """Run one step; `forced` overrides the model's token for some requests."""
+        for req_id in plan.finished_req_ids:
+            assert self.batch.pop(req_id, None) is not None, f"finished unknown {req_id}"
+        for req_id in plan.preempted_req_ids:
+            assert self.batch.pop(req_id, None) is not None, f"preempted unknown {req_id}"
+        work = []
+        for new in plan.new_requests:
+            assert new.req_id not in self.batch, f"{new.req_id} sent twice as new"
+            state = _WorkerRequest(unpack_token_ids(new.token_ids).tolist(), list(new.block_ids))
+            self.batch[new.req_id] = state
+            work.append((new.req_id, state, new.num_computed_tokens, new.num_scheduled_tokens))
+        for cached in plan.cached_requests:
+            state = self.batch[cached.req_id]
+            state.table.extend(cached.new_block_ids)
+            work.append((cached.req_id, state, cached.num_computed_tokens,
+                         cached.num_scheduled_tokens))
+        assert sum(w[3] for w in work) == plan.total_num_scheduled_tokens
+        for req_id, state, start, num in work:  # pass 1: write the step's KV
+            self._write_kv(state, start, start + num)
+            self.num_scheduled[req_id] = self.num_scheduled.get(req_id, 0) + num
+        req_ids, token_ids = [], []
+        for req_id, state, start, num in work:  # pass 2: attention + sampling
+            if start + num == len(state.tokens):
+                self._check_kv(req_id, state)
+                token = (forced or {}).get(req_id, self.model(state.tokens))
+                state.tokens.append(token)
+                req_ids.append(req_id)
+                token_ids.append(token)
+        return SampledTokens(plan.step_id, req_ids, pack_token_ids(token_ids))
+
+    def _write_kv(self, state: _WorkerRequest, start: int, end: int) -> None:
+        assert 0 <= start < end <= len(state.tokens), (start, end, len(state.tokens))
+        bs = self.block_size
+        assert len(state.table) * bs >= end, "block table too short"
+        for pos in range(start, end):
+            block = self.kv.setdefault(state.table[pos // bs], [None] * bs)
+            block[pos % bs] = state.tokens[pos]
+
+    def _check_kv(self, req_id: str, state: _WorkerRequest) -> None:
+        bs = self.block_size
+        for pos, token in enumerate(state.tokens):
+            block_id = state.table[pos // bs]
+            assert block_id != 0, "null block in a block table"
+            got = self.kv.get(block_id, [None] * bs)[pos % bs]
+            assert got == token, f"{req_id}: KV at position {pos} holds {got}, expected {token}"
+
+
+def step(sched: Scheduler, worker: FakeWorker, forced: dict[str, int] | None = None):
+    """One synchronous step: schedule, execute, update. Returns (plan, outputs)."""
+    plan = sched.schedule()
+    sampled = worker.execute(plan, forced)
+    outputs = sched.update(plan, sampled)
+    sched.check_invariants()
+    return plan, outputs
+
+
+def scheduled_tokens(plan: BatchPlan) -> dict[str, int]:
+    """req_id -> tokens scheduled in this plan."""
+    out = {n.req_id: n.num_scheduled_tokens for n in plan.new_requests}
+    out.update({c.req_id: c.num_scheduled_tokens for c in plan.cached_requests})
+    return out
+
+
+def output_tokens(outputs: dict, req_id: str) -> list[int]:
+    """New token ids for one request in one update() result."""
+    return [t for outs in outputs.values() for o in outs if o.req_id == req_id
+            for t in unpack_token_ids(o.new_token_ids)]
+
+
+def reference_tokens(prompt: list[int], *, max_tokens: int, max_model_len: int,
+                     eos: int | None = None, stop_token_ids=(), min_tokens: int = 0,
+                     model=fake_model) -> list[int]:
+    """What an unconstrained run of the fake model generates."""
+    tokens, out = list(prompt), []
+    max_tokens = min(max_tokens, max_model_len - len(prompt))
+    while True:
+        t = model(tokens)
+        tokens.append(t)
+        out.append(t)
+        if len(out) > min_tokens and (t == eos or t in stop_token_ids):
+            return out
+        if len(out) >= max_tokens or len(tokens) >= max_model_len:
+            return out
