@@ -1,0 +1,485 @@
+"""The engine-core daemon (`tidal core MODEL --listen ADDRESS`): the scheduler, the KV block
+pool and the executor in one process that serves any number of frontends.
+
+    python -m tidal.engine_core.daemon MODEL [engine flags] [--listen ADDRESS]
+        [--engine-key-file PATH] [--frontend-timeout S] [--worker-timeout S] [--log-level L]
+    python -m tidal.engine_core.daemon --generate-key-file PATH
+
+Life of the process:
+1. bind the frontend ROUTER (`--listen`, default `default_engine_address()`), so an address
+   that is taken fails at once; frontends may connect and say Hello right away;
+2. start one worker per TP rank, wait for every WorkerReady, InitKVCache(min blocks);
+3. answer each Hello with EngineInfo, then loop over steps (see `EngineCoreDaemon._step`);
+4. SIGTERM / SIGINT: stop admitting, fail what is unfinished, EngineDead to every frontend,
+   Shutdown to the workers, join them, exit 0. A worker that dies, fails or hangs: every
+   unfinished request gets FinishReason.ERROR with a message, EngineDead, the remaining
+   workers are killed, exit 1. A bad configuration or a failed start-up: exit 2.
+
+Frontends are told apart by their zmq identity (= their client_id). A frontend silent for
+longer than `--frontend-timeout` seconds (they send a Heartbeat every
+`HEARTBEAT_INTERVAL_S`) has its requests aborted and their blocks freed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import zmq
+
+from tidal.engine_core.args import add_engine_args, config_from_args, config_to_argv
+from tidal.engine_core.config import EngineConfig, resolve_max_model_len
+from tidal.engine_core.executor import (
+    DEFAULT_STEP_TIMEOUT_S,
+    Executor,
+    WorkerError,
+)
+from tidal.engine_core.request import Request
+from tidal.engine_core.scheduler import Scheduler
+from tidal.ipc.messages import (
+    Abort,
+    AddRequest,
+    BatchPlan,
+    EngineDead,
+    EngineInfo,
+    EngineOutputs,
+    FinishReason,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    RequestOutput,
+    SampledTokens,
+    StatsQuery,
+)
+from tidal.ipc.transport import (
+    DEFAULT_FRONTEND_TIMEOUT_S,
+    FrontendDecoder,
+    bind_engine_socket,
+    default_engine_address,
+    encode,
+    ipc_path,
+    write_key_file,
+)
+
+logger = logging.getLogger("tidal.engine_core")
+
+EXIT_OK, EXIT_WORKER_FAILED, EXIT_BAD_START = 0, 1, 2
+LOG_INTERVAL_S = 10.0
+"""Seconds between two progress lines while the engine is busy."""
+_HOUSEKEEPING_S = 1.0  # longest idle poll: frontend timeouts are checked at least this often
+
+
+@dataclass
+class _Frontend:
+    """What the daemon knows about one attached frontend."""
+
+    client_id: str
+    last_seen: float  # monotonic
+    kind: str = "python"
+    pid: int = 0
+
+
+class EngineCoreDaemon:
+    """One engine core: frontend socket, scheduler, executor; `run()` returns the exit code."""
+
+    def __init__(self, config: EngineConfig, listen: str, key_file: str | None = None,
+                 frontend_timeout: float = DEFAULT_FRONTEND_TIMEOUT_S,
+                 worker_timeout: float = DEFAULT_STEP_TIMEOUT_S, log_level: str = "INFO") -> None:
+        if frontend_timeout <= 0:
+            raise ValueError(f"frontend_timeout must be positive, got {frontend_timeout}")
+        if worker_timeout <= 0:
+            raise ValueError(f"worker_timeout must be positive, got {worker_timeout}")
+        self.config = config
+        self.listen = listen
+        self.key_file = key_file
+        self.frontend_timeout = frontend_timeout
+        self.worker_timeout = worker_timeout
+        self.log_level = log_level
+        self.ctx = zmq.Context()
+        self.decoder = FrontendDecoder()
+        self.frontends: dict[str, _Frontend] = {}  # client_id -> frontend
+        self.in_flight: deque[BatchPlan] = deque()  # plans scheduled, not yet updated
+        self.depth = 2 if config.scheduler.async_scheduling else 1
+        self.stop_reason: str | None = None
+        self.sock = self.auth = self.executor = self.scheduler = self.info = None
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._last_log = time.monotonic()
+        self._last_logged_stats = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Serve until a signal or a worker failure; returns the process exit code."""
+        old_handlers = self._install_signal_handlers()
+        try:
+            code = self._start()
+            if code is None:
+                code = self._serve()
+            return code
+        finally:
+            self._close()
+            self._restore_signal_handlers(old_handlers)
+
+    def _start(self) -> int | None:
+        """Bind, start the workers, build the scheduler. An exit code on failure, else None."""
+        try:
+            max_model_len = resolve_max_model_len(self.config)
+            self.sock, self.auth = bind_engine_socket(self.ctx, self.listen, self.key_file)
+        except (ValueError, OSError) as e:
+            logger.error("cannot start: %s", e)
+            return EXIT_BAD_START
+        logger.info("engine core listening on %s (model %s)", self.listen, self.config.model.model)
+        self.executor = Executor(self.config, max_model_len, self.ctx,
+                                 step_timeout=self.worker_timeout, log_level=self.log_level)
+        try:
+            num_blocks, max_model_len = self.executor.start(lambda: self.stop_reason is not None)
+        except InterruptedError:
+            self._refuse_pending_hellos(f"engine core stopped during start-up: {self.stop_reason}")
+            return EXIT_OK
+        except WorkerError as e:
+            logger.error("workers failed to start: %s", e)
+            self._refuse_pending_hellos(f"engine core failed to start: {e}")
+            return EXIT_BAD_START
+        self.scheduler = Scheduler(self.config, num_blocks, max_model_len)
+        self.info = self._engine_info(num_blocks, max_model_len)
+        return None
+
+    def _engine_info(self, num_blocks: int, max_model_len: int) -> EngineInfo:
+        c = self.config
+        return EngineInfo(
+            model=c.model.model, max_model_len=max_model_len, num_kv_blocks=num_blocks,
+            block_size=c.cache.block_size, max_num_seqs=c.scheduler.max_num_seqs,
+            max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
+            stream_interval=c.scheduler.stream_interval,
+            max_num_queued_reqs=c.scheduler.max_num_queued_reqs,
+            served_model_name=c.model.name, tokenizer=c.model.tokenizer_path)
+
+    def _serve(self) -> int:
+        logger.info("engine core ready: %d KV blocks, async scheduling %s",
+                    self.info.num_kv_blocks, "on" if self.depth == 2 else "off")
+        try:
+            while self.stop_reason is None:
+                self._drain_frontends(block=self._is_idle())
+                self._expire_silent_frontends()
+                self._log_progress()
+                if self.stop_reason is None:
+                    self._step()
+        except WorkerError as e:
+            logger.error("%s; failing every unfinished request", e)
+            self.executor.kill()
+            self._fail_everything(f"engine core: {e}")
+            return EXIT_WORKER_FAILED
+        except Exception as e:  # noqa: BLE001 - a bug must still reach the frontends
+            logger.exception("engine core failed")
+            self.executor.kill()
+            self._fail_everything(f"engine core failed: {type(e).__name__}: {e}")
+            return EXIT_WORKER_FAILED
+        logger.info("stopping (%s): failing unfinished requests, telling frontends", self.stop_reason)
+        self._fail_everything(f"engine core shut down ({self.stop_reason})")
+        self.executor.shutdown()
+        return EXIT_OK
+
+    def _fail_everything(self, reason: str) -> None:
+        try:
+            self._send_outputs(self.scheduler.fail_all(reason))
+        finally:
+            self._broadcast_dead(reason)
+
+    def _close(self) -> None:
+        if self.executor is not None:
+            self.executor.kill()
+        if self.sock is not None:
+            self.sock.close()  # linger: queued EngineDead / outputs still go out
+            path = ipc_path(self.listen)
+            if path is not None:
+                _unlink_quietly(path)
+        if self.auth is not None:
+            self.auth.stop()
+        self.ctx.term()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    # -- signals -------------------------------------------------------------------------------
+
+    def _install_signal_handlers(self):
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        old_fd = signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        return old_fd, old
+
+    def _restore_signal_handlers(self, old_handlers) -> None:
+        old_fd, old = old_handlers
+        signal.set_wakeup_fd(old_fd)
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.stop_reason is None:
+            self.stop_reason = signal.Signals(signum).name
+
+    # -- frontends -----------------------------------------------------------------------------
+
+    def _is_idle(self) -> bool:
+        return not self.in_flight and not self.scheduler.has_unfinished_requests()
+
+    def _drain_frontends(self, block: bool, max_wait: float = _HOUSEKEEPING_S) -> None:
+        """Handle every queued frontend frame; when `block`, first wait for one (or a timer)."""
+        if block:
+            poller = zmq.Poller()
+            poller.register(self.sock, zmq.POLLIN)
+            poller.register(self._wake_r.fileno(), zmq.POLLIN)
+            for fd in self.executor.wait_fds():
+                poller.register(fd, zmq.POLLIN)
+            events = dict(poller.poll(int(min(self._idle_wait(), max_wait) * 1000)))
+            if self._wake_r.fileno() in events:
+                _drain_socket(self._wake_r)
+            self.executor.check_alive()
+        while self.stop_reason is None:
+            try:
+                frames = self.sock.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._on_frames(frames)
+
+    def _idle_wait(self) -> float:
+        """Seconds an idle poll may wait: until the next frontend could time out, at most 1 s."""
+        if not self.frontends:
+            return _HOUSEKEEPING_S
+        oldest = min(f.last_seen for f in self.frontends.values())
+        return min(_HOUSEKEEPING_S, max(oldest + self.frontend_timeout - time.monotonic(), 0.01))
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        identity = frames[0]
+        client_id = identity.decode("utf-8", "replace")
+        if len(frames) != 2:
+            self.decoder.drop(f"{len(frames) - 1} frames where one was expected", client_id)
+            return
+        msg = self.decoder.decode(frames[1], sender=client_id)
+        if msg is None:
+            return
+        frontend = self.frontends.get(client_id)
+        if frontend is None:
+            frontend = self.frontends[client_id] = _Frontend(client_id, time.monotonic())
+            logger.info("frontend %r attached", client_id)
+        frontend.last_seen = time.monotonic()
+        self._dispatch(frontend, msg)
+
+    def _dispatch(self, frontend: _Frontend, msg) -> None:
+        if isinstance(msg, AddRequest):
+            self._add_request(frontend.client_id, msg)
+        elif isinstance(msg, Abort):
+            self._send_outputs(self.scheduler.abort(msg.req_ids))
+        elif isinstance(msg, Hello):
+            frontend.kind, frontend.pid = msg.kind, msg.pid
+            self._send(frontend.client_id, self.info)
+        elif isinstance(msg, StatsQuery):
+            self._send(frontend.client_id, EngineOutputs(outputs=[], stats=self.scheduler.stats(),
+                                                          timestamp=time.time()))
+        elif isinstance(msg, Goodbye):
+            num_aborted = self.scheduler.abort_client(frontend.client_id)
+            del self.frontends[frontend.client_id]
+            logger.info("frontend %r detached (%d unfinished requests aborted)",
+                        frontend.client_id, num_aborted)
+        elif not isinstance(msg, Heartbeat):
+            logger.warning("unhandled frontend message %s", type(msg).__name__)
+
+    def _add_request(self, client_id: str, msg: AddRequest) -> None:
+        try:
+            self.scheduler.add(Request.from_add(msg, client_id))
+        except ValueError as e:
+            logger.warning("request %r from %r refused: %s", msg.req_id, client_id, e)
+            error = RequestOutput(msg.req_id, b"", FinishReason.ERROR, error=str(e))
+            self._send(client_id, EngineOutputs([error], timestamp=time.time()))
+
+    def _expire_silent_frontends(self) -> None:
+        now = time.monotonic()
+        for client_id, frontend in list(self.frontends.items()):
+            silent = now - frontend.last_seen
+            if silent > self.frontend_timeout:
+                num_aborted = self.scheduler.abort_client(client_id)
+                del self.frontends[client_id]
+                logger.warning("frontend %r silent for %.1f s (timeout %.1f s): aborted its %d "
+                               "unfinished requests", client_id, silent, self.frontend_timeout,
+                               num_aborted)
+
+    def _send(self, client_id: str, msg) -> None:
+        self.sock.send_multipart([client_id.encode("utf-8"), encode(msg)], copy=False)
+
+    def _send_outputs(self, outputs_by_client: dict[str, list[RequestOutput]]) -> None:
+        now = time.time()
+        for client_id, outputs in outputs_by_client.items():
+            if outputs:
+                self._send(client_id, EngineOutputs(outputs, timestamp=now))
+
+    def _broadcast_dead(self, reason: str) -> None:
+        for client_id in self.frontends:
+            self._send(client_id, EngineDead(reason))
+
+    def _refuse_pending_hellos(self, reason: str) -> None:
+        """Start-up failed: tell every frontend that already knocked, so none waits forever."""
+        while True:
+            try:
+                frames = self.sock.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self.frontends.setdefault(frames[0].decode("utf-8", "replace"),
+                                      _Frontend(frames[0].decode("utf-8", "replace"), 0.0))
+        self._broadcast_dead(reason)
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def _step(self) -> None:
+        """schedule → submit → (async: schedule the next one first) → collect → update → route.
+
+        With async scheduling up to two plans are in flight: a new plan is submitted before
+        the oldest one's tokens are collected, so the workers never wait for the scheduler.
+        """
+        if len(self.in_flight) < self.depth and self.scheduler.has_unfinished_requests():
+            plan = self.scheduler.schedule()
+            self.in_flight.append(plan)
+            if _has_work(plan):
+                self.executor.submit(plan)
+            if len(self.in_flight) < self.depth:
+                return  # async: fill the queue before waiting for a result
+        if not self.in_flight:
+            return
+        plan = self.in_flight[0]
+        sampled = self._collect() if _has_work(plan) else SampledTokens(plan.step_id, [], b"")
+        self.in_flight.popleft()
+        self._send_outputs(self.scheduler.update(plan, sampled))
+        if not _has_work(plan) and not self.in_flight:
+            # The scheduler had nothing to run (say, every waiting request lacks blocks):
+            # wait briefly for a frontend instead of spinning.
+            self._drain_frontends(block=True, max_wait=0.05)
+
+    def _collect(self) -> SampledTokens:
+        return self.executor.collect(timeout=None)
+
+    # -- progress log --------------------------------------------------------------------------
+
+    def _log_progress(self) -> None:
+        now = time.monotonic()
+        if now - self._last_log < LOG_INTERVAL_S:
+            return
+        stats = self.scheduler.stats()
+        prev = self._last_logged_stats
+        elapsed, self._last_log = now - self._last_log, now
+        self._last_logged_stats = stats
+        if prev is not None and stats.num_steps == prev.num_steps:
+            return  # nothing happened: stay quiet while idle
+        prompt = stats.prompt_tokens - (prev.prompt_tokens if prev else 0)
+        gen = stats.generation_tokens - (prev.generation_tokens if prev else 0)
+        hit_rate = (stats.prefix_cache_hits / stats.prefix_cache_queries
+                    if stats.prefix_cache_queries else 0.0)
+        logger.info(
+            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+            "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
+            "Prefix cache hit rate: %.1f%%, Preemptions: %d", prompt / elapsed, gen / elapsed,
+            stats.num_running, stats.num_waiting, 100 * stats.kv_cache_usage, 100 * hit_rate,
+            stats.num_preemptions)
+
+
+def _has_work(plan: BatchPlan) -> bool:
+    """A plan the workers must see: tokens to compute, or requests to drop from their batch."""
+    return bool(plan.new_requests or plan.cached_requests or plan.finished_req_ids
+                or plan.preempted_req_ids)
+
+
+def _drain_socket(sock: socket.socket) -> None:
+    try:
+        while sock.recv(4096):
+            pass
+    except (BlockingIOError, InterruptedError):
+        pass
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------
+# entry points
+
+
+def add_daemon_args(parser: argparse.ArgumentParser) -> None:
+    """Add --listen, --engine-key-file, --frontend-timeout, --worker-timeout, --log-level and
+    --generate-key-file (the engine flags come from `add_engine_args`)."""
+    g = parser.add_argument_group("engine core daemon")
+    g.add_argument("--listen", default=None,
+                   help="ZeroMQ address frontends attach to: ipc://PATH or tcp://HOST:PORT "
+                        "(default: an ipc socket in a directory only you can read)")
+    g.add_argument("--engine-key-file", default=None,
+                   help="CURVE key file (required to listen on a non-loopback tcp address)")
+    g.add_argument("--frontend-timeout", type=float, default=DEFAULT_FRONTEND_TIMEOUT_S,
+                   help="abort the requests of a frontend silent for this many seconds "
+                        f"(default: {DEFAULT_FRONTEND_TIMEOUT_S:g})")
+    g.add_argument("--worker-timeout", type=float, default=DEFAULT_STEP_TIMEOUT_S,
+                   help="fail all requests if a worker does not finish a step within this "
+                        f"many seconds (default: {DEFAULT_STEP_TIMEOUT_S:g})")
+    g.add_argument("--log-level", default="INFO",
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper,
+                   help="log level of the engine core and its workers (default: INFO)")
+    g.add_argument("--generate-key-file", metavar="PATH", default=None,
+                   help="write a new CURVE key file to PATH and exit")
+
+
+def run_daemon(config: EngineConfig, listen: str | None = None, key_file: str | None = None,
+               frontend_timeout: float = DEFAULT_FRONTEND_TIMEOUT_S,
+               worker_timeout: float = DEFAULT_STEP_TIMEOUT_S, log_level: str = "INFO") -> int:
+    """Run an engine core in this process (main thread) until stopped; the exit code."""
+    listen = listen or default_engine_address()
+    return EngineCoreDaemon(config, listen, key_file, frontend_timeout, worker_timeout,
+                            log_level).run()
+
+
+def run_daemon_from_args(ns: argparse.Namespace) -> int:
+    """`tidal core`: run the daemon from parsed engine + daemon flags; the exit code."""
+    logging.basicConfig(level=ns.log_level,
+                        format="%(asctime)s %(levelname)s [tidal core] %(message)s")
+    if ns.generate_key_file:
+        write_key_file(ns.generate_key_file)
+        print(f"wrote CURVE key file {ns.generate_key_file} (mode 0600); give it to "
+              "`tidal core --engine-key-file` and to every frontend")
+        return EXIT_OK
+    try:
+        config = config_from_args(ns)
+        return run_daemon(config, ns.listen, ns.engine_key_file, ns.frontend_timeout,
+                          ns.worker_timeout, ns.log_level)
+    except ValueError as e:
+        logger.error("%s", e)
+        return EXIT_BAD_START
+
+
+def daemon_command(config: EngineConfig, listen: str, key_file: str | None = None,
+                   frontend_timeout: float = DEFAULT_FRONTEND_TIMEOUT_S,
+                   log_level: str = "INFO") -> list[str]:
+    """The argv that starts a daemon for `config` as a subprocess (for `LLM(model)`)."""
+    argv = [sys.executable, "-m", "tidal.engine_core.daemon", *config_to_argv(config),
+            "--listen", listen, "--frontend-timeout", repr(frontend_timeout),
+            "--log-level", log_level]
+    if key_file is not None:
+        argv += ["--engine-key-file", key_file]
+    return argv
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tidal core",
+                                     description="tidal engine-core daemon")
+    add_engine_args(parser)
+    add_daemon_args(parser)
+    return run_daemon_from_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,313 @@
+"""The executor: starts one worker process per tensor-parallel rank and feeds them plans.
+
+    executor = Executor(config, max_model_len)
+    num_blocks, max_model_len = executor.start()   # spawn ranks, handshake, InitKVCache
+    executor.submit(plan)                          # broadcast to every rank, do not wait
+    sampled = executor.collect(timeout)            # rank 0's SampledTokens, in step order
+    executor.shutdown()                            # Shutdown, join, kill stragglers
+
+Sockets (the engine core binds all of them in its private ipc directory):
+
+    one PUSH per rank ──BatchPlan / InitKVCache / Shutdown──► that rank's PULL
+    one PULL ◄──WorkerReady (every rank) / SampledTokens (rank 0) / WorkerFailed── all ranks
+
+One PUSH per rank (not a PUB): every rank must receive every plan, in order, and a PUSH with
+its single peer queues messages instead of dropping them while a subscriber joins, so no extra
+ready barrier is needed; the plan is encoded once and the same bytes are sent N times.
+
+Failures become `WorkerError`: a rank that exits (seen at once through a pidfd in the poll set,
+or by `Popen.poll`), a rank that reports `WorkerFailed`, or rank 0 silent for longer than
+`step_timeout` seconds on an outstanding step. This module never imports torch: the ranks are
+separate `python -m tidal.workers.proc` processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import zmq
+
+from tidal.engine_core.config import EngineConfig
+from tidal.ipc.messages import (
+    BatchPlan,
+    InitKVCache,
+    SampledTokens,
+    Shutdown,
+    WorkerFailed,
+    WorkerReady,
+)
+from tidal.ipc.transport import (
+    WorkerToCoreDecoder,
+    encode,
+    encode_worker_config,
+    free_tcp_port,
+    ipc_path,
+    new_private_address,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_STARTUP_TIMEOUT_S = 600.0
+"""Most seconds the ranks may take to load the model and report WorkerReady."""
+DEFAULT_STEP_TIMEOUT_S = 300.0
+"""Most seconds rank 0 may take to answer a step before the engine core gives up on it."""
+_SEND_TIMEOUT_MS = 5000
+
+
+class WorkerError(RuntimeError):
+    """A worker died, failed or hung; every in-flight request is lost."""
+
+
+@dataclass
+class _Rank:
+    """One worker process and the socket that feeds it."""
+
+    rank: int
+    proc: subprocess.Popen
+    plan_sock: zmq.Socket
+    plan_address: str
+    pidfd: int | None  # readable once the process exits (Linux >= 5.3), else None
+
+
+class Executor:
+    """Starts and feeds the worker processes of one engine core (see the module docstring)."""
+
+    def __init__(self, config: EngineConfig, max_model_len: int, ctx: zmq.Context | None = None,
+                 *, step_timeout: float = DEFAULT_STEP_TIMEOUT_S,
+                 startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S,
+                 log_level: str = "INFO") -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.step_timeout = step_timeout
+        self.startup_timeout = startup_timeout
+        self.log_level = log_level
+        self._own_ctx = ctx is None
+        self.ctx = ctx or zmq.Context()
+        self.decoder = WorkerToCoreDecoder()
+        self.ranks: list[_Rank] = []
+        self.result_address = new_private_address("results")
+        self.result_sock = self.ctx.socket(zmq.PULL)
+        self.result_sock.setsockopt(zmq.RCVHWM, 0)
+        self.result_sock.bind(self.result_address)
+        # step_id of each submitted plan whose SampledTokens have not come back yet, in order
+        self._pending: deque[int] = deque()
+        self._waiting_since = 0.0  # when rank 0 became busy with the oldest pending step
+        self._closed = False
+
+    # -- start-up ------------------------------------------------------------------------------
+
+    def start(self, stop_requested=lambda: False) -> tuple[int, int]:
+        """Spawn every rank, wait for all WorkerReady, send InitKVCache(minimum blocks).
+
+        Returns (num_kv_blocks, max_model_len): the smallest of what the ranks report.
+        Raises WorkerError when a rank fails, exits or the start-up timeout passes, and
+        InterruptedError when `stop_requested()` turns true while waiting.
+        """
+        dist_init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
+        for rank in range(self.config.parallel.tensor_parallel_size):
+            self.ranks.append(self._spawn(rank, dist_init_method))
+        readies = self._wait_ready(stop_requested)
+        num_blocks = min(r.num_kv_blocks for r in readies)
+        max_model_len = min([self.max_model_len] + [r.max_model_len for r in readies])
+        if len({r.num_kv_blocks for r in readies}) > 1:
+            logger.info("ranks report %s KV blocks; using the minimum, %d",
+                        [r.num_kv_blocks for r in readies], num_blocks)
+        self._broadcast(encode(InitKVCache(num_blocks)))
+        load_s = max(r.load_seconds for r in readies)
+        logger.info("%d worker(s) ready on %s in %.1f s: %d KV blocks of %d tokens, "
+                    "max_model_len %d", len(readies), readies[0].device, load_s, num_blocks,
+                    self.config.cache.block_size, max_model_len)
+        return num_blocks, max_model_len
+
+    def _spawn(self, rank: int, dist_init_method: str) -> _Rank:
+        plan_address = new_private_address(f"plan{rank}")
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(plan_address)
+        worker_config = self.config.worker_config(rank, self.max_model_len, dist_init_method)
+        cmd = [sys.executable, "-m", "tidal.workers.proc",
+               "--config", encode_worker_config(worker_config),
+               "--plan-address", plan_address, "--result-address", self.result_address,
+               "--parent-pid", str(os.getpid()), "--log-level", self.log_level]
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True)
+        try:
+            pidfd = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError):
+            pidfd = None
+        logger.debug("started worker rank %d as pid %d", rank, proc.pid)
+        return _Rank(rank, proc, sock, plan_address, pidfd)
+
+    def _wait_ready(self, stop_requested) -> list[WorkerReady]:
+        readies: dict[int, WorkerReady] = {}
+        deadline = time.monotonic() + self.startup_timeout
+        while len(readies) < len(self.ranks):
+            if stop_requested():
+                raise InterruptedError("stop requested during start-up")
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(len(self.ranks))) - set(readies))
+                raise WorkerError(f"worker rank(s) {missing} not ready after "
+                                  f"{self.startup_timeout:.0f} s")
+            msg = self._receive(timeout=0.2)
+            if isinstance(msg, WorkerReady):
+                readies[msg.rank] = msg
+            elif msg is not None:
+                logger.warning("unexpected %s from a worker during start-up", type(msg).__name__)
+        return [readies[r] for r in sorted(readies)]
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def submit(self, plan: BatchPlan) -> None:
+        """Send `plan` to every rank; returns at once. Rank 0 will answer with SampledTokens."""
+        self.check_alive()
+        if not self._pending:
+            self._waiting_since = time.monotonic()
+        self._broadcast(encode(plan))
+        self._pending.append(plan.step_id)
+
+    @property
+    def num_pending(self) -> int:
+        """Submitted steps whose tokens have not been collected yet."""
+        return len(self._pending)
+
+    def collect(self, timeout: float | None = None) -> SampledTokens | None:
+        """The oldest pending step's tokens, or None if they are not back within `timeout` s.
+
+        Raises WorkerError when a rank died or failed, or rank 0 exceeded `step_timeout`.
+        """
+        if not self._pending:
+            raise RuntimeError("collect() without a submitted step")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            hang_deadline = self._waiting_since + self.step_timeout
+            now = time.monotonic()
+            if now > hang_deadline:
+                raise WorkerError(f"worker rank 0 did not finish step {self._pending[0]} "
+                                  f"within {self.step_timeout:.0f} s")
+            if deadline is not None and now >= deadline:
+                return None
+            wait = hang_deadline - now if deadline is None else min(deadline, hang_deadline) - now
+            msg = self._receive(timeout=max(wait, 0.0))
+            if isinstance(msg, SampledTokens):
+                return self._accept(msg)
+            if msg is not None:
+                logger.warning("unexpected %s from a worker, ignored", type(msg).__name__)
+
+    def _accept(self, msg: SampledTokens) -> SampledTokens:
+        expected = self._pending[0]
+        if msg.step_id != expected:
+            raise WorkerError(f"worker rank 0 answered step {msg.step_id}, expected {expected}")
+        self._pending.popleft()
+        self._waiting_since = time.monotonic()
+        return msg
+
+    def _receive(self, timeout: float):
+        """One decoded message from the result socket within `timeout` s, or None.
+
+        Raises WorkerError on WorkerFailed or when a rank's process has exited.
+        """
+        poller = zmq.Poller()
+        poller.register(self.result_sock, zmq.POLLIN)
+        for r in self.ranks:
+            if r.pidfd is not None:
+                poller.register(r.pidfd, zmq.POLLIN)
+        events = dict(poller.poll(int(timeout * 1000)))
+        if self.result_sock in events:
+            msg = self.decoder.decode(self.result_sock.recv(), sender="worker")
+            if isinstance(msg, WorkerFailed):
+                raise WorkerError(f"worker rank {msg.rank} failed: "
+                                  f"{_last_line(msg.error)}")
+            return msg
+        self.check_alive()
+        return None
+
+    def check_alive(self) -> None:
+        """Raise WorkerError if any rank's process has exited."""
+        for r in self.ranks:
+            code = r.proc.poll()
+            if code is not None:
+                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                raise WorkerError(f"worker rank {r.rank} (pid {r.proc.pid}) {how}")
+
+    def wait_fds(self) -> list[int]:
+        """File descriptors that become readable when a rank exits (for an idle poll)."""
+        return [r.pidfd for r in self.ranks if r.pidfd is not None]
+
+    def _broadcast(self, frame: bytes) -> None:
+        for r in self.ranks:
+            try:
+                r.plan_sock.send(frame, copy=False)
+            except zmq.Again:
+                self.check_alive()
+                raise WorkerError(f"worker rank {r.rank} does not accept plans "
+                                  f"(nothing read for {_SEND_TIMEOUT_MS / 1000:.0f} s)") from None
+
+    # -- shut-down -----------------------------------------------------------------------------
+
+    def shutdown(self, grace: float = 5.0) -> None:
+        """Tell every rank to exit, wait up to `grace` s, then kill what is left. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        frame = encode(Shutdown())
+        for r in self.ranks:
+            if r.proc.poll() is None:
+                try:
+                    r.plan_sock.send(frame, flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+        deadline = time.monotonic() + grace
+        for r in self.ranks:
+            try:
+                r.proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            except subprocess.TimeoutExpired:
+                logger.warning("worker rank %d did not exit within %.0f s; killing it",
+                               r.rank, grace)
+                r.proc.kill()
+                r.proc.wait()
+        self._close_sockets()
+
+    def kill(self) -> None:
+        """SIGKILL every rank at once (after a failure) and reap them. Idempotent."""
+        if self._closed:
+            return
+        for r in self.ranks:
+            if r.proc.poll() is None:
+                r.proc.kill()
+        for r in self.ranks:
+            r.proc.wait()
+        self._closed = True
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for r in self.ranks:
+            r.plan_sock.close(linger=0)
+            if r.pidfd is not None:
+                os.close(r.pidfd)
+                r.pidfd = None
+            _unlink(r.plan_address)
+        self.result_sock.close(linger=0)
+        _unlink(self.result_address)
+        if self._own_ctx:
+            self.ctx.term()
+
+
+def _unlink(address: str) -> None:
+    path = ipc_path(address)
+    if path is not None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else text

@@ -1,0 +1,150 @@
+"""The worker process: ZeroMQ sockets around one `Worker` (one tensor-parallel rank).
+
+Started by the engine core's executor as
+
+    python -m tidal.workers.proc --config B64 --plan-address A --result-address B --parent-pid P
+
+where B64 is the msgpack-encoded `WorkerConfig` (see `tidal.ipc.transport.encode_worker_config`).
+
+Conversation (the engine core binds both sockets, the worker connects):
+
+    plan PULL  ◄── CoreToWorker: InitKVCache once, then BatchPlan per step, Shutdown at the end
+    result PUSH ──► WorkerToCore: WorkerReady after loading (every rank), SampledTokens per
+                    step (rank 0 only), WorkerFailed if anything raises (then exit 1)
+
+The worker never outlives the engine core: it asks Linux to SIGKILL it when its parent dies
+(PR_SET_PDEATHSIG) and also checks its parent pid whenever the plan socket is quiet. SIGINT is
+ignored (a Ctrl-C reaches the whole process group; the engine core decides, then sends Shutdown).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import sys
+import traceback
+
+import zmq
+
+from tidal.ipc.messages import (
+    BatchPlan,
+    InitKVCache,
+    SampledTokens,
+    Shutdown,
+    WorkerConfig,
+    WorkerFailed,
+)
+from tidal.ipc.transport import CoreToWorkerDecoder, decode_worker_config, encode
+
+logger = logging.getLogger(__name__)
+
+_PARENT_CHECK_MS = 1000
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when the parent dies; exit now if it already has."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            logger.debug("prctl(PR_SET_PDEATHSIG) unavailable; relying on parent pid checks")
+    if os.getppid() != parent_pid:
+        os._exit(0)
+
+
+class WorkerProcess:
+    """Sockets, handshake and step loop of one rank; `run()` returns the exit code."""
+
+    def __init__(self, config: WorkerConfig, plan_address: str, result_address: str,
+                 parent_pid: int) -> None:
+        self.config = config
+        self.parent_pid = parent_pid
+        self.ctx = zmq.Context()
+        # Plans first: the core starts sending only after every rank has said ready.
+        self.plan_sock = self.ctx.socket(zmq.PULL)
+        self.plan_sock.setsockopt(zmq.RCVHWM, 0)
+        self.plan_sock.connect(plan_address)
+        self.result_sock = self.ctx.socket(zmq.PUSH)
+        self.result_sock.setsockopt(zmq.SNDHWM, 0)
+        self.result_sock.setsockopt(zmq.LINGER, 2000)
+        self.result_sock.connect(result_address)
+        self.decoder = CoreToWorkerDecoder()
+        self.worker = None
+
+    def run(self) -> int:
+        try:
+            from tidal.workers.worker import Worker
+
+            self.worker = Worker(self.config)
+            self.worker.load()
+            self.result_sock.send(encode(self.worker.ready_message()))
+            self._loop()
+            return 0
+        except Exception:  # noqa: BLE001 - report anything to the core, then exit non-zero
+            error = traceback.format_exc()
+            logger.error("worker rank %d failed:\n%s", self.config.rank, error)
+            self.result_sock.send(encode(WorkerFailed(self.config.rank, error[-4000:])))
+            return 1
+        finally:
+            self._close()
+
+    def _loop(self) -> None:
+        while True:
+            if not self.plan_sock.poll(_PARENT_CHECK_MS):
+                if os.getppid() != self.parent_pid:
+                    logger.warning("worker rank %d: engine core is gone, exiting",
+                                   self.config.rank)
+                    return
+                continue
+            msg = self.decoder.decode(self.plan_sock.recv())
+            if isinstance(msg, BatchPlan):
+                self._execute(msg)
+            elif isinstance(msg, InitKVCache):
+                self.worker.init_kv_cache(msg.num_blocks)
+            elif isinstance(msg, Shutdown):
+                return
+
+    def _execute(self, plan: BatchPlan) -> None:
+        sampled = self.worker.execute(plan)
+        if self.config.rank != 0:
+            return
+        if sampled is None:  # nothing sampled this step: still answer, the core waits
+            sampled = SampledTokens(plan.step_id, [], b"")
+        self.result_sock.send(encode(sampled))
+
+    def _close(self) -> None:
+        if self.worker is not None:
+            try:
+                self.worker.shutdown()
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                logger.exception("worker rank %d: shutdown failed", self.config.rank)
+        self.plan_sock.close(linger=0)
+        self.result_sock.close()
+        self.ctx.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="tidal worker process (started by tidal core)")
+    parser.add_argument("--config", required=True, help="base64 msgpack WorkerConfig")
+    parser.add_argument("--plan-address", required=True)
+    parser.add_argument("--result-address", required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent(args.parent_pid)
+    config = decode_worker_config(args.config)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s [tidal worker {config.rank}] %(name)s: %(message)s")
+    proc = WorkerProcess(config, args.plan_address, args.result_address, args.parent_pid)
+    return proc.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
