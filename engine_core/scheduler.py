@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import struct
 import time
-from typing import Iterable, NamedTuple
+from typing import Iterable
 
 from tidal.engine_core.config import EngineConfig, check_lengths
 from tidal.engine_core.kv_cache_manager import KVCacheManager
@@ -44,13 +44,6 @@ Outputs = dict[str, list[RequestOutput]]
 """client_id -> outputs for that frontend, in order."""
 
 
-class _Scheduled(NamedTuple):
-    request: Request
-    num_new_tokens: int
-    new_block_ids: list[int]
-    admitted: bool  # admitted from the waiting queue this step (blocks published already)
-
-
 class _Step:
     """Scratch state of one schedule() call."""
 
@@ -59,8 +52,9 @@ class _Step:
     def __init__(self, step_id: int, budget: int) -> None:
         self.step_id = step_id
         self.budget = budget
-        self.scheduled: dict[str, _Scheduled] = {}
-        """req_id -> what it runs this step, in batch order."""
+        self.scheduled: dict[str, tuple[Request, int, list[int], bool]] = {}
+        """req_id -> (request, num_new_tokens, new_block_ids, admitted this step), in batch
+        order; blocks of requests admitted this step are published already."""
         self.preempted_req_ids: list[str] = []
         self.num_preempted = 0
 
@@ -206,30 +200,42 @@ class Scheduler:
         blocks. Full blocks are published only after the pass, when nothing can be undone."""
         cap = self._long_prefill_cap()
         max_model_len = self.max_model_len
-        allocate = self.kv_cache_manager.allocate_slots
+        block_size = self.block_size
+        kv = self.kv_cache_manager
+        req_blocks = kv.req_blocks
+        scheduled = step.scheduled
+        budget = step.budget
         for request in list(self.running):
-            if step.budget <= 0:
+            if budget <= 0:
                 break
             if request.status != _RUNNING:  # preempted earlier in this pass
                 continue
-            num_projected = len(request.all_token_ids) + request.num_output_placeholders
-            if (num_projected >= max_model_len or len(request.output_token_ids)
-                    + request.num_output_placeholders >= request.max_tokens):
+            placeholders = request.num_output_placeholders
+            num_projected = len(request.all_token_ids) + placeholders
+            if (num_projected >= max_model_len
+                    or len(request.output_token_ids) + placeholders >= request.max_tokens):
                 continue  # its last token is in flight: scheduling more would be wasted
-            num_new = num_projected - request.num_computed_tokens
+            num_computed = request.num_computed_tokens
+            num_new = num_projected - num_computed
             if cap and num_new > cap:
                 num_new = cap
-            if num_new > step.budget:
-                num_new = step.budget
-            new_block_ids = allocate(request, num_new, publish=False)
-            if new_block_ids is None:
-                new_block_ids = self._preempt_until_fits(request, num_new, step)
+            if num_new > budget:
+                num_new = budget
+            if num_computed + num_new <= len(req_blocks[request.req_id]) * block_size:
+                new_block_ids = []  # fast path: the last block has room (most decodes)
+            else:
+                new_block_ids = kv.allocate_slots(request, num_new, publish=False)
                 if new_block_ids is None:
-                    if self.policy == "fcfs":
-                        break  # it was the last running request
-                    continue  # lower-priority ones are gone; later ones may still fit
-            step.scheduled[request.req_id] = _Scheduled(request, num_new, new_block_ids, False)
-            step.budget -= num_new
+                    step.budget = budget
+                    new_block_ids = self._preempt_until_fits(request, num_new, step)
+                    budget = step.budget
+                    if new_block_ids is None:
+                        if self.policy == "fcfs":
+                            break  # it was the last running request
+                        continue  # lower-priority ones are gone; later ones may still fit
+            scheduled[request.req_id] = (request, num_new, new_block_ids, False)
+            budget -= num_new
+        step.budget = budget
 
     def _preempt_until_fits(self, request: Request, num_new: int,
                             step: _Step) -> list[int] | None:
@@ -258,7 +264,7 @@ class Scheduler:
             self.running.remove(victim)
         undone = step.scheduled.pop(victim.req_id, None)
         if undone is not None:
-            step.budget += undone.num_new_tokens
+            step.budget += undone[1]
         num_lost = victim.num_computed_tokens
         self.kv_cache_manager.free(victim)
         victim.status = RequestStatus.PREEMPTED
@@ -305,7 +311,7 @@ class Scheduler:
             if now is None:
                 now = self.clock()
             self._admit(request, num_hit, now)
-            step.scheduled[request.req_id] = _Scheduled(request, num_new, new_block_ids, True)
+            step.scheduled[request.req_id] = (request, num_new, new_block_ids, True)
             step.budget -= num_new
 
     def _admit(self, request: Request, num_hit: int, now: float) -> None:
@@ -329,20 +335,24 @@ class Scheduler:
         """Advance every scheduled request's counters and describe the step for the workers:
         full data for requests they do not hold, deltas for the rest."""
         kv = self.kv_cache_manager
-        publish = kv.publish_full_blocks if kv.enable_caching else None
+        caching = kv.enable_caching
+        num_cached_blocks = kv.num_cached_blocks
+        block_size = self.block_size
         new_reqs, cached_reqs = [], []
-        total = 0
+        total = num_prompt_tokens = 0
         for request, num_new, new_block_ids, admitted in step.scheduled.values():
             start = request.num_computed_tokens
             end = start + num_new
             total += num_new
-            if publish is not None and not admitted:
-                publish(request, end)
+            num_tokens = len(request.all_token_ids)
+            if (caching and not admitted and (end if end < num_tokens else num_tokens)
+                    // block_size > num_cached_blocks[request.req_id]):
+                kv.publish_full_blocks(request, end)
             request.num_computed_tokens = end
-            if end >= len(request.all_token_ids) + request.num_output_placeholders:
+            if end >= num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # this step samples a token
             if start < request.num_prompt_tokens:
-                self.prompt_tokens += min(end, request.num_prompt_tokens) - start
+                num_prompt_tokens += min(end, request.num_prompt_tokens) - start
             if request.in_worker:
                 cached_reqs.append(CachedRequestData(request.req_id, new_block_ids, start,
                                                      num_new))
@@ -351,7 +361,8 @@ class Scheduler:
                 new_reqs.append(NewRequestData(
                     request.req_id, pack_token_ids(request.all_token_ids),
                     request.num_prompt_tokens, kv.get_block_ids(request.req_id), start,
-                    num_new, request.sampling))
+                    num_new, request.sampling, request.eos_token_id))
+        self.prompt_tokens += num_prompt_tokens
         if total:
             self.num_steps += 1
         finished, self._finished_req_ids = self._finished_req_ids, []
@@ -369,6 +380,7 @@ class Scheduler:
         outputs: Outputs = {}
         step_id = plan.step_id
         requests = self.requests
+        max_model_len = self.max_model_len
         token_ids = unpack_token_ids(sampled.token_ids)
         logprobs = sampled.logprobs
         num_finished = num_accepted = 0
@@ -380,15 +392,19 @@ class Scheduler:
             token = token_ids[i]
             num_accepted += 1
             request.num_output_placeholders -= 1
-            request.output_token_ids.append(token)
+            output_token_ids = request.output_token_ids
+            output_token_ids.append(token)
             request.all_token_ids.append(token)
-            status = self._check_stop(request, token)
             lp = logprobs[i] if logprobs else None
             out = RequestOutput(req_id, _pack_one(token), None, None,
-                                [lp] if lp is not None else None)
+                                None if lp is None else [lp])
             if not request.first_output_sent:
                 self._mark_first_output(request, out)
-            if status is not None:
+            num_output = len(output_token_ids)
+            if (num_output >= request.max_tokens or len(request.all_token_ids) >= max_model_len
+                    or (num_output > request.min_tokens and (
+                        token == request.eos_token_id or token in request.stop_token_ids))):
+                status = self._check_stop(request, token)
                 out.finish_reason = status.finish_reason
                 out.stop_reason = request.stop_reason
                 self._finish(request, status)
