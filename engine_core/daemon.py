@@ -118,6 +118,7 @@ class EngineCoreDaemon:
     def run(self) -> int:
         """Serve until a signal or a worker failure; returns the process exit code."""
         old_handlers = self._install_signal_handlers()
+        code = EXIT_WORKER_FAILED
         try:
             code = self._start()
             if code is None:
@@ -126,6 +127,7 @@ class EngineCoreDaemon:
         finally:
             self._close()
             self._restore_signal_handlers(old_handlers)
+            logger.info("engine core stopped (exit code %d)", code)
 
     def _start(self) -> int | None:
         """Bind, start the workers, build the scheduler. An exit code on failure, else None."""

@@ -1,0 +1,511 @@
+"""The engine-core daemon as a real process tree, driven through raw DEALER sockets.
+
+Each daemon here is `python -m tidal.engine_core.daemon` with the tiny random Llama; the
+tests speak the wire messages directly (no frontend library), so they check the daemon alone:
+greedy tokens equal transformers' generate(); each client gets only its own outputs; a silent
+client's requests are aborted and the block pool returns to all free; garbage is dropped;
+a killed worker fails every in-flight request and the daemon exits non-zero with no process
+left behind; SIGTERM exits cleanly; async and sync scheduling give the same tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import zmq
+
+from tidal.ipc.messages import (
+    AddRequest,
+    BatchPlan,
+    EngineDead,
+    EngineInfo,
+    EngineOutputs,
+    FinishReason,
+    Heartbeat,
+    Hello,
+    SamplingParams,
+    StatsQuery,
+    pack_token_ids,
+    unpack_token_ids,
+)
+from tidal.ipc.transport import (
+    CoreToFrontendDecoder,
+    connect_frontend_socket,
+    encode,
+    free_tcp_port,
+    ipc_path,
+    new_private_address,
+    write_key_file,
+)
+
+MAX_TOKENS = 12
+PROMPT_LENS = [3, 7, 12, 17, 25, 33, 40, 5]
+STARTUP_TIMEOUT_S = 90.0
+FRONTEND_TIMEOUT_S = 2.0
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers: a daemon process and a raw client
+
+
+def _child_pids(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+class Daemon:
+    """A `tidal core` subprocess; its log goes to a file shown when a test fails."""
+
+    def __init__(self, model: str, log_path: str, *flags: str, listen: str | None = None):
+        self.address = listen or new_private_address("test-daemon")
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "tidal.engine_core.daemon", model,
+               "--listen", self.address, "--num-gpu-blocks-override", "512",
+               "--max-num-seqs", "8", "--frontend-timeout", str(FRONTEND_TIMEOUT_S),
+               "--log-level", "INFO", *flags]
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+
+    def log_text(self) -> str:
+        self.log.flush()
+        with open(self.log_path) as f:
+            return f.read()
+
+    def workers(self) -> list[int]:
+        return _child_pids(self.proc.pid)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                for pid in self.workers():
+                    os.kill(pid, signal.SIGKILL)
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+class Client:
+    """A frontend made of one DEALER socket; it heartbeats while it waits (unless told not to)."""
+
+    def __init__(self, ctx, address: str, client_id: str, key_file: str | None = None):
+        self.client_id = client_id
+        self.sock = connect_frontend_socket(ctx, address, client_id, key_file)
+        self.decoder = CoreToFrontendDecoder()
+        self.heartbeat = True
+        self._last_heartbeat = 0.0
+        self.tokens: dict[str, list[int]] = {}
+        self.finish: dict[str, FinishReason] = {}
+        self.errors: dict[str, str | None] = {}
+        self.foreign: list[str] = []  # outputs for requests this client never sent
+        self.sent: set[str] = set()
+        self.dead: EngineDead | None = None
+        self.last_stats = None
+
+    def send(self, msg) -> None:
+        self.sock.send(encode(msg))
+
+    def hello(self, timeout: float = STARTUP_TIMEOUT_S) -> EngineInfo:
+        self.send(Hello(self.client_id, pid=os.getpid()))
+        info = self.recv_until(lambda m: isinstance(m, EngineInfo), timeout)
+        assert isinstance(info, EngineInfo), "no EngineInfo from the daemon"
+        return info
+
+    def add(self, req_id: str, prompt: list[int], max_tokens: int = MAX_TOKENS,
+            eos_token_id: int | None = None, **sampling) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, **sampling)
+        self.sent.add(req_id)
+        self.tokens[req_id] = []
+        self.send(AddRequest(req_id, pack_token_ids(prompt), params, eos_token_id=eos_token_id,
+                             arrival_time=time.time()))
+
+    def _beat(self) -> None:
+        now = time.monotonic()
+        if self.heartbeat and now - self._last_heartbeat > 0.4:
+            self.send(Heartbeat(self.client_id))
+            self._last_heartbeat = now
+
+    def _take(self, msg) -> None:
+        if isinstance(msg, EngineDead):
+            self.dead = msg
+        elif isinstance(msg, EngineOutputs):
+            if msg.stats is not None:
+                self.last_stats = msg.stats
+            for out in msg.outputs:
+                if out.req_id not in self.sent:
+                    self.foreign.append(out.req_id)
+                    continue
+                self.tokens[out.req_id] += unpack_token_ids(out.new_token_ids).tolist()
+                if out.finish_reason is not None:
+                    self.finish[out.req_id] = out.finish_reason
+                    self.errors[out.req_id] = out.error
+
+    def recv_until(self, done, timeout: float):
+        """Receive (and record) messages until `done(msg)`; returns that message or None."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._beat()
+            if not self.sock.poll(100):
+                continue
+            msg = self.decoder.decode(self.sock.recv())
+            self._take(msg)
+            if msg is not None and done(msg):
+                return msg
+        return None
+
+    def wait_finished(self, req_ids, timeout: float = 30.0) -> None:
+        req_ids = set(req_ids)
+        self.recv_until(lambda m: req_ids <= set(self.finish), timeout)
+        missing = req_ids - set(self.finish)
+        assert not missing, f"{self.client_id}: no finish for {sorted(missing)}"
+
+    def stats(self, timeout: float = 10.0):
+        self.send(StatsQuery(self.client_id))
+        msg = self.recv_until(lambda m: isinstance(m, EngineOutputs) and m.stats is not None,
+                              timeout)
+        assert msg is not None, "no answer to StatsQuery"
+        return msg.stats
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# fixtures
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(1234)
+    return [[rng.randrange(3, 512) for _ in range(n)] for n in PROMPT_LENS]
+
+
+@pytest.fixture(scope="module")
+def eos_id(tiny_llama):
+    import json
+
+    with open(os.path.join(tiny_llama, "config.json")) as f:
+        return json.load(f)["eos_token_id"]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama, prompts):
+    """transformers' greedy generate(), one prompt at a time (stops at EOS like the engine)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=MAX_TOKENS)
+            out.append(gen[0, len(p):].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def zctx():
+    ctx = zmq.Context()
+    yield ctx
+    ctx.term()
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_llama, tmp_path_factory, reference):
+    """One async-scheduling daemon shared by the tests that do not kill it."""
+    d = Daemon(tiny_llama, str(tmp_path_factory.mktemp("daemon") / "core.log"))
+    yield d
+    d.stop()
+    assert d.proc.returncode == 0, d.log_text()
+
+
+def _run_prompts(client: Client, prefix: str, prompts, eos_id) -> list[list[int]]:
+    for i, p in enumerate(prompts):
+        client.add(f"{prefix}-{i}", p, eos_token_id=eos_id)
+    client.wait_finished([f"{prefix}-{i}" for i in range(len(prompts))])
+    return [client.tokens[f"{prefix}-{i}"] for i in range(len(prompts))]
+
+
+def _expected_finish(tokens: list[int], eos_id: int) -> FinishReason:
+    return FinishReason.STOP if tokens and tokens[-1] == eos_id else FinishReason.LENGTH
+
+
+# ---------------------------------------------------------------------------------------------
+# tests on the shared daemon
+
+
+@pytest.mark.timeout(120)
+def test_greedy_equals_transformers(daemon, zctx, prompts, reference, eos_id):
+    client = Client(zctx, daemon.address, "greedy")
+    try:
+        info = client.hello()
+        assert info.block_size == 16 and info.num_kv_blocks == 512
+        assert info.max_model_len == 512 and info.max_num_seqs == 8
+        got = _run_prompts(client, "g", prompts, eos_id)
+        assert got == reference, daemon.log_text()
+        for i, tokens in enumerate(got):
+            assert client.finish[f"g-{i}"] == _expected_finish(tokens, eos_id)
+        assert not client.foreign
+    finally:
+        client.close()
+
+
+@pytest.mark.timeout(120)
+def test_clients_get_only_their_own_outputs(daemon, zctx, prompts, reference, eos_id):
+    a, b = Client(zctx, daemon.address, "alpha"), Client(zctx, daemon.address, "beta")
+    try:
+        a.hello()
+        b.hello()
+        # Interleave the two clients' requests so they share steps.
+        for i, p in enumerate(prompts):
+            (a if i % 2 == 0 else b).add(f"{'a' if i % 2 == 0 else 'b'}-{i}", p,
+                                         eos_token_id=eos_id)
+        a.wait_finished([f"a-{i}" for i in range(0, len(prompts), 2)])
+        b.wait_finished([f"b-{i}" for i in range(1, len(prompts), 2)])
+        for i in range(len(prompts)):
+            owner = a if i % 2 == 0 else b
+            assert owner.tokens[f"{'a' if i % 2 == 0 else 'b'}-{i}"] == reference[i]
+        assert not a.foreign and not b.foreign
+        late = Client(zctx, daemon.address, "gamma")  # attaches while the others stay
+        try:
+            late.hello()
+            assert _run_prompts(late, "c", prompts[:2], eos_id) == reference[:2]
+            assert not late.foreign
+        finally:
+            late.close()
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.timeout(120)
+def test_silent_frontend_is_aborted_and_blocks_freed(daemon, zctx, prompts, reference, eos_id):
+    """A client that stops heartbeating loses its requests within the timeout; blocks return."""
+    watcher = Client(zctx, daemon.address, "watcher")
+    silent = Client(zctx, daemon.address, "silent")
+    try:
+        watcher.hello()
+        silent.hello()
+        watcher.add("w-0", prompts[0], eos_token_id=eos_id)
+        # 16 requests x 480 tokens with 8 running at a time: many seconds of work.
+        silent.heartbeat = False
+        for i in range(16):
+            silent.add(f"s-{i}", prompts[i % len(prompts)], max_tokens=480, ignore_eos=True)
+        t0 = time.monotonic()
+        watcher.wait_finished(["w-0"])
+        assert watcher.tokens["w-0"] == reference[0]
+        assert watcher.stats().kv_cache_usage > 0  # the silent client's requests run
+        deadline = t0 + FRONTEND_TIMEOUT_S + 10
+        while time.monotonic() < deadline:
+            stats = watcher.stats()
+            if stats.num_running == 0 and stats.num_waiting == 0:
+                break
+            time.sleep(0.2)
+        assert stats.num_running == 0 and stats.num_waiting == 0, daemon.log_text()
+        assert stats.kv_cache_usage == 0.0
+        elapsed = time.monotonic() - t0
+        assert elapsed < FRONTEND_TIMEOUT_S + 10
+        # The silent client's requests were cut short, not finished.
+        silent.recv_until(lambda m: False, 0.5)
+        assert any(rid not in silent.finish for rid in silent.sent)
+        assert "silent" in daemon.log_text() and "aborted" in daemon.log_text()
+        # ... and the engine still serves the client that stayed.
+        watcher.add("w-1", prompts[1], eos_token_id=eos_id)
+        watcher.wait_finished(["w-1"])
+        assert watcher.tokens["w-1"] == reference[1]
+    finally:
+        watcher.close()
+        silent.close()
+
+
+@pytest.mark.timeout(120)
+def test_garbage_frames_dropped_and_daemon_keeps_serving(daemon, zctx, prompts, reference,
+                                                         eos_id):
+    evil = zctx.socket(zmq.DEALER)
+    evil.setsockopt(zmq.IDENTITY, b"evil")
+    evil.connect(daemon.address)
+    try:
+        for frame in [b"", b"\x00\x01", os.urandom(100), b"hello",
+                      encode(BatchPlan(1)),  # a worker message on the frontend socket
+                      encode(EngineInfo("m", 1, 1, 1, 1, 1)),  # a core-to-frontend message
+                      encode(AddRequest("x", b"", SamplingParams()))[:-3]]:  # truncated
+            evil.send(frame)
+        evil.send_multipart([b"", encode(Hello("evil"))])  # REQ-style envelope
+        evil.send_multipart([encode(Hello("evil")), b"tail"])  # extra part
+        # Raw bytes on the ipc socket itself, not even zmq framing.
+        path = ipc_path(daemon.address)
+        raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        raw.connect(path)
+        raw.sendall(os.urandom(4096))
+        raw.close()
+        # The same socket, now speaking properly, is served.
+        evil.send(encode(Hello("evil")))
+        decoder = CoreToFrontendDecoder()
+        assert evil.poll(10_000), daemon.log_text()
+        assert isinstance(decoder.decode(evil.recv()), EngineInfo)
+        client = Client(zctx, daemon.address, "after-garbage")
+        try:
+            client.hello()
+            assert _run_prompts(client, "ag", prompts[:3], eos_id) == reference[:3]
+        finally:
+            client.close()
+        assert "dropped a frame" in daemon.log_text()
+    finally:
+        evil.close(linger=0)
+
+
+@pytest.mark.timeout(60)
+def test_bad_request_answered_with_error(daemon, zctx):
+    client = Client(zctx, daemon.address, "bad-request")
+    try:
+        client.hello()
+        client.add("too-long", list(range(3, 3 + 600)))  # max_model_len is 512
+        client.add("empty", [])
+        client.wait_finished(["too-long", "empty"])
+        assert client.finish["too-long"] == FinishReason.ERROR
+        assert "512" in client.errors["too-long"]
+        assert client.finish["empty"] == FinishReason.ERROR
+    finally:
+        client.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# daemons of their own: sync scheduling + SIGTERM, CURVE + a killed worker
+
+
+@pytest.mark.timeout(150)
+def test_sync_scheduling_same_tokens_then_sigterm(tiny_llama, tmp_path, zctx, prompts,
+                                                   reference, eos_id):
+    d = Daemon(tiny_llama, str(tmp_path / "core.log"), "--no-async-scheduling")
+    try:
+        client = Client(zctx, d.address, "sync")
+        client.hello()
+        workers = d.workers()
+        assert len(workers) == 1
+        assert _run_prompts(client, "s", prompts, eos_id) == reference, d.log_text()
+        client.add("long", prompts[0], max_tokens=480, ignore_eos=True)
+        client.recv_until(lambda m: len(client.tokens["long"]) > 0, 20)
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.wait(timeout=20) == 0, d.log_text()
+        client.recv_until(lambda m: isinstance(m, EngineDead), 5)
+        assert client.dead is not None
+        assert client.finish.get("long") == FinishReason.ERROR
+        assert "SIGTERM" in client.errors["long"]
+        assert not any(_alive(pid) for pid in workers)
+        assert not os.path.exists(ipc_path(d.address))
+        client.close()
+    finally:
+        d.stop()
+
+
+@pytest.mark.timeout(150)
+def test_curve_then_worker_killed(tiny_llama, tmp_path, zctx, prompts, reference, eos_id):
+    """CURVE forced on 127.0.0.1: only the key file's client is served. Then SIGKILL the
+    worker: every in-flight request fails with an error, the daemon exits non-zero, no
+    process is left behind."""
+    key_file, other_keys = str(tmp_path / "engine.keys"), str(tmp_path / "other.keys")
+    write_key_file(key_file)
+    write_key_file(other_keys)
+    address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    d = Daemon(tiny_llama, str(tmp_path / "core.log"), "--engine-key-file", key_file,
+               listen=address)
+    try:
+        client = Client(zctx, address, "keyholder", key_file=key_file)
+        client.hello()
+        intruder = Client(zctx, address, "intruder", key_file=other_keys)
+        intruder.send(Hello("intruder"))
+        assert intruder.recv_until(lambda m: True, 1.0) is None
+        intruder.close()
+        assert _run_prompts(client, "k", prompts[:2], eos_id) == reference[:2]
+
+        workers = d.workers()
+        assert len(workers) == 1
+        for i in range(4):
+            client.add(f"doomed-{i}", prompts[i], max_tokens=480, ignore_eos=True)
+        client.recv_until(lambda m: all(client.tokens[f"doomed-{i}"] for i in range(4)), 20)
+        t0 = time.monotonic()
+        os.kill(workers[0], signal.SIGKILL)
+        client.wait_finished([f"doomed-{i}" for i in range(4)], timeout=10)
+        assert time.monotonic() - t0 < 10
+        for i in range(4):
+            assert client.finish[f"doomed-{i}"] == FinishReason.ERROR
+            assert "worker rank 0" in client.errors[f"doomed-{i}"]
+        client.recv_until(lambda m: isinstance(m, EngineDead), 5)
+        assert client.dead is not None
+        assert d.wait(timeout=10) != 0
+        assert not any(_alive(pid) for pid in workers)
+        client.close()
+    finally:
+        d.stop()
+
+
+@pytest.mark.timeout(150)
+def test_hung_worker_times_out_and_all_ranks_are_killed(tiny_llama, tmp_path, zctx, prompts):
+    """TP=2; rank 0 stops answering (SIGSTOP): past --worker-timeout every in-flight request
+    fails and the daemon kills both ranks."""
+    d = Daemon(tiny_llama, str(tmp_path / "core.log"), "--tensor-parallel-size", "2",
+               "--worker-timeout", "2")
+    try:
+        client = Client(zctx, d.address, "tp2")
+        client.hello()
+        workers = d.workers()
+        assert len(workers) == 2
+        client.add("hung", prompts[0], max_tokens=480, ignore_eos=True)
+        client.recv_until(lambda m: len(client.tokens["hung"]) > 0, 20)
+        os.kill(workers[0], signal.SIGSTOP)
+        t0 = time.monotonic()
+        client.wait_finished(["hung"], timeout=15)
+        assert 1.5 < time.monotonic() - t0 < 15
+        assert client.finish["hung"] == FinishReason.ERROR
+        assert "within 2 s" in client.errors["hung"]
+        assert d.wait(timeout=10) != 0
+        assert not any(_alive(pid) for pid in workers), d.log_text()
+        client.close()
+    finally:
+        d.stop()
+
+
+@pytest.mark.timeout(100)
+def test_workers_exit_when_the_daemon_dies(tiny_llama, tmp_path, zctx):
+    d = Daemon(tiny_llama, str(tmp_path / "core.log"))
+    try:
+        client = Client(zctx, d.address, "orphan")
+        client.hello()
+        workers = d.workers()
+        assert workers
+        d.proc.kill()
+        d.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in workers)
+        client.close()
+    finally:
+        d.stop()
