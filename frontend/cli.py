@@ -1,0 +1,140 @@
+"""The `tidal` command: a thin dispatcher over subcommands owned by other modules.
+
+    tidal core MODEL [engine flags] [--listen ADDRESS]   the engine-core daemon
+    tidal serve MODEL [engine flags] [server flags]      the OpenAI-compatible HTTP server
+    tidal generate "PROMPT" [--model MODEL | --engine ADDRESS] [sampling flags]
+    tidal bench ...                                      benchmarks
+
+Each subcommand's module exports `add_*_args(parser)` and `run_*(ns) -> int`. Only the chosen
+subcommand's module is imported, so `tidal core` starts without loading the HTTP server (or
+torch) into the daemon.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, function(s) adding its flags, function running it, one-line help)
+_SUBCOMMANDS: dict[str, tuple[str, tuple[str, ...], str, str]] = {
+    "core": ("tidal.engine_core.daemon", ("tidal.engine_core.args:add_engine_args",
+                                          "add_daemon_args"),
+             "run_daemon_from_args", "run the engine-core daemon (scheduler, KV cache, workers)"),
+    "serve": ("tidal.frontend.server.serve", ("add_serve_args",), "run_serve",
+              "run the OpenAI-compatible HTTP server (starts or attaches to an engine core)"),
+    "generate": ("tidal.frontend.cli", ("add_generate_args",), "run_generate",
+                 "print a completion of PROMPT"),
+    "bench": ("tidal.frontend.bench.cli", ("add_bench_args",), "run_bench",
+              "benchmarks (throughput, serving)"),
+}
+
+
+def _resolve(module: str, name: str):
+    if ":" in name:
+        module, name = name.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def build_parser(command: str | None) -> argparse.ArgumentParser:
+    """The `tidal` parser; only `command`'s flags are loaded (its module imported)."""
+    parser = argparse.ArgumentParser(prog="tidal", description="tidal LLM inference engine")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, adders, _, help_text) in _SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == command:
+            for adder in adders:
+                _resolve(module, adder)(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `tidal` console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv and argv[0] in _SUBCOMMANDS else None
+    try:
+        parser = build_parser(command)
+    except ImportError as e:
+        print(f"tidal {command}: not available in this install ({e})", file=sys.stderr)
+        return 2
+    ns = parser.parse_args(argv)
+    module, _, runner, _ = _SUBCOMMANDS[ns.command]
+    return int(_resolve(module, runner)(ns) or 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# tidal generate
+
+
+def add_generate_args(parser: argparse.ArgumentParser) -> None:
+    """PROMPT, sampling flags, --engine, and the engine flags (to start a private daemon)."""
+    from tidal.engine_core.args import add_engine_args
+
+    parser.add_argument("prompt", metavar="PROMPT", help="the text to complete")
+    add_engine_args(parser)
+    g = parser.add_argument_group("generation")
+    g.add_argument("--engine", default=None,
+                   help="attach to the engine core at this address instead of starting one")
+    g.add_argument("--engine-key-file", default=None, help="CURVE key file for --engine")
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (the default here)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--n", type=int, default=1, help="completions to print")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--sampling-seed", type=int, default=None, help="the request's own seed")
+
+
+def run_generate(ns: argparse.Namespace) -> int:
+    """Generate for one prompt and print the completion(s); the exit code."""
+    from tidal.engine_core.args import config_from_args
+    from tidal.frontend.async_llm import AsyncLLM, run
+    from tidal.frontend.llm import default_model
+    from tidal.ipc.messages import SamplingParams
+
+    try:
+        params = SamplingParams(n=ns.n, max_tokens=ns.max_tokens, temperature=ns.temperature,
+                                top_p=ns.top_p, top_k=ns.top_k, stop=ns.stop,
+                                seed=ns.sampling_seed)
+        config = None
+        if ns.engine is None:
+            if not (ns.model_tag or ns.model):
+                ns.model = default_model()
+            config = config_from_args(ns)
+    except ValueError as e:
+        print(f"tidal generate: {e}", file=sys.stderr)
+        return 2
+
+    async def go() -> int:
+        llm = await AsyncLLM.create(config, engine=ns.engine, key_file=ns.engine_key_file,
+                                    echo_daemon_output=False)
+        try:
+            async for out in llm.generate(ns.prompt, params):
+                for comp in out.outputs:
+                    if ns.n == 1:
+                        sys.stdout.write(comp.delta_text)
+                        sys.stdout.flush()
+                    elif comp.finish_reason is not None:
+                        print(f"--- completion {comp.index} ({comp.finish_reason})\n{comp.text}")
+                if out.finished and any(c.finish_reason == "error" for c in out.outputs):
+                    print(f"\ntidal generate: {out.outputs[0].error}", file=sys.stderr)
+                    return 1
+            if ns.n == 1:
+                print()
+            return 0
+        except ValueError as e:
+            print(f"tidal generate: {e}", file=sys.stderr)
+            return 2
+        finally:
+            await llm.close()
+
+    try:
+        return run(go())
+    except RuntimeError as e:
+        print(f"tidal generate: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

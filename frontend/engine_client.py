@@ -1,0 +1,211 @@
+"""A frontend's connection to the engine-core daemon, plus the tokenizer helpers both Python
+frontends share.
+
+Protocol (see tidal.ipc.transport): one DEALER per frontend (identity = client_id) to the
+daemon's ROUTER. The frontend sends `Hello` first; the daemon answers `EngineInfo` when ready.
+Then `AddRequest` / `Abort` / `StatsQuery` / `Goodbye`, and a `Heartbeat` every
+HEARTBEAT_INTERVAL_S (a silent frontend's requests are aborted by the daemon). The daemon sends
+`EngineOutputs` (only this frontend's requests) and `EngineDead`.
+
+`AsyncEngineClient` is a zmq.asyncio socket on the running loop plus one heartbeat task
+(`LLM` runs an `AsyncLLM` on a private event-loop thread, so this one client serves both).
+It watches the socket for a disconnect from the daemon (a daemon killed without a word) and
+turns it into an `EngineDead`, so no caller waits forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+import uuid
+
+import zmq
+import zmq.asyncio
+
+from tidal.ipc.messages import EngineDead, EngineInfo, Goodbye, Heartbeat, Hello
+from tidal.ipc.transport import (
+    HEARTBEAT_INTERVAL_S,
+    CoreToFrontendDecoder,
+    connect_frontend_socket,
+    encode,
+)
+
+logger = logging.getLogger(__name__)
+
+_LOST = "the connection to the engine core was lost (the daemon went away)"
+
+
+def make_client_id(kind: str = "python") -> str:
+    """A client id unique to this frontend: kind, pid and a random part."""
+    return f"{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenizer helpers
+
+
+def load_tokenizer(path: str):
+    """The model folder's fast tokenizer (offline; nothing is downloaded)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - a clear message beats transformers' traceback
+        raise ValueError(f"tokenizer: cannot load a tokenizer from {path!r}: {e}") from e
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        logger.warning("tokenizer at %s is not a fast tokenizer; detokenization is slower", path)
+    return tokenizer
+
+
+def read_eos_token_ids(model_dir: str, tokenizer) -> list[int]:
+    """EOS ids: generation_config.json's `eos_token_id` (int or list), else the tokenizer's.
+
+    The first is sent as the request's eos_token_id; any others act as stop token ids.
+    """
+    ids: list[int] = []
+    path = os.path.join(model_dir, "generation_config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f).get("eos_token_id")
+        ids = [value] if isinstance(value, int) else [v for v in value or [] if isinstance(v, int)]
+    except (OSError, ValueError, AttributeError):
+        pass
+    if not ids and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids = [tokenizer.eos_token_id]
+    return ids
+
+
+def encode_prompt(tokenizer, prompt: str | list[int], max_model_len: int) -> list[int]:
+    """Token ids of `prompt` (text is tokenized with special tokens, as vLLM does).
+
+    ValueError for an empty prompt, ids outside the vocabulary, or a prompt that leaves no
+    room to generate: like vLLM, a prompt of `max_model_len` tokens or more is refused.
+    """
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt)
+    else:
+        ids = [int(t) for t in prompt]
+        vocab = len(tokenizer)
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+    if not ids:
+        raise ValueError("prompt must not be empty")
+    if len(ids) >= max_model_len:
+        raise ValueError(
+            f"prompt is too long: {len(ids)} tokens, but the model's maximum context length "
+            f"(max_model_len) is {max_model_len}, and at least one token must be generated "
+            f"(so a prompt may have at most {max_model_len - 1} tokens)")
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------
+# asyncio client
+
+
+class AsyncEngineClient:
+    """The same connection for an asyncio loop: awaitable recv, a heartbeat task."""
+
+    def __init__(self, address: str, key_file: str | None = None, kind: str = "python"):
+        self.address = address
+        self.client_id = make_client_id(kind)
+        self.kind = kind
+        self._ctx = zmq.asyncio.Context()
+        self._decoder = CoreToFrontendDecoder()
+        self._sock = connect_frontend_socket(self._ctx, address, self.client_id, key_file)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._closed = False
+        self._heartbeat_task: asyncio.Task | None = None
+        self._monitor_task: asyncio.Task | None = None
+        self._lost = asyncio.Event()
+
+    def start(self) -> None:
+        """Say Hello and start the heartbeat and disconnect-watch tasks (on the running loop)."""
+        self.send_nowait(Hello(self.client_id, self.kind, os.getpid()))
+        self._heartbeat_task = asyncio.ensure_future(self._heartbeat_loop())
+        self._monitor_task = asyncio.ensure_future(self._watch_disconnect())
+
+    def send_nowait(self, msg) -> None:
+        """Send one message without awaiting (the socket queues it; HWM is unbounded)."""
+        if self._closed:
+            return
+        fut = self._sock.send(encode(msg))
+        fut.add_done_callback(_log_send_error)
+
+    async def recv(self):
+        """The next decoded message; EngineDead when the connection was lost."""
+        while True:
+            recv = asyncio.ensure_future(self._sock.recv_multipart())
+            lost = asyncio.ensure_future(self._lost.wait())
+            try:
+                done, _ = await asyncio.wait({recv, lost}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                lost.cancel()
+                if not recv.done():
+                    recv.cancel()  # safe: a cancelled zmq recv consumes no message
+            if recv not in done:
+                return EngineDead(_LOST)
+            frames = recv.result()
+            if len(frames) != 1:
+                self._decoder.drop(f"{len(frames)}-part message")
+                continue
+            msg = self._decoder.decode(frames[0])
+            if msg is not None:
+                return msg
+
+    async def wait_for_info(self, timeout: float, alive=None) -> EngineInfo:
+        """Await the daemon's EngineInfo; RuntimeError on timeout, EngineDead or death.
+
+        `alive()` (optional) is called a few times a second; False means the daemon is gone.
+        """
+        deadline = time.monotonic() + timeout
+        pending = asyncio.ensure_future(self.recv())
+        try:
+            while time.monotonic() < deadline:
+                await asyncio.wait({pending}, timeout=0.1)
+                if pending.done():
+                    msg = pending.result()
+                    if isinstance(msg, EngineInfo):
+                        return msg
+                    if isinstance(msg, EngineDead):
+                        raise RuntimeError(f"engine core failed to start: {msg.reason}")
+                    pending = asyncio.ensure_future(self.recv())
+                if alive is not None and not alive():
+                    raise RuntimeError("engine core exited before it was ready")
+        finally:
+            pending.cancel()
+        raise RuntimeError(f"engine core at {self.address} did not answer within {timeout:.0f} s")
+
+    async def close(self) -> None:
+        """Say Goodbye, stop the tasks, close the socket (idempotent)."""
+        if self._closed:
+            return
+        try:
+            await asyncio.wait_for(self._sock.send(encode(Goodbye(self.client_id))), 1.0)
+        except (asyncio.TimeoutError, zmq.ZMQError):
+            pass
+        self._closed = True
+        for task in (self._heartbeat_task, self._monitor_task):
+            if task is not None:
+                task.cancel()
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=500)
+        self._ctx.term()
+
+    async def _heartbeat_loop(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+            self.send_nowait(Heartbeat(self.client_id))
+
+    async def _watch_disconnect(self) -> None:
+        await self._monitor.recv_multipart()
+        self._lost.set()
+
+
+def _log_send_error(fut) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        logger.warning("send to the engine core failed: %s", fut.exception())

@@ -1,0 +1,134 @@
+"""Start and stop a private engine-core daemon for one frontend (`LLM(model)`, `AsyncLLM`).
+
+    python -m tidal.frontend.cli core <config_to_argv(config)> --listen <new private address>
+
+The daemon runs in its own session (so a Ctrl-C in the terminal reaches the frontend, which
+then stops the daemon in order) and, on Linux, gets SIGTERM if the frontend dies without
+closing it (PR_SET_PDEATHSIG), so a private daemon never outlives its owner. Its stderr is
+echoed line by line (to this process's stderr, unless `echo=False`) and the last lines are
+kept, to be quoted when it fails to start.
+
+Stopping: SIGTERM, wait `stop_timeout` seconds, then SIGKILL the daemon's whole process
+group (the daemon and any worker it left behind).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import weakref
+
+from tidal.engine_core.args import config_to_argv
+from tidal.engine_core.config import EngineConfig
+from tidal.ipc.transport import new_private_address
+
+logger = logging.getLogger(__name__)
+
+_NUM_KEPT_LINES = 60
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class DaemonProcess:
+    """A private `tidal core` subprocess listening on a fresh private address."""
+
+    def __init__(self, config: EngineConfig, *, address: str | None = None,
+                 echo: bool = True, extra_args: list[str] | None = None):
+        self.config = config
+        self.address = address or new_private_address()
+        self._lines: collections.deque[str] = collections.deque(maxlen=_NUM_KEPT_LINES)
+        self._echo = echo
+        argv = [sys.executable, "-m", "tidal.frontend.cli", "core", *config_to_argv(config),
+                "--listen", self.address, *(extra_args or [])]
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+        self._reader = threading.Thread(target=self._read_stderr, name="tidal-core-stderr",
+                                        daemon=True)
+        self._reader.start()
+        # stop the daemon when this object is collected or at interpreter exit, even if the
+        # owner forgets to close() (weakref.finalize runs pending finalizers at exit)
+        self._finalizer = weakref.finalize(self, _stop_process, self.proc, 10.0)
+        logger.info("started engine core (pid %d) on %s", self.proc.pid, self.address)
+
+    @property
+    def pid(self) -> int:
+        """The daemon's process id."""
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        """Whether the daemon process is still running."""
+        return self.proc.poll() is None
+
+    def returncode(self) -> int | None:
+        """Its exit status once it has exited (negative: killed by that signal)."""
+        return self.proc.poll()
+
+    def stderr_tail(self, num_lines: int = 30) -> str:
+        """The last lines the daemon wrote to stderr."""
+        if not self.alive():
+            self._reader.join(timeout=0.5)  # let the reader take the last lines
+        return "\n".join(list(self._lines)[-num_lines:])
+
+    def failure_message(self, what: str) -> str:
+        """`what`, the exit status and the daemon's last stderr lines, for an exception."""
+        code = self.returncode()
+        status = "still running" if code is None else f"exit status {code}"
+        tail = self.stderr_tail()
+        return f"{what} (engine core pid {self.pid}, {status}); its last output:\n{tail}" \
+            if tail else f"{what} (engine core pid {self.pid}, {status}; it printed nothing)"
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM, wait up to `timeout` s, then SIGKILL its process group; returns the status."""
+        code = _stop_process(self.proc, timeout)
+        self._finalizer.detach()
+        self._reader.join(timeout=1.0)
+        return code
+
+    def _read_stderr(self) -> None:
+        stream = self.proc.stderr
+        for raw in iter(stream.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            self._lines.append(line)
+            if self._echo:
+                try:
+                    sys.stderr.write(line + "\n")
+                except (ValueError, OSError):  # stderr closed at interpreter exit
+                    pass
+        stream.close()
+
+
+def _stop_process(proc: subprocess.Popen, timeout: float) -> int | None:
+    if proc.poll() is not None:
+        _kill_group(proc.pid)  # workers it may have left behind
+        return proc.returncode
+    try:
+        proc.send_signal(signal.SIGTERM)
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        logger.warning("engine core (pid %d) ignored SIGTERM for %.0f s; killing it",
+                       proc.pid, timeout)
+        _kill_group(proc.pid)
+        return proc.wait(timeout=5.0)
+    finally:
+        _kill_group(proc.pid)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass

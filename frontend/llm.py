@@ -1,0 +1,260 @@
+"""`LLM`: the blocking Python frontend for offline batches.
+
+    llm = LLM("path/to/model", max_num_seqs=64)     # starts a private engine-core daemon
+    llm = LLM(engine="ipc:///run/user/1000/tidal/engine.sock")   # attaches to a running one
+    outputs = llm.generate(["Hello", "The capital of"], SamplingParams(max_tokens=32))
+
+Engine flags are keyword arguments with the command-line names (`max_num_batched_tokens=32`,
+`enable_prefix_caching=False`, `num_gpu_blocks_override=64`, `tensor_parallel_size=2`...).
+
+`LLM` runs an `AsyncLLM` on a private uvloop event loop in a background thread: one code path
+for detokenization, stop strings, n > 1, heartbeats and engine-death handling. `generate`
+submits the whole batch, shows a tqdm bar with the live output tokens/s, and returns the
+finished outputs in input order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+from tidal.engine_core.args import add_engine_args, config_from_args
+from tidal.engine_core.config import EngineConfig
+from tidal.frontend.async_llm import AsyncLLM
+from tidal.frontend.outputs import RequestOutput
+from tidal.ipc.messages import SamplingParams, SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+# keyword names accepted besides the flags' own (EngineConfig field names)
+_FLAG_ALIASES = {"num_kv_blocks_override": "num_gpu_blocks_override"}
+
+
+def engine_config_from_kwargs(model: str, **engine_flags) -> EngineConfig:
+    """An EngineConfig from a model folder and flag-named keyword arguments.
+
+    ValueError naming an unknown keyword; values given as strings go through the flag's own
+    parser (so `kv_cache_memory="64MiB"` and `dtype="half"` work as on the command line).
+    """
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_args(parser)
+    ns = parser.parse_args([])
+    ns.model = model
+    actions = {a.dest: a for a in parser._actions}
+    for key, value in engine_flags.items():
+        dest = _FLAG_ALIASES.get(key, key)
+        if dest not in actions or dest in ("model_tag", "model"):
+            known = sorted(d for d in actions if d not in ("model_tag", "model", "help"))
+            raise ValueError(f"{key} is not an engine flag; known: {', '.join(known)}")
+        action = actions[dest]
+        if isinstance(value, str) and action.type is not None:
+            try:
+                value = action.type(value)
+            except (argparse.ArgumentTypeError, ValueError) as e:
+                raise ValueError(f"{key}: {e}") from None
+        setattr(ns, dest, value)
+    return config_from_args(ns)
+
+
+def default_model() -> str:
+    """The bundled demo model's folder; ValueError when this install has none."""
+    try:
+        from tidal.frontend.demo import demo_model_path
+    except ImportError:
+        raise ValueError("model is required: this install has no bundled demo model "
+                         "(pass a local Hugging Face model folder)") from None
+    return demo_model_path()
+
+
+class LLM:
+    """A blocking frontend (see the module docstring). Use as a context manager or close()."""
+
+    def __init__(self, model: str | None = None, *, engine: str | None = None,
+                 key_file: str | None = None, tokenizer: str | None = None,
+                 startup_timeout: float = 300.0, **engine_flags):
+        """Start a private daemon for `model` (None: the bundled demo model) with
+        `engine_flags`, or attach to the daemon at `engine` (then no model or flags)."""
+        if engine is not None and (model is not None or engine_flags):
+            raise ValueError("engine: attaching to a running engine core takes no model or "
+                             "engine flags (the daemon was started with its own)")
+        config = None
+        if engine is None:
+            config = engine_config_from_kwargs(model or default_model(), **engine_flags)
+        self._loop = _new_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tidal-llm-loop",
+                                        daemon=True)
+        self._thread.start()
+        self._ids = itertools.count()
+        try:
+            self._llm: AsyncLLM = self._call(AsyncLLM.create(
+                config, engine=engine, key_file=key_file, tokenizer=tokenizer,
+                startup_timeout=startup_timeout))
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    @property
+    def engine_info(self):
+        """What the daemon said about itself (max_model_len, num_kv_blocks, ...)."""
+        return self._llm.engine_info
+
+    @property
+    def tokenizer(self):
+        """The model's fast Hugging Face tokenizer."""
+        return self._llm.tokenizer
+
+    @property
+    def daemon_pid(self) -> int | None:
+        """The private daemon's pid, or None when attached to someone else's."""
+        return self._llm.daemon_pid
+
+    def get_tokenizer(self):
+        """The model's fast Hugging Face tokenizer (vLLM's name)."""
+        return self._llm.tokenizer
+
+    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, *,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs in input order.
+
+        `sampling_params`: one for all prompts, or one per prompt (None: the defaults).
+        `priority`: one per prompt (with --scheduling-policy priority; lower runs first).
+        Every prompt is checked (ValueError) before any is sent. If the engine dies, the
+        unfinished outputs end with finish_reason "error".
+        """
+        prompt_list = _normalize_prompts(prompts)
+        params = _normalize_params(sampling_params, len(prompt_list))
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} "
+                             "prompts")
+        prompt_ids = [self._llm.encode_prompt(p) for p in prompt_list]
+        batch = [(str(next(self._ids)), p, ids, sp, priority[i] if priority else 0)
+                 for i, (p, ids, sp) in enumerate(zip(prompt_list, prompt_ids, params))]
+        progress = _Progress(len(batch), use_tqdm)
+        fut = asyncio.run_coroutine_threadsafe(self._run_batch(batch, progress), self._loop)
+        try:
+            while True:
+                try:
+                    return fut.result(timeout=0.2)
+                except TimeoutError:
+                    progress.refresh(self._llm.num_generated_tokens)
+        except BaseException:
+            fut.cancel()  # aborts every request of the batch in the engine
+            raise
+        finally:
+            progress.close(self._llm.num_generated_tokens)
+
+    async def _run_batch(self, batch, progress: "_Progress") -> list[RequestOutput]:
+        tasks = []
+        for request_id, prompt, ids, sp, prio in batch:
+            task = asyncio.ensure_future(self._llm.generate_final(
+                prompt if isinstance(prompt, str) else ids, sp, request_id, priority=prio,
+                prompt_token_ids=ids))
+            task.add_done_callback(progress.one_done)
+            tasks.append(task)
+        progress.start(self._llm.num_generated_tokens)
+        outputs = await asyncio.gather(*tasks)
+        if self._llm.dead:
+            logger.error("the engine core died during generate(): %s", self._llm.dead_reason)
+        return list(outputs)
+
+    def get_stats(self) -> SchedulerStats:
+        """A fresh snapshot of the engine core's statistics."""
+        return self._call(self._llm.get_stats())
+
+    def close(self) -> None:
+        """Detach from the daemon, stopping it if this LLM started it. Idempotent."""
+        if self._loop.is_closed() or not self._thread.is_alive():
+            return
+        try:
+            self._call(self._llm.close())
+        finally:
+            self._stop_loop()
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10.0)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    import uvloop
+
+    return uvloop.new_event_loop()
+
+
+def _normalize_prompts(prompts) -> list[str | list[int]]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(
+            isinstance(t, int) for t in prompts):
+        return [list(prompts)]  # one prompt given as token ids
+    prompt_list = list(prompts)
+    for i, p in enumerate(prompt_list):
+        if not isinstance(p, (str, list, tuple)):
+            raise ValueError(f"prompts[{i}] must be a string or a list of token ids, "
+                             f"got {type(p).__name__}")
+    return prompt_list
+
+
+def _normalize_params(params, num_prompts: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * num_prompts
+    if isinstance(params, SamplingParams):
+        return [params] * num_prompts
+    params = list(params)
+    if len(params) != num_prompts:
+        raise ValueError(f"sampling_params has {len(params)} entries for {num_prompts} prompts")
+    for i, sp in enumerate(params):
+        if not isinstance(sp, SamplingParams):
+            raise ValueError(f"sampling_params[{i}] must be a SamplingParams")
+    return params
+
+
+class _Progress:
+    """A tqdm bar over requests with the live output tokens/s (no-op when disabled)."""
+
+    def __init__(self, total: int, enabled: bool):
+        self._bar = None
+        if enabled and total:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, desc="Processed prompts", unit="req",
+                             dynamic_ncols=True)
+        self._start_tokens = 0
+        self._start_time = time.monotonic()
+
+    def start(self, num_tokens: int) -> None:
+        self._start_tokens, self._start_time = num_tokens, time.monotonic()
+
+    def one_done(self, _task) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def refresh(self, num_tokens: int) -> None:
+        if self._bar is None:
+            return
+        elapsed = max(time.monotonic() - self._start_time, 1e-6)
+        rate = (num_tokens - self._start_tokens) / elapsed
+        self._bar.set_postfix_str(f"output: {rate:.1f} tok/s", refresh=True)
+
+    def close(self, num_tokens: int) -> None:
+        if self._bar is not None:
+            self.refresh(num_tokens)
+            self._bar.close()
