@@ -68,7 +68,10 @@ def default_model() -> str:
     except ImportError:
         raise ValueError("model is required: this install has no bundled demo model "
                          "(pass a local Hugging Face model folder)") from None
-    return demo_model_path()
+    try:
+        return demo_model_path()
+    except FileNotFoundError as e:
+        raise ValueError(f"model is required: {e}") from None
 
 
 class LLM:
