@@ -266,6 +266,7 @@ class Scheduler:
         if undone is not None:
             step.budget += undone[1]
         num_lost = victim.num_computed_tokens
+        usage = self.kv_cache_manager.usage()  # before the victim's blocks come back
         self.kv_cache_manager.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
@@ -278,9 +279,8 @@ class Scheduler:
         self.waiting.prepend(victim)
         step.num_preempted += 1
         self.num_preemptions += 1
-        self.preemption_log.record(victim, num_lost, len(self.running) + 1,
-                                   self.kv_cache_manager.usage(), self.num_preemptions,
-                                   self.clock())
+        self.preemption_log.record(victim, num_lost, len(self.running) + 1, usage,
+                                   self.num_preemptions, self.clock())
 
     def _schedule_waiting(self, step: _Step) -> None:
         """Admit waiting requests in queue order while budget, max_num_seqs and blocks allow;

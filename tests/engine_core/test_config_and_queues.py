@@ -1,0 +1,145 @@
+"""Config validation, engine flags, request states and the waiting queues."""
+
+import argparse
+import json
+import sys
+
+import pytest
+from sched_utils import make_request
+
+from tidal.engine_core.args import add_engine_args, config_from_args, config_to_argv
+from tidal.engine_core.config import (
+    CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+    read_model_max_len, resolve_max_model_len,
+)
+from tidal.engine_core.request import Request, RequestStatus
+from tidal.engine_core.request_queue import create_request_queue
+from tidal.ipc.messages import AddRequest, FinishReason, SamplingParams, pack_token_ids
+
+
+def test_defaults_are_vllms():
+    c = EngineConfig(ModelConfig("m"))
+    assert (c.cache.block_size, c.cache.enable_prefix_caching, c.cache.gpu_memory_utilization) \
+        == (16, True, 0.92)
+    s = c.scheduler
+    assert (s.enable_chunked_prefill, s.scheduling_policy, s.stream_interval,
+            s.async_scheduling, s.max_num_batched_tokens, s.max_num_seqs) \
+        == (True, "fcfs", 1, True, 2048, 256)
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: SchedulerConfig(max_num_seqs=512, max_num_batched_tokens=256),
+     "max_num_batched_tokens"),
+    (lambda: CacheConfig(block_size=24), "block_size"),
+    (lambda: CacheConfig(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    (lambda: SchedulerConfig(scheduling_policy="lifo"), "scheduling_policy"),
+    (lambda: SchedulerConfig(stream_interval=0), "stream_interval"),
+    (lambda: ModelConfig("m", dtype="int8"), "dtype"),
+    (lambda: ModelConfig(""), "model"),
+    (lambda: ParallelConfig(tensor_parallel_size=0), "tensor_parallel_size"),
+    (lambda: ParallelConfig(attention_backend="flash"), "attention_backend"),
+    (lambda: EngineConfig(ModelConfig("m", max_model_len=4096),
+                          scheduler=SchedulerConfig(enable_chunked_prefill=False)),
+     "max_num_batched_tokens"),
+])
+def test_validation_names_the_field(make, field):
+    with pytest.raises(ValueError, match=field):
+        make()
+
+
+def test_config_is_frozen():
+    c = EngineConfig(ModelConfig("m"))
+    with pytest.raises(Exception):
+        c.cache.block_size = 32
+
+
+def _parser():
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    return p
+
+
+def test_flags_round_trip_through_argv():
+    ns = _parser().parse_args([
+        "some/model", "--max-model-len", "1024", "--block-size", "32", "--no-enable-prefix-caching",
+        "--kv-cache-memory", "2GiB", "--max-num-seqs", "8", "--max-num-batched-tokens", "1024",
+        "--no-enable-chunked-prefill", "--scheduling-policy", "priority", "--no-async-scheduling",
+        "--max-num-queued-reqs", "100", "--stream-interval", "4", "-tp", "2", "--device", "cpu",
+        "--attention-backend", "torch", "--enforce-eager", "--dtype", "half",
+        "--num-gpu-blocks-override", "64", "--served-model-name", "tiny"])
+    config = config_from_args(ns)
+    assert config.cache.kv_cache_memory == 2 * 2**30 and config.model.dtype == "float16"
+    assert config.scheduler.scheduling_policy == "priority"
+    assert not config.scheduler.async_scheduling and config.parallel.tensor_parallel_size == 2
+    assert config.cache.num_kv_blocks_override == 64
+    assert config_from_args(_parser().parse_args(config_to_argv(config))) == config
+    default = EngineConfig(ModelConfig("m"))
+    assert config_from_args(_parser().parse_args(config_to_argv(default))) == default
+
+
+def test_model_flag_errors():
+    with pytest.raises(ValueError, match="model"):
+        config_from_args(_parser().parse_args([]))
+    assert config_from_args(_parser().parse_args(["--model", "x"])).model.model == "x"
+
+
+def test_model_max_len_from_config_json(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"max_position_embeddings": 2048, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}))
+    assert read_model_max_len(str(tmp_path)) == 4096
+    config = EngineConfig(ModelConfig(str(tmp_path), max_model_len=1000))
+    assert resolve_max_model_len(config) == 1000
+    assert resolve_max_model_len(EngineConfig(ModelConfig(str(tmp_path)))) == 4096
+    with pytest.raises(ValueError, match="max_model_len"):
+        resolve_max_model_len(EngineConfig(ModelConfig(str(tmp_path), max_model_len=5000)))
+    with pytest.raises(ValueError, match="model"):
+        read_model_max_len(str(tmp_path / "missing"))
+
+
+def test_engine_core_config_does_not_import_torch():
+    import subprocess
+    code = ("import sys; import tidal.engine_core.scheduler, tidal.engine_core.args;"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_request_from_add_and_states():
+    msg = AddRequest("r1", pack_token_ids([1, 2, 3]), SamplingParams(max_tokens=5),
+                     eos_token_id=2, priority=3, arrival_time=1.5, cache_salt="s")
+    req = Request.from_add(msg, "client")
+    assert req.prompt_token_ids == [1, 2, 3] and req.num_tokens == 3
+    assert (req.client_id, req.priority, req.eos_token_id, req.cache_salt) == ("client", 3, 2, "s")
+    assert req.status == RequestStatus.WAITING and not req.status.is_finished()
+    assert RequestStatus.FINISHED_LENGTH.is_finished()
+    assert RequestStatus.FINISHED_ABORTED.finish_reason == FinishReason.ABORT
+    assert RequestStatus.PREEMPTED.finish_reason is None
+
+
+def test_fcfs_queue():
+    q = create_request_queue("fcfs")
+    reqs = [make_request(i, 4) for i in range(4)]
+    for r in reqs[:3]:
+        q.add(r)
+    q.prepend(reqs[3])
+    assert [r.req_id for r in q] == ["3", "0", "1", "2"] and q.peek() is reqs[3]
+    q.remove(reqs[0])
+    assert q.pop() is reqs[3] and len(q) == 2
+
+
+def test_priority_queue():
+    q = create_request_queue("priority")
+    specs = [(2, 0.0), (0, 5.0), (0, 1.0), (1, 0.0), (0, 1.0)]
+    reqs = []
+    for i, (prio, t) in enumerate(specs):
+        r = make_request(i, 4, priority=prio, arrival_time=t)
+        r.arrival_seq = i
+        reqs.append(r)
+        q.add(r)
+    assert [r.req_id for r in q] == ["2", "4", "1", "3", "0"]
+    q.remove(reqs[4])
+    q.prepend(reqs[4])  # a preempted request goes back by its key
+    assert [q.pop().req_id for _ in range(5)] == ["2", "4", "1", "3", "0"]
+    assert not q
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        create_request_queue("lifo")
