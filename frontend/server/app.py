@@ -1,0 +1,198 @@
+"""The FastAPI application of one `tidal serve` HTTP process.
+
+    build_app(engine_factory, settings) -> FastAPI
+
+`engine_factory` is an async callable returning a started AsyncLLM (attached to the engine
+daemon); it is awaited in the app's lifespan, on the server's own event loop, and the engine
+is closed (detached) at shutdown. Tests pass a factory returning a fake engine.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
+POST /detokenize, GET /health, GET /metrics, GET /version, GET|POST /ping. With an API key,
+every route except health, metrics, version, ping and the API docs needs
+`Authorization: Bearer KEY` (401 otherwise).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+from fastapi import FastAPI, Request
+from starlette.responses import Response
+
+import tidal
+from tidal.frontend.server.admission import AdmissionController
+from tidal.frontend.server.chat import create_chat_completion
+from tidal.frontend.server.completions import create_completion
+from tidal.frontend.server.errors import APIError, install_error_handlers, json_response
+from tidal.frontend.server.metrics import CONTENT_TYPE, ServerMetrics
+from tidal.frontend.server.protocol import (
+    ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
+    DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelList, TokenizeRequest,
+    TokenizeResponse,
+)
+from tidal.frontend.server.serving import OpenAIServing
+
+logger = logging.getLogger("tidal.serve")
+
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping", "/openapi.json", "/docs",
+                        "/docs/oauth2-redirect", "/redoc"})
+"""Paths served without the API key."""
+
+STATS_TIMEOUT_SECONDS = 2.0
+
+
+@dataclass
+class ServerSettings:
+    """How one HTTP server process behaves (built by serve.py from the command line)."""
+
+    served_model_names: list[str] | None = None
+    """Names clients may use in `model`; None = the engine's served name."""
+    api_key: str | None = None
+    """When set, requests need `Authorization: Bearer <api_key>`."""
+    max_num_queued_reqs: int | None = None
+    """Admission limit; None = the engine's `--max-num-queued-reqs` (EngineInfo)."""
+    admission_slots: Any = None
+    """Shared per-process counters of unfinished requests (admission.make_shared_slots)."""
+    server_index: int = 0
+    """This process's index among the `--api-server-count` processes (its slot)."""
+
+
+class APIKeyMiddleware:
+    """Pure ASGI middleware (keeps disconnect detection intact): 401 without the key."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(given, self._expected):
+            await self.app(scope, receive, send)
+            return
+        response = APIError(401, "Invalid or missing API key: send 'Authorization: Bearer "
+                            "<key>'.").response()
+        await response(scope, receive, send)
+
+
+_ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse},
+           404: {"model": ErrorResponse}, 503: {"model": ErrorResponse}}
+
+
+def build_app(engine_factory: Callable[[], Awaitable[Any]],
+              settings: ServerSettings | None = None) -> FastAPI:
+    """The application; the engine is created in its lifespan (startup) and closed after."""
+    settings = settings or ServerSettings()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine = await engine_factory()
+        tasks = _start_state(app, engine, settings)
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await engine.close()
+
+    app = FastAPI(title="tidal", version=tidal.__version__, lifespan=lifespan)
+    install_error_handlers(app)
+    _add_generate_routes(app)
+    _add_info_routes(app)
+    if settings.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    return app
+
+
+def _start_state(app: FastAPI, engine, settings: ServerSettings) -> list[asyncio.Task]:
+    """Build the per-process state on app.state; start the background tasks."""
+    info = engine.engine_info
+    names = settings.served_model_names or [engine.model_name]
+    metrics = ServerMetrics(names[0])
+    limit = settings.max_num_queued_reqs or info.max_num_queued_reqs
+    admission = AdmissionController(limit, settings.admission_slots, settings.server_index,
+                                    on_reject=metrics.count_rejection)
+    app.state.engine = engine
+    app.state.metrics = metrics
+    app.state.serving = OpenAIServing(engine, names, admission, metrics)
+    app.state.root = getattr(info, "model", None)
+    tasks = []
+    if limit is not None:
+        tasks.append(asyncio.ensure_future(admission.refresh_loop(engine.get_stats)))
+    return tasks
+
+
+def _add_generate_routes(app: FastAPI) -> None:
+    @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **_ERRORS})
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        """OpenAI completions (`stream: true` answers with server-sent events)."""
+        return await create_completion(request.app.state.serving, req, request)
+
+    @app.post("/v1/chat/completions",
+              responses={200: {"model": ChatCompletionResponse}, **_ERRORS})
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+        """OpenAI chat completions through the model's chat template."""
+        return await create_chat_completion(request.app.state.serving, req, request)
+
+    @app.post("/tokenize", responses={200: {"model": TokenizeResponse}, **_ERRORS})
+    async def tokenize(req: TokenizeRequest, request: Request) -> Response:
+        """Token ids of a prompt, or of messages through the chat template."""
+        return json_response(request.app.state.serving.tokenize(req))
+
+    @app.post("/detokenize", responses={200: {"model": DetokenizeResponse}, **_ERRORS})
+    async def detokenize(req: DetokenizeRequest, request: Request) -> Response:
+        """Text of a list of token ids."""
+        return json_response(request.app.state.serving.detokenize(req))
+
+
+def _add_info_routes(app: FastAPI) -> None:
+    @app.get("/v1/models", responses={200: {"model": ModelList}})
+    async def models(request: Request) -> Response:
+        """The served model (one card per served name)."""
+        serving = request.app.state.serving
+        created = int(time.time())
+        cards = [{"id": name, "object": "model", "created": created, "owned_by": "tidal",
+                  "root": request.app.state.root, "parent": None,
+                  "max_model_len": serving.max_model_len, "permission": []}
+                 for name in serving.served_names]
+        return json_response({"object": "list", "data": cards})
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        """200 while the engine runs, 503 once it is dead."""
+        if getattr(request.app.state.engine, "dead", False):
+            return APIError(503, "The engine is not running.").response()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        """Prometheus text: this server's request metrics and the engine core's snapshot."""
+        stats = await _core_stats(request.app.state.engine)
+        return Response(request.app.state.metrics.render(stats), media_type=CONTENT_TYPE)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return json_response({"version": tidal.__version__})
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        return Response(status_code=200)
+
+
+async def _core_stats(engine):
+    """The engine core's SchedulerStats, or None when it does not answer in time."""
+    try:
+        return await asyncio.wait_for(engine.get_stats(), STATS_TIMEOUT_SECONDS)
+    except Exception as exc:
+        logger.warning("/metrics: the engine core did not answer a stats query: %r", exc)
+        return None
+

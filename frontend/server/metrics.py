@@ -1,0 +1,145 @@
+"""Prometheus metrics of `tidal serve`, named as vLLM names them with a `tidal:` prefix.
+
+Two sources, so that the numbers are the whole server's with any `--api-server-count`:
+
+- Engine-core state and totals (requests running / waiting, KV cache usage, preemptions,
+  prefix-cache queries / hits, prompt / generation tokens) are already whole-server in the
+  engine core. Each scrape asks the core (`AsyncLLM.get_stats()`) and renders them from that
+  one snapshot; they are never counted per process, so N processes cannot multiply them.
+- Per-request numbers (TTFT, inter-token latency, end-to-end latency, queue time, finished
+  requests by reason, admission rejections) are observed by the process that served the
+  request. With one process they live in a private registry. With several, the parent sets
+  PROMETHEUS_MULTIPROC_DIR before any server process imports prometheus_client, every process
+  writes its samples to its own memory-mapped files there, and a scrape (answered by whichever
+  process accepted the connection) merges all files with `MultiProcessCollector`: histograms
+  and counters are summed across processes.
+
+The periodic log line ("Avg prompt throughput ... Prefix cache hit rate ...", every 10 s while
+busy) is printed by the engine-core daemon itself (engine_core/daemon.py), once for the whole
+server, so the HTTP processes do not print it again.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+               0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+LATENCY_BUCKETS = [0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+                   30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+# name (without prefix) -> (help, SchedulerStats field); gauges are instantaneous values
+_CORE_GAUGES = {
+    "num_requests_running": ("Requests in the running batch.", "num_running"),
+    "num_requests_waiting": ("Requests waiting to be scheduled.", "num_waiting"),
+    "kv_cache_usage_perc": ("KV-cache usage, 0 to 1 (1 = every block in use).",
+                            "kv_cache_usage"),
+}
+# counters are totals since the engine core started
+_CORE_COUNTERS = {
+    "num_preemptions": ("Preemptions (recompute) since start.", "num_preemptions"),
+    "prefix_cache_queries": ("Prefix-cache lookups, in tokens.", "prefix_cache_queries"),
+    "prefix_cache_hits": ("Prefix-cache hits, in tokens.", "prefix_cache_hits"),
+    "prompt_tokens": ("Prompt tokens computed (prefill).", "prompt_tokens"),
+    "generation_tokens": ("Tokens generated.", "generation_tokens"),
+}
+
+
+def multiprocess_mode() -> bool:
+    """True when samples go to PROMETHEUS_MULTIPROC_DIR (several server processes)."""
+    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+
+
+class _CoreStatsCollector:
+    """Renders one SchedulerStats snapshot as gauges and counters (a prometheus collector)."""
+
+    def __init__(self, stats, model_name: str, prefix: str):
+        self._stats = stats
+        self._model = model_name
+        self._prefix = prefix
+
+    def collect(self) -> Iterable:
+        for name, (doc, field) in _CORE_GAUGES.items():
+            family = GaugeMetricFamily(self._prefix + name, doc, labels=["model_name"])
+            family.add_metric([self._model], float(getattr(self._stats, field)))
+            yield family
+        for name, (doc, field) in _CORE_COUNTERS.items():
+            family = CounterMetricFamily(self._prefix + name, doc, labels=["model_name"])
+            family.add_metric([self._model], float(getattr(self._stats, field)))
+            yield family
+
+
+class ServerMetrics:
+    """The per-request metrics of one server process, and the `/metrics` page."""
+
+    def __init__(self, model_name: str, prefix: str = "tidal:"):
+        self.model_name = model_name
+        self.prefix = prefix
+        self._multiprocess = multiprocess_mode()
+        # In multiprocess mode samples are written to files whatever the registry, and the
+        # page merges the files, so the metrics are not registered anywhere in this process.
+        self._registry = None if self._multiprocess else CollectorRegistry()
+        labels = ["model_name"]
+        self.ttft = self._histogram("time_to_first_token_seconds",
+                                    "Time to first token, seconds.", TTFT_BUCKETS)
+        self.itl = self._histogram("inter_token_latency_seconds",
+                                   "Time between consecutive outputs, seconds.", ITL_BUCKETS)
+        self.e2e = self._histogram("e2e_request_latency_seconds",
+                                   "End-to-end request latency, seconds.", LATENCY_BUCKETS)
+        self.queue = self._histogram("request_queue_time_seconds",
+                                     "Time spent waiting before first scheduled, seconds.",
+                                     LATENCY_BUCKETS)
+        self.success = Counter(prefix + "request_success", "Finished requests by reason.",
+                               labels + ["finished_reason"], registry=self._registry)
+        self.rejections = Counter(prefix + "admission_rejections",
+                                  "Requests rejected with 503 by admission control.",
+                                  labels + ["reason"], registry=self._registry)
+
+    def _histogram(self, name: str, doc: str, buckets: list[float]) -> Histogram:
+        return Histogram(self.prefix + name, doc, ["model_name"], buckets=buckets,
+                         registry=self._registry)
+
+    def count_rejection(self, reason: str = "max_num_queued_reqs") -> None:
+        self.rejections.labels(self.model_name, reason).inc()
+
+    def observe_finished(self, metrics, finish_reason: str | None) -> None:
+        """Record a finished request from its `RequestMetrics` (None: count it only)."""
+        self.success.labels(self.model_name, finish_reason or "abort").inc()
+        if metrics is None:
+            return
+        model = self.model_name
+        if metrics.first_token_time is not None:
+            self.ttft.labels(model).observe(max(0.0, metrics.first_token_time
+                                                - metrics.arrival_time))
+        itl = self.itl.labels(model)
+        for latency in metrics.inter_token_latencies or ():
+            itl.observe(max(0.0, latency))
+        if metrics.finished_time is not None:
+            self.e2e.labels(model).observe(max(0.0, metrics.finished_time
+                                               - metrics.arrival_time))
+        if metrics.queue_time is not None:
+            self.queue.labels(model).observe(max(0.0, metrics.queue_time))
+
+    def render(self, core_stats=None) -> bytes:
+        """The Prometheus text page: this server's request metrics plus the core's snapshot."""
+        if self._multiprocess:
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)
+            page = generate_latest(registry)
+        else:
+            page = generate_latest(self._registry)
+        if core_stats is not None:
+            core = CollectorRegistry()
+            core.register(_CoreStatsCollector(core_stats, self.model_name, self.prefix))
+            page += generate_latest(core)
+        return page
+

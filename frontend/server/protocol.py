@@ -1,0 +1,326 @@
+"""Request and response models of the OpenAI-compatible API, with vLLM's extra fields.
+
+Requests are validated by pydantic (types, simple bounds); everything about sampling is then
+validated once more by `SamplingParams` itself, whose ValueError names the field. Unknown
+request fields are accepted and ignored, as OpenAI SDKs and tools send fields of their own.
+Floats must be finite (NaN / Infinity are rejected with a 400).
+
+Response models document the shapes (they appear in /openapi.json and the tests validate
+against them); the hot path builds the same shapes as plain dicts (see serving.py).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tidal.ipc.messages import SamplingParams
+
+INT32_MAX = 2**31 - 1
+MAX_N = 128
+"""Most completions one request may ask for (n times the number of prompts)."""
+
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Int32 = Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)]
+
+
+class OpenAIModel(BaseModel):
+    """Base of every request model: unknown fields ignored, floats finite."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(OpenAIModel):
+    """`stream_options` of a streaming request."""
+
+    include_usage: bool = False
+    """Send one last chunk, with empty `choices`, carrying the request's token usage."""
+    continuous_usage_stats: bool = False
+    """(vLLM) carry the usage so far in every chunk."""
+
+
+class SamplingRequest(OpenAIModel):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    """The served model name; None means the (only) served model."""
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    """Number of completions per prompt."""
+    stream: bool = False
+    """Answer as server-sent events, one `data: {json}` per update, ending `data: [DONE]`."""
+    stream_options: StreamOptions | None = None
+    """Options of a streaming answer (`include_usage`)."""
+    temperature: float | None = None
+    """Softmax temperature (default 1.0); 0 is greedy."""
+    top_p: float | None = None
+    """Nucleus sampling threshold in (0, 1] (default 1.0)."""
+    stop: str | list[str] | None = None
+    """Stop string(s): generation ends when the text contains one; removed from the text."""
+    seed: int | None = None
+    """Per-request seed: same seed, same tokens, whatever else runs in the batch."""
+    presence_penalty: float = 0.0
+    """OpenAI presence penalty in [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """OpenAI frequency penalty in [-2, 2]."""
+    user: str | None = None
+    """An end-user id (accepted, not used)."""
+    logit_bias: dict[str, float] | None = None
+    """Not supported: a non-empty map is rejected with a 400."""
+    # vLLM extras
+    top_k: Int32 | None = None
+    """(vLLM) keep the k most likely tokens; 0 or -1 means all."""
+    min_p: float | None = None
+    """(vLLM) drop tokens below min_p times the most likely token's probability."""
+    repetition_penalty: float | None = None
+    """(vLLM) HF repetition penalty (> 0, 1 = off)."""
+    ignore_eos: bool = False
+    """(vLLM) keep generating after the EOS token."""
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    """(vLLM) tokens generated before EOS / stop may end the request."""
+    stop_token_ids: list[TokenId] | None = None
+    """(vLLM) token ids that end the request."""
+    priority: Int32 = 0
+    """(vLLM) scheduling priority with `--scheduling-policy priority`; lower runs first."""
+    include_stop_str_in_output: bool = False
+    """(vLLM) keep the matched stop string in the text."""
+    skip_special_tokens: bool = True
+    """(vLLM) leave special tokens out of the text."""
+    return_token_ids: bool = False
+    """(vLLM) add `token_ids` to each choice (and `prompt_token_ids` to the response)."""
+
+    def sampling_kwargs(self, max_tokens: int | None, logprobs: int | None) -> dict:
+        """Keyword arguments for `SamplingParams`, request defaults filled in."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        kwargs: dict[str, Any] = dict(
+            n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            stop=stop, stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos, logprobs=logprobs, seed=self.seed,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+        optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                        min_p=self.min_p, repetition_penalty=self.repetition_penalty)
+        kwargs.update({k: v for k, v in optional.items() if v is not None})
+        return kwargs
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+Prompt = Union[str, list[str], list[TokenId], list[list[TokenId]]]
+
+
+class CompletionRequest(SamplingRequest):
+    """POST /v1/completions."""
+
+    prompt: Prompt
+    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    """Most tokens to generate per completion (default 16; null = up to the context)."""
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    """Log-probabilities of the sampled token and this many top alternatives per position."""
+    echo: bool = False
+    """Put the prompt in front of the completion text."""
+    suffix: str | None = None
+    """Not supported (rejected when set)."""
+    best_of: int | None = None
+    """Not supported beyond `best_of == n` (rejected otherwise)."""
+
+    def to_sampling_params(self) -> SamplingParams:
+        """SamplingParams for each prompt; ValueError names the bad field."""
+        return SamplingParams(**self.sampling_kwargs(self.max_tokens, self.logprobs))
+
+
+class TextContent(OpenAIModel):
+    """One text part of a message's content list."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIModel):
+    """One message of a chat conversation."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContent] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined)."""
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    """The conversation, rendered with the tokenizer's chat template."""
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    """Most tokens to generate (null = up to the context)."""
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    """Deprecated OpenAI alias of `max_completion_tokens`."""
+    logprobs: bool = False
+    """Return the log-probability of each sampled token."""
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    """With `logprobs`, also this many most likely alternatives per position."""
+    add_generation_prompt: bool = True
+    """(vLLM) end the rendered prompt with the assistant's turn header."""
+    continue_final_message: bool = False
+    """(vLLM) leave the last (assistant) message open so the model continues it."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """(vLLM) extra variables for the chat template."""
+    tools: list[dict[str, Any]] | None = None
+    """Not supported (rejected when non-empty)."""
+    response_format: dict[str, Any] | None = None
+    """Only `{"type": "text"}` is supported."""
+
+    def to_sampling_params(self) -> SamplingParams:
+        """SamplingParams for the conversation; ValueError names the bad field."""
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        top = (self.top_logprobs or 0) if self.logprobs else None
+        return SamplingParams(**self.sampling_kwargs(max_tokens, top))
+
+
+class TokenizeRequest(OpenAIModel):
+    """POST /tokenize: either `prompt` or `messages`."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    """For `prompt`: let the tokenizer add its special tokens (BOS, ...)."""
+    add_generation_prompt: bool = True
+    """For `messages`: end with the assistant's turn header."""
+    return_token_strs: bool = False
+    """Also return each token as a string."""
+
+
+class DetokenizeRequest(OpenAIModel):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+# --------------------------------------------------------------------------------------------
+# responses
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx / 5xx body."""
+
+    error: ErrorInfo
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy (completions) logprobs: parallel lists, one entry per generated token."""
+
+    text_offset: list[int] = []
+    token_logprobs: list[float | None] = []
+    tokens: list[str] = []
+    top_logprobs: list[dict[str, float] | None] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "tidal"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+    permission: list[dict] = []
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -1,0 +1,358 @@
+"""One OpenAI request end to end: validate, admit, generate through AsyncLLM, answer.
+
+Order of work for /v1/completions and /v1/chat/completions (everything that can fail because
+of the request fails before admission, and admission happens before any byte is sent, so a
+streaming request also gets a real 400 / 503 status):
+
+    check model -> SamplingParams (ValueError -> 400) -> prompts to token ids (too long -> 400)
+    -> admission (503) -> one engine request per prompt (n completions each)
+    -> JSON body, or server-sent events
+
+A `_Run` holds what one HTTP request started (its engine requests and its admission ticket);
+`_Run.close()` always runs, whatever ends the request (finished, error, client gone): it
+aborts the engine requests that are still unfinished (so their KV blocks are freed) and
+releases the admission ticket. For a stream it runs when the response ends (`_EngineStream`);
+for a plain request, the handler races the generation against the client's disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import AsyncIterator
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from tidal.frontend.server import responses as R
+from tidal.frontend.server.admission import AdmissionController
+from tidal.frontend.server.errors import APIError, bad_request, from_value_error, json_response
+from tidal.frontend.server.metrics import ServerMetrics
+from tidal.frontend.server.protocol import (
+    MAX_N, ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
+    TokenizeRequest,
+)
+
+logger = logging.getLogger("tidal.serve")
+
+_RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "add_generation_prompt",
+                             "continue_final_message", "return_dict", "return_tensors"}
+
+
+class _Job:
+    """One engine request: one prompt and its n completions (latest output per completion)."""
+
+    __slots__ = ("req_id", "prompt_index", "prompt_ids", "prompt_text", "gen", "finished",
+                 "final", "metrics")
+
+    def __init__(self, req_id: str, prompt_index: int, prompt_ids: list[int],
+                 prompt_text: str | None):
+        self.req_id = req_id
+        self.prompt_index = prompt_index
+        self.prompt_ids = prompt_ids
+        self.prompt_text = prompt_text
+        self.gen = None  # the AsyncLLM.generate iterator once started
+        self.finished = False
+        self.final: dict = {}  # completion index -> latest CompletionOutput (cumulative)
+        self.metrics = None
+
+
+class _Run:
+    """Everything one HTTP request started; `close()` aborts leftovers and frees the slot."""
+
+    def __init__(self, serving: "OpenAIServing", jobs: list[_Job], params, priority: int,
+                 ticket):
+        self.serving = serving
+        self.jobs = jobs
+        self.params = params
+        self.priority = priority
+        self.ticket = ticket
+        self.closed = False
+
+    def num_prompt_tokens(self) -> int:
+        return sum(len(job.prompt_ids) for job in self.jobs)
+
+    def num_completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for job in self.jobs for c in job.final.values())
+
+    async def close(self) -> None:
+        """Abort unfinished engine requests and release admission; shielded, idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        with anyio.CancelScope(shield=True):
+            engine = self.serving.engine
+            for job in self.jobs:
+                await _close_iterator(job.gen)
+                if not job.finished and job.gen is not None:
+                    self.serving.metrics.observe_finished(None, "abort")
+                    try:
+                        await engine.abort(job.req_id)
+                    except Exception as exc:  # the engine is gone: nothing left to free
+                        logger.debug("abort %s failed: %s", job.req_id, exc)
+            self.ticket.release()
+
+
+async def _close_iterator(gen) -> None:
+    if gen is None:
+        return
+    try:
+        await gen.aclose()
+    except (RuntimeError, StopAsyncIteration):  # still running in a cancelled pump task
+        pass
+    except Exception as exc:
+        logger.debug("closing a generate() iterator raised %r", exc)
+
+
+class _EngineStream(StreamingResponse):
+    """A server-sent-event response that closes its `_Run` however the stream ends."""
+
+    def __init__(self, body: AsyncIterator[bytes], run: _Run):
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._run = run
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await _close_iterator(self.body_iterator)
+                await self._run.close()
+
+
+class _ClientGone(Exception):
+    """The client closed the connection before its (non-streaming) answer was ready."""
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _until_disconnect(request: Request, work) -> None:
+    """Run `work` (a coroutine) unless the client goes away first (then raise _ClientGone)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise _ClientGone()
+    task.result()
+
+
+class OpenAIServing:
+    """The OpenAI endpoints of one server process, on top of one AsyncLLM."""
+
+    def __init__(self, engine, served_names: list[str], admission: AdmissionController,
+                 metrics: ServerMetrics):
+        self.engine = engine
+        self.served_names = served_names
+        self.admission = admission
+        self.metrics = metrics
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.engine_info.max_model_len
+        self.vocab_size = len(self.tokenizer)
+
+    # ---------------------------------------------------------------- validation helpers
+
+    def check_model(self, model: str | None) -> str:
+        """The served name to answer with; 404 for a model this server does not serve."""
+        if model is None:
+            return self.served_names[0]
+        if model in self.served_names:
+            return model
+        raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+    def check_alive(self) -> None:
+        if getattr(self.engine, "dead", False):
+            raise APIError(503, "The engine is not running; this server cannot generate.")
+
+    def check_token_ids(self, token_ids, param: str) -> None:
+        for token_id in token_ids:
+            if not 0 <= token_id < self.vocab_size:
+                raise bad_request(f"{param} contains token id {token_id}, outside the "
+                                  f"vocabulary [0, {self.vocab_size})", param)
+
+    def encode(self, prompt: str | list[int], param: str) -> list[int]:
+        """Token ids of one prompt; 400 when empty or longer than the context."""
+        if isinstance(prompt, list):
+            self.check_token_ids(prompt, param)
+        try:
+            token_ids = list(self.engine.encode_prompt(prompt))
+        except ValueError as exc:
+            raise bad_request(str(exc), param) from None
+        if not token_ids:
+            raise bad_request(f"{param} must not be empty", param)
+        if len(token_ids) >= self.max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens, but "
+                f"the {param} has {len(token_ids)} tokens, which leaves no room to generate. "
+                f"Please shorten the {param}.", param)
+        return token_ids
+
+    def check_room(self, params, prompt_len: int, param: str) -> None:
+        """400 when prompt + max_tokens does not fit the context (all numbers named)."""
+        if params.max_tokens is not None and prompt_len + params.max_tokens > self.max_model_len:
+            raise bad_request(
+                f"'{param}' is too large: {params.max_tokens}. This model's maximum context "
+                f"length is {self.max_model_len} tokens and your request has {prompt_len} "
+                f"input tokens ({params.max_tokens} > {self.max_model_len} - {prompt_len}).",
+                param)
+
+    def sampling_params(self, req, renames: dict | None = None):
+        """The request's SamplingParams; a ValueError becomes a 400 naming the field."""
+        try:
+            params = req.to_sampling_params()
+        except ValueError as exc:
+            raise from_value_error(exc, renames) from None
+        if params.top_k > self.vocab_size:  # larger than the vocabulary means "all tokens"
+            params.top_k = 0
+        return params
+
+    # ---------------------------------------------------------------- generation
+
+    def start(self, prompts: list[tuple[list[int], str | None]], params, priority: int,
+              prefix: str) -> tuple[str, _Run]:
+        """Admit the request (503 if full) and create its engine jobs (not yet started)."""
+        self.check_alive()
+        num_reqs = len(prompts) * params.n
+        if num_reqs > MAX_N:
+            raise bad_request(f"n times the number of prompts must be at most {MAX_N}, got "
+                              f"{num_reqs}", "n")
+        ticket = self.admission.admit(num_reqs)
+        response_id = f"{prefix}-{uuid.uuid4().hex}"
+        jobs = [_Job(f"{response_id}-{i}", i, ids, text) for i, (ids, text) in enumerate(prompts)]
+        return response_id, _Run(self, jobs, params, priority, ticket)
+
+    def _note(self, job: _Job, out) -> None:
+        for completion in out.outputs:
+            job.final[completion.index] = completion
+        if out.finished and not job.finished:
+            job.finished = True
+            job.metrics = out.metrics
+            reasons = [c.finish_reason for c in job.final.values()]
+            self.metrics.observe_finished(out.metrics, reasons[0] if reasons else None)
+
+    async def _one(self, run: _Run, job: _Job):
+        job.gen = self.engine.generate(job.prompt_ids, run.params, job.req_id,
+                                       priority=run.priority)
+        async for out in job.gen:
+            self._note(job, out)
+            yield job, out
+
+    async def events(self, run: _Run) -> AsyncIterator:
+        """(job, RequestOutput) updates of every job of the run, as they come."""
+        if len(run.jobs) == 1:
+            async for item in self._one(run, run.jobs[0]):
+                yield item
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(job: _Job) -> None:
+            try:
+                async for item in self._one(run, job):
+                    queue.put_nowait(item)
+            except BaseException as exc:  # forwarded to the consumer, which re-raises
+                queue.put_nowait((job, exc))
+                return
+            queue.put_nowait((job, None))
+
+        tasks = [asyncio.ensure_future(pump(job)) for job in run.jobs]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                job, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield job, item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def drain(self, run: _Run) -> None:
+        """Run every job to completion (non-streaming requests)."""
+        async for _ in self.events(run):
+            pass
+
+    async def respond(self, request: Request, run: _Run, stream_body, build) -> Response:
+        """Stream (`stream_body(run)` yields SSE bytes) or answer once (`build(run)` dict)."""
+        if stream_body is not None:
+            return _EngineStream(stream_body(run), run)
+        try:
+            await _until_disconnect(request, self.drain(run))
+            return json_response(build(run))
+        except _ClientGone:
+            return Response(status_code=499)
+        finally:
+            await run.close()
+
+    # ---------------------------------------------------------------- chat template
+
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                    continue_final_message: bool = False,
+                    template_kwargs: dict | None = None) -> list[int]:
+        """The conversation through the tokenizer's chat template, as token ids."""
+        tokenizer = self.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise bad_request("This model has no chat template; use /v1/completions.",
+                              "messages")
+        conversation = []
+        for message in messages:
+            item = {"role": message.role, "content": message.text()}
+            if message.name:
+                item["name"] = message.name
+            conversation.append(item)
+        extra = {k: v for k, v in (template_kwargs or {}).items()
+                 if k not in _RESERVED_TEMPLATE_KWARGS}
+        try:
+            text = tokenizer.apply_chat_template(
+                conversation, tokenize=False, continue_final_message=continue_final_message,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                **extra)
+        except Exception as exc:  # template errors come from the conversation given
+            raise bad_request(f"The chat template failed on these messages: {exc}",
+                              "messages") from None
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    # ---------------------------------------------------------------- tokenize endpoints
+
+    def tokenize(self, req: TokenizeRequest) -> dict:
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("Give exactly one of `prompt` and `messages`.", "prompt")
+        if req.messages is not None:
+            token_ids = self.render_chat(req.messages, req.add_generation_prompt)
+        else:
+            token_ids = self.tokenizer.encode(req.prompt,
+                                              add_special_tokens=req.add_special_tokens)
+        out = {"count": len(token_ids), "max_model_len": self.max_model_len,
+               "tokens": token_ids}
+        if req.return_token_strs:
+            out["token_strs"] = self.tokenizer.convert_ids_to_tokens(token_ids)
+        return out
+
+    def detokenize(self, req: DetokenizeRequest) -> dict:
+        self.check_model(req.model)
+        self.check_token_ids(req.tokens, "tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens)}
+
+
+def now() -> int:
+    return int(time.time())
+
+
+__all__ = ["OpenAIServing", "CompletionRequest", "ChatCompletionRequest", "now"]

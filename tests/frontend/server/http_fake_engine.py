@@ -1,0 +1,167 @@
+"""A fake AsyncLLM for unit tests of the HTTP layer alone (no engine core, no model).
+
+It follows frontend-contract.md's AsyncLLM surface: `engine_info`, `tokenizer`, `model_name`,
+`encode_prompt`, `generate` (async iterator of RequestOutput-shaped objects with deltas),
+`abort`, `get_stats`, `close`, `dead`. Tokens are deterministic: completion j of a prompt
+whose last token is t generates t+1+j, t+2+j, ... (mod a small range of plain tokens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from tidal.ipc.messages import SchedulerStats
+
+
+@dataclass
+class Logprob:
+    token_id: int
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list
+    delta_text: str
+    delta_token_ids: list
+    logprobs: list | None
+    delta_logprobs: list | None
+    cumulative_logprob: float | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    error: str | None = None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    queue_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_cached_tokens: int = 0
+    inter_token_latencies: list = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list
+    outputs: list
+    finished: bool
+    metrics: RequestMetrics | None = None
+
+
+class FakeEngine:
+    """Deterministic token generator with the AsyncLLM surface the server uses."""
+
+    def __init__(self, tokenizer, max_model_len: int = 64, token_delay: float = 0.0,
+                 max_num_queued_reqs: int | None = None, fail_with: str | None = None):
+        self.tokenizer = tokenizer
+        self.model_name = "fake-model"
+        self.engine_info = SimpleNamespace(model="/models/fake", max_model_len=max_model_len,
+                                           max_num_queued_reqs=max_num_queued_reqs,
+                                           stream_interval=1)
+        self.token_delay = token_delay
+        self.fail_with = fail_with
+        self.dead = False
+        self.closed = False
+        self.active: set[str] = set()
+        self.aborted: list[str] = []  # generate() iterators closed before the end
+        self.abort_calls: list[str] = []  # explicit abort(req_id) calls
+        self.generated: dict[str, tuple] = {}  # req_id -> (prompt ids, params, priority)
+        self.stats = SchedulerStats(num_kv_blocks=100)
+        first = tokenizer.convert_tokens_to_ids("a")
+        self._plain = list(range(first, first + 20))  # ids of ordinary tokens
+
+    def encode_prompt(self, prompt):
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False) \
+            if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        if len(ids) > self.engine_info.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len="
+                             f"{self.engine_info.max_model_len}")
+        return ids
+
+    def _token(self, prompt_ids, index: int, step: int) -> int:
+        return self._plain[(prompt_ids[-1] + index + step) % len(self._plain)]
+
+    def _logprobs(self, token_id: int, num_top: int) -> dict:
+        entry = {token_id: Logprob(token_id, -0.25, 1, self.tokenizer.decode([token_id]))}
+        for rank in range(2, num_top + 2):
+            alt = self._plain[(token_id + rank) % len(self._plain)]
+            if alt not in entry:
+                entry[alt] = Logprob(alt, -1.0 * rank, rank, self.tokenizer.decode([alt]))
+        return entry
+
+    async def generate(self, prompt, params, request_id=None, *, priority=0,
+                       stream_interval=None):
+        prompt_ids = list(prompt)
+        self.generated[request_id] = (prompt_ids, params, priority)
+        self.active.add(request_id)
+        metrics = RequestMetrics(arrival_time=time.time(), num_prompt_tokens=len(prompt_ids))
+        tokens = {j: [] for j in range(params.n)}
+        lps = {j: [] for j in range(params.n)}
+        try:
+            for step in range(params.max_tokens or 8):
+                await asyncio.sleep(self.token_delay)
+                outs = [self._step(prompt_ids, params, j, step, tokens[j], lps[j])
+                        for j in range(params.n)]
+                done = step + 1 == (params.max_tokens or 8)
+                self._time(metrics, done)
+                yield RequestOutput(request_id, None, prompt_ids, outs, done,
+                                    metrics if done else None)
+        except (asyncio.CancelledError, GeneratorExit):
+            self.aborted.append(request_id)
+            raise
+        finally:
+            self.active.discard(request_id)
+
+    def _time(self, metrics: RequestMetrics, done: bool) -> None:
+        now = time.time()
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+            metrics.queue_time = 0.001
+        else:
+            metrics.inter_token_latencies.append(now - metrics.last_token_time)
+        metrics.last_token_time = now
+        metrics.num_generation_tokens += 1
+        if done:
+            metrics.finished_time = now
+
+    def _step(self, prompt_ids, params, index, step, tokens, lps) -> CompletionOutput:
+        token = self._token(prompt_ids, index, step)
+        tokens.append(token)
+        delta_lp = None
+        if params.logprobs is not None:
+            delta_lp = [self._logprobs(token, params.logprobs)]
+            lps.extend(delta_lp)
+        last = step + 1 == (params.max_tokens or 8)
+        reason = ("error" if self.fail_with else "length") if last else None
+        return CompletionOutput(
+            index=index, text=self.tokenizer.decode(tokens), token_ids=list(tokens),
+            delta_text=self.tokenizer.decode([token]), delta_token_ids=[token],
+            logprobs=list(lps) if params.logprobs is not None else None,
+            delta_logprobs=delta_lp, cumulative_logprob=None, finish_reason=reason,
+            stop_reason=None, error=self.fail_with if last else None)
+
+    async def abort(self, request_id: str) -> None:
+        self.abort_calls.append(request_id)
+
+    async def get_stats(self) -> SchedulerStats:
+        self.stats.num_running = len(self.active)
+        return self.stats
+
+    async def close(self) -> None:
+        self.closed = True

@@ -1,0 +1,153 @@
+"""Admission control (503) and client disconnects (abort + release), with a fake engine."""
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from http_fake_engine import FakeEngine
+from tidal.frontend.server.admission import AdmissionController, make_shared_slots
+from tidal.frontend.server.app import ServerSettings, build_app
+from tidal.frontend.server.errors import QUEUE_FULL_MESSAGE, APIError
+
+
+def test_controller_counts_and_releases():
+    rejected = []
+    ctl = AdmissionController(2, on_reject=lambda: rejected.append(1))
+    a, b = ctl.admit(1), ctl.admit(1)
+    with pytest.raises(APIError) as info:
+        ctl.admit(1)
+    assert info.value.status == 503 and info.value.body()["error"]["message"] == QUEUE_FULL_MESSAGE
+    assert rejected == [1] and ctl.num_unfinished() == 2
+    a.release()
+    a.release()  # idempotent
+    c = ctl.admit(1)
+    with pytest.raises(APIError):
+        ctl.admit(1)
+    b.release(), c.release()
+    with pytest.raises(APIError):
+        ctl.admit(3)  # an n=3 request counts 3
+    assert ctl.num_unfinished() == 0
+
+
+def test_controller_sums_processes_and_other_frontends():
+    slots = make_shared_slots(2)
+    first = AdmissionController(3, slots, 0)
+    second = AdmissionController(3, slots, 1)
+    first.admit(2)
+    second.admit(1)
+    assert first.num_ours() == second.num_ours() == 3 and first.num_local() == 2
+    with pytest.raises(APIError):
+        second.admit(1)
+    # the core reports 5 unfinished while we have 3: 2 belong to another frontend
+    lone = AdmissionController(4)
+    lone.note_core_count(core_unfinished=2, ours_before=0, ours_after=0)
+    assert lone.others == 2 and lone.num_unfinished() == 2
+    lone.note_core_count(core_unfinished=1, ours_before=1, ours_after=2)
+    assert lone.others == 0  # never negative, never counts our own twice
+    assert AdmissionController(None).admit(10**6).num_reqs == 10**6  # no limit
+
+
+@pytest.fixture
+def slow_engine(tokenizer):
+    return FakeEngine(tokenizer, token_delay=0.05)
+
+
+async def _with_app(engine, settings, body):
+    async def factory():
+        return engine
+
+    app = build_app(factory, settings)
+    async with app.router.lifespan_context(app):
+        await body(app)
+
+
+def test_burst_gets_the_expected_mix_of_200_and_503(slow_engine):
+    async def body(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            reqs = [client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4,
+                                                         "stream": i % 2 == 0})
+                    for i in range(6)]
+            results = await asyncio.gather(*reqs)
+            codes = sorted(r.status_code for r in results)
+            assert codes == [200, 200, 503, 503, 503, 503]
+            for r in results:
+                if r.status_code == 503:
+                    assert r.json()["error"]["type"] == "Service Unavailable"
+            after = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert after.status_code == 200
+            metrics = (await client.get("/metrics")).text
+            assert 'tidal:admission_rejections_total{model_name="fake-model",' \
+                   'reason="max_num_queued_reqs"} 4.0' in metrics
+        assert app.state.serving.admission.num_ours() == 0
+
+    asyncio.run(_with_app(slow_engine, ServerSettings(max_num_queued_reqs=2), body))
+
+
+def _scope(path: str) -> dict:
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1", "method": "POST", "scheme": "http", "path": path,
+            "raw_path": path.encode(), "query_string": b"", "root_path": "",
+            "headers": [(b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000)}
+
+
+async def _call_and_disconnect(app, path: str, payload: dict, after_chunks: int | None,
+                               after_seconds: float | None = None) -> list:
+    """Drive the ASGI app like a server whose client goes away mid-request."""
+    gone = asyncio.Event()
+    sent, first = [], [True]
+
+    async def receive():
+        if first[0]:
+            first[0] = False
+            return {"type": "http.request", "body": json.dumps(payload).encode(),
+                    "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+        chunks = [m for m in sent if m["type"] == "http.response.body" and m.get("body")]
+        if after_chunks is not None and len(chunks) >= after_chunks:
+            gone.set()
+
+    if after_seconds is not None:
+        asyncio.get_running_loop().call_later(after_seconds, gone.set)
+    await asyncio.wait_for(app(_scope(path), receive, send), 5)
+    return sent
+
+
+@pytest.mark.parametrize("path,payload", [
+    ("/v1/completions", {"prompt": "x", "max_tokens": 50, "stream": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "max_tokens": 50, "stream": True}),
+    ("/v1/completions", {"prompt": ["x", "y"], "max_tokens": 50, "stream": True}),
+])
+def test_streaming_disconnect_aborts_and_releases(slow_engine, path, payload):
+    async def body(app):
+        sent = await _call_and_disconnect(app, path, payload, after_chunks=2)
+        chunks = [m for m in sent if m["type"] == "http.response.body" and m.get("body")]
+        assert len(chunks) < 10  # it stopped long before 50 tokens
+        await asyncio.sleep(0.1)
+        assert not slow_engine.active
+        assert slow_engine.generated.keys() <= set(slow_engine.abort_calls)
+        assert app.state.serving.admission.num_ours() == 0
+
+    asyncio.run(_with_app(slow_engine, ServerSettings(max_num_queued_reqs=4), body))
+
+
+def test_non_streaming_disconnect_aborts_and_releases(slow_engine):
+    async def body(app):
+        payload = {"prompt": "x", "max_tokens": 50, "n": 2}
+        sent = await _call_and_disconnect(app, "/v1/completions", payload, None, 0.2)
+        assert sent[0]["status"] == 499
+        await asyncio.sleep(0.1)
+        assert not slow_engine.active
+        (req_id,) = slow_engine.generated
+        assert req_id in slow_engine.abort_calls and req_id in slow_engine.aborted
+        assert app.state.serving.admission.num_ours() == 0
+
+    asyncio.run(_with_app(slow_engine, ServerSettings(max_num_queued_reqs=4), body))

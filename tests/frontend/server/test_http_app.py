@@ -1,0 +1,270 @@
+"""The HTTP layer alone: FastAPI app + fake engine (no engine core), via TestClient."""
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from http_fake_engine import FakeEngine
+from tidal.frontend.server.app import ServerSettings, build_app
+from tidal.frontend.server.protocol import ChatCompletionResponse, CompletionResponse
+
+
+def make_client(engine, **settings) -> TestClient:
+    async def factory():
+        return engine
+
+    return TestClient(build_app(factory, ServerSettings(**settings)))
+
+
+@pytest.fixture
+def engine(tokenizer):
+    return FakeEngine(tokenizer)
+
+
+@pytest.fixture
+def client(engine):
+    with make_client(engine) as c:
+        yield c
+
+
+def sse_events(text: str) -> list:
+    """Parse an SSE body into JSON objects (and the string '[DONE]')."""
+    assert text.endswith("data: [DONE]\n\n")
+    events = []
+    for block in text.split("\n\n"):
+        if not block:
+            continue
+        assert block.startswith("data: "), block
+        payload = block[len("data: "):]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+# ------------------------------------------------------------------ completions
+
+
+def test_completion_shape_usage_and_n(client, engine):
+    r = client.post("/v1/completions", json={"model": "fake-model", "prompt": "hello world",
+                                             "max_tokens": 5, "n": 2})
+    assert r.status_code == 200, r.text
+    body = CompletionResponse.model_validate(r.json())
+    assert [c.index for c in body.choices] == [0, 1]
+    assert all(c.finish_reason == "length" for c in body.choices)
+    prompt_len = len(engine.tokenizer.encode("hello world", add_special_tokens=False))
+    assert body.usage.prompt_tokens == prompt_len
+    assert body.usage.completion_tokens == 10
+    assert body.usage.total_tokens == prompt_len + 10
+    assert body.id.startswith("cmpl-") and body.model == "fake-model"
+
+
+def test_completion_prompt_list_and_token_ids(client, engine):
+    r = client.post("/v1/completions", json={"prompt": [[5, 6, 7], [8, 9]], "max_tokens": 3,
+                                             "n": 2, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert body["prompt_token_ids"] == [[5, 6, 7], [8, 9]]
+    assert body["usage"]["prompt_tokens"] == 5 and body["usage"]["completion_tokens"] == 12
+    prompts = sorted(v[0] for v in engine.generated.values())
+    assert prompts == [[5, 6, 7], [8, 9]]
+    choice = body["choices"][2]  # prompt 1, completion 0
+    assert engine.tokenizer.decode(choice["token_ids"]) == choice["text"]
+
+
+def test_completion_sampling_params_reach_the_engine(client, engine):
+    r = client.post("/v1/completions", json={
+        "prompt": "hi", "max_tokens": 4, "temperature": 0.5, "top_p": 0.9, "top_k": 7,
+        "min_p": 0.1, "seed": 3, "stop": "xyz", "stop_token_ids": [1], "ignore_eos": True,
+        "min_tokens": 2, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+        "repetition_penalty": 1.2, "priority": -3, "include_stop_str_in_output": True,
+        "skip_special_tokens": False, "user": "u1", "some_unknown_field": 1})
+    assert r.status_code == 200, r.text
+    (_, params, priority), = engine.generated.values()
+    assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.5, 0.9, 7, 0.1)
+    assert params.seed == 3 and params.stop == ["xyz"] and params.stop_token_ids == [1]
+    assert params.ignore_eos and params.min_tokens == 2 and params.repetition_penalty == 1.2
+    assert params.include_stop_str_in_output and not params.skip_special_tokens
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.5)
+    assert priority == -3
+
+
+def test_completion_echo_and_logprobs(client):
+    r = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3, "echo": True})
+    assert r.json()["choices"][0]["text"].startswith("hello")
+    r = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3, "logprobs": 2})
+    lp = r.json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 3
+    assert lp["text_offset"][0] == 0
+    assert lp["text_offset"][1] == len(lp["tokens"][0])
+    assert all(2 <= len(top) <= 3 for top in lp["top_logprobs"])
+    assert lp["token_logprobs"] == [-0.25] * 3
+    assert "".join(lp["tokens"]) == r.json()["choices"][0]["text"]
+
+
+def test_completion_stream_with_usage(client):
+    r = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4, "n": 2,
+                                             "stream": True,
+                                             "stream_options": {"include_usage": True}})
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    usage = events[-2]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 8
+    chunks = events[:-2]
+    assert len(chunks) == 8 and all(c["usage"] is None for c in chunks)
+    texts = {0: "", 1: ""}
+    for c in chunks:
+        (choice,) = c["choices"]
+        texts[choice["index"]] += choice["text"]
+        assert c["object"] == "text_completion"
+    finals = [c["choices"][0] for c in chunks if c["choices"][0]["finish_reason"]]
+    assert sorted(f["index"] for f in finals) == [0, 1]
+    assert texts[0] and texts[1] and texts[0] != texts[1]
+
+
+def test_completion_stream_logprob_offsets_continue(client):
+    r = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3, "logprobs": 0,
+                                             "stream": True})
+    chunks = [e for e in sse_events(r.text) if e != "[DONE]"]
+    offsets = [c["choices"][0]["logprobs"]["text_offset"][0] for c in chunks]
+    tokens = [c["choices"][0]["logprobs"]["tokens"][0] for c in chunks]
+    assert offsets == [0, len(tokens[0]), len(tokens[0]) + len(tokens[1])]
+
+
+# ------------------------------------------------------------------ chat
+
+
+def test_chat_uses_the_template_and_returns_shape(client, engine):
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi "},
+                                             {"type": "text", "text": "there"}]}]
+    r = client.post("/v1/chat/completions", json={"model": "fake-model", "messages": messages,
+                                                  "max_completion_tokens": 3, "logprobs": True,
+                                                  "top_logprobs": 2})
+    assert r.status_code == 200, r.text
+    body = ChatCompletionResponse.model_validate(r.json())
+    assert body.object == "chat.completion" and body.id.startswith("chatcmpl-")
+    assert body.choices[0].message.role == "assistant"
+    content = body.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
+    assert "".join(c.token for c in content) == body.choices[0].message.content
+    (prompt_ids, params, _), = engine.generated.values()
+    expected = engine.tokenizer.apply_chat_template(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}],
+        tokenize=False, add_generation_prompt=True)
+    assert engine.tokenizer.decode(prompt_ids) == expected
+    assert params.max_tokens == 3 and params.logprobs == 2
+
+
+def test_chat_stream_role_first_then_content(client):
+    r = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": 2,
+        "stream": True, "stream_options": {"include_usage": True}})
+    events = sse_events(r.text)
+    chunks = events[:-2]
+    assert [c["choices"][0]["delta"] for c in chunks[:2]] == [
+        {"role": "assistant", "content": ""}] * 2
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert events[-2]["usage"]["completion_tokens"] == 6
+    finishes = [c["choices"][0] for c in chunks if c["choices"][0]["finish_reason"]]
+    assert sorted(f["index"] for f in finishes) == [0, 1]
+
+
+def test_chat_max_tokens_default_is_unbounded(client, engine):
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user",
+                                                                "content": "hi"}]})
+    assert r.status_code == 200
+    (_, params, _), = engine.generated.values()
+    assert params.max_tokens is None
+
+
+# ------------------------------------------------------------------ other endpoints
+
+
+def test_models_health_version_tokenize(client, engine):
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "fake-model"
+    assert models["data"][0]["max_model_len"] == 64
+    assert client.get("/health").status_code == 200
+    assert client.get("/version").json()["version"]
+    tok = client.post("/tokenize", json={"prompt": "hello world",
+                                         "return_token_strs": True}).json()
+    assert tok["tokens"] == engine.tokenizer.encode("hello world")
+    assert tok["count"] == len(tok["tokens"]) and len(tok["token_strs"]) == tok["count"]
+    chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": "x"}]})
+    assert engine.tokenizer.decode(chat.json()["tokens"]).startswith("<|user|>")
+    detok = client.post("/detokenize", json={"tokens": tok["tokens"]}).json()
+    assert detok["prompt"] == "hello world"
+
+
+def test_health_503_when_engine_dead(client, engine):
+    engine.dead = True
+    assert client.get("/health").status_code == 503
+    r = client.post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == 503
+
+
+def test_served_model_name_override(engine):
+    with make_client(engine, served_model_names=["alias"]) as c:
+        assert c.get("/v1/models").json()["data"][0]["id"] == "alias"
+        assert c.post("/v1/completions", json={"model": "alias", "prompt": "x"}).json()[
+            "model"] == "alias"
+        assert c.post("/v1/completions", json={"model": "fake-model",
+                                               "prompt": "x"}).status_code == 404
+
+
+def test_engine_error_is_500_or_error_event(tokenizer):
+    engine = FakeEngine(tokenizer, fail_with="worker died")
+    with make_client(engine) as c:
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 500 and "worker died" in r.json()["error"]["message"]
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": True})
+        events = sse_events(r.text)
+        assert events[-1] == "[DONE]" and "worker died" in events[-2]["error"]["message"]
+
+
+# ------------------------------------------------------------------ auth, metrics
+
+
+def test_api_key(engine):
+    with make_client(engine, api_key="sekret") as c:
+        r = c.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == 401
+        r = c.post("/v1/completions", json={"prompt": "x"},
+                   headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401
+        assert c.get("/v1/models").status_code == 401
+        assert c.post("/tokenize", json={"prompt": "x"}).status_code == 401
+        r = c.post("/v1/completions", json={"prompt": "x"},
+                   headers={"Authorization": "Bearer sekret"})
+        assert r.status_code == 200
+        assert c.get("/health").status_code == 200
+        assert c.get("/metrics").status_code == 200
+
+
+def test_metrics_page_parses_and_moves(client, engine):
+    def scrape():
+        text = client.get("/metrics").text
+        return {s.name: s.value for f in text_string_to_metric_families(text)
+                for s in f.samples}
+
+    engine.stats.generation_tokens = 11
+    engine.stats.kv_cache_usage = 0.25
+    before = scrape()
+    assert before["tidal:generation_tokens_total"] == 11
+    assert before["tidal:kv_cache_usage_perc"] == 0.25
+    assert before.get("tidal:time_to_first_token_seconds_count", 0) == 0
+    client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
+    after = scrape()
+    assert after["tidal:time_to_first_token_seconds_count"] == 1
+    assert after["tidal:e2e_request_latency_seconds_count"] == 1
+    assert after["tidal:inter_token_latency_seconds_count"] == 2
+    assert after["tidal:request_queue_time_seconds_count"] == 1
+    assert after["tidal:request_success_total"] == 1
+    for name in ["num_requests_running", "num_requests_waiting", "num_preemptions_total",
+                 "prefix_cache_queries_total", "prefix_cache_hits_total",
+                 "prompt_tokens_total"]:
+        assert "tidal:" + name in after
