@@ -1,0 +1,115 @@
+"""Test helpers for the worker: a minimal engine-core stand-in that scripts BatchPlans
+(sync scheduling, chunked prefill, block allocation) and feeds back sampled tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tidal.ipc.messages import (
+    BatchPlan,
+    CachedRequestData,
+    NewRequestData,
+    SampledTokens,
+    SamplingParams,
+    WorkerConfig,
+    pack_token_ids,
+    unpack_token_ids,
+)
+
+
+def worker_config(model: str, **overrides) -> WorkerConfig:
+    """A CPU worker config sized for tiny models (128 KV blocks unless overridden)."""
+    values = dict(model=model, device="cpu", dtype="float32", block_size=16,
+                  max_model_len=256, max_num_seqs=16, max_num_batched_tokens=512,
+                  num_kv_blocks_override=128)
+    values.update(overrides)
+    return WorkerConfig(**values)
+
+
+@dataclass
+class ScriptedRequest:
+    req_id: str
+    token_ids: list[int]
+    prompt_len: int
+    sampling: SamplingParams
+    block_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    new_block_ids: list[int] = field(default_factory=list)
+    seen: bool = False
+    eos_token_id: int | None = None
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+
+class PlanScript:
+    """Schedules every unfinished request each step, at most `chunk` tokens each."""
+
+    def __init__(self, block_size: int = 16, first_block: int = 1):
+        self.block_size = block_size
+        self.next_block = first_block
+        self.step_id = 0
+        self.requests: dict[str, ScriptedRequest] = {}
+        self.finished: list[str] = []
+        self.done: dict[str, ScriptedRequest] = {}
+
+    def add(self, req_id: str, prompt: list[int], sampling: SamplingParams | None = None,
+            num_computed: int = 0, block_ids: list[int] | None = None,
+            eos_token_id: int | None = None) -> ScriptedRequest:
+        req = ScriptedRequest(req_id, list(prompt), len(prompt),
+                              sampling or SamplingParams(temperature=0.0, max_tokens=8),
+                              list(block_ids or []), num_computed, eos_token_id=eos_token_id)
+        self.requests[req_id] = req
+        return req
+
+    def _allocate(self, req: ScriptedRequest, num_tokens: int) -> None:
+        while len(req.block_ids) * self.block_size < num_tokens:
+            req.block_ids.append(self.next_block)
+            req.new_block_ids.append(self.next_block)
+            self.next_block += 1
+
+    def plan(self, chunk: int = 10**9) -> BatchPlan:
+        new, cached = [], []
+        total = 0
+        for req in self.requests.values():
+            n = min(len(req.token_ids) - req.num_computed, chunk)
+            self._allocate(req, req.num_computed + n)
+            total += n
+            if not req.seen:
+                new.append(NewRequestData(
+                    req.req_id, pack_token_ids(req.token_ids), req.prompt_len,
+                    list(req.block_ids), req.num_computed, n, req.sampling,
+                    eos_token_id=req.eos_token_id))
+                req.seen = True
+            else:
+                cached.append(CachedRequestData(req.req_id, list(req.new_block_ids),
+                                                req.num_computed, n))
+            req.new_block_ids = []
+            req.num_computed += n
+        plan = BatchPlan(self.step_id, new, cached, finished_req_ids=self.finished,
+                         total_num_scheduled_tokens=total)
+        self.finished = []
+        self.step_id += 1
+        return plan
+
+    def record(self, sampled: SampledTokens | None) -> None:
+        if sampled is None:
+            return
+        for req_id, token in zip(sampled.req_ids, unpack_token_ids(sampled.token_ids)):
+            req = self.requests[req_id]
+            req.token_ids.append(token)
+            if len(req.output_ids) >= req.sampling.max_tokens:
+                self.finish(req_id)
+
+    def finish(self, req_id: str) -> None:
+        self.done[req_id] = self.requests.pop(req_id)
+        self.finished.append(req_id)
+
+    def run(self, worker, chunk: int = 10**9, max_steps: int = 1000) -> dict[str, list[int]]:
+        """Step until every request is finished; returns req_id -> output token ids."""
+        for _ in range(max_steps):
+            if not self.requests:
+                break
+            self.record(worker.execute(self.plan(chunk)))
+        return {req_id: req.output_ids for req_id, req in self.done.items()}

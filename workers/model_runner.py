@@ -1,0 +1,326 @@
+"""Model runner: applies a plan's deltas to the persistent batch, builds the step's flat
+inputs (token ids, positions, slot mapping, attention metadata) with numpy, runs the model
+(eagerly, or by replaying a captured CUDA graph for decode batches), computes logits only
+at sampling positions and samples.
+
+Flat batch layout of one step (plan order: new requests, then cached ones):
+
+    request        A (prefill chunk, 5 tokens)   B (decode)   C (decode)
+    query rows     0 1 2 3 4                     5            6
+    positions      p..p+4                        nB           nC
+    sampling?      only if p+5 == A's known tokens    yes      yes
+    logits rows    [4 if sampling] + [5, 6]
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tidal.ipc.messages import BatchPlan, TokenLogprobs, WorkerConfig, pack_token_ids
+from tidal.workers.attention import AttentionMetadata, KVCache
+from tidal.workers.cuda_graphs import DecodeGraphs
+from tidal.workers.models.llama import LlamaForCausalLM, ModelArgs
+from tidal.workers.persistent_batch import PersistentBatch
+from tidal.workers.sampler import Sampler, SamplerOutput, SamplingBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepInputs:
+    """Everything one forward needs, on the device, plus the host-side bookkeeping."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampling] rows of the hidden states that sample
+    sample_rows: np.ndarray  # persistent-batch rows that sample, plan order
+    sample_req_ids: list[str]
+    num_tokens: int
+    decode_only: bool  # every request schedules exactly one token
+
+
+@dataclass
+class StepResult:
+    """What one step sampled (identical on every rank)."""
+
+    req_ids: list[str]
+    token_ids: np.ndarray  # [len(req_ids)] int32
+    logprobs: list[TokenLogprobs | None] | None
+
+
+class ModelRunner:
+    """Owns the model, its KV cache tensors, the persistent batch and the sampler."""
+
+    def __init__(self, config: WorkerConfig, model: LlamaForCausalLM, args: ModelArgs,
+                 device: torch.device, dtype: torch.dtype):
+        self.config, self.model, self.args = config, model, args
+        self.device, self.dtype = device, dtype
+        self.block_size = config.block_size
+        self.max_blocks_per_req = math.ceil(config.max_model_len / config.block_size)
+        self.batch = PersistentBatch(config.max_num_seqs, config.max_model_len,
+                                     self.max_blocks_per_req)
+        self.sampler = Sampler(config.seed, device)
+        self.kv_caches: list[KVCache] = []
+        self.graphs: DecodeGraphs | None = None
+        attn = model.model.layers[0].self_attn
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+
+    # -- KV cache ------------------------------------------------------------------------
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes one KV block takes on this rank, K and V over every layer."""
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        return (2 * self.args.num_hidden_layers * self.block_size * self.num_kv_heads
+                * self.head_dim * elem)
+
+    def allocate_kv_cache(self, num_blocks: int) -> list[KVCache]:
+        """Zeroed K and V tensors per layer, [num_blocks, block_size, kv_heads, head_dim]."""
+        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.dtype, device=self.device))
+                for _ in range(self.args.num_hidden_layers)]
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the cache (block 0 is the null block) and, on CUDA without
+        enforce_eager, capture the decode graphs."""
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be at least 2 (block 0 is reserved), "
+                             f"got {num_blocks}")
+        self.kv_caches = self.allocate_kv_cache(num_blocks)
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            self.graphs = DecodeGraphs.try_capture(self, self.config.max_num_seqs)
+
+    # -- one step ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, plan: BatchPlan) -> StepResult:
+        """Run one step on this rank; every rank samples the same tokens."""
+        inputs = self.prepare(plan)
+        if inputs is None:
+            return StepResult([], np.zeros(0, np.int32), None)
+        hidden = self.run_model(inputs)
+        if not inputs.sample_req_ids:
+            return StepResult([], np.zeros(0, np.int32), None)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        out = self.sampler(logits, self.sampling_batch(inputs.sample_rows))
+        token_ids = out.token_ids.cpu().numpy()
+        self.batch.append_sampled(inputs.sample_rows, token_ids)
+        return StepResult(inputs.sample_req_ids, token_ids.astype(np.int32),
+                          self._pack_logprobs(out, inputs.sample_rows))
+
+    @torch.inference_mode()
+    def compute_logits_all(self, plan: BatchPlan) -> torch.Tensor:
+        """Apply a plan and return logits for every scheduled token [num_tokens, vocab],
+        sampling nothing (tests and diagnostics: prompt logits)."""
+        inputs = self.prepare(plan)
+        if inputs is None:
+            return torch.zeros(0, self.args.vocab_size, device=self.device)
+        return self.model.compute_logits(self.run_model(inputs))
+
+    def run_model(self, inputs: StepInputs) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] for the step's tokens."""
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            return self.graphs.run(inputs)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+
+    # -- inputs --------------------------------------------------------------------------
+
+    def prepare(self, plan: BatchPlan) -> StepInputs | None:
+        """Apply the plan to the persistent batch and build the step's inputs."""
+        if not self.kv_caches:
+            raise RuntimeError("init_kv_cache must run before the first step")
+        for req_id in (*plan.finished_req_ids, *plan.preempted_req_ids):
+            self.batch.remove(req_id)
+        req_ids, rows, num_scheduled = [], [], []
+        for new in plan.new_requests:
+            rows.append(self.batch.add(new))
+            req_ids.append(new.req_id)
+            num_scheduled.append(new.num_scheduled_tokens)
+        for cached in plan.cached_requests:
+            rows.append(self.batch.update(cached))
+            req_ids.append(cached.req_id)
+            num_scheduled.append(cached.num_scheduled_tokens)
+        if not req_ids:
+            return None
+        return self._build_inputs(req_ids, np.asarray(rows, np.int64),
+                                  np.asarray(num_scheduled, np.int64))
+
+    def _build_inputs(self, req_ids: list[str], rows: np.ndarray,
+                      num_scheduled: np.ndarray) -> StepInputs:
+        b, bs = self.batch, self.block_size
+        start = b.num_computed[rows]
+        seq_lens = start + num_scheduled
+        _check_schedule(req_ids, rows, num_scheduled, seq_lens, b, bs)
+        query_start_loc = np.zeros(len(rows) + 1, np.int64)
+        np.cumsum(num_scheduled, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        # token t of request i sits at position start[i] + (t - query_start_loc[i])
+        offsets = np.arange(num_tokens) - np.repeat(query_start_loc[:-1], num_scheduled)
+        positions = np.repeat(start, num_scheduled) + offsets
+        token_rows = np.repeat(rows, num_scheduled)
+        input_ids = b.token_ids[token_rows, positions]
+        slot_mapping = (b.block_table[token_rows, positions // bs].astype(np.int64) * bs
+                        + positions % bs)
+        width = max(1, int((seq_lens.max() + bs - 1) // bs))
+        samples = seq_lens >= b.num_tokens[rows]
+        to_dev = self._to_device
+        meta = AttentionMetadata(
+            slot_mapping=to_dev(slot_mapping, torch.int64),
+            block_tables=to_dev(np.ascontiguousarray(b.block_table[rows, :width]), torch.int32),
+            query_start_loc=to_dev(query_start_loc, torch.int32),
+            seq_lens=to_dev(seq_lens, torch.int32),
+        )
+        return StepInputs(
+            input_ids=to_dev(input_ids, torch.int64),
+            positions=to_dev(positions, torch.int64),
+            meta=meta,
+            logits_indices=to_dev(query_start_loc[1:][samples] - 1, torch.int64),
+            sample_rows=rows[samples],
+            sample_req_ids=[r for r, s in zip(req_ids, samples) if s],
+            num_tokens=num_tokens,
+            decode_only=bool((num_scheduled == 1).all()),
+        )
+
+    def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        tensor = torch.from_numpy(np.asarray(array)).to(dtype)
+        if self.device.type == "cuda":
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor
+
+    # -- sampling ------------------------------------------------------------------------
+
+    def sampling_batch(self, rows: np.ndarray) -> SamplingBatch:
+        """Per-row sampling tensors for the rows that sample this step."""
+        b, dev = self.batch, self._to_device
+        out_lens = b.num_tokens[rows] - b.prompt_len[rows]
+        batch = SamplingBatch(
+            temperature=dev(b.temperature[rows], torch.float32),
+            top_k=dev(b.top_k[rows], torch.int64),
+            top_p=dev(b.top_p[rows], torch.float32),
+            min_p=dev(b.min_p[rows], torch.float32),
+            seeds=dev(b.seed[rows], torch.int64),
+            seeded=dev(b.seeded[rows], torch.bool),
+            positions=dev(b.num_tokens[rows], torch.int64),
+        )
+        if _any_penalty(b, rows):
+            batch.presence_penalty = dev(b.presence_penalty[rows], torch.float32)
+            batch.frequency_penalty = dev(b.frequency_penalty[rows], torch.float32)
+            batch.repetition_penalty = dev(b.repetition_penalty[rows], torch.float32)
+            batch.output_token_ids = dev(_gather_tokens(b, rows, b.prompt_len[rows], out_lens),
+                                         torch.int64)
+            batch.prompt_token_ids = dev(_gather_tokens(b, rows, np.zeros_like(rows),
+                                                        b.prompt_len[rows]), torch.int64)
+        self._add_min_tokens(batch, rows, out_lens)
+        wanted = b.num_logprobs[rows]
+        if (wanted >= 0).any():
+            batch.num_logprobs = int(wanted.max())
+        return batch
+
+    def _add_min_tokens(self, batch: SamplingBatch, rows: np.ndarray,
+                        out_lens: np.ndarray) -> None:
+        active = np.nonzero(out_lens < self.batch.min_tokens[rows])[0]
+        pairs = [(i, self.batch.stop_ids[rows[i]]) for i in active]  # only rows under min
+        pairs = [(i, ids) for i, ids in pairs if len(ids)]
+        if not pairs:
+            return
+        row_idx = np.concatenate([np.full(len(ids), i) for i, ids in pairs])
+        tok_idx = np.concatenate([ids for _, ids in pairs])
+        keep = tok_idx < self.args.vocab_size
+        batch.min_tokens_rows = self._to_device(row_idx[keep], torch.int64)
+        batch.min_tokens_ids = self._to_device(tok_idx[keep], torch.int64)
+
+    def _pack_logprobs(self, out: SamplerOutput,
+                       rows: np.ndarray) -> list[TokenLogprobs | None] | None:
+        if out.logprobs is None:
+            return None
+        ids = out.logprob_token_ids.cpu().numpy()
+        lps = out.logprobs.to(torch.float32).cpu().numpy()
+        ranks = out.sampled_ranks.cpu().numpy()
+        result: list[TokenLogprobs | None] = []
+        for i, k in enumerate(self.batch.num_logprobs[rows]):
+            if k < 0:
+                result.append(None)
+                continue
+            result.append(TokenLogprobs(token_ids=pack_token_ids(ids[i, :k + 1]),
+                                        logprobs=lps[i, :k + 1].astype("<f4").tobytes(),
+                                        sampled_rank=int(ranks[i])))
+        return result
+
+    # -- profiling -----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int, num_seqs: int) -> None:
+        """A forward over `num_tokens` dummy tokens (sequences of at most max_model_len)
+        into a temporary cache, then the sampler over `num_seqs` rows, to find the peak
+        activation memory."""
+        max_len, bs = self.config.max_model_len, self.block_size
+        lens = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len]
+                                                      if num_tokens % max_len else [])
+        blocks_per_seq = [math.ceil(n / bs) for n in lens]
+        kv_caches = self.allocate_kv_cache(sum(blocks_per_seq) + 1)
+        tables = np.zeros((len(lens), max(blocks_per_seq)), np.int64)
+        first = 1
+        for i, n in enumerate(blocks_per_seq):
+            tables[i, :n] = np.arange(first, first + n)
+            first += n
+        positions = np.concatenate([np.arange(n) for n in lens])
+        seq_of = np.repeat(np.arange(len(lens)), lens)
+        slots = tables[seq_of, positions // bs] * bs + positions % bs
+        meta = AttentionMetadata(
+            slot_mapping=self._to_device(slots, torch.int64),
+            block_tables=self._to_device(tables, torch.int32),
+            query_start_loc=self._to_device(np.concatenate([[0], np.cumsum(lens)]), torch.int32),
+            seq_lens=self._to_device(np.asarray(lens), torch.int32))
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, self._to_device(positions, torch.int64), kv_caches, meta)
+        rows = min(num_seqs, num_tokens)
+        logits = self.model.compute_logits(hidden[-rows:])
+        self.sampler(logits, _dummy_sampling(rows, self.device))
+        del kv_caches, hidden, logits
+
+
+def _check_schedule(req_ids, rows, num_scheduled, seq_lens, batch: PersistentBatch,
+                    block_size: int) -> None:
+    bad = np.nonzero((seq_lens > batch.num_tokens[rows]) | (num_scheduled < 1))[0]
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(f"request {req_ids[i]!r}: scheduled up to token {int(seq_lens[i])} "
+                         f"but the worker knows {int(batch.num_tokens[rows[i]])} tokens "
+                         f"(num_scheduled_tokens={int(num_scheduled[i])})")
+    short = np.nonzero((seq_lens + block_size - 1) // block_size > batch.num_blocks[rows])[0]
+    if len(short):
+        i = int(short[0])
+        raise ValueError(f"request {req_ids[i]!r}: {int(seq_lens[i])} tokens need more than "
+                         f"its {int(batch.num_blocks[rows[i]])} KV blocks")
+
+
+def _any_penalty(b: PersistentBatch, rows: np.ndarray) -> bool:
+    return bool((b.presence_penalty[rows] != 0).any() or (b.frequency_penalty[rows] != 0).any()
+                or (b.repetition_penalty[rows] != 1).any())
+
+
+def _gather_tokens(b: PersistentBatch, rows: np.ndarray, starts: np.ndarray,
+                   lens: np.ndarray) -> np.ndarray:
+    """[N, max(lens)] token ids token_ids[row, start:start+len], padded with -1."""
+    width = max(1, int(lens.max()) if len(lens) else 1)
+    offsets = np.arange(width)
+    index = np.minimum(starts[:, None] + offsets[None, :], b.max_model_len - 1)
+    tokens = b.token_ids[rows[:, None], index]
+    return np.where(offsets[None, :] < lens[:, None], tokens, -1)
+
+
+def _dummy_sampling(num_rows: int, device: torch.device) -> SamplingBatch:
+    """Random sampling with top-k and top-p: the sampler's most memory-hungry path."""
+    full = lambda value, dtype: torch.full((num_rows,), value, dtype=dtype, device=device)
+    return SamplingBatch(
+        temperature=full(1.0, torch.float32), top_k=full(50, torch.int64),
+        top_p=full(0.9, torch.float32), min_p=full(0.0, torch.float32),
+        seeds=full(0, torch.int64), seeded=full(False, torch.bool),
+        positions=full(0, torch.int64), num_logprobs=5)

@@ -1,0 +1,131 @@
+"""The worker's persistent batch: every request it holds, one row each, in numpy arrays.
+
+A plan carries full data only for requests the worker has not seen (`NewRequestData`) and
+deltas for the rest (`CachedRequestData`), so the state lives here between steps:
+
+    row r:  token_ids[r, :num_tokens[r]]        prompt, then every token sampled so far
+            block_table[r, :num_blocks[r]]      the request's KV blocks (append-only)
+            num_computed[r]                     tokens already in the KV cache
+            temperature[r], top_k[r], ...       sampling parameters
+
+The worker appends each token it samples to its row itself (`append_sampled`), so with async
+scheduling the "placeholder" the engine core schedules is simply that token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tidal.ipc.messages import CachedRequestData, NewRequestData, unpack_token_ids
+
+
+class PersistentBatch:
+    """Rows of request state; rows are reused after a request leaves."""
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int):
+        self.max_num_reqs, self.max_model_len = max_num_reqs, max_model_len
+        self.max_blocks_per_req = max_blocks_per_req
+        self.req_id_to_row: dict[str, int] = {}  # req_id -> row
+        self.free_rows = list(range(max_num_reqs - 1, -1, -1))  # pop() gives the lowest
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.prompt_len = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self._init_sampling_arrays(max_num_reqs)
+
+    def _init_sampling_arrays(self, n: int) -> None:
+        self.temperature = np.ones(n, dtype=np.float32)
+        self.top_k = np.zeros(n, dtype=np.int64)
+        self.top_p = np.ones(n, dtype=np.float32)
+        self.min_p = np.zeros(n, dtype=np.float32)
+        self.presence_penalty = np.zeros(n, dtype=np.float32)
+        self.frequency_penalty = np.zeros(n, dtype=np.float32)
+        self.repetition_penalty = np.ones(n, dtype=np.float32)
+        self.min_tokens = np.zeros(n, dtype=np.int64)
+        self.seed = np.zeros(n, dtype=np.int64)
+        self.seeded = np.zeros(n, dtype=bool)
+        self.num_logprobs = np.full(n, -1, dtype=np.int64)  # -1: no logprobs wanted
+        self.stop_ids: list[np.ndarray] = [np.zeros(0, np.int64)] * n  # EOS + stop_token_ids
+
+    def __len__(self) -> int:
+        return len(self.req_id_to_row)
+
+    def remove(self, req_id: str) -> None:
+        """Drop a finished or preempted request (unknown ids are ignored)."""
+        row = self.req_id_to_row.pop(req_id, None)
+        if row is not None:
+            self.free_rows.append(row)
+
+    def add(self, req: NewRequestData) -> int:
+        """Take a row for a request the worker has not seen (or resumed after preemption)."""
+        self.remove(req.req_id)
+        tokens = np.frombuffer(unpack_token_ids(req.token_ids), dtype=np.int32)
+        _check_new(req, len(tokens), self.max_model_len, self.max_blocks_per_req)
+        if not self.free_rows:
+            raise ValueError(f"more than max_num_seqs={self.max_num_reqs} requests in the "
+                             f"worker's batch (adding {req.req_id!r})")
+        row = self.free_rows.pop()
+        self.req_id_to_row[req.req_id] = row
+        self.token_ids[row, :len(tokens)] = tokens
+        self.num_tokens[row] = len(tokens)
+        self.prompt_len[row] = req.prompt_len
+        self.num_computed[row] = req.num_computed_tokens
+        self.num_blocks[row] = 0
+        self._append_blocks(row, req.block_ids, req.req_id)
+        self._set_sampling(row, req)
+        return row
+
+    def update(self, req: CachedRequestData) -> int:
+        """Apply a delta to a request already held."""
+        row = self.req_id_to_row.get(req.req_id)
+        if row is None:
+            raise ValueError(f"cached request {req.req_id!r} is not in the worker's batch")
+        self.num_computed[row] = req.num_computed_tokens
+        self._append_blocks(row, req.new_block_ids, req.req_id)
+        return row
+
+    def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """Append each row's sampled token (rows already at max_model_len keep theirs)."""
+        room = self.num_tokens[rows] < self.max_model_len
+        rows, token_ids = rows[room], token_ids[room]
+        self.token_ids[rows, self.num_tokens[rows]] = token_ids
+        self.num_tokens[rows] += 1
+
+    def _append_blocks(self, row: int, block_ids: list[int], req_id: str) -> None:
+        start = int(self.num_blocks[row])
+        end = start + len(block_ids)
+        if end > self.max_blocks_per_req:
+            raise ValueError(f"request {req_id!r} has {end} KV blocks, more than "
+                             f"max_model_len / block_size allows ({self.max_blocks_per_req})")
+        self.block_table[row, start:end] = block_ids
+        self.num_blocks[row] = end
+
+    def _set_sampling(self, row: int, req: NewRequestData) -> None:
+        sp = req.sampling
+        self.temperature[row] = sp.temperature
+        self.top_k[row] = max(sp.top_k, 0)
+        self.top_p[row] = sp.top_p
+        self.min_p[row] = sp.min_p
+        self.presence_penalty[row] = sp.presence_penalty
+        self.frequency_penalty[row] = sp.frequency_penalty
+        self.repetition_penalty[row] = sp.repetition_penalty
+        self.min_tokens[row] = sp.min_tokens
+        self.seeded[row] = sp.seed is not None
+        self.seed[row] = sp.seed if sp.seed is not None else 0
+        self.num_logprobs[row] = -1 if sp.logprobs is None else sp.logprobs
+        eos = getattr(req, "eos_token_id", None)
+        stop = list(sp.stop_token_ids) + ([eos] if eos is not None else [])
+        self.stop_ids[row] = np.asarray(stop, dtype=np.int64)
+
+
+def _check_new(req: NewRequestData, num_tokens: int, max_model_len: int,
+               max_blocks: int) -> None:
+    if num_tokens > max_model_len:
+        raise ValueError(f"request {req.req_id!r} has {num_tokens} tokens, more than "
+                         f"max_model_len={max_model_len}")
+    if req.num_computed_tokens + req.num_scheduled_tokens > num_tokens:
+        raise ValueError(f"request {req.req_id!r}: num_computed_tokens="
+                         f"{req.num_computed_tokens} + num_scheduled_tokens="
+                         f"{req.num_scheduled_tokens} exceeds its {num_tokens} tokens")

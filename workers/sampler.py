@@ -1,0 +1,214 @@
+"""Vectorised sampler: one pass over the [num_rows, vocab] logits of every request that
+samples this step, with per-row parameters as tensors (no Python loop over requests).
+
+Order of operations (as vLLM v1):
+
+    logits (float32)
+      ├─► raw log-probabilities (log_softmax of the model's logits) ── returned when asked
+      ├─ min_tokens: EOS and stop_token_ids set to -inf while too few tokens are generated
+      ├─ penalties: repetition (prompt + output, HF rule), frequency and presence (output)
+      ├─► greedy rows (temperature 0): argmax
+      └─ / temperature ─ min_p ─ top_k ─ top_p ─ draw ──► random rows
+
+The draw is the exponential race (argmax of probs / E, E ~ Exp(1) i.i.d.), which samples
+exactly from probs. For a seeded request E comes from a counter-based hash of (seed,
+position of the token being sampled, vocab index), so its tokens do not depend on what else
+is in the batch, on the batch order, or on a preemption and recompute. Unseeded rows draw E
+from one torch.Generator seeded from `WorkerConfig.seed` (identical on every TP rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters of one step; row i is the i-th request that samples."""
+
+    temperature: torch.Tensor
+    """[N] float32; 0 means greedy."""
+    top_k: torch.Tensor
+    """[N] int64; 0 means off (the whole vocabulary)."""
+    top_p: torch.Tensor
+    """[N] float32 in (0, 1]."""
+    min_p: torch.Tensor
+    """[N] float32 in [0, 1]."""
+    seeds: torch.Tensor
+    """[N] int64: the request's seed (meaningful where `seeded`)."""
+    seeded: torch.Tensor
+    """[N] bool: draw from (seed, position) instead of the worker's generator."""
+    positions: torch.Tensor
+    """[N] int64: sequence index the sampled token will take."""
+    presence_penalty: torch.Tensor | None = None
+    """[N] float32, or None when no row uses penalties (then the two below are None too)."""
+    frequency_penalty: torch.Tensor | None = None
+    repetition_penalty: torch.Tensor | None = None
+    output_token_ids: torch.Tensor | None = None
+    """[N, max_output_len] int64 generated tokens, padded with -1."""
+    prompt_token_ids: torch.Tensor | None = None
+    """[N, max_prompt_len] int64 prompt tokens, padded with -1."""
+    min_tokens_rows: torch.Tensor | None = None
+    """[M] int64 rows and [M] int64 token ids to mask (min_tokens not reached yet)."""
+    min_tokens_ids: torch.Tensor | None = None
+    num_logprobs: int | None = None
+    """Most top alternatives any row asked for; None when no row wants logprobs."""
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool((self.temperature == 0).all())
+
+
+@dataclass
+class SamplerOutput:
+    """Sampled tokens and, when asked, log-probabilities (from the raw model logits)."""
+
+    token_ids: torch.Tensor
+    """[N] int64."""
+    logprob_token_ids: torch.Tensor | None = None
+    """[N, 1 + num_logprobs] int64: the sampled token, then the top alternatives."""
+    logprobs: torch.Tensor | None = None
+    """[N, 1 + num_logprobs] float32, same layout."""
+    sampled_ranks: torch.Tensor | None = None
+    """[N] int64: rank of the sampled token (1 = most likely)."""
+
+
+class Sampler:
+    """Turns logits into tokens; holds only the generator for unseeded rows."""
+
+    def __init__(self, seed: int, device: torch.device):
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        logits = logits.to(torch.float32)
+        raw_logprobs = (torch.log_softmax(logits, dim=-1)
+                        if batch.num_logprobs is not None else None)
+        if batch.min_tokens_rows is not None:
+            logits = logits.index_put((batch.min_tokens_rows, batch.min_tokens_ids),
+                                      torch.tensor(float("-inf"), device=logits.device))
+        if batch.presence_penalty is not None:
+            logits = apply_penalties(logits, batch)
+        greedy = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            sampled = greedy
+        else:
+            sampled = torch.where(batch.temperature == 0, greedy, self._draw(logits, batch))
+        out = SamplerOutput(token_ids=sampled)
+        if raw_logprobs is not None:
+            _fill_logprobs(out, raw_logprobs, batch.num_logprobs)
+        return out
+
+    def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        temperature = torch.where(batch.temperature == 0, 1.0, batch.temperature)
+        logits = logits / temperature.unsqueeze(1)
+        if bool((batch.min_p > 0).any()):
+            logits = apply_min_p(logits, batch.min_p)
+        if bool((batch.top_k > 0).any()) or bool((batch.top_p < 1).any()):
+            logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+        probs = torch.softmax(logits, dim=-1)
+        noise = self._exponential_noise(batch, probs.shape[1], probs.device)
+        return (probs / noise).argmax(dim=-1)
+
+    def _exponential_noise(self, batch: SamplingBatch, vocab_size: int,
+                           device: torch.device) -> torch.Tensor:
+        num_rows = batch.temperature.shape[0]
+        noise = torch.empty(num_rows, vocab_size, device=device)
+        noise.exponential_(generator=self.generator)
+        if bool(batch.seeded.any()):
+            rows = batch.seeded.nonzero().squeeze(1)
+            uniform = hashed_uniform(batch.seeds[rows], batch.positions[rows], vocab_size)
+            noise[rows] = -torch.log(uniform)
+        return noise
+
+
+# ---------------------------------------------------------------------------------------------
+# logits processing
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition (HF: divide positive / multiply negative logits of tokens seen in the
+    prompt or output), then frequency (times the output count) and presence (once per
+    distinct output token) subtracted, as in vLLM / OpenAI."""
+    num_rows, vocab_size = logits.shape
+    output_counts = _token_counts(batch.output_token_ids, num_rows, vocab_size)
+    prompt_seen = _token_counts(batch.prompt_token_ids, num_rows, vocab_size) > 0
+    seen = prompt_seen | (output_counts > 0)
+    rep = batch.repetition_penalty.unsqueeze(1).expand_as(logits)
+    rep = torch.where(seen, rep, 1.0)
+    logits = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = logits - batch.frequency_penalty.unsqueeze(1) * output_counts
+    return logits - batch.presence_penalty.unsqueeze(1) * (output_counts > 0).to(logits.dtype)
+
+
+def _token_counts(token_ids: torch.Tensor, num_rows: int, vocab_size: int) -> torch.Tensor:
+    """[N, L] ids padded with -1 -> [N, vocab] float32 occurrence counts."""
+    counts = torch.zeros(num_rows, vocab_size + 1, device=token_ids.device)
+    index = torch.where(token_ids < 0, vocab_size, token_ids)
+    counts.scatter_add_(1, index, torch.ones_like(index, dtype=counts.dtype))
+    return counts[:, :vocab_size]
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the top token's."""
+    probs = torch.softmax(logits, dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
+                      top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the top_k largest logits (ties at the k-th value kept; 0 = off), then the
+    smallest set whose probability reaches top_p (the token crossing it included)."""
+    vocab_size = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    k = torch.where(top_k <= 0, vocab_size, top_k.clamp(max=vocab_size))
+    kth = sorted_logits.gather(1, (vocab_size - k).unsqueeze(1))
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+    drop = cumulative <= (1 - top_p).unsqueeze(1)
+    drop[:, -1] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _fill_logprobs(out: SamplerOutput, raw_logprobs: torch.Tensor, num_logprobs: int) -> None:
+    sampled = out.token_ids.unsqueeze(1)
+    sampled_lp = raw_logprobs.gather(1, sampled)
+    out.sampled_ranks = (raw_logprobs > sampled_lp).sum(dim=1) + 1
+    if num_logprobs > 0:
+        top_lp, top_ids = raw_logprobs.topk(num_logprobs, dim=-1)
+        out.logprob_token_ids = torch.cat([sampled, top_ids], dim=1)
+        out.logprobs = torch.cat([sampled_lp, top_lp], dim=1)
+    else:
+        out.logprob_token_ids, out.logprobs = sampled, sampled_lp
+
+
+# ---------------------------------------------------------------------------------------------
+# counter-based random numbers
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (lowbias32) on int64 tensors holding values < 2**32;
+    products may wrap in int64, the mask keeps their exact low 32 bits."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def hashed_uniform(seeds: torch.Tensor, positions: torch.Tensor,
+                   vocab_size: int) -> torch.Tensor:
+    """[N] seeds, [N] positions -> [N, vocab] float32 uniforms in (0, 1), a pure function of
+    (seed, position, vocab index)."""
+    seed_lo, seed_hi = seeds & _MASK32, (seeds >> 32) & _MASK32
+    key = _mix32(seed_lo ^ _mix32(seed_hi ^ _mix32((positions & _MASK32) ^ 0x9E3779B9)))
+    key2 = _mix32(key ^ 0x85EBCA6B)
+    vocab = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    bits = _mix32(((_mix32(key.unsqueeze(1) ^ vocab) + key2.unsqueeze(1)) & _MASK32))
+    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))

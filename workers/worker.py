@@ -1,0 +1,199 @@
+"""One tensor-parallel rank: device and process group, model shard, KV cache, steps.
+
+Start-up, driven by the worker process (workers/proc.py):
+
+    Worker(config) -> load() -> determine_num_kv_blocks() -> ready_message()
+    ... engine core takes the minimum over ranks ... -> init_kv_cache(num_blocks)
+    execute(plan) every step (rank 0 returns SampledTokens) -> shutdown()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import torch
+
+from tidal.ipc.messages import BatchPlan, SampledTokens, WorkerConfig, WorkerReady, pack_token_ids
+from tidal.kernels import select_attention_ops
+from tidal.workers.distributed import destroy_distributed, init_distributed
+from tidal.workers.loader import load_weights, read_config, resolve_model_path
+from tidal.workers.model_runner import ModelRunner
+from tidal.workers.models.llama import build_model, parse_model_args
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
+"""KV cache per rank on CPU when `kv_cache_memory` is not given: 4 GiB (vLLM's default
+VLLM_CPU_KVCACHE_SPACE)."""
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float64": torch.float64}
+
+
+class Worker:
+    """The model shard of one rank and everything needed to run steps on it."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        _validate(config)
+        self.config = config
+        self.rank = config.rank
+        self.device = _pick_device(config)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.tp = init_distributed(config.rank, config.tensor_parallel_size,
+                                   config.dist_init_method, self.device)
+        self.model_path = resolve_model_path(config.model)
+        self.hf_config = read_config(self.model_path)
+        self.args = parse_model_args(self.hf_config)
+        self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
+        self.runner: ModelRunner | None = None
+        self.num_kv_blocks = 0
+        self.load_seconds = 0.0
+
+    # -- start-up ------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Build the model on the device and load this rank's shard of the weights."""
+        start = time.perf_counter()
+        ops = select_attention_ops(self.config.attention_backend, self.device.type)
+        with _default_dtype(self.dtype), torch.device(self.device):
+            model = build_model(self.args, self.tp, ops, self.config.max_model_len)
+        load_weights(model, self.model_path)
+        model.eval()
+        self.runner = ModelRunner(self.config, model, self.args, self.device, self.dtype)
+        self.load_seconds = time.perf_counter() - start
+        num_params = sum(p.numel() for p in model.parameters())
+        logger.info("rank %d: loaded %s (%s, %.1fM parameters on this rank, %s attention) "
+                    "from %s in %.2f s", self.rank, self.args.architecture, self.dtype,
+                    num_params / 1e6, ops.name, self.model_path, self.load_seconds)
+
+    def determine_num_kv_blocks(self) -> int:
+        """How many KV blocks fit on this rank (num_kv_blocks_override wins).
+
+        CUDA: a profiling forward at max_num_batched_tokens; the blocks fill
+        gpu_memory_utilization × device memory minus weights, peak activations and memory
+        outside torch. CPU: kv_cache_memory bytes (default 4 GiB) / bytes per block.
+        """
+        runner = self._runner()
+        if self.config.num_kv_blocks_override is not None:
+            num_blocks = self.config.num_kv_blocks_override
+            logger.info("rank %d: num_kv_blocks_override=%d", self.rank, num_blocks)
+        elif self.device.type == "cuda":
+            num_blocks = self._profile_cuda_blocks(runner)
+        else:
+            budget = self.config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
+            num_blocks = budget // runner.kv_block_bytes
+            logger.info("rank %d: CPU KV cache %.2f GiB / %d bytes per block = %d blocks "
+                        "(%d tokens)", self.rank, budget / 2**30, runner.kv_block_bytes,
+                        num_blocks, num_blocks * self.config.block_size)
+        if num_blocks < 2:
+            raise ValueError(f"only {num_blocks} KV blocks fit on rank {self.rank}; raise "
+                             "kv_cache_memory / gpu_memory_utilization or lower max_num_seqs")
+        self.num_kv_blocks = int(num_blocks)
+        return self.num_kv_blocks
+
+    def _profile_cuda_blocks(self, runner: ModelRunner) -> int:
+        start = time.perf_counter()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        weights = torch.cuda.memory_allocated()
+        runner.profile_run(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        free, total = torch.cuda.mem_get_info()
+        outside_torch = (total - free) - torch.cuda.memory_reserved()  # context, NCCL, others
+        torch.cuda.empty_cache()
+        budget = int(total * self.config.gpu_memory_utilization)
+        available = budget - peak - outside_torch
+        num_blocks = max(available, 0) // runner.kv_block_bytes
+        logger.info(
+            "rank %d: profiling took %.2f s; device %.2f GiB × gpu_memory_utilization %.2f = "
+            "%.2f GiB; weights %.2f GiB, peak with activations %.2f GiB, outside torch "
+            "%.2f GiB -> KV cache %.2f GiB = %d blocks (%d tokens)", self.rank,
+            time.perf_counter() - start, total / 2**30, self.config.gpu_memory_utilization,
+            budget / 2**30, weights / 2**30, peak / 2**30, outside_torch / 2**30,
+            max(available, 0) / 2**30, num_blocks, num_blocks * self.config.block_size)
+        return num_blocks
+
+    def ready_message(self) -> WorkerReady:
+        return WorkerReady(rank=self.rank, num_kv_blocks=self.num_kv_blocks,
+                           max_model_len=self.config.max_model_len, device=str(self.device),
+                           load_seconds=self.load_seconds)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate `num_blocks` blocks (the minimum over ranks) and capture CUDA graphs."""
+        start = time.perf_counter()
+        self._runner().init_kv_cache(num_blocks)
+        logger.info("rank %d: KV cache of %d blocks × %d tokens ready in %.2f s", self.rank,
+                    num_blocks, self.config.block_size, time.perf_counter() - start)
+
+    # -- steps ---------------------------------------------------------------------------
+
+    def execute(self, plan: BatchPlan) -> SampledTokens | None:
+        """Run one step; rank 0 returns the sampled tokens, other ranks None."""
+        result = self._runner().execute(plan)
+        if self.rank != 0:
+            return None
+        return SampledTokens(step_id=plan.step_id, req_ids=result.req_ids,
+                             token_ids=pack_token_ids(result.token_ids),
+                             logprobs=result.logprobs)
+
+    def shutdown(self) -> None:
+        """Release the KV cache and leave the process group."""
+        self.runner = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        destroy_distributed()
+
+    def _runner(self) -> ModelRunner:
+        if self.runner is None:
+            raise RuntimeError("Worker.load() must run first")
+        return self.runner
+
+
+def _validate(config: WorkerConfig) -> None:
+    if config.dtype != "auto" and config.dtype not in DTYPES:
+        raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {config.dtype!r}")
+    if config.device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {config.device!r}")
+    if not 0 <= config.rank < config.tensor_parallel_size:
+        raise ValueError(f"rank {config.rank} is outside tensor_parallel_size="
+                         f"{config.tensor_parallel_size}")
+    if config.block_size < 1 or config.max_model_len < 1 or config.max_num_seqs < 1:
+        raise ValueError("block_size, max_model_len and max_num_seqs must be positive")
+    if not 0.0 < config.gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                         f"{config.gpu_memory_utilization}")
+
+
+def _pick_device(config: WorkerConfig) -> torch.device:
+    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("device=cuda but CUDA is not available")
+    local = config.rank % torch.cuda.device_count()
+    return torch.device("cuda", local)
+
+
+def resolve_dtype(name: str, hf_config: dict, device: torch.device) -> torch.dtype:
+    """`auto` takes the checkpoint's dtype (float16 becomes float32 on CPU, where half
+    matmuls are slow); otherwise the named dtype."""
+    if name != "auto":
+        return DTYPES[name]
+    ckpt = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
+    dtype = DTYPES.get(str(ckpt).replace("torch.", ""), torch.float32)
+    if device.type == "cpu" and dtype == torch.float16:
+        return torch.float32
+    return dtype
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
