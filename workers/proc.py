@@ -82,6 +82,7 @@ class WorkerProcess:
 
             self.worker = Worker(self.config)
             self.worker.load()
+            self.worker.determine_num_kv_blocks()
             self.result_sock.send(encode(self.worker.ready_message()))
             self._loop()
             return 0

@@ -48,7 +48,7 @@ from tidal.ipc.transport import (
 MAX_TOKENS = 12
 PROMPT_LENS = [3, 7, 12, 17, 25, 33, 40, 5]
 STARTUP_TIMEOUT_S = 90.0
-FRONTEND_TIMEOUT_S = 2.0
+FRONTEND_TIMEOUT_S = 3.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,10 +110,14 @@ class Daemon:
 
 
 class Client:
-    """A frontend made of one DEALER socket; it heartbeats while it waits (unless told not to)."""
+    """A frontend made of one DEALER socket. While any client waits, every open client
+    heartbeats (unless its `heartbeat` is turned off), as a real frontend's timer would."""
+
+    _open: list["Client"] = []
 
     def __init__(self, ctx, address: str, client_id: str, key_file: str | None = None):
         self.client_id = client_id
+        Client._open.append(self)
         self.sock = connect_frontend_socket(ctx, address, client_id, key_file)
         self.decoder = CoreToFrontendDecoder()
         self.heartbeat = True
@@ -145,9 +149,10 @@ class Client:
 
     def _beat(self) -> None:
         now = time.monotonic()
-        if self.heartbeat and now - self._last_heartbeat > 0.4:
-            self.send(Heartbeat(self.client_id))
-            self._last_heartbeat = now
+        for client in Client._open:
+            if client.heartbeat and now - client._last_heartbeat > 0.4:
+                client.send(Heartbeat(client.client_id))
+                client._last_heartbeat = now
 
     def _take(self, msg) -> None:
         if isinstance(msg, EngineDead):
@@ -191,6 +196,8 @@ class Client:
         return msg.stats
 
     def close(self) -> None:
+        if self in Client._open:
+            Client._open.remove(self)
         self.sock.close(linger=0)
 
 
