@@ -183,8 +183,10 @@ def choose_launch(
     """Pick the tile shape and split-K depth from host-known sizes only (no device sync).
 
     `max_kv_len` is an upper bound on any request's cached length (block table width × block
-    size). Decode-only batches (one query token per request) get a 16-row tile; batches with
-    prefill rows get 128-row tiles (64 for head_dim 256) so each K/V tile feeds many queries.
+    size). Decode-only batches (num_tokens <= num_seqs) get a 16-row tile and may split-K;
+    batches with prefill rows get 128-row tiles (64 for head_dim 256) so each K/V tile feeds
+    many queries. NOTE: a decode batch padded to more tokens than requests (CUDA graphs) is
+    taken for a prefill: still correct, with a wider tile than it needs.
     """
     group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
     head_pad = max(16, triton.next_power_of_2(head_dim))
@@ -447,8 +449,8 @@ def paged_attention_triton(
         max_kv_len=block_tables.shape[1] * key_cache.shape[1],
         num_sms=_device_sms(query.device), dtype=query.dtype,
     )
-    return run_paged_attention(query, key_cache, value_cache, block_tables, query_start_loc,
-                               seq_lens, scale, out, launch)
+    return _launch(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
+                   out, launch)
 
 
 def run_paged_attention(
@@ -464,6 +466,12 @@ def run_paged_attention(
 ) -> torch.Tensor:
     """`paged_attention_triton` with an explicit launch (tests and benchmarks)."""
     _check_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out)
+    return _launch(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
+                   out, launch)
+
+
+def _launch(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, out,
+            launch: AttentionLaunch) -> torch.Tensor:
     if out is None:
         out = torch.empty_like(query)
     num_tokens, num_heads, head_dim = query.shape
