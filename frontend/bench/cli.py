@@ -303,10 +303,20 @@ def _run_throughput(ns: argparse.Namespace) -> int:
             results.append(hf_baselines.run_hf_continuous(model, requests))
     ratios = offline.compare_to_baselines(results[0], results[1:])
     print(offline.format_throughput(results, ratios))
-    write_result(ns, {"command": "throughput", "model": config.model.model,
+    write_result(ns, {"command": "throughput", "model": config.model.model, "host": host_info(),
                       "dataset": dict(vars(dataset_config_from_args(ns))),
                       "results": results, "ratios": ratios})
     return 0
+
+
+def host_info() -> dict:
+    """CPU count and load, so readers can judge figures from a shared machine."""
+    import platform
+
+    info = {"cpu_count": os.cpu_count(), "platform": platform.platform()}
+    if hasattr(os, "getloadavg"):
+        info["loadavg_1m_5m_15m"] = list(os.getloadavg())
+    return info
 
 
 def _parse_hf_backends(text: str) -> list[str]:

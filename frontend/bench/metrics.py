@@ -201,16 +201,19 @@ def format_report(summary: dict, title: str = "Serving Benchmark Result") -> str
         row("Request goodput (req/s):", summary["request_goodput"])
     row("Output token throughput (tok/s):", summary["output_throughput"])
     row("Total token throughput (tok/s):", summary["total_token_throughput"])
-    for key, label in (("peak_concurrency", "Peak concurrent requests:"),
-                       ("prefix_cache_hit_rate", "Server prefix cache hit rate:"),
-                       ("num_preemptions", "Server preemptions:")):
-        if summary.get(key) is not None:
-            row(label, summary[key])
+    if summary.get("peak_concurrency") is not None:
+        row("Peak concurrent requests:", summary["peak_concurrency"])
+    if summary.get("prefix_cache_hit_rate") is not None:
+        row("Server prefix cache hit rate (%):", 100.0 * summary["prefix_cache_hit_rate"])
+    if summary.get("num_preemptions") is not None:
+        row("Server preemptions:", summary["num_preemptions"])
     for name in LATENCY_METRICS:
         lines.append(f"{' ' + _TITLES[name] + ' ':-^60}")
         row(f"Mean {name.upper()} (ms):", summary[f"mean_{name}_ms"])
         row(f"Median {name.upper()} (ms):", summary[f"median_{name}_ms"])
         for p in summary["percentiles"]:
+            if p == 50:
+                continue  # the median, printed above
             row(f"P{_pct_label(p)} {name.upper()} (ms):", summary[f"p{_pct_label(p)}_{name}_ms"])
     lines.append("=" * 60)
     return "\n".join(lines)

@@ -28,11 +28,26 @@ from tidal.ipc.messages import SamplingParams
 LATENCY_PERCENTILES = (10, 25, 50, 75, 90, 99)
 
 
-def open_llm(config, use_tqdm: bool = True):
+def open_llm(config):
     """An `LLM` that starts its own engine-core daemon for `config` (an `EngineConfig`)."""
     from tidal.frontend.llm import LLM
 
-    return LLM(config=config)
+    model, flags = llm_kwargs(config)
+    return LLM(model, **flags)
+
+
+def llm_kwargs(config) -> tuple[str, dict]:
+    """`config` as `LLM(model, **flags)` arguments (through the flags that rebuild it)."""
+    import argparse
+
+    from tidal.engine_core.args import add_engine_args, config_to_argv
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_args(parser)
+    ns = parser.parse_args(config_to_argv(config))
+    flags = {a.dest: getattr(ns, a.dest) for a in parser._actions
+             if a.dest not in ("model_tag", "model")}
+    return ns.model, flags
 
 
 def greedy_params(output_len: int) -> SamplingParams:

@@ -72,7 +72,7 @@ def _draw_timeline(ax, timeline: list[dict]) -> None:
         kv_ax.set_ylim(0, 105)
         kv_handles, kv_labels = kv_ax.get_legend_handles_labels()
         handles, labels = handles + kv_handles, labels + kv_labels
-    ax.legend(handles, labels, fontsize=8, loc="upper right")
+    ax.legend(handles, labels, fontsize=8, loc="upper left", framealpha=0.6)
 
 
 def plot_serve(summary: dict, results: list[RequestResult], path: str) -> None:
