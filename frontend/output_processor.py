@@ -126,6 +126,7 @@ class OutputProcessor:
         self.extra_stop_token_ids = list(extra_stop_token_ids or [])
         self._parents: dict[str, _Parent] = {}  # request_id -> parent
         self._children: dict[str, tuple[_Parent, _Completion]] = {}  # engine req_id -> both
+        self.num_unknown_outputs = 0  # outputs for ids not in flight here (late, or misrouted)
 
     # -- registration ---------------------------------------------------------------------
 
@@ -201,7 +202,8 @@ class OutputProcessor:
         for out in outputs:
             entry = self._children.get(out.req_id)
             if entry is None:
-                continue  # aborted or finished already: a late output
+                self.num_unknown_outputs += 1  # aborted or finished already: a late output
+                continue
             parent, comp = entry
             if comp.finished:
                 continue
