@@ -179,3 +179,33 @@ def test_sync_and_async_give_the_same_tokens_under_preemption():
         assert sched.num_preemptions > 0
         results.append(tokens)
     assert results[0] == results[1]
+
+
+def test_rolled_back_chunk_is_never_published():
+    """A priority victim that was already scheduled earlier in the same step gives its chunk
+    back, and the blocks of that chunk must not enter the prefix cache (their KV is never
+    written). 11 blocks (10 usable), budget 64, per-request chunk cap 32.
+    Step 1: LOW (priority 5, 128 tokens) alone takes 64 tokens (cap off with one request):
+    4 blocks. Step 2: LOW 64..95 (6 blocks); HIGH (priority 0, 32 tokens) admitted whole
+    (2 blocks), samples: 33 tokens; 2 blocks free. Step 3: LOW's chunk 96..127 takes the last
+    2 blocks; HIGH's position 32 needs one more, so LOW (largest priority value) is preempted
+    and its chunk is taken back: LOW's blocks 7 and 8 were never computed (HIGH gets block 8).
+    X (priority 1) = LOW's first 112 tokens + 10 would hit 7 blocks had the chunk been
+    published; it must hit 6 (96 tokens) and compute the rest (the fake worker checks every
+    KV position before sampling)."""
+    sched = make_scheduler(num_blocks=11, max_model_len=160, max_num_batched_tokens=64,
+                           threshold=32, policy="priority")
+    worker = FakeWorker(16)
+    low_prompt = list(range(1, 129))
+    sched.add(make_request("low", low_prompt, priority=5, max_tokens=4))
+    step(sched, worker)
+    sched.add(make_request("high", 32, priority=0, max_tokens=3))
+    step(sched, worker)
+    plan, _ = step(sched, worker)
+    assert plan.preempted_req_ids == ["low"] and scheduled_tokens(plan) == {"high": 1}
+    sched.add(make_request("x", low_prompt[:112] + [7] * 10, priority=1, max_tokens=2))
+    hits = {}
+    while sched.has_unfinished_requests():
+        plan, _ = step(sched, worker)
+        hits.update({n.req_id: n.num_computed_tokens for n in plan.new_requests})
+    assert hits["x"] == 96
