@@ -31,7 +31,7 @@ def workloads(draw):
     block_size = draw(st.sampled_from([2, 4, 8, 16]))
     max_model_len = draw(st.integers(24, 96))
     num_blocks = -(-max_model_len // block_size) + 1 + draw(
-        st.sampled_from([0, 1, 3, 8, 40, 400]))
+        st.sampled_from([0, 0, 1, 2, 4, 40, 400]))
     max_num_seqs = draw(st.integers(1, 6))
     chunked = draw(st.booleans())
     low = max(max_num_seqs, 1 if chunked else max_model_len)
@@ -42,20 +42,20 @@ def workloads(draw):
         policy=draw(st.sampled_from(["fcfs", "priority"])),
         threshold=draw(st.sampled_from([0, 0, 3, 16])), max_model_len=max_model_len,
         num_blocks=num_blocks)
-    prefixes = [draw(st.lists(st.integers(1, VOCAB - 1), min_size=0, max_size=40))
+    prefixes = [draw(st.lists(st.integers(1, VOCAB - 1), min_size=8, max_size=40))
                 for _ in range(2)]
     requests = []
-    for i in range(draw(st.integers(1, 8))):
+    for i in range(draw(st.integers(1, 10))):
         prefix = prefixes[draw(st.integers(0, 1))] if draw(st.booleans()) else []
         tail = draw(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=30))
         prompt = (prefix + tail)[:max_model_len - 1]
-        max_tokens = draw(st.integers(1, 24))
+        max_tokens = draw(st.integers(1, 40))
         requests.append(dict(
             req_id=f"r{i}", prompt=prompt, max_tokens=max_tokens,
             min_tokens=draw(st.integers(0, min(3, max_tokens))),
             eos=EOS, ignore_eos=draw(st.booleans()),
-            stop_token_ids=draw(st.lists(st.integers(1, VOCAB - 1), max_size=2)),
-            priority=draw(st.integers(0, 3)), arrival=draw(st.integers(0, 12)),
+            stop_token_ids=draw(st.lists(st.integers(1, VOCAB - 1), max_size=1)),
+            priority=draw(st.integers(0, 3)), arrival=draw(st.integers(0, 8)),
             abort_at=draw(st.one_of(st.none(), st.none(), st.integers(0, 40)))))
     depth = draw(st.sampled_from([0, 1, 2]))  # plans in flight beyond the one just made
     return config, requests, depth
@@ -112,7 +112,7 @@ def _check_plan(plan, sched, config):
     assert len(sched.running) <= config["max_num_seqs"]
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_random_workloads(workload):
     logging.getLogger("tidal.engine_core.scheduler").setLevel(logging.ERROR)
