@@ -455,6 +455,8 @@ class Scheduler:
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             num_steps=self.num_steps,
+            preempted_prefix_cache_queries=self.preempted_prefix_cache_queries,
+            preempted_prefix_cache_hits=self.preempted_prefix_cache_hits,
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -239,6 +239,8 @@ class SchedulerStats(msgspec.Struct, **_STRUCT):
     prompt_tokens: int = 0  # tokens computed for prompts (prefill), total
     generation_tokens: int = 0  # tokens sampled, total
     num_steps: int = 0
+    preempted_prefix_cache_queries: int = 0  # tokens looked up when preempted requests resume
+    preempted_prefix_cache_hits: int = 0  # their hits (mostly their own blocks), kept apart
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", **_STRUCT):

@@ -239,7 +239,9 @@ def test_preemption_during_execution_discards_and_recomputes():
     for req in (a, b):
         assert tokens[req.req_id] == reference_tokens(
             req.prompt_token_ids, max_tokens=req.sampling.max_tokens, max_model_len=160)
-    assert sched.preempted_prefix_cache_hits == 64
+    stats = sched.stats()
+    assert (stats.preempted_prefix_cache_queries, stats.preempted_prefix_cache_hits) == (80, 64)
+    assert stats.prefix_cache_queries == 160 and stats.num_preemptions == 1
 
 
 def test_preempted_request_resumes_with_all_its_tokens():
