@@ -9,7 +9,6 @@ from tidal.ipc.messages import (
     BatchPlan,
     CachedRequestData,
     NewRequestData,
-    SampledTokens,
     SamplingParams,
     WorkerConfig,
     pack_token_ids,
@@ -93,10 +92,13 @@ class PlanScript:
         self.step_id += 1
         return plan
 
-    def record(self, sampled: SampledTokens | None) -> None:
+    def record(self, sampled) -> None:
+        """Append sampled tokens: a SampledTokens (rank 0) or a runner StepResult (any rank)."""
         if sampled is None:
             return
-        for req_id, token in zip(sampled.req_ids, unpack_token_ids(sampled.token_ids)):
+        tokens = sampled.token_ids
+        tokens = unpack_token_ids(tokens) if isinstance(tokens, bytes) else tokens.tolist()
+        for req_id, token in zip(sampled.req_ids, tokens):
             req = self.requests[req_id]
             req.token_ids.append(token)
             if len(req.output_ids) >= req.sampling.max_tokens:
@@ -106,10 +108,13 @@ class PlanScript:
         self.done[req_id] = self.requests.pop(req_id)
         self.finished.append(req_id)
 
-    def run(self, worker, chunk: int = 10**9, max_steps: int = 1000) -> dict[str, list[int]]:
-        """Step until every request is finished; returns req_id -> output token ids."""
+    def run(self, worker, chunk: int = 10**9, max_steps: int = 1000,
+            any_rank: bool = False) -> dict[str, list[int]]:
+        """Step until every request is finished; returns req_id -> output token ids.
+        `any_rank` steps the runner directly, so ranks other than 0 see their tokens too."""
+        step = worker.runner.execute if any_rank else worker.execute
         for _ in range(max_steps):
             if not self.requests:
                 break
-            self.record(worker.execute(self.plan(chunk)))
+            self.record(step(self.plan(chunk)))
         return {req_id: req.output_ids for req_id, req in self.done.items()}
