@@ -25,6 +25,7 @@ import struct
 import time
 from typing import Iterable
 
+from tidal.engine_core.block_pool import BlockPool
 from tidal.engine_core.config import EngineConfig, check_lengths
 from tidal.engine_core.kv_cache_manager import KVCacheManager
 from tidal.engine_core.preemption_log import PreemptionLog
@@ -104,7 +105,8 @@ class Scheduler:
         self.num_steps = 0
 
     @property
-    def block_pool(self):
+    def block_pool(self) -> BlockPool:
+        """The KV block pool (ids, reference counts, prefix-cache map)."""
         return self.kv_cache_manager.block_pool
 
     # -- requests in and out ------------------------------------------------------------------
@@ -217,6 +219,8 @@ class Scheduler:
                 continue  # its last token is in flight: scheduling more would be wasted
             num_computed = request.num_computed_tokens
             num_new = num_projected - num_computed
+            if num_new <= 0:
+                continue  # nothing known to compute (defensive: a sampled step adds one)
             if cap and num_new > cap:
                 num_new = cap
             if num_new > budget:
