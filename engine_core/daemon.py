@@ -15,7 +15,8 @@ Life of the process:
    unfinished request gets FinishReason.ERROR with a message, EngineDead, the remaining
    workers are killed, exit 1. A bad configuration or a failed start-up: exit 2.
 
-Frontends are told apart by their zmq identity (= their client_id). A frontend silent for
+Frontends are told apart by their zmq identity (= their client_id); a frontend may abort only
+its own requests, and receives outputs only for its own requests. A frontend silent for
 longer than `--frontend-timeout` seconds (they send a Heartbeat every
 `HEARTBEAT_INTERVAL_S`) has its requests aborted and their blocks freed.
 """
@@ -112,6 +113,7 @@ class EngineCoreDaemon:
         self._wake_r, self._wake_w = socket.socketpair()
         self._last_log = time.monotonic()
         self._last_logged_stats = None
+        self._idle_poller: zmq.Poller | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -183,7 +185,8 @@ class EngineCoreDaemon:
             self.executor.kill()
             self._fail_everything(f"engine core failed: {type(e).__name__}: {e}")
             return EXIT_WORKER_FAILED
-        logger.info("stopping (%s): failing unfinished requests, telling frontends", self.stop_reason)
+        logger.info("stopping (%s): failing unfinished requests, telling frontends",
+                    self.stop_reason)
         self._fail_everything(f"engine core shut down ({self.stop_reason})")
         self.executor.shutdown()
         return EXIT_OK
@@ -235,12 +238,14 @@ class EngineCoreDaemon:
     def _drain_frontends(self, block: bool, max_wait: float = _HOUSEKEEPING_S) -> None:
         """Handle every queued frontend frame; when `block`, first wait for one (or a timer)."""
         if block:
-            poller = zmq.Poller()
-            poller.register(self.sock, zmq.POLLIN)
-            poller.register(self._wake_r.fileno(), zmq.POLLIN)
-            for fd in self.executor.wait_fds():
-                poller.register(fd, zmq.POLLIN)
-            events = dict(poller.poll(int(min(self._idle_wait(), max_wait) * 1000)))
+            if self._idle_poller is None:
+                self._idle_poller = zmq.Poller()  # frontends, signals, worker exits
+                self._idle_poller.register(self.sock, zmq.POLLIN)
+                self._idle_poller.register(self._wake_r.fileno(), zmq.POLLIN)
+                for fd in self.executor.wait_fds():
+                    self._idle_poller.register(fd, zmq.POLLIN)
+            wait_ms = int(min(self._idle_wait(), max_wait) * 1000)
+            events = dict(self._idle_poller.poll(wait_ms))
             if self._wake_r.fileno() in events:
                 _drain_socket(self._wake_r)
             self.executor.check_alive()
@@ -259,8 +264,7 @@ class EngineCoreDaemon:
         return min(_HOUSEKEEPING_S, max(oldest + self.frontend_timeout - time.monotonic(), 0.01))
 
     def _on_frames(self, frames: list[bytes]) -> None:
-        identity = frames[0]
-        client_id = identity.decode("utf-8", "replace")
+        client_id = _client_id(frames[0])
         if len(frames) != 2:
             self.decoder.drop(f"{len(frames) - 1} frames where one was expected", client_id)
             return
@@ -278,7 +282,7 @@ class EngineCoreDaemon:
         if isinstance(msg, AddRequest):
             self._add_request(frontend.client_id, msg)
         elif isinstance(msg, Abort):
-            self._send_outputs(self.scheduler.abort(msg.req_ids))
+            self._abort(frontend.client_id, msg.req_ids)
         elif isinstance(msg, Hello):
             frontend.kind, frontend.pid = msg.kind, msg.pid
             self._send(frontend.client_id, self.info)
@@ -301,6 +305,16 @@ class EngineCoreDaemon:
             error = RequestOutput(msg.req_id, b"", FinishReason.ERROR, error=str(e))
             self._send(client_id, EngineOutputs([error], timestamp=time.time()))
 
+    def _abort(self, client_id: str, req_ids: list[str]) -> None:
+        """Abort the sender's own requests among `req_ids`; other ids are ignored."""
+        requests = self.scheduler.requests
+        own = [rid for rid in req_ids
+               if (r := requests.get(rid)) is not None and r.client_id == client_id]
+        if len(own) < len(req_ids):
+            logger.debug("abort from %r: %d of %d ids are not its unfinished requests",
+                         client_id, len(req_ids) - len(own), len(req_ids))
+        self._send_outputs(self.scheduler.abort(own))
+
     def _expire_silent_frontends(self) -> None:
         now = time.monotonic()
         for client_id, frontend in list(self.frontends.items()):
@@ -313,7 +327,7 @@ class EngineCoreDaemon:
                                num_aborted)
 
     def _send(self, client_id: str, msg) -> None:
-        self.sock.send_multipart([client_id.encode("utf-8"), encode(msg)], copy=False)
+        self.sock.send_multipart([_identity(client_id), encode(msg)], copy=False)
 
     def _send_outputs(self, outputs_by_client: dict[str, list[RequestOutput]]) -> None:
         now = time.time()
@@ -332,8 +346,8 @@ class EngineCoreDaemon:
                 frames = self.sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 break
-            self.frontends.setdefault(frames[0].decode("utf-8", "replace"),
-                                      _Frontend(frames[0].decode("utf-8", "replace"), 0.0))
+            client_id = _client_id(frames[0])
+            self.frontends.setdefault(client_id, _Frontend(client_id, 0.0))
         self._broadcast_dead(reason)
 
     # -- one step ------------------------------------------------------------------------------
@@ -387,6 +401,15 @@ class EngineCoreDaemon:
             "Prefix cache hit rate: %.1f%%, Preemptions: %d", prompt / elapsed, gen / elapsed,
             stats.num_running, stats.num_waiting, 100 * stats.kv_cache_usage, 100 * hit_rate,
             stats.num_preemptions)
+
+
+def _client_id(identity: bytes) -> str:
+    """A frontend's zmq identity as its client_id (reversible, whatever the bytes are)."""
+    return identity.decode("utf-8", "surrogateescape")
+
+
+def _identity(client_id: str) -> bytes:
+    return client_id.encode("utf-8", "surrogateescape")
 
 
 def _has_work(plan: BatchPlan) -> bool:

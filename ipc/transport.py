@@ -119,7 +119,8 @@ class TypedDecoder:
         if now - self._last_log < _DROP_LOG_INTERVAL_S:
             self._num_unlogged += 1
             return
-        more = f" ({self._num_unlogged} more dropped since last warning)" if self._num_unlogged else ""
+        more = (f" ({self._num_unlogged} more dropped since last warning)"
+                if self._num_unlogged else "")
         who = f" from {sender!r}" if sender is not None else ""
         logger.warning("%s: dropped a frame%s that does not decode: %s%s",
                        self.name, who, why[:300], more)
@@ -197,7 +198,8 @@ def default_engine_address() -> str:
 
 def new_private_address(tag: str = "engine") -> str:
     """A fresh ipc:// address in the private directory, unique per call (per launch)."""
-    return f"ipc://{os.path.join(runtime_dir(), f'{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock')}"
+    name = f"{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
+    return f"ipc://{os.path.join(runtime_dir(), name)}"
 
 
 def is_loopback_address(address: str) -> bool:
@@ -288,7 +290,8 @@ def write_key_file(path: str) -> EngineKeys:
     lines = ["# tidal engine key file: ZeroMQ CURVE keys (Z85). Whoever holds it may use",
              "# the engine; keep it private. Give it to `tidal core --engine-key-file` and to",
              "# every frontend that attaches."]
-    lines += [f"{name} = {getattr(keys, attr).decode('ascii')}" for name, attr in _KEY_NAMES.items()]
+    lines += [f"{name} = {getattr(keys, attr).decode('ascii')}"
+              for name, attr in _KEY_NAMES.items()]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -335,7 +338,8 @@ def _start_authenticator(ctx: zmq.Context, keys: EngineKeys):
 
     auth = ThreadAuthenticator(ctx, log=logging.getLogger(__name__ + ".zap"))
     auth.start()
-    auth.configure_curve_callback(domain="*", credentials_provider=_AllowedKeys({keys.client_public}))
+    auth.configure_curve_callback(domain="*",
+                                  credentials_provider=_AllowedKeys({keys.client_public}))
     return auth
 
 

@@ -22,6 +22,7 @@ import pytest
 import zmq
 
 from tidal.ipc.messages import (
+    Abort,
     AddRequest,
     BatchPlan,
     EngineDead,
@@ -386,6 +387,41 @@ def test_garbage_frames_dropped_and_daemon_keeps_serving(daemon, zctx, prompts, 
         assert "dropped a frame" in daemon.log_text()
     finally:
         evil.close(linger=0)
+
+
+@pytest.mark.timeout(60)
+def test_abort_only_own_requests(daemon, zctx, prompts):
+    owner, other = Client(zctx, daemon.address, "owner"), Client(zctx, daemon.address, "other")
+    try:
+        owner.hello()
+        other.hello()
+        owner.add("mine", prompts[0], max_tokens=480, ignore_eos=True)
+        owner.recv_until(lambda m: len(owner.tokens["mine"]) > 0, 20)
+        other.send(Abort(["mine"]))  # not its request: ignored
+        n = len(owner.tokens["mine"])
+        owner.recv_until(lambda m: len(owner.tokens["mine"]) > n + 3, 20)
+        assert "mine" not in owner.finish
+        owner.send(Abort(["mine", "unknown-id"]))
+        owner.wait_finished(["mine"], timeout=10)
+        assert owner.finish["mine"] == FinishReason.ABORT
+        assert not other.foreign
+        assert len(owner.tokens["mine"]) < 480
+    finally:
+        owner.close()
+        other.close()
+
+
+@pytest.mark.timeout(60)
+def test_anonymous_dealer_is_served(daemon, zctx):
+    """A DEALER without an identity gets a zmq-generated (binary) one; replies still reach it."""
+    anon = zctx.socket(zmq.DEALER)
+    anon.connect(daemon.address)
+    try:
+        anon.send(encode(Hello("anonymous")))
+        assert anon.poll(10_000)
+        assert isinstance(CoreToFrontendDecoder().decode(anon.recv()), EngineInfo)
+    finally:
+        anon.close(linger=0)
 
 
 @pytest.mark.timeout(60)

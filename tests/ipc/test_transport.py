@@ -210,7 +210,8 @@ def test_key_file_format(tmp_path):
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert read_key_file(path) == keys
     text = open(path).read()
-    for name in ("server-public-key", "server-secret-key", "client-public-key", "client-secret-key"):
+    for name in ("server-public-key", "server-secret-key", "client-public-key",
+                 "client-secret-key"):
         assert f"{name} = " in text
     bad = tmp_path / "bad"
     bad.write_text("server-public-key = short\n")
