@@ -47,17 +47,38 @@ def make_client_id(kind: str = "python") -> str:
 # tokenizer helpers
 
 
+# tokenizer classes that are plain `tokenizers` files: loaded without AutoTokenizer, whose
+# model-config machinery imports torch (seconds of start-up the frontend does not need)
+_PLAIN_FAST_CLASSES = (None, "PreTrainedTokenizerFast", "TokenizersBackend")
+
+
 def load_tokenizer(path: str):
     """The model folder's fast tokenizer (offline; nothing is downloaded)."""
-    from transformers import AutoTokenizer
-
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        if _is_plain_fast_tokenizer(path):
+            from transformers import PreTrainedTokenizerFast
+
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+        else:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - a clear message beats transformers' traceback
         raise ValueError(f"tokenizer: cannot load a tokenizer from {path!r}: {e}") from e
     if getattr(tokenizer, "backend_tokenizer", None) is None:
         logger.warning("tokenizer at %s is not a fast tokenizer; detokenization is slower", path)
     return tokenizer
+
+
+def _is_plain_fast_tokenizer(path: str) -> bool:
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return False
+    try:
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+            tokenizer_class = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        tokenizer_class = None
+    return tokenizer_class in _PLAIN_FAST_CLASSES
 
 
 def read_eos_token_ids(model_dir: str, tokenizer) -> list[int]:
