@@ -85,6 +85,8 @@ class Scheduler:
         """Requests holding KV blocks, in admission order (the fcfs victim is the last)."""
         self._finished_req_ids: list[str] = []
         """Requests the workers hold that finished since the last plan."""
+        self._preempted_req_ids: list[str] = []
+        """Requests sent back to waiting outside schedule() (prefix-cache reset)."""
         self._next_step_id = 1
         self._num_added = 0
         self.clock = time.monotonic
@@ -186,6 +188,8 @@ class Scheduler:
         """Plan the next step (see the module docstring)."""
         step = _Step(self._next_step_id, self.max_num_batched_tokens)
         self._next_step_id += 1
+        if self._preempted_req_ids:
+            step.preempted_req_ids, self._preempted_req_ids = self._preempted_req_ids, []
         self._schedule_running(step)
         if step.num_preempted == 0:
             self._schedule_waiting(step)
@@ -271,20 +275,27 @@ class Scheduler:
             step.budget += undone[1]
         num_lost = victim.num_computed_tokens
         usage = self.kv_cache_manager.usage()  # before the victim's blocks come back
-        self.kv_cache_manager.free(victim)
-        victim.status = RequestStatus.PREEMPTED
-        victim.num_computed_tokens = 0
-        victim.num_output_placeholders = 0
-        victim.discard_before_step = step.step_id  # in-flight results are stale
-        victim.num_preemptions += 1
-        if victim.in_worker:
-            step.preempted_req_ids.append(victim.req_id)
-            victim.in_worker = False
-        self.waiting.prepend(victim)
+        self._requeue(victim, step.step_id, step.preempted_req_ids)
         step.num_preempted += 1
         self.num_preemptions += 1
         self.preemption_log.record(victim, num_lost, len(self.running) + 1, usage,
                                    self.num_preemptions, self.clock())
+
+    def _requeue(self, request: Request, stale_before_step: int,
+                 preempted_req_ids: list[str]) -> None:
+        """A request that left `running`: free its blocks, keep its tokens, put it back at
+        the front of the waiting queue; results of steps before `stale_before_step` are
+        dropped, and the workers are told to drop it."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_output_placeholders = 0
+        request.discard_before_step = stale_before_step
+        request.num_preemptions += 1
+        if request.in_worker:
+            preempted_req_ids.append(request.req_id)
+            request.in_worker = False
+        self.waiting.prepend(request)
 
     def _schedule_waiting(self, step: _Step) -> None:
         """Admit waiting requests in queue order while budget, max_num_seqs and blocks allow;
@@ -463,8 +474,15 @@ class Scheduler:
             preempted_prefix_cache_hits=self.preempted_prefix_cache_hits,
         )
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached block hash; refused (False) while any request holds blocks."""
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached block hash; refused (False) while any request holds blocks.
+        With `reset_running_requests`, every running request first goes back to the front of
+        the waiting queue in its running order (recomputed later; not counted as a
+        preemption), and the next plan tells the workers to drop them."""
+        if reset_running_requests and self.running:
+            for request in reversed(self.running):
+                self._requeue(request, self._next_step_id, self._preempted_req_ids)
+            self.running = []
         return self.kv_cache_manager.reset_prefix_cache()
 
     def check_invariants(self) -> None:

@@ -4,7 +4,8 @@ import subprocess
 import sys
 
 from sched_utils import (
-    FakeWorker, make_request, make_scheduler, output_tokens, scheduled_tokens, step,
+    FakeWorker, make_request, make_scheduler, output_tokens, reference_tokens,
+    scheduled_tokens, step,
 )
 
 from tidal.engine_core.block_pool import NONE_HASH, hash_block_tokens
@@ -176,6 +177,35 @@ def test_reset_prefix_cache():
     assert sched.reset_prefix_cache()
     assert not sched.block_pool.cached
     assert all(b.block_hash is None for b in sched.block_pool.blocks)
+
+
+def test_reset_prefix_cache_with_running_requests():
+    """§7.28: reset_prefix_cache(reset_running_requests=True) sends every running request
+    back to waiting in its original order (the workers drop them in the next plan), then
+    succeeds; the requests resume with nothing cached (3 × 40 tokens recomputed) and produce
+    the same tokens as an unconstrained run."""
+    sched = make_scheduler()
+    worker = FakeWorker(16)
+    for name in "abc":
+        sched.add(make_request(name, [ord(name)] * 40, max_tokens=4))
+    _, out = step(sched, worker)
+    tokens = {n: output_tokens(out, n) for n in "abc"}
+    sched.add(make_request("d", 10))
+    assert sched.reset_prefix_cache(reset_running_requests=True)
+    assert [r.req_id for r in sched.waiting] == ["a", "b", "c", "d"] and not sched.running
+    sched.check_invariants()
+    plan, out = step(sched, worker)
+    assert sorted(plan.preempted_req_ids) == ["a", "b", "c"]
+    assert {n.req_id: n.num_computed_tokens for n in plan.new_requests} == {
+        "a": 0, "b": 0, "c": 0, "d": 0}
+    for n in "abc":
+        tokens[n] += output_tokens(out, n)
+    while sched.has_unfinished_requests():
+        _, out = step(sched, worker)
+        for n in "abc":
+            tokens[n] += output_tokens(out, n)
+    for n in "abc":
+        assert tokens[n] == reference_tokens([ord(n)] * 40, max_tokens=4, max_model_len=4096)
 
 
 def test_no_leaks_after_everything_finishes():

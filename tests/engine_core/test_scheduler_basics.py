@@ -321,3 +321,24 @@ def test_add_rejects_bad_requests_and_runtime_checks():
         make_scheduler(num_blocks=4, max_model_len=64)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         make_scheduler(max_num_batched_tokens=256, chunked=False, max_model_len=512)
+
+
+def test_stats_match_the_queues():
+    """§7.30: stats report running and waiting counts equal to the queues, KV usage as the
+    fraction of usable blocks held (11 blocks, 10 usable; two 40-token prompts take 3 blocks
+    each: 60%), and token counters: prompt tokens computed and tokens sampled."""
+    sched = make_scheduler(num_blocks=11, max_model_len=160, max_num_seqs=2,
+                           max_num_batched_tokens=128)
+    worker = FakeWorker(16)
+    for i in range(3):
+        sched.add(make_request(i, 40, max_tokens=4))
+    step(sched, worker)
+    stats = sched.stats()
+    assert (stats.num_running, stats.num_waiting) == (2, 1)
+    assert stats.kv_cache_usage == pytest.approx(0.6) and stats.num_kv_blocks == 11
+    assert (stats.prompt_tokens, stats.generation_tokens, stats.num_steps) == (80, 2, 1)
+    while sched.has_unfinished_requests():
+        step(sched, worker)
+    stats = sched.stats()
+    assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
+    assert (stats.prompt_tokens, stats.generation_tokens) == (120, 12)
