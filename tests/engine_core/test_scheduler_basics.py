@@ -342,3 +342,24 @@ def test_stats_match_the_queues():
     stats = sched.stats()
     assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
     assert (stats.prompt_tokens, stats.generation_tokens) == (120, 12)
+
+
+def test_no_admission_in_a_preempting_step_and_head_of_line_blocking():
+    """DESIGN rules: 11 blocks (10 usable). A and B (80 tokens, 5 blocks each) fill the pool.
+    Step 2: A's position 80 needs a block, B is preempted (A takes B's freed tail block), and
+    no waiting request is admitted in that step although C (5 tokens) would fit. Step 3: B
+    is at the front of the queue; it needs 6 blocks (81 tokens; 4 cached ones sit on the free
+    list) with 4 free, so it blocks the queue: C is not admitted ahead of it, and waiting
+    requests never preempt A."""
+    sched = make_scheduler(num_blocks=11, max_model_len=160)
+    worker = FakeWorker(16)
+    sched.add(make_request("a", 80, max_tokens=30))
+    sched.add(make_request("b", [5] * 80, max_tokens=30))
+    step(sched, worker)
+    sched.add(make_request("c", 5))
+    plan, _ = step(sched, worker)
+    assert plan.preempted_req_ids == ["b"] and not plan.new_requests
+    assert sched.block_pool.num_free_blocks == 4
+    plan, _ = step(sched, worker)
+    assert scheduled_tokens(plan) == {"a": 1} and not plan.preempted_req_ids
+    assert [r.req_id for r in sched.waiting] == ["b", "c"]
