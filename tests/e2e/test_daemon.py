@@ -552,3 +552,48 @@ def test_workers_exit_when_the_daemon_dies(tiny_llama, tmp_path, zctx):
         client.close()
     finally:
         d.stop()
+
+
+@pytest.mark.timeout(100)
+def test_worker_that_cannot_load_fails_the_start(tiny_llama, tmp_path, zctx):
+    """A model folder without weights: the worker reports WorkerFailed, the frontend that
+    said Hello gets EngineDead naming the error, the daemon exits 2."""
+    broken = tmp_path / "no-weights"
+    broken.mkdir()
+    for name in os.listdir(tiny_llama):
+        if not name.endswith(".safetensors"):
+            with open(os.path.join(tiny_llama, name), "rb") as src:
+                (broken / name).write_bytes(src.read())
+    d = Daemon(str(broken), str(tmp_path / "core.log"))
+    try:
+        client = Client(zctx, d.address, "hopeful")
+        client.send(Hello("hopeful"))
+        client.recv_until(lambda m: isinstance(m, EngineDead), 60)
+        assert client.dead is not None, d.log_text()
+        assert "failed to start" in client.dead.reason
+        assert d.wait(timeout=10) == 2
+        client.close()
+    finally:
+        d.stop()
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_during_start_up(tiny_llama, tmp_path, zctx):
+    d = Daemon(tiny_llama, str(tmp_path / "core.log"))
+    try:
+        client = Client(zctx, d.address, "early")
+        client.send(Hello("early"))
+        deadline = time.monotonic() + 10
+        while not d.workers() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        workers = d.workers()
+        assert workers
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.wait(timeout=15) == 0, d.log_text()
+        # Stopped mid start-up (or, on a fast machine, just after): EngineDead either way.
+        client.recv_until(lambda m: isinstance(m, EngineDead), 5)
+        assert client.dead is not None, d.log_text()
+        assert not any(_alive(pid) for pid in workers)
+        client.close()
+    finally:
+        d.stop()
