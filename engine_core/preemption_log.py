@@ -40,7 +40,7 @@ class PreemptionLog:
     def message(self, victim: Request, num_lost_tokens: int, num_running: int, usage: float,
                 num_preemptions: int, num_suppressed: int) -> str:
         """The warning text: what happened, the numbers, and which flags to change."""
-        cache, sched = self.config.cache, self.config.scheduler
+        cache = self.config.cache
         num_usable = self.num_kv_blocks - 1
         capacity = num_usable * cache.block_size
         head = (f"Request {victim.req_id} is preempted by PreemptionMode.RECOMPUTE mode because "

@@ -32,7 +32,7 @@ from tidal.engine_core.preemption_log import PreemptionLog
 from tidal.engine_core.request import Request, RequestStatus
 from tidal.engine_core.request_queue import create_request_queue, priority_key
 from tidal.ipc.messages import (
-    BatchPlan, CachedRequestData, FinishReason, NewRequestData, RequestOutput, SampledTokens,
+    BatchPlan, CachedRequestData, NewRequestData, RequestOutput, SampledTokens,
     SchedulerStats, pack_token_ids, unpack_token_ids,
 )
 
