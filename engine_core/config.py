@@ -39,8 +39,8 @@ class ModelConfig:
     tokenizer: str | None = None
     """Tokenizer folder; None means the model folder."""
     dtype: str = "auto"
-    """Weight and activation dtype: auto (the checkpoint's dtype, float32 on CPU for half
-    precision checkpoints is the worker's choice), float32, bfloat16, float16 or float64."""
+    """Weight and activation dtype: auto (the worker picks from the checkpoint's dtype and the
+    device), float32, bfloat16, float16 or float64."""
     max_model_len: int | None = None
     """Context length (prompt + generated tokens); None means the model's own, read from
     config.json (`max_position_embeddings` and friends). May not exceed the model's."""
