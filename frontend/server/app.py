@@ -9,7 +9,8 @@ is closed (detached) at shutdown. Tests pass a factory returning a fake engine.
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
 POST /detokenize, GET /health, GET /metrics, GET /version, GET|POST /ping. With an API key,
 every route except health, metrics, version, ping and the API docs needs
-`Authorization: Bearer KEY` (401 otherwise).
+`Authorization: Bearer KEY` (401 otherwise). Every response carries `x-tidal-server: <index>`,
+the `--api-server-count` process that answered it.
 """
 
 from __future__ import annotations
@@ -83,6 +84,26 @@ class APIKeyMiddleware:
         await response(scope, receive, send)
 
 
+class ServerIndexMiddleware:
+    """Adds `x-tidal-server: <index>` to every response: which of the N processes answered."""
+
+    def __init__(self, app, index: int):
+        self.app = app
+        self._header = (b"x-tidal-server", str(index).encode())
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_header(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), self._header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
+
+
 _ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse},
            404: {"model": ErrorResponse}, 503: {"model": ErrorResponse}}
 
@@ -110,6 +131,7 @@ def build_app(engine_factory: Callable[[], Awaitable[Any]],
     _add_info_routes(app)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(ServerIndexMiddleware, index=settings.server_index)
     return app
 
 

@@ -1,0 +1,70 @@
+"""A live `tidal serve MODEL --max-num-seqs 1 --max-num-queued-reqs 2 --stream-interval 4`
+(the server starts its own engine-core daemon): admission 503s and stream chunking."""
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from live_server import ENGINE_FLAGS, LiveServer
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    srv = LiveServer([tiny_llama, *ENGINE_FLAGS, "--max-model-len", "256",
+                      "--max-num-seqs", "1", "--max-num-queued-reqs", "2",
+                      "--stream-interval", "4"])
+    try:
+        yield srv.start()
+    finally:
+        srv.stop()
+
+
+def test_burst_of_8_gets_2_admitted_and_6_rejected(server):
+    body = {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+            # warm the connection pool so the 8 requests leave together
+            await asyncio.gather(*[client.get("/health") for _ in range(8)])
+            return await asyncio.gather(*[
+                client.post("/v1/completions", json={**body, "stream": i % 2 == 1})
+                for i in range(8)])
+
+    results = asyncio.run(burst())
+    codes = sorted(r.status_code for r in results)
+    assert codes == [200] * 2 + [503] * 6, [r.text[:200] for r in results]
+    for r in results:
+        if r.status_code == 503:
+            error = r.json()["error"]
+            assert error["code"] == 503 and error["type"] == "Service Unavailable"
+            assert "busy" in error["message"] and error["param"] is None
+        elif r.headers["content-type"].startswith("text/event-stream"):
+            assert r.text.endswith("data: [DONE]\n\n")
+        else:
+            assert r.json()["usage"]["completion_tokens"] == 200
+    after = httpx.post(server.base_url + "/v1/completions",
+                       json={"prompt": "Hello", "max_tokens": 4}, timeout=60)
+    assert after.status_code == 200
+    metrics = httpx.get(server.base_url + "/metrics").text
+    assert 'reason="max_num_queued_reqs"} 6.0' in metrics
+
+
+def test_stream_interval_4_chunks_first_token_alone_loses_none(server):
+    body = {"prompt": "The quick brown fox", "max_tokens": 18, "ignore_eos": True,
+            "temperature": 0, "return_token_ids": True}
+    full = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60).json()
+    expected = full["choices"][0]
+    sizes, token_ids, text = [], [], ""
+    with httpx.stream("POST", server.base_url + "/v1/completions",
+                      json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choice = json.loads(line[len("data: "):])["choices"][0]
+            sizes.append(len(choice["token_ids"]))
+            token_ids += choice["token_ids"]
+            text += choice["text"]
+    assert sizes == [1, 4, 4, 4, 4, 1]
+    assert token_ids == expected["token_ids"] and text == expected["text"]
