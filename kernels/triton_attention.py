@@ -409,6 +409,11 @@ def _merge_splits_kernel(
              out.to(out_ptr.dtype.element_ty), mask=dim_valid)
 
 
+def merge_num_warps(splits_pad: int, head_pad: int) -> int:
+    """Warps for one merge program: about 16 partial elements per thread, 1 to 4 warps."""
+    return max(1, min(4, splits_pad * head_pad // 512))
+
+
 def merge_splits_triton(
     acc: torch.Tensor,  # [num_tokens, num_heads, num_splits, head_dim] contiguous
     max_log2: torch.Tensor,  # [num_tokens, num_heads, num_splits] contiguous
@@ -422,10 +427,11 @@ def merge_splits_triton(
         raise ValueError("split partials (acc, max_log2, sums) must be contiguous")
     if num_tokens == 0:
         return out
+    splits_pad, head_pad = triton.next_power_of_2(num_splits), triton.next_power_of_2(head_dim)
     _merge_splits_kernel[(num_tokens, num_heads)](
         out, acc, max_log2, sums, query_start_loc, query_start_loc.shape[0] - 1, num_heads,
-        *out.stride(), NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
-        HEAD_DIM=head_dim, HEAD_PAD=triton.next_power_of_2(head_dim), num_warps=1,
+        *out.stride(), NUM_SPLITS=num_splits, SPLITS_PAD=splits_pad, HEAD_DIM=head_dim,
+        HEAD_PAD=head_pad, num_warps=merge_num_warps(splits_pad, head_pad),
     )
     return out
 

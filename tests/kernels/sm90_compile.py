@@ -94,11 +94,37 @@ def compile_attention(name, dtype, num_tokens, num_seqs, num_heads, num_kv_heads
                 scalar_b16_loads=ptx.count("ld.global.b16"))
 
 
+def _compile(name, kernel, ptr_types, constants, num_warps, num_stages=1) -> dict:
+    sig, attrs = _signature(kernel, ptr_types, constants)
+    compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constants,
+                                        attrs=attrs), target=TARGET,
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    return dict(name=name, dynamic_shared=compiled.metadata.shared,
+                **_resources(compiled.asm["cubin"]))
+
+
+def compile_helpers() -> list[dict]:
+    """The KV write (bf16, 8 heads x 128) and the split-K merge (32 splits x 128)."""
+    write = _compile("write-kv-d128", ta._write_kv_kernel, {
+        "key_ptr": "*bf16", "value_ptr": "*bf16", "key_cache_ptr": "*bf16",
+        "value_cache_ptr": "*bf16", "slot_mapping_ptr": "*i64"},
+        {"BLOCK_H": 8, "BLOCK_D": 128, "stride_k_dim": 1, "stride_v_dim": 1,
+         "stride_kc_dim": 1, "stride_vc_dim": 1}, num_warps=4)
+    merge = _compile("merge-splits-d128", ta._merge_splits_kernel, {
+        "out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_max_ptr": "*fp32",
+        "part_sum_ptr": "*fp32", "query_start_loc_ptr": "*i32"},
+        {"NUM_SPLITS": 32, "SPLITS_PAD": 32, "HEAD_DIM": 128, "HEAD_PAD": 128,
+         "stride_o_dim": 1}, num_warps=ta.merge_num_warps(32, 128))
+    return [write, merge]
+
+
 def main() -> None:
     if triton.knobs.runtime.interpret:
         raise SystemExit("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
     for config in CONFIGS:
         print(json.dumps(compile_attention(*config)), flush=True)
+    for report in compile_helpers():
+        print(json.dumps(report), flush=True)
 
 
 if __name__ == "__main__":
