@@ -597,3 +597,24 @@ def test_sigterm_during_start_up(tiny_llama, tmp_path, zctx):
         client.close()
     finally:
         d.stop()
+
+
+def test_generate_key_file_cli(tmp_path):
+    path = tmp_path / "engine.keys"
+    done = subprocess.run([sys.executable, "-m", "tidal.engine_core.daemon",
+                           "--generate-key-file", str(path)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    from tidal.ipc.transport import read_key_file
+
+    keys = read_key_file(str(path))
+    assert len(keys.server_public) == 40 and keys.client_public != keys.server_public
+    assert (path.stat().st_mode & 0o777) == 0o600
+
+
+def test_non_loopback_tcp_without_keys_is_refused(tiny_llama, tmp_path):
+    done = subprocess.run([sys.executable, "-m", "tidal.engine_core.daemon", tiny_llama,
+                           "--listen", "tcp://0.0.0.0:5999"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2
+    assert "engine-key-file" in done.stderr
