@@ -120,11 +120,12 @@ class LLM:
         """The model's fast Hugging Face tokenizer (vLLM's name)."""
         return self._llm.tokenizer
 
-    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
+    def generate(self, prompts: str | list[int] | dict | Sequence[str | list[int] | dict],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, *,
                  priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs in input order.
+        """Generate for every prompt (text, token ids, or a vLLM-style dict with "prompt" or
+        "prompt_token_ids"); outputs in input order.
 
         `sampling_params`: one for all prompts, or one per prompt (None: the defaults).
         `priority`: one per prompt (with --scheduling-policy priority; lower runs first).
@@ -203,16 +204,26 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 
 
 def _normalize_prompts(prompts) -> list[str | list[int]]:
-    if isinstance(prompts, str):
-        return [prompts]
-    if isinstance(prompts, (list, tuple)) and prompts and all(
+    """A prompt or a list of prompts: text, token ids, or vLLM's dicts {"prompt": text} /
+    {"prompt_token_ids": ids}."""
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    elif isinstance(prompts, (list, tuple)) and prompts and all(
             isinstance(t, int) for t in prompts):
         return [list(prompts)]  # one prompt given as token ids
-    prompt_list = list(prompts)
-    for i, p in enumerate(prompt_list):
+    prompt_list = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, dict):
+            if "prompt_token_ids" in p:
+                p = list(p["prompt_token_ids"])
+            elif "prompt" in p:
+                p = p["prompt"]
+            else:
+                raise ValueError(f"prompts[{i}] must have 'prompt' or 'prompt_token_ids'")
         if not isinstance(p, (str, list, tuple)):
             raise ValueError(f"prompts[{i}] must be a string or a list of token ids, "
                              f"got {type(p).__name__}")
+        prompt_list.append(p if isinstance(p, str) else list(p))
     return prompt_list
 
 

@@ -127,6 +127,7 @@ class OutputProcessor:
         self._parents: dict[str, _Parent] = {}  # request_id -> parent
         self._children: dict[str, tuple[_Parent, _Completion]] = {}  # engine req_id -> both
         self.num_unknown_outputs = 0  # outputs for ids not in flight here (late, or misrouted)
+        self._token_texts: dict[int, str] = {}  # token id -> its text alone (logprob entries)
 
     # -- registration ---------------------------------------------------------------------
 
@@ -305,8 +306,14 @@ class OutputProcessor:
         for i, (tid, lp) in enumerate(zip(ids, values)):
             rank = tl.sampled_rank if i == 0 else i
             if tid not in entry:
-                entry[tid] = Logprob(tid, float(lp), rank, decode_token(self.tokenizer, tid))
+                entry[tid] = Logprob(tid, float(lp), rank, self._token_text(tid))
         return entry
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = decode_token(self.tokenizer, token_id)
+        return text
 
     # -- reporting ------------------------------------------------------------------------
 

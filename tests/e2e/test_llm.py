@@ -162,6 +162,39 @@ def test_greedy_chunked_prefill_priority_sync(tiny_llama, prompts, reference):
         stats = llm.get_stats()
         assert stats.prefix_cache_hits == 0
         assert stats.prompt_tokens >= sum(len(p) for p in prompts)
+        assert_death_ends_generate_with_errors(llm)
+
+
+def assert_death_ends_generate_with_errors(llm: LLM) -> None:
+    """SIGKILL the private daemon during generate(): the call returns within a bounded time
+    with finish_reason "error" for every request; later calls raise; close() leaves no
+    process of the daemon's group behind."""
+    pgid = llm.daemon_pid
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    result = {}
+    num_tokens_before = llm._llm.num_generated_tokens
+    worker = threading.Thread(
+        target=lambda: result.setdefault("out", llm.generate([[5, 6, 7]] * 3, long,
+                                                             use_tqdm=False)))
+    worker.start()
+    wait_until(lambda: llm._llm.num_generated_tokens > num_tokens_before, 30,
+               "the first tokens")
+    os.kill(pgid, signal.SIGKILL)
+    worker.join(timeout=15)
+    assert not worker.is_alive(), "generate() did not return after the engine died"
+    assert [o.outputs[0].finish_reason for o in result["out"]] == ["error"] * 3
+    with pytest.raises(RuntimeError, match="dead"):
+        llm.generate([[5, 6]], GREEDY, use_tqdm=False)
+    llm.close()
+
+    def group_gone():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    wait_until(group_gone, 10, "the daemon's workers to exit")
 
 
 @pytest.mark.timeout(300)
