@@ -173,3 +173,10 @@ def test_select_attention_ops_triton_backend():
     ops = select_attention_ops("triton", "cpu")
     assert ops.name == "triton"
     assert ops.paged_attention is paged_attention_triton
+
+
+def test_head_dim_not_a_power_of_two():
+    """head_dim 24 runs in a 32-wide tile with the extra lanes masked (plain and split-K)."""
+    case = make_case([2, 1], [18, 33], 4, 2, 24, 16, seed=10, num_pad_tokens=1)
+    check(case)
+    check(case, AttentionLaunch(block_m=16, tile_n=16, num_splits=2))
