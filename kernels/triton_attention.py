@@ -209,7 +209,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, num_sms
     MIN_TOKENS_PER_SPLIT cached tokens per slice, at most MAX_SPLITS; 1 when the batch alone
     fills the GPU."""
     num_programs = num_seqs * num_kv_heads
-    if num_programs >= num_sms:
+    if num_programs == 0 or num_programs >= num_sms:
         return 1
     wanted = triton.cdiv(2 * num_sms, num_programs)
     by_len = max_kv_len // MIN_TOKENS_PER_SPLIT

@@ -155,6 +155,18 @@ def test_out_none_allocates():
     assert_matches(out, paged_attention_ref(*case.args()), case.owned_rows())
 
 
+def test_empty_batches():
+    case = make_case([2], [5], 2, 1, 16, 16)
+    no_tokens = paged_attention_triton(case.query[:0], *case.args()[1:])
+    assert no_tokens.shape == (0, 2, 16)
+    out = poisoned_like(case.query)
+    paged_attention_triton(case.query, case.key_cache, case.value_cache,
+                           case.block_tables[:0], case.query_start_loc[:1], case.seq_lens[:0],
+                           case.scale, out=out)
+    assert out.isnan().all()  # no request: nothing written
+    assert choose_num_splits(0, 8, 4096, 132) == 1
+
+
 def test_rejects_bad_inputs():
     case = make_case([2], [5], 4, 2, 16, 16)
     with pytest.raises(ValueError, match="dtype"):
