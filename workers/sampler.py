@@ -119,6 +119,9 @@ class Sampler:
         num_rows = batch.temperature.shape[0]
         noise = torch.empty(num_rows, vocab_size, device=device)
         noise.exponential_(generator=self.generator)
+        # NOTE: exponential_ can return exactly 0 (-log of a uniform that rounded to 1);
+        # 0 / 0 for a masked token would be NaN and win the argmax.
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
         if bool(batch.seeded.any()):
             rows = batch.seeded.nonzero().squeeze(1)
             uniform = hashed_uniform(batch.seeds[rows], batch.positions[rows], vocab_size)
