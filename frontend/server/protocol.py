@@ -1,7 +1,8 @@
 """Request and response models of the OpenAI-compatible API, with vLLM's extra fields.
 
-Requests are validated by pydantic (types, simple bounds); everything about sampling is then
-validated once more by `SamplingParams` itself, whose ValueError names the field. Unknown
+Requests are validated by pydantic (types and the documented bounds, which also appear in
+/openapi.json); the sampling fields are then validated once more by `SamplingParams` itself
+(cross-field rules such as min_tokens <= max_tokens), whose ValueError names the field. Unknown
 request fields are accepted and ignored, as OpenAI SDKs and tools send fields of their own.
 Floats must be finite (NaN / Infinity are rejected with a 400).
 
@@ -24,6 +25,8 @@ MAX_N = 128
 
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Int32 = Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+StopString = Annotated[str, Field(min_length=1)]
 
 
 class OpenAIModel(BaseModel):
@@ -52,28 +55,28 @@ class SamplingRequest(OpenAIModel):
     """Answer as server-sent events, one `data: {json}` per update, ending `data: [DONE]`."""
     stream_options: StreamOptions | None = None
     """Options of a streaming answer (`include_usage`)."""
-    temperature: float | None = None
+    temperature: Annotated[float, Field(ge=0.0)] | None = None
     """Softmax temperature (default 1.0); 0 is greedy."""
-    top_p: float | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     """Nucleus sampling threshold in (0, 1] (default 1.0)."""
-    stop: str | list[str] | None = None
+    stop: StopString | list[StopString] | None = None
     """Stop string(s): generation ends when the text contains one; removed from the text."""
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = None
     """Per-request seed: same seed, same tokens, whatever else runs in the batch."""
-    presence_penalty: float = 0.0
+    presence_penalty: Penalty = 0.0
     """OpenAI presence penalty in [-2, 2]."""
-    frequency_penalty: float = 0.0
+    frequency_penalty: Penalty = 0.0
     """OpenAI frequency penalty in [-2, 2]."""
     user: str | None = None
     """An end-user id (accepted, not used)."""
     logit_bias: dict[str, float] | None = None
     """Not supported: a non-empty map is rejected with a 400."""
     # vLLM extras
-    top_k: Int32 | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
     """(vLLM) keep the k most likely tokens; 0 or -1 means all."""
-    min_p: float | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     """(vLLM) drop tokens below min_p times the most likely token's probability."""
-    repetition_penalty: float | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
     """(vLLM) HF repetition penalty (> 0, 1 = off)."""
     ignore_eos: bool = False
     """(vLLM) keep generating after the EOS token."""
