@@ -565,6 +565,7 @@ __all__ = [
     "AttentionLaunch",
     "choose_launch",
     "choose_num_splits",
+    "merge_num_warps",
     "merge_splits_triton",
     "paged_attention_triton",
     "run_paged_attention",
