@@ -322,9 +322,10 @@ def test_silent_frontend_is_aborted_and_blocks_freed(daemon, zctx, prompts, refe
         watcher.hello()
         silent.hello()
         watcher.add("w-0", prompts[0], eos_token_id=eos_id)
-        # 16 requests x 480 tokens with 8 running at a time: many seconds of work.
+        # 64 requests x 480 tokens with 8 running at a time: 3840 steps, far more than the
+        # engine can do within the timeout even on a fast machine.
         silent.heartbeat = False
-        for i in range(16):
+        for i in range(64):
             silent.add(f"s-{i}", prompts[i % len(prompts)], max_tokens=480, ignore_eos=True)
         t0 = time.monotonic()
         watcher.wait_finished(["w-0"])
