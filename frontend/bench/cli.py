@@ -256,6 +256,10 @@ def _engine_config(ns: argparse.Namespace):
 
     from tidal.engine_core.args import config_from_args
 
+    if not (ns.model_tag or ns.model):
+        from tidal.frontend.llm import default_model
+
+        ns.model = default_model()  # the bundled demo model, as LLM() does
     config = config_from_args(ns)
     if ns.random_weights:
         model_dir = random_weights_model(ns.random_weights, config.model.model,

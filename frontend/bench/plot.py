@@ -41,7 +41,15 @@ def _draw_histogram(ax, values: list[float], title: str, summary: dict, name: st
     if not values:
         ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
         return
-    ax.hist(values, bins=min(40, max(5, len(values) // 3)), color="tab:blue", alpha=0.8)
+    # Clip the x range at twice the p99 so a few outliers do not squash the histogram.
+    p99 = summary.get(f"p99_{name}_ms") or max(values)
+    high = min(max(values), 2.0 * p99) if p99 > 0 else max(values)
+    num_beyond = sum(v > high for v in values)
+    ax.hist(values, bins=min(40, max(5, len(values) // 3)), range=(0.0, max(high, 1e-6)),
+            color="tab:blue", alpha=0.8)
+    if num_beyond:
+        ax.text(0.98, 0.5, f"{num_beyond} beyond {high:.0f} ms", ha="right",
+                transform=ax.transAxes, fontsize=8)
     for key, style in (("median", "-"), ("p99", "--")):
         value = summary.get(f"{key}_{name}_ms")
         if value is not None:
