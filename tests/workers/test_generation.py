@@ -7,7 +7,7 @@ import transformers
 
 from tidal.ipc.messages import SamplingParams
 from tidal.workers.worker import Worker
-from worker_test_utils import PlanScript, worker_config
+from worker_test_utils import AsyncPlanScript, PlanScript, worker_config
 
 NUM_NEW = 10
 EOS = 0  # the tiny models' <|endoftext|>
@@ -87,3 +87,13 @@ def test_step_with_only_mid_prompt_chunks_samples_nothing(llama_worker):
     script.add("p", _prompts()[7], _greedy())
     sampled = llama_worker.execute(script.plan(chunk=16))
     assert sampled.req_ids == [] and sampled.token_ids == b""
+
+
+@pytest.mark.parametrize("chunk", [10**9, 16])
+def test_async_scheduling_equals_sync(hf_greedy, llama_worker, chunk):
+    """Plans built one step ahead with placeholder tokens give the same tokens."""
+    script = AsyncPlanScript()
+    for i, prompt in enumerate(_prompts()):
+        script.add(f"a{i}", prompt, _greedy(), eos_token_id=EOS)
+    outputs = script.run(llama_worker, chunk=chunk)
+    assert [outputs[f"a{i}"] for i in range(len(LENGTHS))] == hf_greedy

@@ -118,3 +118,44 @@ class PlanScript:
                 break
             self.record(step(self.plan(chunk)))
         return {req_id: req.output_ids for req_id, req in self.done.items()}
+
+
+class AsyncPlanScript(PlanScript):
+    """Async scheduling as the engine core does it: plan N+1 is built before step N's
+    tokens are known. A request that samples in step N gets a placeholder (-1) token, so
+    plan N+1 schedules it one token past it; the worker fills the placeholder itself (the
+    token it sampled). No request is scheduled past max_tokens, placeholders counted."""
+
+    def plan(self, chunk: int = 10**9) -> BatchPlan:
+        full = [r for r in self.requests.values()
+                if len(r.output_ids) >= r.sampling.max_tokens]
+        held = {r.req_id: self.requests.pop(r.req_id) for r in full}
+        plan = super().plan(chunk)
+        self.requests.update(held)
+        for req in self.requests.values():
+            if req.req_id not in held and req.num_computed == len(req.token_ids):
+                req.token_ids.append(-1)  # placeholder for the token being sampled
+        return plan
+
+    def record(self, sampled) -> None:
+        tokens = sampled.token_ids
+        tokens = unpack_token_ids(tokens) if isinstance(tokens, bytes) else tokens.tolist()
+        for req_id, token in zip(sampled.req_ids, tokens):
+            req = self.requests[req_id]
+            req.token_ids[req.token_ids.index(-1)] = token
+            if -1 not in req.token_ids and len(req.output_ids) >= req.sampling.max_tokens:
+                self.finish(req_id)
+
+    def run(self, worker, chunk: int = 10**9, max_steps: int = 1000,
+            any_rank: bool = False) -> dict[str, list[int]]:
+        step = worker.runner.execute if any_rank else worker.execute
+        plan = self.plan(chunk)
+        for _ in range(max_steps):
+            result = step(plan)  # step N runs ...
+            has_next = any(len(r.output_ids) < r.sampling.max_tokens
+                           for r in self.requests.values())
+            plan = self.plan(chunk) if has_next else None  # ... while N+1 is planned
+            self.record(result)
+            if plan is None:
+                break
+        return {req_id: req.output_ids for req_id, req in self.done.items()}

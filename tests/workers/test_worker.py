@@ -1,0 +1,67 @@
+"""Worker start-up: KV sizing on CPU, the ready message, config validation, and plans the
+worker must refuse."""
+
+import pytest
+
+from tidal.ipc.messages import BatchPlan, CachedRequestData, SamplingParams
+from tidal.workers.worker import DEFAULT_CPU_KV_CACHE_BYTES, Worker
+from worker_test_utils import PlanScript, worker_config
+
+# tiny Llama: 2 layers × K and V × 16 tokens × 2 KV heads × head_dim 16 × 4 bytes (float32)
+BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4
+
+
+def _loaded(path, **overrides) -> Worker:
+    worker = Worker(worker_config(path, **overrides))
+    worker.load()
+    return worker
+
+
+def test_cpu_kv_blocks_from_kv_cache_memory(tiny_llama):
+    worker = _loaded(tiny_llama, num_kv_blocks_override=None, kv_cache_memory=1 << 20)
+    assert worker.runner.kv_block_bytes == BLOCK_BYTES
+    assert worker.determine_num_kv_blocks() == (1 << 20) // BLOCK_BYTES
+    ready = worker.ready_message()
+    assert (ready.rank, ready.num_kv_blocks, ready.device) == (0, 128, "cpu")
+    assert ready.load_seconds > 0
+
+
+def test_cpu_kv_default_and_override(tiny_llama):
+    worker = _loaded(tiny_llama, num_kv_blocks_override=None)
+    assert worker.determine_num_kv_blocks() == DEFAULT_CPU_KV_CACHE_BYTES // BLOCK_BYTES
+    assert _loaded(tiny_llama, num_kv_blocks_override=7).determine_num_kv_blocks() == 7
+
+
+def test_too_little_kv_memory_is_an_error(tiny_llama):
+    worker = _loaded(tiny_llama, num_kv_blocks_override=None, kv_cache_memory=BLOCK_BYTES)
+    with pytest.raises(ValueError, match="KV blocks fit"):
+        worker.determine_num_kv_blocks()
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("device", "tpu", "device must be"),
+    ("rank", 2, "rank 2 is outside"),
+    ("gpu_memory_utilization", 1.5, "gpu_memory_utilization must be"),
+    ("attention_backend", "flash", "attention_backend must be"),
+])
+def test_bad_config_names_the_field(tiny_llama, field, value, message):
+    with pytest.raises(ValueError, match=message):
+        _loaded(tiny_llama, **{field: value})
+
+
+def test_tp_without_init_method_is_an_error(tiny_llama):
+    with pytest.raises(ValueError, match="dist_init_method is required"):
+        Worker(worker_config(tiny_llama, tensor_parallel_size=2))
+
+
+def test_plans_the_worker_refuses(tiny_llama):
+    worker = _loaded(tiny_llama)
+    worker.init_kv_cache(16)
+    with pytest.raises(ValueError, match="'ghost' is not in the worker's batch"):
+        worker.execute(BatchPlan(0, cached_requests=[CachedRequestData("ghost", [], 0, 1)]))
+    script = PlanScript()
+    script.add("r", list(range(3, 40)), SamplingParams(temperature=0.0))
+    plan = script.plan()
+    plan.new_requests[0].block_ids.pop()  # 37 tokens need 3 blocks of 16
+    with pytest.raises(ValueError, match="37 tokens need more than its 2 KV blocks"):
+        worker.execute(plan)
