@@ -144,14 +144,15 @@ class EngineCoreDaemon:
                                  step_timeout=self.worker_timeout, log_level=self.log_level)
         try:
             num_blocks, max_model_len = self.executor.start(lambda: self.stop_reason is not None)
+            self.scheduler = Scheduler(self.config, num_blocks, max_model_len)
         except InterruptedError:
             self._refuse_pending_hellos(f"engine core stopped during start-up: {self.stop_reason}")
             return EXIT_OK
-        except WorkerError as e:
-            logger.error("workers failed to start: %s", e)
+        except (WorkerError, ValueError, OSError) as e:
+            # A rank that cannot load, or a KV cache too small for max_model_len, say.
+            logger.error("engine core failed to start: %s", e)
             self._refuse_pending_hellos(f"engine core failed to start: {e}")
             return EXIT_BAD_START
-        self.scheduler = Scheduler(self.config, num_blocks, max_model_len)
         self.info = self._engine_info(num_blocks, max_model_len)
         return None
 

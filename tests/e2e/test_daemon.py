@@ -578,6 +578,23 @@ def test_worker_that_cannot_load_fails_the_start(tiny_llama, tmp_path, zctx):
         d.stop()
 
 
+@pytest.mark.timeout(100)
+def test_kv_cache_too_small_for_max_model_len(tiny_llama, tmp_path, zctx):
+    """8 blocks of 16 tokens cannot hold a 512-token context: a clear error, exit 2."""
+    d = Daemon(tiny_llama, str(tmp_path / "core.log"), "--num-gpu-blocks-override", "8")
+    try:
+        client = Client(zctx, d.address, "hopeful")
+        client.send(Hello("hopeful"))
+        client.recv_until(lambda m: isinstance(m, EngineDead), 60)
+        assert client.dead is not None, d.log_text()
+        assert "--max-model-len" in client.dead.reason
+        assert d.wait(timeout=10) == 2
+        assert "does not fit in the KV cache" in d.log_text()
+        client.close()
+    finally:
+        d.stop()
+
+
 @pytest.mark.timeout(60)
 def test_sigterm_during_start_up(tiny_llama, tmp_path, zctx):
     d = Daemon(tiny_llama, str(tmp_path / "core.log"))
