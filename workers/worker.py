@@ -47,6 +47,7 @@ class Worker:
         self.model_path = resolve_model_path(config.model)
         self.hf_config = read_config(self.model_path)
         self.args = parse_model_args(self.hf_config)
+        self.args.check_max_model_len(config.max_model_len)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         self.runner: ModelRunner | None = None
         self.num_kv_blocks = 0

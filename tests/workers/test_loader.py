@@ -113,3 +113,15 @@ def test_sharded_checkpoint_with_index(tiny_llama, folder):
     assert sharded.keys() == whole.keys()
     for name, param in whole.items():
         assert torch.equal(param, sharded[name]), name
+
+
+def test_sliding_window_beyond_max_model_len(folder):
+    _edit_config(folder, sliding_window=128)  # Mistral v0.1 style: no use_sliding_window key
+    with pytest.raises(ValueError, match="max_model_len=256 exceeds the model's sliding_window"):
+        _load(folder)
+    worker = Worker(worker_config(str(folder), max_model_len=128))  # inside the window: fine
+    assert worker.args.sliding_window == 128
+
+
+def test_qwen2_window_switched_off_is_ignored(tiny_qwen2):
+    assert Worker(worker_config(tiny_qwen2)).args.sliding_window is None

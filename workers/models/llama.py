@@ -71,6 +71,17 @@ class ModelArgs:
     mlp_bias: bool
     qk_norm: bool
     eos_token_ids: list[int] = field(default_factory=list)
+    sliding_window: int | None = None
+    """Attention window from the config; only full attention is implemented, so a model
+    with one runs only when max_model_len fits inside it (checked by `check_max_model_len`)."""
+
+    def check_max_model_len(self, max_model_len: int) -> None:
+        """ValueError when max_model_len needs sliding-window attention."""
+        if self.sliding_window is not None and max_model_len > self.sliding_window:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's sliding_window="
+                f"{self.sliding_window}; sliding-window attention is not supported, so "
+                f"set max_model_len <= {self.sliding_window}")
 
     @property
     def num_kv_bytes_per_token(self) -> int:
@@ -95,7 +106,7 @@ def parse_model_args(config: dict) -> ModelArgs:
     heads = config["num_attention_heads"]
     theta, rope = _rope_config(config)
     attention_bias = bool(config.get("attention_bias", False))
-    is_qwen2 = flavour.qkv_bias is not None
+    forced_qkv_bias = flavour.qkv_bias is not None  # Qwen2: bias on q/k/v, none on o
     return ModelArgs(
         architecture=arch,
         vocab_size=config["vocab_size"],
@@ -110,11 +121,12 @@ def parse_model_args(config: dict) -> ModelArgs:
         rope_scaling=rope,
         max_position_embeddings=config.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qkv_bias=flavour.qkv_bias if is_qwen2 else attention_bias,
-        o_bias=False if is_qwen2 else attention_bias,
+        qkv_bias=flavour.qkv_bias if forced_qkv_bias else attention_bias,
+        o_bias=False if forced_qkv_bias else attention_bias,
         mlp_bias=bool(config.get("mlp_bias", False)),
         qk_norm=flavour.qk_norm,
         eos_token_ids=_as_list(config.get("eos_token_id")),
+        sliding_window=_sliding_window(config),
     )
 
 
@@ -122,10 +134,15 @@ def _check_unsupported(config: dict) -> None:
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
-    if config.get("use_sliding_window") or (
-            config.get("sliding_window") and "use_sliding_window" not in config):
-        raise ValueError("sliding-window attention is not supported "
-                         f"(sliding_window={config.get('sliding_window')})")
+
+
+def _sliding_window(config: dict) -> int | None:
+    """The attention window when the config turns one on (Mistral v0.1 style), else None.
+    Qwen2/3 configs carry a window but switch it off with use_sliding_window=false."""
+    window = config.get("sliding_window")
+    if not window or not config.get("use_sliding_window", True):
+        return None
+    return int(window)
 
 
 def _rope_config(config: dict) -> tuple[float, dict | None]:
