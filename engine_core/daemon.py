@@ -74,7 +74,10 @@ logger = logging.getLogger("tidal.engine_core")
 EXIT_OK, EXIT_WORKER_FAILED, EXIT_BAD_START = 0, 1, 2
 LOG_INTERVAL_S = 10.0
 """Seconds between two progress lines while the engine is busy."""
+STOP_GRACE_S = 5.0
+"""Seconds a stop signal waits for a step still running on the workers."""
 _HOUSEKEEPING_S = 1.0  # longest idle poll: frontend timeouts are checked at least this often
+_COLLECT_SLICE_S = 0.5  # a long step is waited for in slices, to notice a stop signal
 
 
 @dataclass
@@ -378,7 +381,19 @@ class EngineCoreDaemon:
             self._drain_frontends(block=True, max_wait=0.05)
 
     def _collect(self) -> SampledTokens:
-        return self.executor.collect(timeout=None)
+        """The oldest submitted step's tokens. A stop signal does not wait on a hung worker
+        for the whole --worker-timeout: after STOP_GRACE_S more seconds it gives up."""
+        give_up_at = None
+        while True:
+            sampled = self.executor.collect(timeout=_COLLECT_SLICE_S)
+            if sampled is not None:
+                return sampled
+            if self.stop_reason is not None:
+                now = time.monotonic()
+                give_up_at = give_up_at or now + STOP_GRACE_S
+                if now > give_up_at:
+                    raise WorkerError(f"worker rank 0 still busy {STOP_GRACE_S:.0f} s after "
+                                      f"{self.stop_reason}")
 
     # -- progress log --------------------------------------------------------------------------
 
