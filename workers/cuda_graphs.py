@@ -80,19 +80,24 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        model, kv_caches = self.runner.model, self.runner.kv_caches
+        """Capture every size of the ladder, largest first, into one memory pool."""
         pool = None
-        torch.cuda.synchronize()
         for size in reversed(self.sizes):
-            args = (self.input_ids[:size], self.positions[:size], kv_caches, self._meta(size))
-            model(*args)  # warm-up: compiles kernels, allocates outside the graph
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = model(*args)
+            graph, out = self._capture_one(size, pool)
             pool = graph.pool()
             self.graphs[size] = (graph, out)
+
+    def _capture_one(self, size: int, pool):
+        """(graph, static output) of the forward over the first `size` static rows."""
+        model, kv_caches = self.runner.model, self.runner.kv_caches
+        args = (self.input_ids[:size], self.positions[:size], kv_caches, self._meta(size))
+        model(*args)  # warm-up: compiles kernels, allocates outside the graph
         torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = model(*args)
+        torch.cuda.synchronize()
+        return graph, out
 
     def can_run(self, inputs: "StepInputs") -> bool:
         num_reqs = inputs.meta.seq_lens.shape[0]
