@@ -13,7 +13,7 @@ from tidal.frontend.server import responses as R
 from tidal.frontend.server.completions import engine_error
 from tidal.frontend.server.errors import bad_request
 from tidal.frontend.server.protocol import ChatCompletionRequest
-from tidal.frontend.server.serving import OpenAIServing, _Run, now
+from tidal.frontend.server.serving import OpenAIServing, Run, now
 
 _RENAMES = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"}
 
@@ -50,7 +50,7 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
 class _ChatView:
     """Turns a run's outputs into the chat JSON body or its SSE stream."""
 
-    def __init__(self, serving: OpenAIServing, req: ChatCompletionRequest, run: _Run,
+    def __init__(self, serving: OpenAIServing, req: ChatCompletionRequest, run: Run,
                  response_id: str, model: str):
         self.serving = serving
         self.req = req
@@ -65,7 +65,7 @@ class _ChatView:
             return None
         return R.chat_logprobs(token_ids, logprobs, self.num_top, self.serving.tokenizer)
 
-    def build(self, run: _Run) -> dict:
+    def build(self, run: Run) -> dict:
         """The non-streaming body."""
         choices = []
         job = run.jobs[0]
@@ -85,7 +85,7 @@ class _ChatView:
             body["prompt_token_ids"] = job.prompt_ids
         return body
 
-    async def stream(self, run: _Run):
+    async def stream(self, run: Run):
         """The SSE body: role chunks, content chunks, usage chunk, [DONE]."""
         for index in range(run.params.n):
             yield R.sse(self._chunk({"index": index, "delta": {"role": "assistant",

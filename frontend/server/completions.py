@@ -12,7 +12,7 @@ from starlette.responses import Response
 from tidal.frontend.server import responses as R
 from tidal.frontend.server.errors import APIError, bad_request
 from tidal.frontend.server.protocol import CompletionRequest
-from tidal.frontend.server.serving import OpenAIServing, _Run, now
+from tidal.frontend.server.serving import OpenAIServing, Run, now
 
 
 def _prompt_list(prompt) -> list:
@@ -59,7 +59,7 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest,
 class _CompletionView:
     """Turns a run's outputs into the completions JSON body or its SSE stream."""
 
-    def __init__(self, serving: OpenAIServing, req: CompletionRequest, run: _Run,
+    def __init__(self, serving: OpenAIServing, req: CompletionRequest, run: Run,
                  response_id: str, model: str):
         self.serving = serving
         self.req = req
@@ -85,7 +85,7 @@ class _CompletionView:
             choice["token_ids"] = list(token_ids)
         return choice, offset
 
-    def build(self, run: _Run) -> dict:
+    def build(self, run: Run) -> dict:
         """The non-streaming body."""
         choices = []
         for job in run.jobs:
@@ -103,7 +103,7 @@ class _CompletionView:
             body["prompt_token_ids"] = [job.prompt_ids for job in run.jobs]
         return body
 
-    async def stream(self, run: _Run):
+    async def stream(self, run: Run):
         """The SSE body: one chunk per completion per update, usage chunk, [DONE]."""
         offsets: dict[int, int] = {}
         try:

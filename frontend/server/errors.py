@@ -104,7 +104,8 @@ def _validation_param(loc: tuple) -> str | None:
 
 def from_validation_error(exc: RequestValidationError) -> APIError:
     """FastAPI / pydantic request validation failure to a 400 naming the first bad field."""
-    errors = list(exc.errors())
+    # our own validators' messages (value_error) say most: put them first
+    errors = sorted(exc.errors(), key=lambda err: err.get("type") != "value_error")
     if not errors:
         return APIError(400, "Invalid request body.")
     first = errors[0]

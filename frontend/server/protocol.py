@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from tidal.ipc.messages import SamplingParams
 
@@ -26,7 +26,19 @@ MAX_N = 128
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Int32 = Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
-StopString = Annotated[str, Field(min_length=1)]
+
+
+def _valid_unicode(text: str) -> str:
+    """JSON may escape lone surrogates ("\\ud800"); no tokenizer can encode them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode (it contains a lone surrogate escape)") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+StopString = Annotated[Text, Field(min_length=1)]
 
 
 class OpenAIModel(BaseModel):
@@ -118,7 +130,7 @@ class SamplingRequest(OpenAIModel):
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
-Prompt = Union[str, list[str], list[TokenId], list[list[TokenId]]]
+Prompt = Union[Text, list[Text], list[TokenId], list[list[TokenId]]]
 
 
 class CompletionRequest(SamplingRequest):
@@ -146,15 +158,15 @@ class TextContent(OpenAIModel):
     """One text part of a message's content list."""
 
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(OpenAIModel):
     """One message of a chat conversation."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContent] | None = None
-    name: str | None = None
+    content: Text | list[TextContent] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         """The content as one string (text parts joined)."""
@@ -198,7 +210,7 @@ class TokenizeRequest(OpenAIModel):
     """POST /tokenize: either `prompt` or `messages`."""
 
     model: str | None = None
-    prompt: str | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     """For `prompt`: let the tokenizer add its special tokens (BOS, ...)."""

@@ -8,8 +8,8 @@ streaming request also gets a real 400 / 503 status):
     -> admission (503) -> one engine request per prompt (n completions each)
     -> JSON body, or server-sent events
 
-A `_Run` holds what one HTTP request started (its engine requests and its admission ticket);
-`_Run.close()` always runs, whatever ends the request (finished, error, client gone): it
+A `Run` holds what one HTTP request started (its engine requests and its admission ticket);
+`Run.close()` always runs, whatever ends the request (finished, error, client gone): it
 aborts the engine requests that are still unfinished (so their KV blocks are freed) and
 releases the admission ticket. For a stream it runs when the response ends (`_EngineStream`);
 for a plain request, the handler races the generation against the client's disconnect.
@@ -27,13 +27,11 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from tidal.frontend.server import responses as R
 from tidal.frontend.server.admission import AdmissionController
 from tidal.frontend.server.errors import APIError, bad_request, from_value_error, json_response
 from tidal.frontend.server.metrics import ServerMetrics
 from tidal.frontend.server.protocol import (
-    MAX_N, ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
-    TokenizeRequest,
+    MAX_N, ChatMessage, DetokenizeRequest, TokenizeRequest,
 )
 
 logger = logging.getLogger("tidal.serve")
@@ -60,7 +58,7 @@ class _Job:
         self.metrics = None
 
 
-class _Run:
+class Run:
     """Everything one HTTP request started; `close()` aborts leftovers and frees the slot."""
 
     def __init__(self, serving: "OpenAIServing", jobs: list[_Job], params, priority: int,
@@ -108,9 +106,9 @@ async def _close_iterator(gen) -> None:
 
 
 class _EngineStream(StreamingResponse):
-    """A server-sent-event response that closes its `_Run` however the stream ends."""
+    """A server-sent-event response that closes its `Run` however the stream ends."""
 
-    def __init__(self, body: AsyncIterator[bytes], run: _Run):
+    def __init__(self, body: AsyncIterator[bytes], run: Run):
         super().__init__(body, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._run = run
@@ -190,7 +188,7 @@ class OpenAIServing:
             self.check_token_ids(prompt, param)
         try:
             token_ids = list(self.engine.encode_prompt(prompt))
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:  # the tokenizer refused this input
             raise bad_request(str(exc), param) from None
         if not token_ids:
             raise bad_request(f"{param} must not be empty", param)
@@ -223,7 +221,7 @@ class OpenAIServing:
     # ---------------------------------------------------------------- generation
 
     def start(self, prompts: list[tuple[list[int], str | None]], params, priority: int,
-              prefix: str) -> tuple[str, _Run]:
+              prefix: str) -> tuple[str, Run]:
         """Admit the request (503 if full) and create its engine jobs (not yet started)."""
         self.check_alive()
         num_reqs = len(prompts) * params.n
@@ -233,7 +231,7 @@ class OpenAIServing:
         ticket = self.admission.admit(num_reqs)
         response_id = f"{prefix}-{uuid.uuid4().hex}"
         jobs = [_Job(f"{response_id}-{i}", i, ids, text) for i, (ids, text) in enumerate(prompts)]
-        return response_id, _Run(self, jobs, params, priority, ticket)
+        return response_id, Run(self, jobs, params, priority, ticket)
 
     def _note(self, job: _Job, out) -> None:
         for completion in out.outputs:
@@ -244,14 +242,14 @@ class OpenAIServing:
             reasons = [c.finish_reason for c in job.final.values()]
             self.metrics.observe_finished(out.metrics, reasons[0] if reasons else None)
 
-    async def _one(self, run: _Run, job: _Job):
+    async def _one(self, run: Run, job: _Job):
         job.gen = self.engine.generate(job.prompt_ids, run.params, job.req_id,
                                        priority=run.priority)
         async for out in job.gen:
             self._note(job, out)
             yield job, out
 
-    async def events(self, run: _Run) -> AsyncIterator:
+    async def events(self, run: Run) -> AsyncIterator:
         """(job, RequestOutput) updates of every job of the run, as they come."""
         if len(run.jobs) == 1:
             async for item in self._one(run, run.jobs[0]):
@@ -283,12 +281,12 @@ class OpenAIServing:
             for task in tasks:
                 task.cancel()
 
-    async def drain(self, run: _Run) -> None:
+    async def drain(self, run: Run) -> None:
         """Run every job to completion (non-streaming requests)."""
         async for _ in self.events(run):
             pass
 
-    async def respond(self, request: Request, run: _Run, stream_body, build) -> Response:
+    async def respond(self, request: Request, run: Run, stream_body, build) -> Response:
         """Stream (`stream_body(run)` yields SSE bytes) or answer once (`build(run)` dict)."""
         if stream_body is not None:
             return _EngineStream(stream_body(run), run)
@@ -297,6 +295,10 @@ class OpenAIServing:
             return json_response(build(run))
         except _ClientGone:
             return Response(status_code=499)
+        except RuntimeError as exc:
+            if getattr(self.engine, "dead", False):  # died while this request ran
+                raise APIError(503, f"The engine is not running: {exc}") from None
+            raise
         finally:
             await run.close()
 
@@ -323,10 +325,10 @@ class OpenAIServing:
                 conversation, tokenize=False, continue_final_message=continue_final_message,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
                 **extra)
+            return tokenizer.encode(text, add_special_tokens=False)
         except Exception as exc:  # template errors come from the conversation given
             raise bad_request(f"The chat template failed on these messages: {exc}",
                               "messages") from None
-        return tokenizer.encode(text, add_special_tokens=False)
 
     # ---------------------------------------------------------------- tokenize endpoints
 
@@ -352,7 +354,5 @@ class OpenAIServing:
 
 
 def now() -> int:
+    """The `created` timestamp of a response: whole seconds since the epoch."""
     return int(time.time())
-
-
-__all__ = ["OpenAIServing", "CompletionRequest", "ChatCompletionRequest", "now"]

@@ -50,6 +50,15 @@ CASES = [
     ("/detokenize", {"tokens": [10**6]}, 400, "tokens", ""),
     ("/tokenize", {}, 400, "prompt", "exactly one"),
     ("/v1/nothing", {}, 404, None, ""),
+    # lone surrogates, as JSON escapes (valid JSON, not valid Unicode)
+    (CMPL, rb'{"prompt": "\ud800"}', 400, "prompt", "surrogate"),
+    (CMPL, rb'{"prompt": ["ok", "\udfff"]}', 400, "prompt.1", "surrogate"),
+    (CHAT, rb'{"messages": [{"role": "user", "content": "\ud800"}]}', 400,
+     "messages.0.content", "surrogate"),
+    (CMPL, rb'{"prompt": "x", "stop": ["\ud800"]}', 400, "stop.0", "surrogate"),
+    ("/tokenize", rb'{"prompt": "\ud800"}', 400, "prompt", "surrogate"),
+    (CHAT, {"messages": MSG, "chat_template_kwargs": {"tokenize": True, "x": 1},
+            "max_tokens": 2}, 200, None, ""),
 ]
 
 
@@ -71,6 +80,8 @@ def test_bad_request_gets_openai_error(client, path, body, status, param, words)
     else:
         r = client.post(path, json=body)
     assert r.status_code == status, r.text
+    if status == 200:
+        return
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["code"] == status and error["param"] == param, error
