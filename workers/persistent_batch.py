@@ -27,7 +27,7 @@ class PersistentBatch:
         self.max_blocks_per_req = max_blocks_per_req
         self.req_id_to_row: dict[str, int] = {}  # req_id -> row
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))  # pop() gives the lowest
-        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.prompt_len = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
