@@ -447,14 +447,19 @@ def test_bad_request_answered_with_error(daemon, zctx):
 @pytest.mark.timeout(150)
 def test_sync_scheduling_same_tokens_then_sigterm(tiny_llama, tmp_path, zctx, prompts,
                                                    reference, eos_id):
-    d = Daemon(tiny_llama, str(tmp_path / "core.log"), "--no-async-scheduling")
+    """Synchronous scheduling, every prompt chunked (32-token budget) and a KV cache so small
+    that requests are preempted: the same tokens. Then SIGTERM mid-generation."""
+    d = Daemon(tiny_llama, str(tmp_path / "core.log"), "--no-async-scheduling",
+               "--max-num-batched-tokens", "32", "--max-model-len", "128",
+               "--num-gpu-blocks-override", "12")
     try:
         client = Client(zctx, d.address, "sync")
         client.hello()
         workers = d.workers()
         assert len(workers) == 1
         assert _run_prompts(client, "s", prompts, eos_id) == reference, d.log_text()
-        client.add("long", prompts[0], max_tokens=480, ignore_eos=True)
+        assert client.stats().num_preemptions > 0
+        client.add("long", prompts[0], max_tokens=100, ignore_eos=True)
         client.recv_until(lambda m: len(client.tokens["long"]) > 0, 20)
         d.proc.send_signal(signal.SIGTERM)
         assert d.wait(timeout=20) == 0, d.log_text()
@@ -511,17 +516,22 @@ def test_curve_then_worker_killed(tiny_llama, tmp_path, zctx, prompts, reference
 
 
 @pytest.mark.timeout(150)
-def test_hung_worker_times_out_and_all_ranks_are_killed(tiny_llama, tmp_path, zctx, prompts):
-    """TP=2; rank 0 stops answering (SIGSTOP): past --worker-timeout every in-flight request
+def test_hung_worker_times_out_and_all_ranks_are_killed(tiny_llama, tmp_path, zctx, prompts,
+                                                        reference, eos_id):
+    """TP=2 with async scheduling, chunked prompts and preemptions gives the reference tokens.
+    Then rank 0 stops answering (SIGSTOP): past --worker-timeout every in-flight request
     fails and the daemon kills both ranks."""
     d = Daemon(tiny_llama, str(tmp_path / "core.log"), "--tensor-parallel-size", "2",
-               "--worker-timeout", "2")
+               "--worker-timeout", "2", "--max-num-batched-tokens", "32",
+               "--max-model-len", "128", "--num-gpu-blocks-override", "12")
     try:
         client = Client(zctx, d.address, "tp2")
         client.hello()
         workers = d.workers()
         assert len(workers) == 2
-        client.add("hung", prompts[0], max_tokens=480, ignore_eos=True)
+        assert _run_prompts(client, "t", prompts, eos_id) == reference, d.log_text()
+        assert client.stats().num_preemptions > 0
+        client.add("hung", prompts[0], max_tokens=100, ignore_eos=True)
         client.recv_until(lambda m: len(client.tokens["hung"]) > 0, 20)
         os.kill(workers[0], signal.SIGSTOP)
         t0 = time.monotonic()
