@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import uuid
 from collections.abc import AsyncIterator
 
@@ -56,6 +57,33 @@ def run(main):
     import uvloop
 
     return uvloop.run(main)
+
+
+async def _in_own_thread(fn):
+    """Run blocking `fn` in a new thread and await it. Unlike asyncio.to_thread this also
+    works at interpreter exit, after the default executor has been shut down."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def target():
+        try:
+            result = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            loop.call_soon_threadsafe(_settle_future, fut, None, e)
+        else:
+            loop.call_soon_threadsafe(_settle_future, fut, result, None)
+
+    threading.Thread(target=target, name="tidal-blocking", daemon=True).start()
+    return await fut
+
+
+def _settle_future(fut: asyncio.Future, result, error) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
 
 
 class RequestOutputCollector:
@@ -160,7 +188,7 @@ class AsyncLLM:
                                      startup_timeout)
         except BaseException:
             if daemon is not None:
-                await asyncio.to_thread(daemon.stop)
+                await _in_own_thread(daemon.stop)
             raise
 
     @classmethod
@@ -363,7 +391,7 @@ class AsyncLLM:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._daemon is not None:
-            await asyncio.to_thread(self._daemon.stop)
+            await _in_own_thread(self._daemon.stop)
 
     @property
     def daemon_pid(self) -> int | None:

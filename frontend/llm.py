@@ -21,6 +21,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 
 from tidal.engine_core.args import add_engine_args, config_from_args
@@ -98,8 +99,11 @@ class LLM:
                 config, engine=engine, key_file=key_file, tokenizer=tokenizer,
                 startup_timeout=startup_timeout))
         except BaseException:
-            self._stop_loop()
+            _stop_loop(self._loop, self._thread)
             raise
+        # close() when collected or at interpreter exit (before the daemon's own finalizer,
+        # since finalizers run newest first), so a forgotten LLM still detaches cleanly
+        self._finalizer = weakref.finalize(self, _shutdown, self._loop, self._thread, self._llm)
 
     @property
     def engine_info(self):
@@ -150,6 +154,7 @@ class LLM:
                     progress.refresh(self._llm.num_generated_tokens)
         except BaseException:
             fut.cancel()  # aborts every request of the batch in the engine
+            _settle(self._loop)
             raise
         finally:
             progress.close(self._llm.num_generated_tokens)
@@ -174,27 +179,44 @@ class LLM:
 
     def close(self) -> None:
         """Detach from the daemon, stopping it if this LLM started it. Idempotent."""
-        if self._loop.is_closed() or not self._thread.is_alive():
-            return
-        try:
-            self._call(self._llm.close())
-        finally:
-            self._stop_loop()
+        self._finalizer()
 
     def _call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10.0)
-        if not self._thread.is_alive():
-            self._loop.close()
 
     def __enter__(self) -> "LLM":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, llm: AsyncLLM) -> None:
+    if loop.is_closed() or not thread.is_alive():
+        return
+    try:
+        asyncio.run_coroutine_threadsafe(llm.close(), loop).result(timeout=60)
+    finally:
+        _stop_loop(loop, thread)
+
+
+def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=10.0)
+    if not thread.is_alive():
+        loop.close()
+
+
+def _settle(loop: asyncio.AbstractEventLoop) -> None:
+    """Let the loop run the cancellation just requested (the aborts go out before we return)."""
+    async def a_few_turns():
+        for _ in range(3):
+            await asyncio.sleep(0)
+
+    try:
+        asyncio.run_coroutine_threadsafe(a_few_turns(), loop).result(timeout=2.0)
+    except Exception:  # noqa: BLE001 - best effort while an interrupt propagates
+        pass
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
