@@ -208,6 +208,11 @@ class ModelRunner:
             seeds=dev(b.seed[rows], torch.int64),
             seeded=dev(b.seeded[rows], torch.bool),
             positions=dev(b.num_tokens[rows], torch.int64),
+            host_flags=dict(
+                all_greedy=bool((b.temperature[rows] == 0).all()),
+                min_p=bool((b.min_p[rows] > 0).any()),
+                top_k_top_p=bool((b.top_k[rows] > 0).any() or (b.top_p[rows] < 1).any()),
+                seeded=bool(b.seeded[rows].any())),
         )
         if _any_penalty(b, rows):
             batch.presence_penalty = dev(b.presence_penalty[rows], torch.float32)

@@ -57,10 +57,20 @@ class SamplingBatch:
     min_tokens_ids: torch.Tensor | None = None
     num_logprobs: int | None = None
     """Most top alternatives any row asked for; None when no row wants logprobs."""
+    host_flags: dict[str, bool] | None = None
+    """Which paths the batch needs (keys all_greedy, min_p, top_k_top_p, seeded), computed
+    on the host by the runner so the sampler never waits on the device to decide; None
+    derives them from the tensors."""
 
-    @property
-    def all_greedy(self) -> bool:
-        return bool((self.temperature == 0).all())
+    def flag(self, name: str) -> bool:
+        if self.host_flags is not None:
+            return self.host_flags[name]
+        return {
+            "all_greedy": lambda: bool((self.temperature == 0).all()),
+            "min_p": lambda: bool((self.min_p > 0).any()),
+            "top_k_top_p": lambda: bool((self.top_k > 0).any() or (self.top_p < 1).any()),
+            "seeded": lambda: bool(self.seeded.any()),
+        }[name]()
 
 
 @dataclass
@@ -94,7 +104,7 @@ class Sampler:
         if batch.presence_penalty is not None:
             logits = apply_penalties(logits, batch)
         greedy = logits.argmax(dim=-1)
-        if batch.all_greedy:
+        if batch.flag("all_greedy"):
             sampled = greedy
         else:
             sampled = torch.where(batch.temperature == 0, greedy, self._draw(logits, batch))
@@ -106,9 +116,9 @@ class Sampler:
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         temperature = torch.where(batch.temperature == 0, 1.0, batch.temperature)
         logits = logits / temperature.unsqueeze(1)
-        if bool((batch.min_p > 0).any()):
+        if batch.flag("min_p"):
             logits = apply_min_p(logits, batch.min_p)
-        if bool((batch.top_k > 0).any()) or bool((batch.top_p < 1).any()):
+        if batch.flag("top_k_top_p"):
             logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
         probs = torch.softmax(logits, dim=-1)
         noise = self._exponential_noise(batch, probs.shape[1], probs.device)
@@ -122,7 +132,7 @@ class Sampler:
         # NOTE: exponential_ can return exactly 0 (-log of a uniform that rounded to 1);
         # 0 / 0 for a masked token would be NaN and win the argmax.
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-        if bool(batch.seeded.any()):
+        if batch.flag("seeded"):
             rows = batch.seeded.nonzero().squeeze(1)
             uniform = hashed_uniform(batch.seeds[rows], batch.positions[rows], vocab_size)
             noise[rows] = -torch.log(uniform)
