@@ -214,7 +214,7 @@ class AsyncLLM:
         except BaseException:
             await client.close()
             raise
-        eos_ids = read_eos_token_ids(tokenizer_path or info.tokenizer or info.model, tok)
+        eos_ids = read_eos_token_ids(info.model, tok)  # generation_config.json of the model
         return cls(client, info, tok, eos_ids, daemon)
 
     # -- requests -------------------------------------------------------------------------

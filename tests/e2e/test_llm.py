@@ -397,3 +397,17 @@ def test_prompt_longer_than_context_is_refused_before_sending(llm):
         llm.generate([[5] * max_len], GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate([[5], [6]], [GREEDY], use_tqdm=False)
+
+
+@pytest.mark.timeout(120)
+def test_tidal_generate_cli_attached(daemon, llm):
+    """`tidal generate PROMPT --engine ADDRESS` prints the same greedy completion."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = llm.generate("Hello world", params, use_tqdm=False)[0].outputs[0].text
+    proc = subprocess.run(
+        [sys.executable, "-m", "tidal.frontend.cli", "generate", "Hello world", "--engine",
+         daemon.address, "--max-tokens", "8"],
+        capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr
+    # the CLI uses greedy with EOS honoured: its text is a prefix of the ignore_eos text
+    assert proc.stdout.endswith("\n") and want.startswith(proc.stdout[:-1])
