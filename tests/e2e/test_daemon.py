@@ -426,6 +426,22 @@ def test_anonymous_dealer_is_served(daemon, zctx):
 
 
 @pytest.mark.timeout(60)
+def test_second_daemon_on_a_live_address_is_refused(daemon, zctx, tiny_llama, prompts,
+                                                     reference, eos_id):
+    done = subprocess.run([sys.executable, "-m", "tidal.engine_core.daemon", tiny_llama,
+                           "--listen", daemon.address], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2
+    assert "already listening" in done.stderr
+    client = Client(zctx, daemon.address, "still-there")
+    try:
+        client.hello()
+        assert _run_prompts(client, "st", prompts[:1], eos_id) == reference[:1]
+    finally:
+        client.close()
+
+
+@pytest.mark.timeout(60)
 def test_bad_request_answered_with_error(daemon, zctx):
     client = Client(zctx, daemon.address, "bad-request")
     try:
