@@ -211,10 +211,13 @@ def _add_info_routes(app: FastAPI) -> None:
 
 
 async def _core_stats(engine):
-    """The engine core's SchedulerStats, or None when it does not answer in time."""
+    """The engine core's SchedulerStats; when it does not answer in time (a long step, a busy
+    event loop) the last snapshot this process received, or None if there is none."""
     try:
         return await asyncio.wait_for(engine.get_stats(), STATS_TIMEOUT_SECONDS)
     except Exception as exc:
-        logger.warning("/metrics: the engine core did not answer a stats query: %r", exc)
-        return None
+        latest = getattr(engine, "latest_stats", None)
+        logger.warning("/metrics: the engine core did not answer a stats query (%r); %s", exc,
+                       "using the last snapshot" if latest is not None else "no core metrics")
+        return latest
 

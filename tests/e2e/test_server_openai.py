@@ -224,17 +224,26 @@ def test_twenty_malformed_requests_then_a_good_one(server):
 # ------------------------------------------------------------------ 4. disconnect
 
 
-def test_streaming_disconnect_aborts_and_frees_kv(server):
+def _hang_up(server, stream: bool) -> None:
+    """Send an 8 x 500-token request (seconds of work) and leave before it can finish."""
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": 500, "n": 8, "ignore_eos": True,
+            "stream": stream}
+    with server.client(timeout=30) as http:
+        if stream:
+            with http.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                next(r.iter_lines())  # the first chunk arrived; now hang up
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                http.post("/v1/completions", json=body, timeout=0.5)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streaming", "non-streaming"])
+def test_disconnect_aborts_and_frees_kv(server, stream):
     idle, _ = scrape(server)
     assert idle["tidal:num_requests_running"] == 0
     aborts = idle.get(ABORTED, 0)
-    # 8 x 500 tokens: seconds of work, so the client is gone long before it could finish
-    body = {"model": MODEL, "prompt": "Once", "max_tokens": 500, "n": 8, "ignore_eos": True,
-            "stream": True}
-    with server.client(timeout=30) as http:
-        with http.stream("POST", "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            next(r.iter_lines())  # the first chunk arrived; now hang up
+    _hang_up(server, stream)
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         now, _ = scrape(server)

@@ -1,0 +1,43 @@
+"""`tidal serve` flags: engine flags and server flags on one parser, validated early."""
+
+import argparse
+
+import pytest
+
+from tidal.frontend.server.serve import _check_args, add_serve_args, bind_socket
+
+
+def parse(*argv):
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_defaults_and_engine_flags_coexist():
+    ns = parse("some/model", "--max-num-queued-reqs", "3", "--stream-interval", "4",
+               "--served-model-name", "m", "--api-server-count", "2", "--api-key", "k")
+    assert ns.model_tag == "some/model" and ns.max_num_queued_reqs == 3
+    assert ns.stream_interval == 4 and ns.served_model_name == "m"
+    assert (ns.api_server_count, ns.api_key, ns.host, ns.port) == (2, "k", "127.0.0.1", 8000)
+    assert ns.engine is None
+    attach = parse("--engine", "ipc:///tmp/x.sock", "--engine-key-file", "keys")
+    assert attach.engine == "ipc:///tmp/x.sock" and attach.engine_key_file == "keys"
+
+
+@pytest.mark.parametrize("argv,word", [
+    (["--api-server-count", "0"], "api-server-count"),
+    (["--max-num-queued-reqs", "0"], "max-num-queued-reqs"),
+    (["--port", "70000"], "port"),
+])
+def test_bad_server_flags_are_value_errors(argv, word):
+    with pytest.raises(ValueError, match=word):
+        _check_args(parse(*argv))
+
+
+def test_bind_socket_on_a_free_port():
+    sock = bind_socket("127.0.0.1", 0)
+    try:
+        host, port = sock.getsockname()
+        assert host == "127.0.0.1" and port > 0
+    finally:
+        sock.close()
