@@ -93,7 +93,17 @@ class Worker:
             raise ValueError(f"only {num_blocks} KV blocks fit on rank {self.rank}; raise "
                              "kv_cache_memory / gpu_memory_utilization or lower max_num_seqs")
         self.num_kv_blocks = int(num_blocks)
+        self._log_capacity()
         return self.num_kv_blocks
+
+    def _log_capacity(self) -> None:
+        max_len, bs = self.config.max_model_len, self.config.block_size
+        blocks_per_req = -(-max_len // bs)
+        usable = self.num_kv_blocks - 1  # block 0 is the null block
+        level = logging.INFO if usable >= blocks_per_req else logging.WARNING
+        logger.log(level, "rank %d: KV cache holds %d tokens; maximum concurrency for "
+                   "%d-token requests: %.2fx", self.rank, usable * bs, max_len,
+                   usable / blocks_per_req)
 
     def _profile_cuda_blocks(self, runner: ModelRunner) -> int:
         start = time.perf_counter()
