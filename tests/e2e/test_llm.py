@@ -411,3 +411,23 @@ def test_tidal_generate_cli_attached(daemon, llm):
     assert proc.returncode == 0, proc.stderr
     # the CLI uses greedy with EOS honoured: its text is a prefix of the ignore_eos text
     assert proc.stdout.endswith("\n") and want.startswith(proc.stdout[:-1])
+
+
+@pytest.mark.timeout(60)
+def test_logprobs_through_the_engine(llm, prompts, reference):
+    """Greedy with logprobs=2: one entry per token, the sampled token ranked first (it is the
+    argmax), two alternatives, log-probabilities <= 0, cumulative = the sum."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2)
+    outs = llm.generate(prompts[:4], params, use_tqdm=False)
+    assert_greedy_equal(outs, reference[:4])
+    for out in outs:
+        comp = out.outputs[0]
+        assert len(comp.logprobs) == len(comp.token_ids)
+        total = 0.0
+        for token_id, entry in zip(comp.token_ids, comp.logprobs):
+            assert entry[token_id].rank == 1 and len(entry) == 2
+            assert all(lp.logprob <= 1e-6 for lp in entry.values())
+            assert sorted(lp.rank for lp in entry.values()) == [1, 2]
+            assert entry[token_id].decoded_token == llm.tokenizer.decode([token_id])
+            total += entry[token_id].logprob
+        assert comp.cumulative_logprob == pytest.approx(total, abs=1e-4)

@@ -70,6 +70,22 @@ def test_detokenizer_skips_special_tokens_only_when_asked(tok):
     assert "".join(keep.step(t) for t in ids) == "Hello<|endoftext|> world"
 
 
+def test_detokenizer_recovers_when_the_stream_fails(tok):
+    """A DecodeStream error (vLLM's "Invalid prefix" case) rebuilds the stream from the ids
+    seen so far; the text stays right."""
+    ids = tok.encode("one, two, three, four")
+    detok = IncrementalDetokenizer(tok, [5], skip_special_tokens=True)
+    pieces = [detok.step(t) for t in ids[:3]]
+
+    class Broken:
+        def step(self, backend, token_id):
+            raise RuntimeError("Invalid prefix encountered")
+
+    detok._stream = Broken()
+    pieces += [detok.step(t) for t in ids[3:]]
+    assert "".join(pieces) == "one, two, three, four"
+
+
 def test_slow_path_without_rust_backend(tok):
     class SlowTokenizer:  # a tokenizer without backend_tokenizer: prefix/read offsets
         def decode(self, ids, skip_special_tokens=True):
