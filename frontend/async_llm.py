@@ -206,7 +206,10 @@ class AsyncLLM:
             await client.close()
             if tok_task is not None:
                 tok_task.cancel()
-            raise RuntimeError(daemon.failure_message(str(e)) if daemon else str(e)) from None
+            if daemon is None:
+                raise
+            await _in_own_thread(lambda: daemon.wait(2.0))  # it is exiting: take its last words
+            raise RuntimeError(daemon.failure_message(str(e))) from None
         if tok_task is None:
             tok_task = asyncio.to_thread(load_tokenizer, info.tokenizer or info.model)
         try:

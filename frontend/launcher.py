@@ -77,6 +77,13 @@ class DaemonProcess:
         """Its exit status once it has exited (negative: killed by that signal)."""
         return self.proc.poll()
 
+    def wait(self, timeout: float) -> int | None:
+        """Wait up to `timeout` s for the daemon to exit; its status, or None if still up."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
     def stderr_tail(self, num_lines: int = 30) -> str:
         """The last lines the daemon wrote to stderr."""
         if not self.alive():
