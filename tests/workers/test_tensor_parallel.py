@@ -1,6 +1,6 @@
 """Issue 3, item 3: TP=2 on CPU (two processes, gloo) gives the same logits and the same
 greedy tokens as TP=1, for split KV heads (2 over 2 ranks) and a replicated one (1 KV
-head on 2 ranks)."""
+head on 2 ranks); both ranks sample the same tokens, unseeded random sampling included."""
 
 import socket
 
@@ -24,8 +24,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(path: str, **config) -> tuple[torch.Tensor, list[int]]:
-    """Prompt logits (chunks of 16) and 6 greedy tokens from a fresh worker."""
+def _run(path: str, **config) -> tuple[torch.Tensor, list[int], list[int]]:
+    """Prompt logits (chunks of 16), 6 greedy tokens and 6 unseeded temperature-1 tokens
+    from a fresh worker."""
     worker = Worker(worker_config(path, dtype="float64", **config))
     worker.load()
     worker.init_kv_cache(worker.determine_num_kv_blocks())
@@ -36,16 +37,16 @@ def _run(path: str, **config) -> tuple[torch.Tensor, list[int]]:
         parts.append(worker.runner.compute_logits_all(script.plan(16)))
     script.finish("logits")
     script.add("gen", PROMPT[:17], SamplingParams(temperature=0.0, max_tokens=6))
-    tokens = script.run(worker, any_rank=True)["gen"]
-    return torch.cat(parts), tokens
+    script.add("random", PROMPT[:9], SamplingParams(temperature=1.0, max_tokens=6))
+    outputs = script.run(worker, any_rank=True)
+    return torch.cat(parts), outputs["gen"], outputs["random"]
 
 
 def _rank_main(rank: int, paths: list[str], port: int, out_file: str) -> None:
     torch.set_num_threads(1)
     results = [_run(path, tensor_parallel_size=2, rank=rank,
                     dist_init_method=f"tcp://127.0.0.1:{port}") for path in paths]
-    if rank == 0:
-        torch.save(results, out_file)
+    torch.save(results, f"{out_file}.{rank}")
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
@@ -55,9 +56,11 @@ def test_tp2_equals_tp1(tiny_llama, tiny_model_factory, tmp_path):
     paths = [tiny_llama, tiny_model_factory("llama", num_key_value_heads=1)]
     out_file = str(tmp_path / "tp2.pt")
     mp.spawn(_rank_main, args=(paths, _free_port(), out_file), nprocs=2, join=True)
-    tp2 = torch.load(out_file)
-    for path, (logits2, tokens2) in zip(paths, tp2):
-        logits1, tokens1 = _run(path)
+    tp2, tp2_rank1 = torch.load(f"{out_file}.0"), torch.load(f"{out_file}.1")
+    for path, (logits2, greedy2, random2), rank1 in zip(paths, tp2, tp2_rank1):
+        logits1, greedy1, random1 = _run(path)
         rel = ((logits2 - logits1).abs().max() / logits1.abs().max()).item()
         assert rel < TOLERANCE, (path, rel)
-        assert tokens2 == tokens1
+        assert greedy2 == greedy1
+        # every rank samples the same tokens (same logits, same generator), even unseeded
+        assert rank1[1:] == (greedy2, random2) and random2 == random1
