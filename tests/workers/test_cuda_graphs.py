@@ -4,7 +4,6 @@ swaps `_capture_one` for an eager stand-in that recomputes the same static forwa
 replay. Tokens must equal the plain eager runner's."""
 
 import pytest
-import torch
 
 from tidal.ipc.messages import SamplingParams
 from tidal.workers.cuda_graphs import DecodeGraphs, batch_size_ladder
