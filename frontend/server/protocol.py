@@ -92,7 +92,7 @@ class SamplingRequest(OpenAIModel):
     """(vLLM) HF repetition penalty (> 0, 1 = off)."""
     ignore_eos: bool = False
     """(vLLM) keep generating after the EOS token."""
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
     """(vLLM) tokens generated before EOS / stop may end the request."""
     stop_token_ids: list[TokenId] | None = None
     """(vLLM) token ids that end the request."""

@@ -36,6 +36,7 @@ CASES = [
     (CMPL, {"prompt": "word " * 80}, 400, "prompt", "64"),
     (CMPL, {"prompt": "x", "max_tokens": 100}, 400, "max_tokens", "64"),
     (CMPL, {"prompt": "x", "seed": 2**70}, 400, "seed", ""),
+    (CMPL, {"prompt": "x", "max_tokens": None, "min_tokens": 10**30}, 400, "min_tokens", ""),
     (CMPL, {"prompt": "x", "suffix": "y"}, 400, "suffix", ""),
     (CMPL, {"prompt": "x", "stream": True, "top_k": -5}, 400, "top_k", ""),
     (CHAT, {"messages": []}, 400, "messages", ""),
