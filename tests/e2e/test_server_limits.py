@@ -9,6 +9,8 @@ import pytest
 
 from live_server import ENGINE_FLAGS, LiveServer
 
+pytestmark = pytest.mark.slow  # live server subprocesses (still run by CI)
+
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):

@@ -19,6 +19,8 @@ from live_server import ENGINE_FLAGS, LiveServer, Proc
 from tidal.frontend.llm import LLM
 from tidal.ipc.messages import SamplingParams
 
+pytestmark = pytest.mark.slow  # live server subprocesses (still run by CI)
+
 KEY = "test-key-123"
 MODEL = "tiny"
 PROMPTS = ["Hello world! How are you", "The quick brown fox"]
