@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from tidal.engine_core.args import add_engine_args, config_from_args, config_to_argv
+from tidal.engine_core.args import add_engine_args, config_from_args
 from tidal.engine_core.config import EngineConfig, resolve_max_model_len
 from tidal.engine_core.executor import (
     DEFAULT_STEP_TIMEOUT_S,
@@ -500,18 +500,6 @@ def run_daemon_from_args(ns: argparse.Namespace) -> int:
     except ValueError as e:
         logger.error("%s", e)
         return EXIT_BAD_START
-
-
-def daemon_command(config: EngineConfig, listen: str, key_file: str | None = None,
-                   frontend_timeout: float = DEFAULT_FRONTEND_TIMEOUT_S,
-                   log_level: str = "INFO") -> list[str]:
-    """The argv that starts a daemon for `config` as a subprocess (for `LLM(model)`)."""
-    argv = [sys.executable, "-m", "tidal.engine_core.daemon", *config_to_argv(config),
-            "--listen", listen, "--frontend-timeout", repr(frontend_timeout),
-            "--log-level", log_level]
-    if key_file is not None:
-        argv += ["--engine-key-file", key_file]
-    return argv
 
 
 def main(argv: list[str] | None = None) -> int:

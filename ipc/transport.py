@@ -379,6 +379,9 @@ def bind_engine_socket(ctx: zmq.Context, address: str, key_file: str | None = No
         if auth is not None:
             auth.stop()
         raise ValueError(f"cannot listen on {address}: {e}") from e
+    path = ipc_path(address)
+    if path is not None:
+        os.chmod(path, 0o600)  # only this user may connect, whatever the directory allows
     return sock, auth
 
 

@@ -189,6 +189,7 @@ def test_live_ipc_address_is_not_stolen():
     ctx = zmq.Context()
     try:
         sock, _ = bind_engine_socket(ctx, addr)
+        assert stat.S_IMODE(os.stat(addr[len("ipc://"):]).st_mode) == 0o600
         with pytest.raises(ValueError, match="already listening"):
             check_ipc_free(addr)
         sock.close(linger=0)
