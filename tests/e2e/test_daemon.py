@@ -531,6 +531,7 @@ def test_curve_then_worker_killed(tiny_llama, tmp_path, zctx, prompts, reference
         d.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_hung_worker_times_out_and_all_ranks_are_killed(tiny_llama, tmp_path, zctx, prompts,
                                                         reference, eos_id):
@@ -562,6 +563,7 @@ def test_hung_worker_times_out_and_all_ranks_are_killed(tiny_llama, tmp_path, zc
         d.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(100)
 def test_workers_exit_when_the_daemon_dies(tiny_llama, tmp_path, zctx):
     d = Daemon(tiny_llama, str(tmp_path / "core.log"))
@@ -581,6 +583,7 @@ def test_workers_exit_when_the_daemon_dies(tiny_llama, tmp_path, zctx):
         d.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(100)
 def test_worker_that_cannot_load_fails_the_start(tiny_llama, tmp_path, zctx):
     """A model folder without weights: the worker reports WorkerFailed, the frontend that
@@ -604,6 +607,7 @@ def test_worker_that_cannot_load_fails_the_start(tiny_llama, tmp_path, zctx):
         d.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(100)
 def test_kv_cache_too_small_for_max_model_len(tiny_llama, tmp_path, zctx):
     """8 blocks of 16 tokens cannot hold a 512-token context: a clear error, exit 2."""
