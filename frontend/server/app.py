@@ -147,6 +147,9 @@ def _start_state(app: FastAPI, engine, settings: ServerSettings) -> list[asyncio
     app.state.metrics = metrics
     app.state.serving = OpenAIServing(engine, names, admission, metrics)
     app.state.root = getattr(info, "model", None)
+    logger.info("HTTP server %d attached: serving %s (max_model_len %d%s)",
+                settings.server_index, ", ".join(names), info.max_model_len,
+                f", at most {limit} unfinished requests" if limit else "")
     tasks = []
     if limit is not None:
         tasks.append(asyncio.ensure_future(admission.refresh_loop(engine.get_stats)))

@@ -254,8 +254,8 @@ def run_serve(ns: argparse.Namespace) -> int:
                           not ns.disable_uvicorn_access_log)
         sup.start_servers(spec, sock)
         host, port = sock.getsockname()[:2]
-        logger.info("serving on http://%s:%d with %d HTTP process(es), engine core at %s",
-                    host, port, sup.num_servers, address)
+        logger.info("listening on http://%s:%d; starting %d HTTP server process(es) for the "
+                    "engine core at %s", host, port, sup.num_servers, address)
         sup.watch()
     except ValueError as exc:
         print(f"tidal serve: {exc}", file=sys.stderr)
