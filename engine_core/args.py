@@ -120,7 +120,8 @@ def _add_parallel_args(g) -> None:
                    help="auto, cpu or cuda (default: auto)")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS,
                    default=_default(ParallelConfig, "attention_backend"),
-                   help="auto (Triton on CUDA, torch elsewhere), torch or triton")
+                   help="auto (Triton on CUDA, torch elsewhere), torch, triton or "
+                        "reference (the slow per-request specification)")
     g.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
 
 

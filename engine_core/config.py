@@ -22,7 +22,7 @@ from tidal.ipc.messages import WorkerConfig
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "reference")
 
 
 def _require(ok: bool, name: str, message: str) -> None:
@@ -148,7 +148,8 @@ class ParallelConfig:
     device: str = "auto"
     """auto (cuda when available, else cpu), cpu or cuda."""
     attention_backend: str = "auto"
-    """auto (Triton on CUDA, the torch reference elsewhere), torch or triton."""
+    """auto (Triton on CUDA, the vectorised torch backend elsewhere), torch, triton, or
+    reference (the plain per-request specification: slow, for tests)."""
     enforce_eager: bool = False
     """Never capture CUDA graphs."""
 

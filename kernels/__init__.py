@@ -1,7 +1,8 @@
-"""Attention kernels: a plain-torch reference (the CPU path and the specification) and Triton
-kernels that must equal it. `select_attention_ops` picks a backend by name.
+"""Attention kernels: a plain-torch reference (the specification), a vectorised torch backend
+(the CPU path) and Triton kernels (CUDA), both of which must equal the reference.
+`select_attention_ops` picks a backend by name.
 
-Both backends expose the same two functions (see `kernels/reference.py` for the layouts):
+Every backend exposes the same two functions (see `kernels/reference.py` for the layouts):
 
     write_kv(key, value, key_cache, value_cache, slot_mapping) -> None
     paged_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
@@ -19,19 +20,24 @@ class AttentionOps(NamedTuple):
     paged_attention: Callable
 
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "reference")
 
 
 def select_attention_ops(backend: str, device_type: str) -> AttentionOps:
-    """`auto` takes Triton on CUDA and the torch reference elsewhere."""
+    """`auto` takes Triton on CUDA and the vectorised torch backend elsewhere; `reference`
+    is the plain per-request specification (slow; for tests)."""
     if backend not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         backend = "triton" if device_type == "cuda" else "torch"
     if backend == "torch":
+        from tidal.kernels.torch_attention import paged_attention_torch, write_kv_torch
+
+        return AttentionOps("torch", write_kv_torch, paged_attention_torch)
+    if backend == "reference":
         from tidal.kernels.reference import paged_attention_ref, write_kv_ref
 
-        return AttentionOps("torch", write_kv_ref, paged_attention_ref)
+        return AttentionOps("reference", write_kv_ref, paged_attention_ref)
     from tidal.kernels.triton_attention import paged_attention_triton, write_kv_triton
 
     return AttentionOps("triton", write_kv_triton, paged_attention_triton)

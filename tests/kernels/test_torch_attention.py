@@ -1,0 +1,75 @@
+"""The vectorised torch backend equals the reference: ragged batches mixing decodes and
+prefill chunks, GQA, chunks crossing blocks, one-token contexts, float32 and float64, NaN in
+every cache slot nobody may read, and output rows nobody owns left untouched."""
+
+import pytest
+import torch
+
+from kernel_cases import assert_matches, make_case, poisoned_like
+from tidal.kernels import select_attention_ops
+from tidal.kernels.reference import paged_attention_ref, write_kv_ref
+from tidal.kernels.torch_attention import paged_attention_torch, write_kv_torch
+
+CASES = [
+    # (q_lens, seq_lens, num_heads, num_kv_heads, block_size)
+    ([1], [1], 4, 4, 16),  # a one-token context
+    ([1, 1, 1, 1], [1, 16, 17, 50], 4, 2, 16),  # decode only: ragged, block edges, GQA 2
+    ([7, 1, 20, 0, 3, 1], [20, 33, 20, 5, 3, 1], 8, 2, 16),  # mixed, an empty request
+    ([3, 1, 12, 1], [40, 64, 12, 9], 8, 1, 8),  # GQA 8 (MQA), chunks crossing blocks
+    ([1, 5, 1, 1], [30, 5, 2, 70], 6, 3, 4),  # decodes split by a prefill (gathered rows)
+    ([2, 2], [2, 19], 2, 2, 16),  # two-token chunks, one a whole prompt
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("q_lens,seq_lens,num_heads,num_kv_heads,block_size", CASES)
+def test_torch_attention_equals_reference(dtype, q_lens, seq_lens, num_heads, num_kv_heads,
+                                          block_size):
+    case = make_case(q_lens, seq_lens, num_heads, num_kv_heads, 16, block_size, dtype,
+                     num_pad_tokens=2)
+    expected = paged_attention_ref(*case.args(), out=poisoned_like(case.query))
+    out = paged_attention_torch(*case.args(), out=poisoned_like(case.query))
+    assert_matches(out, expected, case.owned_rows())
+    assert not torch.isnan(out[case.owned_rows()]).any()
+
+
+def test_torch_attention_allocates_output():
+    case = make_case([1, 4], [9, 4], 4, 2, 16, 16, torch.float32)
+    out = paged_attention_torch(*case.args())
+    torch.testing.assert_close(out, paged_attention_ref(*case.args()), atol=2e-5, rtol=2e-5)
+
+
+def test_torch_attention_low_precision_cache():
+    """bfloat16 queries and cache: softmax in float32, output back in bfloat16."""
+    case = make_case([1, 6, 1], [17, 6, 3], 4, 2, 16, 16, torch.bfloat16, num_pad_tokens=1)
+    expected = paged_attention_ref(*case.args(), out=poisoned_like(case.query))
+    out = paged_attention_torch(*case.args(), out=poisoned_like(case.query))
+    assert_matches(out, expected, case.owned_rows())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_write_kv_torch_equals_reference(dtype):
+    gen = torch.Generator().manual_seed(3)
+    shape = (5, 4, 2, 8)
+    key, value = torch.randn(2, 6, 2, 8, generator=gen, dtype=torch.float64).to(dtype)
+    slots = torch.tensor([4, -1, 5, 19, -1, 8])
+    caches = [torch.full(shape, float("nan"), dtype=dtype) for _ in range(4)]
+    write_kv_ref(key, value, caches[0], caches[1], slots)
+    write_kv_torch(key, value, caches[2], caches[3], slots)
+    torch.testing.assert_close(caches[2], caches[0], equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(caches[3], caches[1], equal_nan=True, rtol=0, atol=0)
+
+
+def test_write_kv_torch_no_tokens():
+    cache = torch.zeros(2, 4, 1, 8)
+    write_kv_torch(torch.zeros(0, 1, 8), torch.zeros(0, 1, 8), cache, cache.clone(),
+                   torch.zeros(0, dtype=torch.int64))
+    assert not cache.any()
+
+
+def test_backend_selection():
+    assert select_attention_ops("torch", "cpu").paged_attention is paged_attention_torch
+    assert select_attention_ops("auto", "cpu").paged_attention is paged_attention_torch
+    assert select_attention_ops("reference", "cpu").paged_attention is paged_attention_ref
+    with pytest.raises(ValueError, match="attention_backend"):
+        select_attention_ops("fast", "cpu")
