@@ -96,6 +96,9 @@ def format_throughput(results: list[dict], ratios: dict[str, float]) -> str:
                      f"{r['output_tokens_per_s']:.2f} output tokens/s "
                      f"({r['num_requests']} requests, {r['total_prompt_tokens']} prompt + "
                      f"{r['total_output_tokens']} output tokens in {r['elapsed_s']:.2f} s)")
+    for r in results:
+        if "ready_s" in r:
+            lines.append(f"{r['backend']}: LLM(...) ready in {r['ready_s']:.2f} s")
     for name, ratio in ratios.items():
         lines.append(f"tidal / {name}: {ratio:.2f}x output tokens/s")
     return "\n".join(lines)
