@@ -25,6 +25,8 @@ the query's dtype. Rows of `out` that no request owns are left untouched.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -61,66 +63,109 @@ def paged_attention_torch(
     equals `paged_attention_ref`."""
     if out is None:
         out = torch.empty_like(query)
-    qsl = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    decode = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
-    if decode:
-        _decode(query, key_cache, value_cache, block_tables, qsl, lens, decode, scale, out)
-    for i, seq_len in enumerate(lens):
-        if qsl[i + 1] - qsl[i] > 1:
-            _prefill(query, key_cache, value_cache, block_tables[i], qsl[i], qsl[i + 1],
-                     seq_len, scale, out)
+    plan = _batch_plan(block_tables, query_start_loc, seq_lens, key_cache.shape[1],
+                       key_cache.shape[2])
+    if plan.decode is not None:
+        _decode(query, key_cache, value_cache, plan.decode, scale, out)
+    for i, q_start, q_end, seq_len in plan.prefills:
+        _prefill(query, key_cache, value_cache, block_tables[i], q_start, q_end, seq_len,
+                 scale, out)
     return out
+
+
+@dataclass
+class _DecodeIndex:
+    """Where the decode requests' queries, K/V rows and padding are, for one batch."""
+
+    token_rows: slice | torch.Tensor  # query rows of the decode requests, in order
+    cache_rows: torch.Tensor  # [N * kv_heads * L] rows of cache.view(-1, head_dim)
+    padding: torch.Tensor  # [N, 1, 1, L] True past a request's seq_len
+    num_seqs: int
+    max_len: int
+
+
+@dataclass
+class _BatchPlan:
+    decode: _DecodeIndex | None
+    prefills: list[tuple[int, int, int, int]]  # (request, q_start, q_end, seq_len)
+    key: tuple
+
+
+def _batch_plan(block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                seq_lens: torch.Tensor, block_size: int, num_kv_heads: int) -> _BatchPlan:
+    """The batch's index tensors, built once per step: every layer calls attention with the
+    same metadata, so the plan is kept on the `block_tables` tensor and reused while the
+    three metadata tensors hold the same values (compared exactly: inference-mode tensors
+    have no version counter to tell an in-place change)."""
+    cached = getattr(block_tables, "_tidal_torch_attention_plan", None)
+    if cached is not None and cached.key[3:] == (block_size, num_kv_heads) and all(
+            torch.equal(a, b) for a, b in zip(cached.key[:3],
+                                              (block_tables, query_start_loc, seq_lens))):
+        return cached
+    key = (block_tables.clone(), query_start_loc.clone(), seq_lens.clone(), block_size,
+           num_kv_heads)
+    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    decode = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
+    prefills = [(i, qsl[i], qsl[i + 1], lens[i]) for i in range(len(lens))
+                if qsl[i + 1] - qsl[i] > 1]
+    index = (_decode_index(block_tables, qsl, lens, decode, block_size, num_kv_heads)
+             if decode else None)
+    plan = _BatchPlan(index, prefills, key)
+    block_tables._tidal_torch_attention_plan = plan
+    return plan
+
+
+def _as_slice_or_tensor(values: list[int], device: torch.device) -> slice | torch.Tensor:
+    """A slice when `values` are consecutive (a view instead of a gather), else a tensor."""
+    if values == list(range(values[0], values[0] + len(values))):
+        return slice(values[0], values[0] + len(values))
+    return torch.tensor(values, device=device)
+
+
+def _decode_index(block_tables, qsl, lens, decode, block_size, num_kv_heads) -> _DecodeIndex:
+    device = block_tables.device
+    num = len(decode)
+    requests = _as_slice_or_tensor(decode, device)
+    max_len = max(lens[i] for i in decode)
+    num_blocks = (max_len + block_size - 1) // block_size
+    tables = (block_tables[requests] if isinstance(requests, slice)
+              else block_tables.index_select(0, requests))[:, :num_blocks].long()
+    seq_lens = torch.tensor([lens[i] for i in decode], device=device).unsqueeze(1)
+    pos = torch.arange(max_len, device=device).unsqueeze(0)  # [1, L]
+    valid = pos < seq_lens  # [N, L]
+    read = torch.where(valid, pos, 0)  # padding reads position 0: written, finite
+    slots = tables.gather(1, read // block_size) * block_size + read % block_size
+    heads = torch.arange(num_kv_heads, device=device)
+    # row of (slot s, kv head h) in cache.view(-1, head_dim) is s * num_kv_heads + h
+    cache_rows = (slots.unsqueeze(1) * num_kv_heads + heads.view(1, -1, 1)).reshape(-1)
+    return _DecodeIndex(token_rows=_as_slice_or_tensor([qsl[i] for i in decode], device),
+                        cache_rows=cache_rows, padding=~valid.view(num, 1, 1, max_len),
+                        num_seqs=num, max_len=max_len)
 
 
 def _acc_dtype(query: torch.Tensor) -> torch.dtype:
     return torch.float64 if query.dtype == torch.float64 else torch.float32
 
 
-def _gather_rows(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[N, L] cache slots -> [N, kv_heads, L, head_dim] copies of those K (or V) rows."""
-    num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
-    heads = torch.arange(num_kv_heads, device=slots.device)
-    # row of (slot s, kv head h) in cache.view(-1, head_dim) is s * num_kv_heads + h
-    rows = slots.unsqueeze(1) * num_kv_heads + heads.view(1, -1, 1)  # [N, kv_heads, L]
-    gathered = cache.view(-1, head_dim).index_select(0, rows.reshape(-1))
-    return gathered.view(*rows.shape, head_dim).to(dtype)
-
-
-def _decode(query, key_cache, value_cache, block_tables, qsl, lens, decode, scale, out):
-    """One new token per request for the requests in `decode`, in one batched matmul."""
+def _decode(query, key_cache, value_cache, index: _DecodeIndex, scale, out):
+    """One new token per request for the decode requests, in one batched matmul."""
     num_heads, head_dim = query.shape[1], query.shape[2]
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group = num_heads // num_kv_heads
-    acc = _acc_dtype(query)
-    device = query.device
-    num = len(decode)
-    contiguous = decode == list(range(decode[0], decode[0] + num))
-    rows = None if contiguous else torch.tensor(decode, device=device)
-    max_len = max(lens[i] for i in decode)
-    num_blocks = (max_len + block_size - 1) // block_size
-    tables = (block_tables[decode[0]:decode[0] + num] if contiguous
-              else block_tables.index_select(0, rows))[:, :num_blocks].long()
-    seq_lens = torch.tensor([lens[i] for i in decode], device=device).unsqueeze(1)
-    pos = torch.arange(max_len, device=device).unsqueeze(0)  # [1, L]
-    valid = pos < seq_lens  # [N, L]
-    read = torch.where(valid, pos, 0)  # padding reads position 0: written, finite
-    slots = tables.gather(1, read // block_size) * block_size + read % block_size
-    keys = _gather_rows(key_cache, slots, acc)  # [N, kv_heads, L, d]
-    values = _gather_rows(value_cache, slots, acc)
-    token_rows = [qsl[i] for i in decode]
-    first = token_rows[0]
-    q = (query[first:first + num] if token_rows == list(range(first, first + num))
-         else query.index_select(0, torch.tensor(token_rows, device=device)))
-    q = q.to(acc).view(num, num_kv_heads, group, head_dim)
+    num_kv_heads = key_cache.shape[2]
+    num, max_len, acc = index.num_seqs, index.max_len, _acc_dtype(query)
+    shape = (num, num_kv_heads, max_len, head_dim)
+    keys = key_cache.view(-1, head_dim).index_select(0, index.cache_rows).view(shape).to(acc)
+    values = value_cache.view(-1, head_dim).index_select(0, index.cache_rows).view(shape).to(acc)
+    rows = index.token_rows
+    q = query[rows] if isinstance(rows, slice) else query.index_select(0, rows)
+    q = q.to(acc).view(num, num_kv_heads, num_heads // num_kv_heads, head_dim)
     scores = torch.matmul(q, keys.transpose(2, 3)) * scale  # [N, kv_heads, group, L]
-    scores.masked_fill_(~valid.view(num, 1, 1, max_len), float("-inf"))
+    scores.masked_fill_(index.padding, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     result = torch.matmul(probs, values).view(num, num_heads, head_dim).to(out.dtype)
-    if token_rows == list(range(first, first + num)):
-        out[first:first + num] = result
+    if isinstance(rows, slice):
+        out[rows] = result
     else:
-        out.index_copy_(0, torch.tensor(token_rows, device=device), result)
+        out.index_copy_(0, rows, result)
 
 
 def _prefill(query, key_cache, value_cache, table, q_start, q_end, seq_len, scale, out):

@@ -73,3 +73,22 @@ def test_backend_selection():
     assert select_attention_ops("reference", "cpu").paged_attention is paged_attention_ref
     with pytest.raises(ValueError, match="attention_backend"):
         select_attention_ops("fast", "cpu")
+
+
+def test_batch_plan_reused_across_layers_and_rebuilt_after_changes():
+    """Layers share one step's metadata: the index plan is built once; a different or
+    modified seq_lens tensor gets a fresh plan (and the right answer)."""
+    case = make_case([1, 1, 3], [9, 20, 5], 4, 2, 16, 16, torch.float64)
+    args = list(case.args())
+    paged_attention_torch(*args)
+    plan = case.block_tables._tidal_torch_attention_plan
+    paged_attention_torch(*args)
+    assert case.block_tables._tidal_torch_attention_plan is plan
+    args[5] = case.seq_lens.clone()
+    args[5][1] = 17  # the second request now sees 17 cached tokens
+    expected = paged_attention_ref(*args)
+    torch.testing.assert_close(paged_attention_torch(*args), expected, atol=1e-12, rtol=1e-12)
+    assert case.block_tables._tidal_torch_attention_plan is not plan
+    args[5][1] = 12  # in place: the version counter moves
+    expected = paged_attention_ref(*args)
+    torch.testing.assert_close(paged_attention_torch(*args), expected, atol=1e-12, rtol=1e-12)
