@@ -81,11 +81,25 @@ class ModelRunner:
                 * self.head_dim * elem)
 
     def allocate_kv_cache(self, num_blocks: int) -> list[KVCache]:
-        """Zeroed K and V tensors per layer, [num_blocks, block_size, kv_heads, head_dim]."""
+        """K and V tensors per layer, [num_blocks, block_size, kv_heads, head_dim].
+
+        Left uninitialised (zero-filling the CPU default of 4 GiB took ~3 s of start-up and
+        made every page resident): attention reads, for the token at position p, only the
+        slots of positions 0..p of its request, and each of those was written before it is
+        read (this step's K/V are written before attention runs; earlier positions were
+        written by an earlier step, or by the request that computed a prefix-cached full
+        block). No kernel reads a slot past a request's `seq_len` (the torch backend masks
+        by position, Triton masks its loads). Only the null block 0, which padding rows and
+        padded block tables point at, is zeroed so that nothing ever sees NaN there.
+        """
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.dtype, device=self.device))
-                for _ in range(self.args.num_hidden_layers)]
+        caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),
+                   torch.empty(shape, dtype=self.dtype, device=self.device))
+                  for _ in range(self.args.num_hidden_layers)]
+        for key_cache, value_cache in caches:
+            key_cache[0].zero_()
+            value_cache[0].zero_()
+        return caches
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate the cache (block 0 is the null block) and, on CUDA without
