@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _MASK32 = 0xFFFFFFFF
@@ -103,7 +104,7 @@ class Sampler:
                                       torch.tensor(float("-inf"), device=logits.device))
         if batch.presence_penalty is not None:
             logits = apply_penalties(logits, batch)
-        greedy = logits.argmax(dim=-1)
+        greedy = argmax_rows(logits)
         if batch.flag("all_greedy"):
             sampled = greedy
         else:
@@ -122,7 +123,7 @@ class Sampler:
             logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
         probs = torch.softmax(logits, dim=-1)
         noise = self._exponential_noise(batch, probs.shape[1], probs.device)
-        return (probs / noise).argmax(dim=-1)
+        return argmax_rows(probs / noise)
 
     def _exponential_noise(self, batch: SamplingBatch, vocab_size: int,
                            device: torch.device) -> torch.Tensor:
@@ -137,6 +138,16 @@ class Sampler:
             uniform = hashed_uniform(batch.seeds[rows], batch.positions[rows], vocab_size)
             noise[rows] = -torch.log(uniform)
         return noise
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=-1)` of a 2-D tensor: the first maximal index of each row, a NaN
+    counting as the maximum. On the CPU numpy's vectorised argmax (same rules) does it
+    ~15x faster than torch's, which matters at a few hundred rows of a large vocabulary."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and x.dim() == 2 \
+            and x.shape[0] and x.shape[1]:
+        return torch.from_numpy(np.argmax(x.numpy(), axis=-1).astype(np.int64, copy=False))
+    return x.argmax(dim=-1)
 
 
 # ---------------------------------------------------------------------------------------------
