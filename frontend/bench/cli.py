@@ -296,8 +296,10 @@ def _run_throughput(ns: argparse.Namespace) -> int:
     if tokenizer is None:
         raise ValueError(f"model {config.model.model!r}: no tokenizer to build the workload")
     requests = build_dataset(dataset_config_from_args(ns), tokenizer)
+    host = host_info()
     print(f"model {config.model.model}: {offline.count_parameters(config.model.model):,} "
-          f"parameters; {len(requests)} requests ({ns.dataset_name})")
+          f"parameters; {len(requests)} requests ({ns.dataset_name}); host: "
+          f"{host['cpu_count']} CPUs, load average {host.get('loadavg_1m_5m_15m')}")
     results = [offline.run_tidal_throughput(config, requests, use_tqdm=not ns.disable_tqdm)]
     if backends:
         model = hf_baselines.load_hf_model(config.model.model, config.model.dtype)
@@ -307,7 +309,7 @@ def _run_throughput(ns: argparse.Namespace) -> int:
             results.append(hf_baselines.run_hf_continuous(model, requests))
     ratios = offline.compare_to_baselines(results[0], results[1:])
     print(offline.format_throughput(results, ratios))
-    write_result(ns, {"command": "throughput", "model": config.model.model, "host": host_info(),
+    write_result(ns, {"command": "throughput", "model": config.model.model, "host": host,
                       "dataset": dict(vars(dataset_config_from_args(ns))),
                       "results": results, "ratios": ratios})
     return 0

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -86,8 +86,6 @@ class DatasetConfig:
     """sharegpt-like: longest prompt + output kept."""
     path: str | None = None
     """jsonl: the file."""
-    extra: dict = field(default_factory=dict)
-    """Free-form labels copied into results."""
 
     def __post_init__(self) -> None:
         if self.name not in DATASET_NAMES:
