@@ -112,7 +112,7 @@ def plot_sweep(rows: list[dict], path: str) -> None:
         for key in keys:
             ax.plot(x, [r.get(key, 0.0) for r in rows], marker="o", label=key)
         for r, xi in zip(rows, x):
-            ax.annotate(f"{r['request_rate']} rps", (xi, r.get(keys[0], 0.0)), fontsize=8,
+            ax.annotate(f"{r['request_rate']} rps", (xi, r.get(keys[-1], 0.0)), fontsize=8,
                         textcoords="offset points", xytext=(4, 4))
         ax.set_xlabel("output tokens/s")
         ax.set_ylabel("ms")

@@ -91,13 +91,17 @@ def _handler(state: FakeServerState):
     return Handler
 
 
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 256  # the default backlog of 5 refuses a burst of connections
+    daemon_threads = True
+
+
 class FakeOpenAIServer:
     """Context manager: a threaded server on a free loopback port; `.url`, `.state`."""
 
     def __init__(self, max_in_flight: int | None = None, token_delay_s: float = 0.002):
         self.state = FakeServerState(max_in_flight, token_delay_s)
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self.state))
-        self.httpd.daemon_threads = True
+        self.httpd = _Server(("127.0.0.1", 0), _handler(self.state))
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
 
     def __enter__(self):
