@@ -92,3 +92,18 @@ def test_batch_plan_reused_across_layers_and_rebuilt_after_changes():
     args[5][1] = 12  # in place: the version counter moves
     expected = paged_attention_ref(*args)
     torch.testing.assert_close(paged_attention_torch(*args), expected, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 3 * 2 * 2 * 70 * 16 * 8])
+def test_decode_in_chunks_equals_reference(monkeypatch, chunk_bytes):
+    """Decodes attended a request at a time, or three at a time, with the decode rows
+    contiguous and split by prefill chunks."""
+    import tidal.kernels.torch_attention as torch_attention
+
+    monkeypatch.setattr(torch_attention, "DECODE_CHUNK_BYTES", chunk_bytes)
+    for q_lens in ([1] * 7, [1, 1, 4, 1, 1, 3, 1]):
+        case = make_case(q_lens, [70, 1, 33, 16, 17, 9, 2], 4, 2, 16, 16, torch.float64,
+                         num_pad_tokens=1)
+        expected = paged_attention_ref(*case.args(), out=poisoned_like(case.query))
+        out = paged_attention_torch(*case.args(), out=poisoned_like(case.query))
+        assert_matches(out, expected, case.owned_rows())
