@@ -58,7 +58,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def _add_model_args(g) -> None:
     g.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
-                   help="local Hugging Face model folder (same as --model)")
+                   help="local Hugging Face model folder (same as --model; default in "
+                        "tidal serve/core/generate: the bundled demo model)")
     g.add_argument("--model", default=None, help="local Hugging Face model folder")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
     g.add_argument("--dtype", type=_dtype, default="auto",
@@ -68,7 +69,8 @@ def _add_model_args(g) -> None:
     g.add_argument("--seed", type=int, default=_default(ModelConfig, "seed"),
                    help="sampling seed for requests without their own (default: 0)")
     g.add_argument("--served-model-name", default=None,
-                   help="model name in the OpenAI API (default: the model path)")
+                   help="model name in the OpenAI API (default: the model path; "
+                        "'tidal-demo' for the bundled demo model)")
 
 
 def _add_cache_args(g) -> None:

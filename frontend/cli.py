@@ -1,13 +1,14 @@
 """The `tidal` command: a thin dispatcher over subcommands owned by other modules.
 
-    tidal core MODEL [engine flags] [--listen ADDRESS]   the engine-core daemon
-    tidal serve MODEL [engine flags] [server flags]      the OpenAI-compatible HTTP server
+    tidal core [MODEL] [engine flags] [--listen ADDRESS] the engine-core daemon
+    tidal serve [MODEL] [engine flags] [server flags]    the OpenAI-compatible HTTP server
     tidal generate "PROMPT" [--model MODEL | --engine ADDRESS] [sampling flags]
     tidal bench ...                                      benchmarks
 
 Each subcommand's module exports `add_*_args(parser)` and `run_*(ns) -> int`. Only the chosen
 subcommand's module is imported, so `tidal core` starts without loading the HTTP server (or
-torch) into the daemon.
+torch) into the daemon. Without a MODEL, core, serve, generate and bench use the bundled demo
+model (tidal.frontend.demo).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import sys
 _SUBCOMMANDS: dict[str, tuple[str, tuple[str, ...], str, str]] = {
     "core": ("tidal.engine_core.daemon", ("tidal.engine_core.args:add_engine_args",
                                           "add_daemon_args"),
-             "run_daemon_from_args", "run the engine-core daemon (scheduler, KV cache, workers)"),
+             "tidal.frontend.cli:run_core",
+             "run the engine-core daemon (scheduler, KV cache, workers)"),
     "serve": ("tidal.frontend.server.serve", ("add_serve_args",), "run_serve",
               "run the OpenAI-compatible HTTP server (starts or attaches to an engine core)"),
     "generate": ("tidal.frontend.cli", ("add_generate_args",), "run_generate",
@@ -63,6 +65,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# tidal core
+
+
+def run_core(ns: argparse.Namespace) -> int:
+    """`tidal core`: the daemon, on the bundled demo model ("tidal-demo") when no MODEL."""
+    from tidal.engine_core.daemon import run_daemon_from_args
+    from tidal.frontend.demo import apply_demo_model_default
+
+    try:
+        apply_demo_model_default(ns)
+    except ValueError as e:
+        print(f"tidal core: {e}", file=sys.stderr)
+        return 2
+    return run_daemon_from_args(ns)
+
+
+# ---------------------------------------------------------------------------------------------
 # tidal generate
 
 
@@ -79,8 +98,10 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
     g.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (the default here)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling mass (default 1.0 = off)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest "
+                   "tokens (default 0 = off)")
     g.add_argument("--n", type=int, default=1, help="completions to print")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--sampling-seed", type=int, default=None, help="the request's own seed")

@@ -31,3 +31,26 @@ def demo_model_path() -> str:
                 "rebuild it with tools/train_demo_model.py or pass a model explicitly"
             )
     return DEMO_MODEL_DIR
+
+
+DEMO_SERVED_MODEL_NAME: str = "tidal-demo"
+"""The demo model's name in the OpenAI API when no --served-model-name is given (rather than
+the long path of the installed folder)."""
+
+
+def apply_demo_model_default(ns) -> bool:
+    """Point parsed engine flags at the demo model when neither MODEL nor --model is given.
+
+    Sets ``ns.model`` to the bundled folder and, unless --served-model-name was given,
+    ``ns.served_model_name`` to DEMO_SERVED_MODEL_NAME. Returns whether the default was
+    applied. Raises ValueError (naming the missing file) when the demo model is not installed.
+    """
+    if getattr(ns, "model_tag", None) or getattr(ns, "model", None):
+        return False
+    try:
+        ns.model = demo_model_path()
+    except FileNotFoundError as e:
+        raise ValueError(f"model is required: {e}") from None
+    if getattr(ns, "served_model_name", None) is None:
+        ns.served_model_name = DEMO_SERVED_MODEL_NAME
+    return True

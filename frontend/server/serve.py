@@ -1,7 +1,11 @@
 """`tidal serve`: the engine-core daemon plus N HTTP server processes on one port.
 
-    tidal serve MODEL [engine flags] [--host H] [--port P] [--api-server-count N] [--api-key K]
+    tidal serve [MODEL] [engine flags] [--host H] [--port P] [--api-server-count N]
+                [--api-key K]
     tidal serve --engine ADDRESS [--engine-key-file F] [server flags]   (attach, start no daemon)
+
+Without MODEL (or --model) it serves the bundled demo model (tidal.frontend.demo) under the
+name "tidal-demo" unless --served-model-name says otherwise.
 
 Processes:
 
@@ -168,11 +172,10 @@ class _Supervisor:
         if self.ns.engine:
             return self.ns.engine, self.ns.tokenizer, None
         from tidal.engine_core.args import config_from_args
+        from tidal.frontend.demo import apply_demo_model_default
         from tidal.frontend.launcher import DaemonProcess
-        from tidal.frontend.llm import default_model
 
-        if not (self.ns.model_tag or self.ns.model):
-            self.ns.model = default_model()
+        apply_demo_model_default(self.ns)  # no MODEL: the bundled demo model, "tidal-demo"
         config = config_from_args(self.ns)  # ValueError names the flag
         self.daemon = DaemonProcess(config, echo=True)
         return self.daemon.address, config.model.tokenizer_path, self.daemon.pid
