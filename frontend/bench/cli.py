@@ -301,12 +301,15 @@ def _run_throughput(ns: argparse.Namespace) -> int:
           f"parameters; {len(requests)} requests ({ns.dataset_name}); host: "
           f"{host['cpu_count']} CPUs, load average {host.get('loadavg_1m_5m_15m')}")
     results = [offline.run_tidal_throughput(config, requests, use_tqdm=not ns.disable_tqdm)]
+    print(offline.format_throughput(results, {}), flush=True)  # each figure as soon as known
     if backends:
         model = hf_baselines.load_hf_model(config.model.model, config.model.dtype)
         if "static" in backends:
             results.append(hf_baselines.run_hf_static(model, requests, ns.hf_max_batch_size))
+            print(offline.format_throughput(results[-1:], {}), flush=True)
         if "continuous" in backends and hf_baselines.has_hf_continuous_batching(model):
             results.append(hf_baselines.run_hf_continuous(model, requests))
+    print("--- summary ---")
     ratios = offline.compare_to_baselines(results[0], results[1:])
     print(offline.format_throughput(results, ratios))
     write_result(ns, {"command": "throughput", "model": config.model.model, "host": host,
