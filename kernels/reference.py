@@ -48,8 +48,12 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    scratch: dict | None = None,  # per-step scratch shared by the layers (see below)
 ) -> torch.Tensor:
-    """Causal attention of each request's new tokens over its paged K/V (GQA aware)."""
+    """Causal attention of each request's new tokens over its paged K/V (GQA aware).
+
+    `scratch` is the step's scratch dict (`AttentionMetadata.scratch`); this backend needs no
+    per-step preparation and ignores it."""
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads

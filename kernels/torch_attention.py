@@ -59,13 +59,20 @@ def paged_attention_torch(
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    scratch: dict | None = None,  # per-step scratch shared by the layers (see below)
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its paged K/V (GQA aware);
-    equals `paged_attention_ref`."""
+    equals `paged_attention_ref`. With a `scratch` dict (one per step, shared by every
+    layer), the batch's index tensors are built by the first layer and reused by the rest."""
     if out is None:
         out = torch.empty_like(query)
-    plan = _batch_plan(block_tables, query_start_loc, seq_lens, key_cache.shape[1],
-                       key_cache.shape[2])
+    plan_key = ("torch_attention_plan", key_cache.shape[1], key_cache.shape[2])
+    plan = scratch.get(plan_key) if scratch is not None else None
+    if plan is None:
+        plan = _batch_plan(block_tables, query_start_loc, seq_lens, key_cache.shape[1],
+                           key_cache.shape[2])
+        if scratch is not None:
+            scratch[plan_key] = plan
     if plan.decode is not None:
         _decode(query, key_cache, value_cache, plan.decode, scale, out)
     for i, q_start, q_end, seq_len in plan.prefills:
@@ -89,31 +96,19 @@ class _DecodeIndex:
 class _BatchPlan:
     decode: _DecodeIndex | None
     prefills: list[tuple[int, int, int, int]]  # (request, q_start, q_end, seq_len)
-    key: tuple
 
 
 def _batch_plan(block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                 seq_lens: torch.Tensor, block_size: int, num_kv_heads: int) -> _BatchPlan:
-    """The batch's index tensors, built once per step: every layer calls attention with the
-    same metadata, so the plan is kept on the `block_tables` tensor and reused while the
-    three metadata tensors hold the same values (compared exactly: inference-mode tensors
-    have no version counter to tell an in-place change)."""
-    cached = getattr(block_tables, "_tidal_torch_attention_plan", None)
-    if cached is not None and cached.key[3:] == (block_size, num_kv_heads) and all(
-            torch.equal(a, b) for a, b in zip(cached.key[:3],
-                                              (block_tables, query_start_loc, seq_lens))):
-        return cached
-    key = (block_tables.clone(), query_start_loc.clone(), seq_lens.clone(), block_size,
-           num_kv_heads)
+    """The batch's index tensors: which rows are decodes (one batched gather) and which are
+    prefill chunks (one SDPA call each)."""
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
     decode = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
     prefills = [(i, qsl[i], qsl[i + 1], lens[i]) for i in range(len(lens))
                 if qsl[i + 1] - qsl[i] > 1]
     index = (_decode_index(block_tables, qsl, lens, decode, block_size, num_kv_heads)
              if decode else None)
-    plan = _BatchPlan(index, prefills, key)
-    block_tables._tidal_torch_attention_plan = plan
-    return plan
+    return _BatchPlan(index, prefills)
 
 
 def _as_slice_or_tensor(values: list[int], device: torch.device) -> slice | torch.Tensor:

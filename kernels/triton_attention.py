@@ -445,9 +445,11 @@ def paged_attention_triton(
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    scratch: dict | None = None,  # per-step scratch shared by the layers (see below)
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its paged K/V (GQA aware);
-    see `paged_attention_ref`. The launch (tiles, split-K) comes from `choose_launch`."""
+    see `paged_attention_ref`. The launch (tiles, split-K) comes from `choose_launch`;
+    `scratch` is unused (the launch is derived from shapes alone, without a host sync)."""
     _check_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out)
     launch = choose_launch(
         num_tokens=query.shape[0], num_seqs=seq_lens.shape[0], num_heads=query.shape[1],

@@ -7,7 +7,7 @@ through the model's forward; nothing about the batch is kept in module state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -32,6 +32,11 @@ class AttentionMetadata:
     """[num_seqs + 1] int32: prefix sums of the new-token counts."""
     seq_lens: torch.Tensor
     """[num_seqs] int32: tokens in the cache per request, including this step's."""
+    scratch: dict | None = field(default_factory=dict)
+    """Per-step scratch for the attention backend: index tensors it derives from the fields
+    above are built by the first layer and reused by every other layer of this step. It
+    lives exactly as long as this metadata (one step); nothing else may write it. None for
+    metadata whose tensors change in place between uses (a captured CUDA graph's)."""
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -55,5 +60,6 @@ class PagedAttention(nn.Module):
         key_cache, value_cache = kv_cache
         self.ops.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         out = self.ops.paged_attention(q, key_cache, value_cache, meta.block_tables,
-                                       meta.query_start_loc, meta.seq_lens, self.scale)
+                                       meta.query_start_loc, meta.seq_lens, self.scale,
+                                       scratch=meta.scratch)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -72,11 +72,14 @@ class DecodeGraphs:
         return graphs
 
     def _meta(self, size: int) -> AttentionMetadata:
+        # NOTE: these static buffers are rewritten in place before every replay, so nothing
+        # derived from them may be cached across uses: no scratch.
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:size],
             block_tables=self.block_tables[:size],
             query_start_loc=self.query_start_loc[:size + 1],
-            seq_lens=self.seq_lens[:size])
+            seq_lens=self.seq_lens[:size],
+            scratch=None)
 
     @torch.inference_mode()
     def capture(self) -> None:

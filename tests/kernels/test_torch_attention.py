@@ -75,22 +75,27 @@ def test_backend_selection():
         select_attention_ops("fast", "cpu")
 
 
-def test_batch_plan_reused_across_layers_and_rebuilt_after_changes():
-    """Layers share one step's metadata: the index plan is built once; a different or
-    modified seq_lens tensor gets a fresh plan (and the right answer)."""
+def test_batch_plan_built_once_per_step_through_the_scratch_dict():
+    """Layers share one step's metadata and its scratch dict: the index plan is built by the
+    first call and reused by the next; a new step (a fresh scratch dict) with different
+    seq_lens gets a fresh plan and the right answer; without a scratch dict nothing is kept."""
     case = make_case([1, 1, 3], [9, 20, 5], 4, 2, 16, 16, torch.float64)
     args = list(case.args())
-    paged_attention_torch(*args)
-    plan = case.block_tables._tidal_torch_attention_plan
-    paged_attention_torch(*args)
-    assert case.block_tables._tidal_torch_attention_plan is plan
+    scratch: dict = {}
+    expected = paged_attention_ref(*args)
+    torch.testing.assert_close(paged_attention_torch(*args, scratch=scratch), expected,
+                               atol=1e-12, rtol=1e-12)
+    (plan,) = scratch.values()
+    torch.testing.assert_close(paged_attention_torch(*args, scratch=scratch), expected,
+                               atol=1e-12, rtol=1e-12)
+    assert list(scratch.values()) == [plan]
     args[5] = case.seq_lens.clone()
-    args[5][1] = 17  # the second request now sees 17 cached tokens
+    args[5][1] = 17  # next step: the second request now sees 17 cached tokens
+    next_scratch: dict = {}
     expected = paged_attention_ref(*args)
-    torch.testing.assert_close(paged_attention_torch(*args), expected, atol=1e-12, rtol=1e-12)
-    assert case.block_tables._tidal_torch_attention_plan is not plan
-    args[5][1] = 12  # in place: the version counter moves
-    expected = paged_attention_ref(*args)
+    torch.testing.assert_close(paged_attention_torch(*args, scratch=next_scratch), expected,
+                               atol=1e-12, rtol=1e-12)
+    assert next_scratch[next(iter(scratch))] is not plan
     torch.testing.assert_close(paged_attention_torch(*args), expected, atol=1e-12, rtol=1e-12)
 
 
