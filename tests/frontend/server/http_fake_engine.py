@@ -1,7 +1,7 @@
 """A fake AsyncLLM for unit tests of the HTTP layer alone (no engine core, no model).
 
 It follows frontend-contract.md's AsyncLLM surface: `engine_info`, `tokenizer`, `model_name`,
-`encode_prompt`, `generate` (async iterator of RequestOutput-shaped objects with deltas),
+`encode_prompt`, `generate` (async iterator of the real `RequestOutput`s, with deltas),
 `abort`, `get_stats`, `close`, `dead`. Tokens are deterministic: completion j of a prompt
 whose last token is t generates t+1+j, t+2+j, ... (mod a small range of plain tokens).
 """
@@ -10,56 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+from tidal.frontend.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tidal.ipc.messages import SchedulerStats
-
-
-@dataclass
-class Logprob:
-    token_id: int
-    logprob: float
-    rank: int
-    decoded_token: str
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list
-    delta_text: str
-    delta_token_ids: list
-    logprobs: list | None
-    delta_logprobs: list | None
-    cumulative_logprob: float | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-    error: str | None = None
-
-
-@dataclass
-class RequestMetrics:
-    arrival_time: float
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finished_time: float | None = None
-    queue_time: float | None = None
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    num_cached_tokens: int = 0
-    inter_token_latencies: list = field(default_factory=list)
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list
-    outputs: list
-    finished: bool
-    metrics: RequestMetrics | None = None
 
 
 class FakeEngine:
@@ -110,7 +64,10 @@ class FakeEngine:
         prompt_ids = list(prompt)
         self.generated[request_id] = (prompt_ids, params, priority)
         self.active.add(request_id)
-        metrics = RequestMetrics(arrival_time=time.time(), num_prompt_tokens=len(prompt_ids))
+        metrics = RequestMetrics(arrival_time=time.time(), first_token_time=None,
+                                 last_token_time=None, finished_time=None, queue_time=None,
+                                 num_prompt_tokens=len(prompt_ids), num_generation_tokens=0,
+                                 num_cached_tokens=0)
         tokens = {j: [] for j in range(params.n)}
         lps = {j: [] for j in range(params.n)}
         try:
