@@ -3,18 +3,14 @@
 Same signatures, layouts and results as `kernels/reference.py` (the specification), but
 without a Python loop over decode requests:
 
-  * decode requests (one new token each) are attended in one batched matmul. Each request's
-    cached K/V are gathered into a padded, head-major copy
-
-        keys[num_decode, num_kv_heads, max_ctx, head_dim]
-
-    by flat row index into `cache.view(num_slots * num_kv_heads, head_dim)`. Positions past a
-    request's `seq_len` gather the request's position 0 instead (always written, so finite;
-    the cache may hold anything, NaN included, in slots nobody wrote) and their scores are
-    masked to -inf, so they weigh exactly 0. Requests go in chunks of about
-    `DECODE_CHUNK_BYTES` of gathered K/V, so each copy is read back from the L2 cache.
-  * query heads are grouped per KV head ([kv_heads, group, ...]) so grouped-query attention
-    needs no `repeat_interleave` of K/V.
+  * decode requests (one new token each) are sorted by context length and attended in
+    chunks of about `DECODE_CHUNK_BYTES` of K/V, so each chunk's copy is read back from the
+    L2 cache. A chunk's K/V are gathered whole block by whole block (one contiguous copy per
+    block) into a padded copy `[n, padded_len, num_kv_heads, head_dim]`; sorting keeps the
+    padding to about a block per request. Padded rows (past a request's `seq_len`; the
+    cache may hold anything there, NaN included) are zeroed and masked out of the softmax.
+    Each chunk is one `scaled_dot_product_attention` call (its fused CPU kernel, grouped
+    query heads included).
   * a prefill chunk (more than one new token) runs through `scaled_dot_product_attention`
     over its own gathered K/V with a bottom-right-aligned causal mask (token j of a chunk of
     q_len sits at position seq_len - q_len + j and sees positions 0..that one). Chunks go one
@@ -70,10 +66,11 @@ def paged_attention_torch(
     plan = scratch.get(plan_key) if scratch is not None else None
     if plan is None:
         plan = _batch_plan(block_tables, query_start_loc, seq_lens, key_cache.shape[1],
-                           key_cache.shape[2])
+                           key_cache.shape[2], key_cache.shape[3],
+                           torch.empty(0, dtype=_acc_dtype(query)).element_size())
         if scratch is not None:
             scratch[plan_key] = plan
-    if plan.decode is not None:
+    if plan.decode:
         _decode(query, key_cache, value_cache, plan.decode, scale, out)
     for i, q_start, q_end, seq_len in plan.prefills:
         _prefill(query, key_cache, value_cache, block_tables[i], q_start, q_end, seq_len,
@@ -82,61 +79,70 @@ def paged_attention_torch(
 
 
 @dataclass
-class _DecodeIndex:
-    """Where the decode requests' queries, K/V rows and padding are, for one batch."""
+class _DecodeChunk:
+    """Decode requests of similar length attended together, and where their data is.
 
-    token_rows: slice | torch.Tensor  # query rows of the decode requests, in order
-    cache_rows: torch.Tensor  # [N * kv_heads * L] rows of cache.view(-1, head_dim)
-    padding: torch.Tensor  # [N, 1, 1, L] True past a request's seq_len
+    Their K/V are gathered block by block into a padded copy
+    `[num_seqs, padded_len, num_kv_heads, head_dim]` (`padded_len` = the chunk's longest
+    context rounded up to whole blocks). Rows past a request's `seq_len` (the tail of its last
+    block, and whole blocks of table padding) may hold anything, NaN included: `pad_rows`
+    names them so they are zeroed after the gather, and `mask` keeps them out of the softmax.
+    """
+
+    token_rows: torch.Tensor  # [num_seqs] int64: the requests' query rows
+    blocks: torch.Tensor  # [num_seqs * padded_len / block_size] int64 block ids, row-major
+    pad_rows: torch.Tensor  # int64 rows of the gathered copy (viewed [n * padded_len, -1])
+    mask: torch.Tensor  # [num_seqs, 1, 1, padded_len] bool, True where attended
     num_seqs: int
-    max_len: int
+    padded_len: int
 
 
 @dataclass
 class _BatchPlan:
-    decode: _DecodeIndex | None
+    decode: list[_DecodeChunk]
     prefills: list[tuple[int, int, int, int]]  # (request, q_start, q_end, seq_len)
 
 
 def _batch_plan(block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                seq_lens: torch.Tensor, block_size: int, num_kv_heads: int) -> _BatchPlan:
-    """The batch's index tensors: which rows are decodes (one batched gather) and which are
-    prefill chunks (one SDPA call each)."""
+                seq_lens: torch.Tensor, block_size: int, num_kv_heads: int, head_dim: int,
+                elem_size: int) -> _BatchPlan:
+    """The batch's index tensors: decode requests sorted by length and cut into chunks of
+    about `DECODE_CHUNK_BYTES` gathered K/V, and the prefill chunks (one SDPA call each)."""
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
-    decode = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
+    decode = sorted((i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1),
+                    key=lens.__getitem__)
     prefills = [(i, qsl[i], qsl[i + 1], lens[i]) for i in range(len(lens))
                 if qsl[i + 1] - qsl[i] > 1]
-    index = (_decode_index(block_tables, qsl, lens, decode, block_size, num_kv_heads)
-             if decode else None)
-    return _BatchPlan(index, prefills)
+    bytes_per_slot = 2 * num_kv_heads * head_dim * elem_size  # K and V of one position
+    chunks, first = [], 0
+    while first < len(decode):
+        last = first + 1  # sorted ascending: the chunk's last request is its longest
+        while (last < len(decode) and (last + 1 - first) * bytes_per_slot
+               * _round_up(lens[decode[last]], block_size) <= DECODE_CHUNK_BYTES):
+            last += 1
+        members = decode[first:last]
+        chunks.append(_decode_chunk_index(block_tables, [qsl[i] for i in members],
+                                          [lens[i] for i in members], members, block_size))
+        first = last
+    return _BatchPlan(chunks, prefills)
 
 
-def _as_slice_or_tensor(values: list[int], device: torch.device) -> slice | torch.Tensor:
-    """A slice when `values` are consecutive (a view instead of a gather), else a tensor."""
-    if values == list(range(values[0], values[0] + len(values))):
-        return slice(values[0], values[0] + len(values))
-    return torch.tensor(values, device=device)
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
 
 
-def _decode_index(block_tables, qsl, lens, decode, block_size, num_kv_heads) -> _DecodeIndex:
+def _decode_chunk_index(block_tables, token_rows, lens, members, block_size) -> _DecodeChunk:
     device = block_tables.device
-    num = len(decode)
-    requests = _as_slice_or_tensor(decode, device)
-    max_len = max(lens[i] for i in decode)
-    num_blocks = (max_len + block_size - 1) // block_size
-    tables = (block_tables[requests] if isinstance(requests, slice)
-              else block_tables.index_select(0, requests))[:, :num_blocks].long()
-    seq_lens = torch.tensor([lens[i] for i in decode], device=device).unsqueeze(1)
-    pos = torch.arange(max_len, device=device).unsqueeze(0)  # [1, L]
-    valid = pos < seq_lens  # [N, L]
-    read = torch.where(valid, pos, 0)  # padding reads position 0: written, finite
-    slots = tables.gather(1, read // block_size) * block_size + read % block_size
-    heads = torch.arange(num_kv_heads, device=device)
-    # row of (slot s, kv head h) in cache.view(-1, head_dim) is s * num_kv_heads + h
-    cache_rows = (slots.unsqueeze(1) * num_kv_heads + heads.view(1, -1, 1)).reshape(-1)
-    return _DecodeIndex(token_rows=_as_slice_or_tensor([qsl[i] for i in decode], device),
-                        cache_rows=cache_rows, padding=~valid.view(num, 1, 1, max_len),
-                        num_seqs=num, max_len=max_len)
+    num, padded_len = len(members), _round_up(max(lens), block_size)
+    requests = torch.tensor(members, device=device)
+    blocks = block_tables.index_select(0, requests)[:, :padded_len // block_size]
+    valid = (torch.arange(padded_len, device=device).unsqueeze(0)
+             < torch.tensor(lens, device=device).unsqueeze(1))  # [n, padded_len]
+    return _DecodeChunk(
+        token_rows=torch.tensor(token_rows, device=device),
+        blocks=blocks.reshape(-1).long(),
+        pad_rows=(~valid).view(-1).nonzero().squeeze(1),
+        mask=valid.view(num, 1, 1, padded_len), num_seqs=num, padded_len=padded_len)
 
 
 def _acc_dtype(query: torch.Tensor) -> torch.dtype:
@@ -145,48 +151,34 @@ def _acc_dtype(query: torch.Tensor) -> torch.dtype:
 
 DECODE_CHUNK_BYTES = 1 << 21
 """Gathered K+V bytes per decode chunk: requests are attended a few at a time so that their
-gathered copy is still in the L2 cache when the matmuls read it (one pass over all of them
-at once, hundreds of MB at a few hundred requests, measured 2-3x slower on this CPU)."""
+gathered copy is still in the L2 cache when attention reads it (one pass over all of them at
+once, hundreds of MB at a few hundred requests, measured 2-3x slower on this CPU)."""
 
 
-def _decode(query, key_cache, value_cache, index: _DecodeIndex, scale, out):
-    """One new token per request for the decode requests: batched matmuls over chunks of
-    requests (`DECODE_CHUNK_BYTES` of gathered K/V each)."""
-    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    acc = _acc_dtype(query)
-    elem = torch.empty(0, dtype=acc).element_size()
-    per_request = 2 * num_kv_heads * index.max_len * head_dim * elem
-    chunk = max(1, DECODE_CHUNK_BYTES // per_request)
-    rows = index.token_rows
-    cache_rows = index.cache_rows.view(index.num_seqs, -1)
-    for first in range(0, index.num_seqs, chunk):
-        last = min(first + chunk, index.num_seqs)
-        if isinstance(rows, slice):
-            token_rows = slice(rows.start + first, rows.start + last)
-            q = query[token_rows]
-        else:
-            token_rows = rows[first:last]
-            q = query.index_select(0, token_rows)
-        result = _decode_chunk(q, key_cache, value_cache, cache_rows[first:last].reshape(-1),
-                               index.padding[first:last], scale, acc)
-        if isinstance(token_rows, slice):
-            out[token_rows] = result.to(out.dtype)
-        else:
-            out.index_copy_(0, token_rows, result.to(out.dtype))
+def _decode(query, key_cache, value_cache, chunks: list[_DecodeChunk], scale, out):
+    """One new token per request for the decode requests, a chunk at a time."""
+    for chunk in chunks:
+        result = _decode_chunk(query.index_select(0, chunk.token_rows), key_cache,
+                               value_cache, chunk, scale, _acc_dtype(query))
+        out.index_copy_(0, chunk.token_rows, result.to(out.dtype))
 
 
-def _decode_chunk(q, key_cache, value_cache, cache_rows, padding, scale, acc):
-    """q [n, heads, d] of n decode requests -> [n, heads, d] in `acc` dtype."""
+def _decode_chunk(q, key_cache, value_cache, chunk: _DecodeChunk, scale, acc):
+    """q [n, heads, d] of one chunk's requests -> [n, heads, d] in `acc` dtype."""
     num, num_heads, head_dim = q.shape
-    num_kv_heads, max_len = key_cache.shape[2], padding.shape[-1]
-    shape = (num, num_kv_heads, max_len, head_dim)
-    keys = key_cache.view(-1, head_dim).index_select(0, cache_rows).view(shape).to(acc)
-    values = value_cache.view(-1, head_dim).index_select(0, cache_rows).view(shape).to(acc)
-    q = q.to(acc).view(num, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.matmul(q, keys.transpose(2, 3)) * scale  # [n, kv_heads, group, L]
-    scores.masked_fill_(padding, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, values).view(num, num_heads, head_dim)
+    num_kv_heads = key_cache.shape[2]
+    shape = (num, chunk.padded_len, num_kv_heads, head_dim)
+    gathered = []
+    for cache in (key_cache, value_cache):
+        # whole blocks: one contiguous copy of block_size * kv_heads * head_dim per block
+        kv = cache.index_select(0, chunk.blocks).view(shape)
+        if chunk.pad_rows.numel():
+            kv.view(num * chunk.padded_len, -1).index_fill_(0, chunk.pad_rows, 0)
+        gathered.append(kv.to(acc).transpose(1, 2))  # [n, kv_heads, padded_len, d] view
+    o = F.scaled_dot_product_attention(
+        q.to(acc).view(num, num_heads, 1, head_dim), gathered[0], gathered[1],
+        attn_mask=chunk.mask, scale=scale, enable_gqa=num_heads != num_kv_heads)
+    return o.view(num, num_heads, head_dim)
 
 
 def _prefill(query, key_cache, value_cache, table, q_start, q_end, seq_len, scale, out):

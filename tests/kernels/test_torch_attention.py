@@ -112,3 +112,28 @@ def test_decode_in_chunks_equals_reference(monkeypatch, chunk_bytes):
         expected = paged_attention_ref(*case.args(), out=poisoned_like(case.query))
         out = paged_attention_torch(*case.args(), out=poisoned_like(case.query))
         assert_matches(out, expected, case.owned_rows())
+
+
+def test_decode_plan_sorts_by_length_and_pads_to_whole_blocks(monkeypatch):
+    """Decode requests are attended shortest first, in chunks whose padded length is the
+    chunk's longest context rounded up to blocks of 16. With room for one request per chunk
+    (a budget of 1 byte) every chunk is one request padded to its own whole blocks: 70 -> 80,
+    33 -> 48, 16 -> 16, 1 -> 16; with the default budget (2 MiB, far more than 4 requests x
+    80 positions x 2 kv heads x 16 dims x 2 (K and V) x 8 bytes) they share one chunk padded
+    to 80."""
+    import tidal.kernels.torch_attention as torch_attention
+
+    case = make_case([1, 1, 1, 1], [70, 1, 33, 16], 4, 2, 16, 16, torch.float64)
+    scratch: dict = {}
+    paged_attention_torch(*case.args(), scratch=scratch)
+    (plan,) = scratch.values()
+    assert [c.token_rows.tolist() for c in plan.decode] == [[1, 3, 2, 0]]
+    assert [c.padded_len for c in plan.decode] == [80]
+    monkeypatch.setattr(torch_attention, "DECODE_CHUNK_BYTES", 1)
+    scratch = {}
+    expected = paged_attention_ref(*case.args())
+    out = paged_attention_torch(*case.args(), scratch=scratch)
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=1e-12)
+    (plan,) = scratch.values()
+    assert [c.token_rows.tolist() for c in plan.decode] == [[1], [3], [2], [0]]
+    assert [c.padded_len for c in plan.decode] == [16, 16, 48, 80]
