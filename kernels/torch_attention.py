@@ -66,12 +66,11 @@ def paged_attention_torch(
     plan = scratch.get(plan_key) if scratch is not None else None
     if plan is None:
         plan = _batch_plan(block_tables, query_start_loc, seq_lens, key_cache.shape[1],
-                           key_cache.shape[2], key_cache.shape[3],
-                           torch.empty(0, dtype=_acc_dtype(query)).element_size())
+                           key_cache.shape[2], key_cache.shape[3], _acc_dtype(query))
         if scratch is not None:
             scratch[plan_key] = plan
     if plan.decode:
-        _decode(query, key_cache, value_cache, plan.decode, scale, out)
+        _decode(query, key_cache, value_cache, plan, scale, out)
     for i, q_start, q_end, seq_len in plan.prefills:
         _prefill(query, key_cache, value_cache, block_tables[i], q_start, q_end, seq_len,
                  scale, out)
@@ -92,7 +91,7 @@ class _DecodeChunk:
     token_rows: torch.Tensor  # [num_seqs] int64: the requests' query rows
     blocks: torch.Tensor  # [num_seqs * padded_len / block_size] int64 block ids, row-major
     pad_rows: torch.Tensor  # int64 rows of the gathered copy (viewed [n * padded_len, -1])
-    mask: torch.Tensor  # [num_seqs, 1, 1, padded_len] bool, True where attended
+    mask: torch.Tensor  # [num_seqs, 1, 1, padded_len] additive: 0 attended, -inf padding
     num_seqs: int
     padded_len: int
 
@@ -101,11 +100,14 @@ class _DecodeChunk:
 class _BatchPlan:
     decode: list[_DecodeChunk]
     prefills: list[tuple[int, int, int, int]]  # (request, q_start, q_end, seq_len)
+    # K and V gather buffers [blocks of the largest chunk, block elements], allocated by the
+    # first layer and reused by every chunk of every layer (fresh large allocations page-fault)
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _batch_plan(block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                 seq_lens: torch.Tensor, block_size: int, num_kv_heads: int, head_dim: int,
-                elem_size: int) -> _BatchPlan:
+                acc: torch.dtype) -> _BatchPlan:
     """The batch's index tensors: decode requests sorted by length and cut into chunks of
     about `DECODE_CHUNK_BYTES` gathered K/V, and the prefill chunks (one SDPA call each)."""
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
@@ -113,7 +115,7 @@ def _batch_plan(block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     key=lens.__getitem__)
     prefills = [(i, qsl[i], qsl[i + 1], lens[i]) for i in range(len(lens))
                 if qsl[i + 1] - qsl[i] > 1]
-    bytes_per_slot = 2 * num_kv_heads * head_dim * elem_size  # K and V of one position
+    bytes_per_slot = 2 * num_kv_heads * head_dim * acc.itemsize  # K and V of one position
     chunks, first = [], 0
     while first < len(decode):
         last = first + 1  # sorted ascending: the chunk's last request is its longest
@@ -122,7 +124,8 @@ def _batch_plan(block_tables: torch.Tensor, query_start_loc: torch.Tensor,
             last += 1
         members = decode[first:last]
         chunks.append(_decode_chunk_index(block_tables, [qsl[i] for i in members],
-                                          [lens[i] for i in members], members, block_size))
+                                          [lens[i] for i in members], members, block_size,
+                                          acc))
         first = last
     return _BatchPlan(chunks, prefills)
 
@@ -131,7 +134,8 @@ def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
-def _decode_chunk_index(block_tables, token_rows, lens, members, block_size) -> _DecodeChunk:
+def _decode_chunk_index(block_tables, token_rows, lens, members, block_size,
+                        acc) -> _DecodeChunk:
     device = block_tables.device
     num, padded_len = len(members), _round_up(max(lens), block_size)
     requests = torch.tensor(members, device=device)
@@ -142,7 +146,9 @@ def _decode_chunk_index(block_tables, token_rows, lens, members, block_size) -> 
         token_rows=torch.tensor(token_rows, device=device),
         blocks=blocks.reshape(-1).long(),
         pad_rows=(~valid).view(-1).nonzero().squeeze(1),
-        mask=valid.view(num, 1, 1, padded_len), num_seqs=num, padded_len=padded_len)
+        mask=torch.zeros(num, 1, 1, padded_len, dtype=acc, device=device).masked_fill_(
+            ~valid.view(num, 1, 1, padded_len), float("-inf")),
+        num_seqs=num, padded_len=padded_len)
 
 
 def _acc_dtype(query: torch.Tensor) -> torch.dtype:
@@ -155,23 +161,29 @@ gathered copy is still in the L2 cache when attention reads it (one pass over al
 once, hundreds of MB at a few hundred requests, measured 2-3x slower on this CPU)."""
 
 
-def _decode(query, key_cache, value_cache, chunks: list[_DecodeChunk], scale, out):
+def _decode(query, key_cache, value_cache, plan: _BatchPlan, scale, out):
     """One new token per request for the decode requests, a chunk at a time."""
-    for chunk in chunks:
+    if plan.workspace is None:
+        rows = max(chunk.blocks.numel() for chunk in plan.decode)
+        plan.workspace = tuple(torch.empty(rows, key_cache[0].numel(), dtype=key_cache.dtype,
+                                           device=key_cache.device) for _ in range(2))
+    for chunk in plan.decode:
         result = _decode_chunk(query.index_select(0, chunk.token_rows), key_cache,
-                               value_cache, chunk, scale, _acc_dtype(query))
+                               value_cache, chunk, scale, _acc_dtype(query), plan.workspace)
         out.index_copy_(0, chunk.token_rows, result.to(out.dtype))
 
 
-def _decode_chunk(q, key_cache, value_cache, chunk: _DecodeChunk, scale, acc):
+def _decode_chunk(q, key_cache, value_cache, chunk: _DecodeChunk, scale, acc, workspace):
     """q [n, heads, d] of one chunk's requests -> [n, heads, d] in `acc` dtype."""
     num, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
     shape = (num, chunk.padded_len, num_kv_heads, head_dim)
     gathered = []
-    for cache in (key_cache, value_cache):
+    for cache, buffer in zip((key_cache, value_cache), workspace):
         # whole blocks: one contiguous copy of block_size * kv_heads * head_dim per block
-        kv = cache.index_select(0, chunk.blocks).view(shape)
+        kv = buffer[:chunk.blocks.numel()]
+        torch.index_select(cache.view(cache.shape[0], -1), 0, chunk.blocks, out=kv)
+        kv = kv.view(shape)
         if chunk.pad_rows.numel():
             kv.view(num * chunk.padded_len, -1).index_fill_(0, chunk.pad_rows, 0)
         gathered.append(kv.to(acc).transpose(1, 2))  # [n, kv_heads, padded_len, d] view
