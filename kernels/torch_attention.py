@@ -24,8 +24,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from tidal.kernels.numba_attention import numba_decode_available, paged_decode_numba
 
 
 def write_kv_torch(
@@ -66,10 +69,15 @@ def paged_attention_torch(
     plan = scratch.get(plan_key) if scratch is not None else None
     if plan is None:
         plan = _batch_plan(block_tables, query_start_loc, seq_lens, key_cache.shape[1],
-                           key_cache.shape[2], key_cache.shape[3], _acc_dtype(query))
+                           key_cache.shape[2], key_cache.shape[3], _acc_dtype(query),
+                           USE_NUMBA and numba_decode_available(query, key_cache))
         if scratch is not None:
             scratch[plan_key] = plan
-    if plan.decode:
+    if isinstance(plan.decode, _NumbaDecode):
+        d = plan.decode
+        paged_decode_numba(query, key_cache, value_cache, d.block_tables, d.seq_lens,
+                           d.requests, d.token_rows, scale, out)
+    elif plan.decode:
         _decode(query, key_cache, value_cache, plan, scale, out)
     for i, q_start, q_end, seq_len in plan.prefills:
         _prefill(query, key_cache, value_cache, block_tables[i], q_start, q_end, seq_len,
@@ -97,8 +105,18 @@ class _DecodeChunk:
 
 
 @dataclass
+class _NumbaDecode:
+    """The decode requests for the compiled kernel (`kernels/numba_attention.py`)."""
+
+    block_tables: np.ndarray  # [num_seqs, max_blocks] int32
+    seq_lens: np.ndarray  # [num_seqs] int32
+    requests: np.ndarray  # [num_decode] int64: rows of the two above
+    token_rows: np.ndarray  # [num_decode] int64: their query rows
+
+
+@dataclass
 class _BatchPlan:
-    decode: list[_DecodeChunk]
+    decode: list[_DecodeChunk] | _NumbaDecode
     prefills: list[tuple[int, int, int, int]]  # (request, q_start, q_end, seq_len)
     # K and V gather buffers [blocks of the largest chunk, block elements], allocated by the
     # first layer and reused by every chunk of every layer (fresh large allocations page-fault)
@@ -107,14 +125,20 @@ class _BatchPlan:
 
 def _batch_plan(block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                 seq_lens: torch.Tensor, block_size: int, num_kv_heads: int, head_dim: int,
-                acc: torch.dtype) -> _BatchPlan:
-    """The batch's index tensors: decode requests sorted by length and cut into chunks of
-    about `DECODE_CHUNK_BYTES` gathered K/V, and the prefill chunks (one SDPA call each)."""
+                acc: torch.dtype, use_numba: bool = False) -> _BatchPlan:
+    """The batch's index tensors: the decode requests (for the compiled kernel, or sorted by
+    length and cut into chunks of about `DECODE_CHUNK_BYTES` gathered K/V for the torch
+    path), and the prefill chunks (one SDPA call each)."""
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
     decode = sorted((i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1),
                     key=lens.__getitem__)
     prefills = [(i, qsl[i], qsl[i + 1], lens[i]) for i in range(len(lens))
                 if qsl[i + 1] - qsl[i] > 1]
+    if use_numba:
+        return _BatchPlan(_NumbaDecode(
+            np.ascontiguousarray(block_tables.numpy()), np.ascontiguousarray(seq_lens.numpy()),
+            np.array(decode, dtype=np.int64),
+            np.array([qsl[i] for i in decode], dtype=np.int64)) if decode else [], prefills)
     bytes_per_slot = 2 * num_kv_heads * head_dim * acc.itemsize  # K and V of one position
     chunks, first = [], 0
     while first < len(decode):
@@ -154,6 +178,10 @@ def _decode_chunk_index(block_tables, token_rows, lens, members, block_size,
 def _acc_dtype(query: torch.Tensor) -> torch.dtype:
     return torch.float64 if query.dtype == torch.float64 else torch.float32
 
+
+USE_NUMBA = True
+"""Decode through the compiled kernel when it can take the tensors (numba installed, CPU,
+float32/float64); False forces the torch path below (tests run both)."""
 
 DECODE_CHUNK_BYTES = 1 << 21
 """Gathered K+V bytes per decode chunk: requests are attended a few at a time so that their

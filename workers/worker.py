@@ -16,6 +16,7 @@ import time
 import torch
 
 from tidal.ipc.messages import BatchPlan, SampledTokens, WorkerConfig, WorkerReady, pack_token_ids
+from tidal.kernels import numba_attention
 from tidal.kernels import select_attention_ops
 from tidal.workers.distributed import destroy_distributed, init_distributed
 from tidal.workers.loader import load_weights, read_config, resolve_model_path
@@ -64,6 +65,9 @@ class Worker:
         load_weights(model, self.model_path)
         model.eval()
         self.runner = ModelRunner(self.config, model, self.args, self.device, self.dtype)
+        if ops.name == "torch" and self.device.type == "cpu":
+            compile_s = numba_attention.warm_up(self.dtype)  # compiled once, then disk-cached
+            logger.debug("rank %d: numba decode kernel ready in %.2f s", self.rank, compile_s)
         self.load_seconds = time.perf_counter() - start
         num_params = sum(p.numel() for p in model.parameters())
         logger.info("rank %d: loaded %s (%s, %.1fM parameters on this rank, %s attention) "

@@ -1,6 +1,8 @@
-"""The vectorised torch backend equals the reference: ragged batches mixing decodes and
-prefill chunks, GQA, chunks crossing blocks, one-token contexts, float32 and float64, NaN in
-every cache slot nobody may read, and output rows nobody owns left untouched."""
+"""The CPU backend equals the reference: ragged batches mixing decodes and prefill chunks,
+GQA, chunks crossing blocks, one-token contexts, float32 and float64, NaN in every cache slot
+nobody may read, and output rows nobody owns left untouched. Decode rows take the compiled
+numba kernel where it applies and the gathered torch path otherwise; both are tested (the
+`decode_path` fixture)."""
 
 import pytest
 import torch
@@ -9,6 +11,15 @@ from kernel_cases import assert_matches, make_case, poisoned_like
 from tidal.kernels import select_attention_ops
 from tidal.kernels.reference import paged_attention_ref, write_kv_ref
 from tidal.kernels.torch_attention import paged_attention_torch, write_kv_torch
+
+@pytest.fixture(params=["numba", "torch"])
+def decode_path(request, monkeypatch):
+    """Run the test with decodes through the numba kernel, then through the torch path."""
+    import tidal.kernels.torch_attention as torch_attention
+
+    monkeypatch.setattr(torch_attention, "USE_NUMBA", request.param == "numba")
+    return request.param
+
 
 CASES = [
     # (q_lens, seq_lens, num_heads, num_kv_heads, block_size)
@@ -24,7 +35,7 @@ CASES = [
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("q_lens,seq_lens,num_heads,num_kv_heads,block_size", CASES)
 def test_torch_attention_equals_reference(dtype, q_lens, seq_lens, num_heads, num_kv_heads,
-                                          block_size):
+                                          block_size, decode_path):
     case = make_case(q_lens, seq_lens, num_heads, num_kv_heads, 16, block_size, dtype,
                      num_pad_tokens=2)
     expected = paged_attention_ref(*case.args(), out=poisoned_like(case.query))
@@ -33,7 +44,7 @@ def test_torch_attention_equals_reference(dtype, q_lens, seq_lens, num_heads, nu
     assert not torch.isnan(out[case.owned_rows()]).any()
 
 
-def test_torch_attention_allocates_output():
+def test_torch_attention_allocates_output(decode_path):
     case = make_case([1, 4], [9, 4], 4, 2, 16, 16, torch.float32)
     out = paged_attention_torch(*case.args())
     torch.testing.assert_close(out, paged_attention_ref(*case.args()), atol=2e-5, rtol=2e-5)
@@ -75,7 +86,7 @@ def test_backend_selection():
         select_attention_ops("fast", "cpu")
 
 
-def test_batch_plan_built_once_per_step_through_the_scratch_dict():
+def test_batch_plan_built_once_per_step_through_the_scratch_dict(decode_path):
     """Layers share one step's metadata and its scratch dict: the index plan is built by the
     first call and reused by the next; a new step (a fresh scratch dict) with different
     seq_lens gets a fresh plan and the right answer; without a scratch dict nothing is kept."""
@@ -106,6 +117,7 @@ def test_decode_in_chunks_equals_reference(monkeypatch, chunk_bytes):
     import tidal.kernels.torch_attention as torch_attention
 
     monkeypatch.setattr(torch_attention, "DECODE_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(torch_attention, "USE_NUMBA", False)
     for q_lens in ([1] * 7, [1, 1, 4, 1, 1, 3, 1]):
         case = make_case(q_lens, [70, 1, 33, 16, 17, 9, 2], 4, 2, 16, 16, torch.float64,
                          num_pad_tokens=1)
@@ -123,6 +135,7 @@ def test_decode_plan_sorts_by_length_and_pads_to_whole_blocks(monkeypatch):
     to 80."""
     import tidal.kernels.torch_attention as torch_attention
 
+    monkeypatch.setattr(torch_attention, "USE_NUMBA", False)
     case = make_case([1, 1, 1, 1], [70, 1, 33, 16], 4, 2, 16, 16, torch.float64)
     scratch: dict = {}
     paged_attention_torch(*case.args(), scratch=scratch)
@@ -137,3 +150,19 @@ def test_decode_plan_sorts_by_length_and_pads_to_whole_blocks(monkeypatch):
     (plan,) = scratch.values()
     assert [c.token_rows.tolist() for c in plan.decode] == [[1], [3], [2], [0]]
     assert [c.padded_len for c in plan.decode] == [16, 16, 48, 80]
+
+
+@pytest.mark.parametrize("dtype,compiled", [(torch.float32, True), (torch.float64, True),
+                                            (torch.bfloat16, False)])
+def test_decode_takes_the_compiled_kernel_for_float32_and_float64(dtype, compiled):
+    """float32/float64 decodes go through the numba kernel; bfloat16 (which numba cannot
+    hold) through the gathered torch path. Both equal the reference."""
+    import tidal.kernels.torch_attention as torch_attention
+
+    case = make_case([1, 1, 4], [9, 40, 4], 4, 2, 16, 16, dtype, num_pad_tokens=1)
+    scratch: dict = {}
+    expected = paged_attention_ref(*case.args(), out=poisoned_like(case.query))
+    out = paged_attention_torch(*case.args(), out=poisoned_like(case.query), scratch=scratch)
+    assert_matches(out, expected, case.owned_rows())
+    (plan,) = scratch.values()
+    assert isinstance(plan.decode, torch_attention._NumbaDecode) == compiled
