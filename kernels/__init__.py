@@ -1,5 +1,6 @@
-"""Attention kernels: a plain-torch reference (the specification), a vectorised torch backend
-(the CPU path) and Triton kernels (CUDA), both of which must equal the reference.
+"""Attention kernels: a plain-torch reference (the specification), the CPU backend (`torch`:
+vectorised torch ops, with decode rows in a numba-compiled kernel, `numba_attention.py`) and
+Triton kernels (CUDA), all of which must equal the reference.
 `select_attention_ops` picks a backend by name.
 
 Every backend exposes the same two functions (see `kernels/reference.py` for the layouts):
