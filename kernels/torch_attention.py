@@ -3,7 +3,10 @@
 Same signatures, layouts and results as `kernels/reference.py` (the specification), but
 without a Python loop over decode requests:
 
-  * decode requests (one new token each) are sorted by context length and attended in
+  * decode requests (one new token each) go to the numba kernel
+    (`kernels/numba_attention.py`, which reads each request's K/V once straight from the
+    cache) whenever it can take them: numba installed, float32 or float64, `USE_NUMBA`.
+    Otherwise (bf16, fp16) they are sorted by context length and attended in
     chunks of about `DECODE_CHUNK_BYTES` of K/V, so each chunk's copy is read back from the
     L2 cache. A chunk's K/V are gathered whole block by whole block (one contiguous copy per
     block) into a padded copy `[n, padded_len, num_kv_heads, head_dim]`; sorting keeps the
