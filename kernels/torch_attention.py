@@ -133,8 +133,7 @@ def _batch_plan(block_tables: torch.Tensor, query_start_loc: torch.Tensor,
     length and cut into chunks of about `DECODE_CHUNK_BYTES` gathered K/V for the torch
     path), and the prefill chunks (one SDPA call each)."""
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
-    decode = sorted((i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1),
-                    key=lens.__getitem__)
+    decode = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
     prefills = [(i, qsl[i], qsl[i + 1], lens[i]) for i in range(len(lens))
                 if qsl[i + 1] - qsl[i] > 1]
     if use_numba:
@@ -142,6 +141,7 @@ def _batch_plan(block_tables: torch.Tensor, query_start_loc: torch.Tensor,
             np.ascontiguousarray(block_tables.numpy()), np.ascontiguousarray(seq_lens.numpy()),
             np.array(decode, dtype=np.int64),
             np.array([qsl[i] for i in decode], dtype=np.int64)) if decode else [], prefills)
+    decode.sort(key=lens.__getitem__)  # similar lengths share a chunk: little padding
     bytes_per_slot = 2 * num_kv_heads * head_dim * acc.itemsize  # K and V of one position
     chunks, first = [], 0
     while first < len(decode):
