@@ -122,8 +122,9 @@ def _add_parallel_args(g) -> None:
                    help="auto, cpu or cuda (default: auto)")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS,
                    default=_default(ParallelConfig, "attention_backend"),
-                   help="auto (Triton on CUDA, torch elsewhere), torch, triton or "
-                        "reference (the slow per-request specification)")
+                   help="auto (Triton on CUDA; on CPU the numba decode kernel for "
+                        "float32/float64, the gathered torch path otherwise), numba, torch, "
+                        "triton or reference (the slow per-request specification)")
     g.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
 
 

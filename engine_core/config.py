@@ -22,7 +22,7 @@ from tidal.ipc.messages import WorkerConfig
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "reference")
+ATTENTION_BACKENDS = ("auto", "numba", "torch", "triton", "reference")  # = tidal.kernels.BACKENDS
 
 
 def _require(ok: bool, name: str, message: str) -> None:
@@ -148,8 +148,9 @@ class ParallelConfig:
     device: str = "auto"
     """auto (cuda when available, else cpu), cpu or cuda."""
     attention_backend: str = "auto"
-    """auto (Triton on CUDA, the vectorised torch backend elsewhere), torch, triton, or
-    reference (the plain per-request specification: slow, for tests)."""
+    """auto (Triton on CUDA; on the CPU the numba decode kernel for float32/float64, the
+    gathered torch path otherwise), numba, torch, triton, or reference (the plain
+    per-request specification: slow, for tests)."""
     enforce_eager: bool = False
     """Never capture CUDA graphs."""
 

@@ -295,7 +295,7 @@ class WorkerConfig(msgspec.Struct, **_STRUCT):
     gpu_memory_utilization: float = 0.92
     kv_cache_memory: int | None = None  # bytes of KV cache per rank (CPU), None = default
     num_kv_blocks_override: int | None = None  # tests: force this many blocks
-    attention_backend: str = "auto"  # auto | torch | triton | reference
+    attention_backend: str = "auto"  # auto | numba | torch | triton | reference
     enforce_eager: bool = False
     seed: int = 0
 

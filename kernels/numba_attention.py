@@ -1,11 +1,12 @@
-"""Paged decode attention compiled with numba: the CPU decode kernel.
+"""Paged decode attention compiled with numba: `NumbaBackend`, the CPU default for float32
+and float64.
 
 Decode attention on the CPU is memory-bound: every step reads each running request's whole
-K/V. The torch path (`torch_attention._decode`) must first gather a request's blocks into a
-contiguous copy before a batched op can read them, so each byte crosses the memory bus about
-three times (read, write the copy, read the copy). This kernel reads K and V once, straight
-from the paged cache, one request per loop iteration (`prange`: spread over threads when the
-worker has several):
+K/V. The torch backend (`kernels/torch_attention.py`) must first gather a request's blocks
+into a contiguous copy before a batched op can read them, so each byte crosses the memory bus
+about three times (read, write the copy, read the copy). This kernel reads K and V once,
+straight from the paged cache, one request per loop iteration (`prange`: spread over threads
+when the worker has several):
 
     for request r (its query row t, seq_len L, block table row):
         scores[h, p] = scale * q[t, h] . K[slot(p), h // group]      p < L, every head h
@@ -14,21 +15,29 @@ worker has several):
 
 with slot(p) = (table[p // block_size], p % block_size). Positions at or past `seq_len` are
 never read, so the cache may hold anything there. Arithmetic is in the query's dtype
-(float32 or float64; other dtypes take the torch path). `fastmath` lets the compiler reorder
-the 64-term dot products into SIMD sums, so float32 results differ from the reference by
-rounding only (tested at the reference tolerances).
+(float32 or float64 only: `select_attention_backend` refuses this backend for others).
+`fastmath` lets the compiler reorder the 64-term dot products into SIMD sums, so float32
+results differ from the reference by rounding only (tested at the reference tolerances).
+Prefill chunks (more than one new token) take the torch backend's SDPA path unchanged:
+`NumbaBackend` subclasses `TorchBackend` and replaces only the decodes.
 
 Compiled on first use for each dtype (about 4 s) and cached on disk next to this file
-(`cache=True`), so later processes load it in well under a second.
+(`cache=True`), so later processes load it in well under a second; `NumbaBackend.warm_up`
+does it at start-up.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from tidal.kernels import NUMBA_DTYPES
+from tidal.kernels.metadata import AttentionMetadata
+from tidal.kernels.torch_attention import PrefillChunk, TorchBackend, split_requests
 
 try:
     import numba
@@ -36,29 +45,77 @@ try:
 except ImportError:  # pragma: no cover - numba is a dependency; tolerate its absence
     numba = None
 
-SUPPORTED_DTYPES = (torch.float32, torch.float64)
+
+@dataclass
+class NumbaDecode:
+    """The step's decode requests, as the compiled kernel takes them (host numpy arrays)."""
+
+    block_tables: np.ndarray  # [num_seqs, max_blocks] int32: the metadata's, all requests
+    seq_lens: np.ndarray  # [num_seqs] int32
+    requests: np.ndarray  # [num_decode] int64: rows of the two above, in batch order
+    token_rows: np.ndarray  # [num_decode] int64: their query rows
 
 
-def numba_decode_available(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    """Whether this kernel can attend these tensors: numba installed, CPU, float32/64."""
-    return (numba is not None and query.device.type == "cpu"
-            and query.dtype in SUPPORTED_DTYPES and key_cache.dtype == query.dtype)
+@dataclass
+class NumbaAttentionPlan:
+    """`NumbaBackend`'s view of one step, built once by `prepare` and read by every layer."""
+
+    decode: NumbaDecode | None
+    """The decode requests (None when the step has none). In batch order: unlike the torch
+    path, the kernel pads nothing, so sorting by length would buy nothing."""
+    prefills: list[PrefillChunk]
+    """The requests with more than one new token, in batch order (the torch path's SDPA)."""
 
 
-def warm_up(dtype: torch.dtype) -> float:
-    """Compile (or load from the disk cache) the kernel for `dtype` now, on a one-token
-    batch, so the first real step does not pay for it. Returns the seconds it took (0 when
-    the kernel does not apply)."""
-    if numba is None or dtype not in SUPPORTED_DTYPES:
-        return 0.0
-    start = time.perf_counter()
-    query = torch.zeros(1, 2, 4, dtype=dtype)
-    cache = torch.zeros(2, 4, 1, 4, dtype=dtype)
-    one = np.ones(1, dtype=np.int32)
-    paged_decode_numba(query, cache, cache, np.ones((1, 1), dtype=np.int32), one,
-                       np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), 1.0,
-                       torch.empty_like(query))
-    return time.perf_counter() - start
+class NumbaBackend(TorchBackend):
+    """`attention_backend=numba`: decodes through the compiled kernel, prefills through the
+    torch backend's SDPA path. CPU tensors of float32 or float64 only (checked by
+    `select_attention_backend`)."""
+
+    name = "numba"
+
+    def warm_up(self, dtype: torch.dtype) -> float:
+        """Size numba's thread pool, then compile (or load from the disk cache) the kernel
+        for `dtype` on a one-token batch, so the first real step does not pay for it.
+        Returns the seconds it took."""
+        if dtype not in NUMBA_DTYPES:
+            raise ValueError(f"the numba decode kernel takes {NUMBA_DTYPES}, not {dtype}")
+        start = time.perf_counter()
+        _match_torch_threads()
+        query = torch.zeros(1, 2, 4, dtype=dtype)
+        cache = torch.zeros(2, 4, 1, 4, dtype=dtype)
+        one = np.ones(1, dtype=np.int32)
+        paged_decode_numba(query, cache, cache, np.ones((1, 1), dtype=np.int32), one,
+                           np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), 1.0,
+                           torch.empty_like(query))
+        return time.perf_counter() - start
+
+    def prepare(self, meta: AttentionMetadata, block_size: int, num_kv_heads: int,
+                head_dim: int, dtype: torch.dtype) -> NumbaAttentionPlan:
+        """The decode requests as numpy arrays for the kernel, and the prefill chunks."""
+        decodes, prefills = split_requests(meta)
+        if not decodes:
+            return NumbaAttentionPlan(None, prefills)
+        return NumbaAttentionPlan(NumbaDecode(
+            block_tables=np.ascontiguousarray(meta.block_tables.numpy()),
+            seq_lens=np.ascontiguousarray(meta.seq_lens.numpy()),
+            requests=np.array([request for request, _ in decodes], dtype=np.int64),
+            token_rows=np.array([row for _, row in decodes], dtype=np.int64)), prefills)
+
+    def _attend_decodes(self, query, key_cache, value_cache, plan: NumbaAttentionPlan,
+                        scale: float, out: torch.Tensor) -> None:
+        d = plan.decode
+        if d is not None:
+            paged_decode_numba(query, key_cache, value_cache, d.block_tables, d.seq_lens,
+                               d.requests, d.token_rows, scale, out)
+
+
+def _match_torch_threads() -> None:
+    """Run the kernel on as many threads as torch's intra-op pool has (a worker confined to
+    fewer cores than the machine's keeps numba there too), at most numba's pool size.
+    numba keeps this setting per calling thread: the worker process loads (and warms up)
+    and runs its steps on the same thread, so setting it once here holds for every step."""
+    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
 
 
 def paged_decode_numba(query: torch.Tensor, key_cache: torch.Tensor,
@@ -67,7 +124,6 @@ def paged_decode_numba(query: torch.Tensor, key_cache: torch.Tensor,
                        scale: float, out: torch.Tensor) -> None:
     """Attend the query rows `token_rows` (one new token each) of the requests `requests`
     (row indices of `block_tables` / `seq_lens`) and write them into `out` in place."""
-    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
     q = query.detach().contiguous()
     result = out if out.is_contiguous() and out.dtype == q.dtype else torch.empty_like(q)
     _decode_kernel(q.numpy(), key_cache.detach().numpy(), value_cache.detach().numpy(),

@@ -1,4 +1,5 @@
-"""Plain-torch paged attention and KV-cache write: the CPU path and the kernels' specification.
+"""Plain-torch paged attention and KV-cache write: the kernels' specification, and
+`ReferenceBackend` (`attention_backend=reference`) that runs it.
 
 KV cache layout, per layer (one tensor for K, one for V):
 
@@ -22,6 +23,25 @@ Softmax is computed in float32; the output has the query's dtype (float64 stays 
 from __future__ import annotations
 
 import torch
+
+from tidal.kernels import AttentionBackend
+from tidal.kernels.metadata import AttentionMetadata
+
+
+class ReferenceBackend(AttentionBackend):
+    """`attention_backend=reference`: the functions below, one request at a time (slow; the
+    specification the other backends are tested against). Needs no per-step plan."""
+
+    name = "reference"
+
+    def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        write_kv_ref(key, value, key_cache, value_cache, slot_mapping)
+
+    def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               meta: AttentionMetadata, plan: None, scale: float,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        return paged_attention_ref(query, key_cache, value_cache, meta.block_tables,
+                                   meta.query_start_loc, meta.seq_lens, scale, out)
 
 
 def write_kv_ref(
@@ -48,12 +68,8 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
-    scratch: dict | None = None,  # per-step scratch shared by the layers (see below)
 ) -> torch.Tensor:
-    """Causal attention of each request's new tokens over its paged K/V (GQA aware).
-
-    `scratch` is the step's scratch dict (`AttentionMetadata.scratch`); this backend needs no
-    per-step preparation and ignores it."""
+    """Causal attention of each request's new tokens over its paged K/V (GQA aware)."""
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads

@@ -1,21 +1,21 @@
-"""Vectorised torch paged attention and KV-cache write: the fast CPU path.
+"""Vectorised torch paged attention and KV-cache write: `TorchBackend`, the CPU path for
+dtypes the numba kernel cannot hold (bf16, fp16), and the prefill path of `NumbaBackend`
+(`kernels/numba_attention.py`), which subclasses it and replaces only the decodes.
 
-Same signatures, layouts and results as `kernels/reference.py` (the specification), but
-without a Python loop over decode requests:
+Same layouts and results as `kernels/reference.py` (the specification), but without a
+Python loop over decode requests. `TorchBackend.prepare` turns a step's metadata into a
+`TorchAttentionPlan` once; every layer's `attend` then runs:
 
-  * decode requests (one new token each) go to the numba kernel
-    (`kernels/numba_attention.py`, which reads each request's K/V once straight from the
-    cache) whenever it can take them: numba installed, float32 or float64, `USE_NUMBA`.
-    Otherwise (bf16, fp16) they are sorted by context length and attended in
-    chunks of about `DECODE_CHUNK_BYTES` of K/V, so each chunk's copy is read back from the
-    L2 cache. A chunk's K/V are gathered whole block by whole block (one contiguous copy per
+  * decode requests (one new token each), sorted by context length and attended in chunks
+    of about `decode_chunk_bytes` of K/V, so each chunk's copy is read back from the L2
+    cache. A chunk's K/V are gathered whole block by whole block (one contiguous copy per
     block) into a padded copy `[n, padded_len, num_kv_heads, head_dim]`; sorting keeps the
     padding to about a block per request. Padded rows (past a request's `seq_len`; the
     cache may hold anything there, NaN included) are zeroed and masked out of the softmax.
     Each chunk is one `scaled_dot_product_attention` call (its fused CPU kernel, grouped
     query heads included).
-  * a prefill chunk (more than one new token) runs through `scaled_dot_product_attention`
-    over its own gathered K/V with a bottom-right-aligned causal mask (token j of a chunk of
+  * prefill chunks (more than one new token) through `scaled_dot_product_attention` over
+    their own gathered K/V with a bottom-right-aligned causal mask (token j of a chunk of
     q_len sits at position seq_len - q_len + j and sees positions 0..that one). Chunks go one
     request at a time: a step holds few of them and each is large.
 
@@ -26,12 +26,18 @@ the query's dtype. Rows of `out` that no request owns are left untouched.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tidal.kernels.numba_attention import numba_decode_available, paged_decode_numba
+from tidal.kernels import AttentionBackend
+from tidal.kernels.metadata import AttentionMetadata
+
+DEFAULT_DECODE_CHUNK_BYTES = 1 << 21
+"""Gathered K+V bytes per decode chunk: requests are attended a few at a time so that their
+gathered copy is still in the L2 cache when attention reads it (one pass over all of them at
+once, hundreds of MB at a few hundred requests, measured 2-3x slower on this CPU)."""
 
 
 def write_kv_torch(
@@ -52,44 +58,17 @@ def write_kv_torch(
         0, slots, value.to(value_cache.dtype))
 
 
-def paged_attention_torch(
-    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
-    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
-    seq_lens: torch.Tensor,  # [num_seqs] int32
-    scale: float,
-    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
-    scratch: dict | None = None,  # per-step scratch shared by the layers (see below)
-) -> torch.Tensor:
-    """Causal attention of each request's new tokens over its paged K/V (GQA aware);
-    equals `paged_attention_ref`. With a `scratch` dict (one per step, shared by every
-    layer), the batch's index tensors are built by the first layer and reused by the rest."""
-    if out is None:
-        out = torch.empty_like(query)
-    plan_key = ("torch_attention_plan", key_cache.shape[1], key_cache.shape[2])
-    plan = scratch.get(plan_key) if scratch is not None else None
-    if plan is None:
-        plan = _batch_plan(block_tables, query_start_loc, seq_lens, key_cache.shape[1],
-                           key_cache.shape[2], key_cache.shape[3], _acc_dtype(query),
-                           USE_NUMBA and numba_decode_available(query, key_cache))
-        if scratch is not None:
-            scratch[plan_key] = plan
-    if isinstance(plan.decode, _NumbaDecode):
-        d = plan.decode
-        paged_decode_numba(query, key_cache, value_cache, d.block_tables, d.seq_lens,
-                           d.requests, d.token_rows, scale, out)
-    elif plan.decode:
-        _decode(query, key_cache, value_cache, plan, scale, out)
-    for i, q_start, q_end, seq_len in plan.prefills:
-        _prefill(query, key_cache, value_cache, block_tables[i], q_start, q_end, seq_len,
-                 scale, out)
-    return out
+class PrefillChunk(NamedTuple):
+    """A request with more than one new token this step: one SDPA call."""
+
+    request: int  # row of the metadata's block_tables / seq_lens
+    q_start: int  # its query rows are [q_start, q_end)
+    q_end: int
+    seq_len: int  # cached tokens including the new ones
 
 
 @dataclass
-class _DecodeChunk:
+class DecodeChunk:
     """Decode requests of similar length attended together, and where their data is.
 
     Their K/V are gathered block by block into a padded copy
@@ -108,69 +87,117 @@ class _DecodeChunk:
 
 
 @dataclass
-class _NumbaDecode:
-    """The decode requests for the compiled kernel (`kernels/numba_attention.py`)."""
+class TorchAttentionPlan:
+    """`TorchBackend`'s view of one step, built once by `prepare` and read by every layer."""
 
-    block_tables: np.ndarray  # [num_seqs, max_blocks] int32
-    seq_lens: np.ndarray  # [num_seqs] int32
-    requests: np.ndarray  # [num_decode] int64: rows of the two above
-    token_rows: np.ndarray  # [num_decode] int64: their query rows
-
-
-@dataclass
-class _BatchPlan:
-    decode: list[_DecodeChunk] | _NumbaDecode
-    prefills: list[tuple[int, int, int, int]]  # (request, q_start, q_end, seq_len)
-    # K and V gather buffers [blocks of the largest chunk, block elements], allocated by the
-    # first layer and reused by every chunk of every layer (fresh large allocations page-fault)
+    decode_chunks: list[DecodeChunk]
+    """The decode requests, shortest context first, cut into chunks of about
+    `decode_chunk_bytes` of gathered K/V (empty when the step has no decodes)."""
+    prefills: list[PrefillChunk]
+    """The requests with more than one new token, in batch order."""
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+    """K and V gather buffers [blocks of the largest chunk, block elements], allocated by the
+    first layer and reused by every chunk of every layer of this step (fresh large
+    allocations page-fault)."""
 
 
-def _batch_plan(block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                seq_lens: torch.Tensor, block_size: int, num_kv_heads: int, head_dim: int,
-                acc: torch.dtype, use_numba: bool = False) -> _BatchPlan:
-    """The batch's index tensors: the decode requests (for the compiled kernel, or sorted by
-    length and cut into chunks of about `DECODE_CHUNK_BYTES` gathered K/V for the torch
-    path), and the prefill chunks (one SDPA call each)."""
-    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
-    decode = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
-    prefills = [(i, qsl[i], qsl[i + 1], lens[i]) for i in range(len(lens))
+class TorchBackend(AttentionBackend):
+    """`attention_backend=torch`: every request through `scaled_dot_product_attention` on
+    gathered K/V (see the module docstring). Any dtype, any device; the CPU default for
+    bf16/fp16."""
+
+    name = "torch"
+    decode_chunk_bytes: int
+    """Gathered K+V bytes per decode chunk (at least one request per chunk whatever the
+    budget); see `DEFAULT_DECODE_CHUNK_BYTES`."""
+
+    def __init__(self, decode_chunk_bytes: int = DEFAULT_DECODE_CHUNK_BYTES):
+        self.decode_chunk_bytes = decode_chunk_bytes
+
+    def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        write_kv_torch(key, value, key_cache, value_cache, slot_mapping)
+
+    def prepare(self, meta: AttentionMetadata, block_size: int, num_kv_heads: int,
+                head_dim: int, dtype: torch.dtype) -> TorchAttentionPlan:
+        """The decode chunks (requests sorted by length, index tensors built) and the
+        prefill chunks of this step."""
+        decodes, prefills = split_requests(meta)
+        lens = meta.seq_lens.tolist()
+        decodes.sort(key=lambda d: lens[d[0]])  # similar lengths share a chunk: little padding
+        acc = _acc_dtype(dtype)
+        bytes_per_slot = 2 * num_kv_heads * head_dim * acc.itemsize  # K and V of one position
+        chunks = [_decode_chunk_index(meta.block_tables, members, lens, block_size, acc)
+                  for members in self._chunk_by_bytes(decodes, lens, block_size,
+                                                      bytes_per_slot)]
+        return TorchAttentionPlan(chunks, prefills)
+
+    def _chunk_by_bytes(self, decodes: list[tuple[int, int]], lens: list[int],
+                        block_size: int, bytes_per_slot: int) -> list[list[tuple[int, int]]]:
+        """Consecutive runs of the (length-sorted) decodes whose padded K/V fit the budget."""
+        chunks, first = [], 0
+        while first < len(decodes):
+            last = first + 1  # sorted ascending: the chunk's last request is its longest
+            while (last < len(decodes) and (last + 1 - first) * bytes_per_slot
+                   * _round_up(lens[decodes[last][0]], block_size) <= self.decode_chunk_bytes):
+                last += 1
+            chunks.append(decodes[first:last])
+            first = last
+        return chunks
+
+    def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               meta: AttentionMetadata, plan: TorchAttentionPlan, scale: float,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            out = torch.empty_like(query)
+        self._attend_decodes(query, key_cache, value_cache, plan, scale, out)
+        for chunk in plan.prefills:
+            _prefill(query, key_cache, value_cache, meta.block_tables[chunk.request], chunk,
+                     scale, out)
+        return out
+
+    def _attend_decodes(self, query, key_cache, value_cache, plan: TorchAttentionPlan,
+                        scale: float, out: torch.Tensor) -> None:
+        """One new token per decode request, a chunk at a time."""
+        if not plan.decode_chunks:
+            return
+        if plan.workspace is None:
+            rows = max(chunk.blocks.numel() for chunk in plan.decode_chunks)
+            plan.workspace = tuple(torch.empty(rows, key_cache[0].numel(),
+                                               dtype=key_cache.dtype, device=key_cache.device)
+                                   for _ in range(2))
+        for chunk in plan.decode_chunks:
+            result = _decode_chunk(query.index_select(0, chunk.token_rows), key_cache,
+                                   value_cache, chunk, scale, _acc_dtype(query.dtype),
+                                   plan.workspace)
+            out.index_copy_(0, chunk.token_rows, result.to(out.dtype))
+
+
+def split_requests(meta: AttentionMetadata) -> tuple[list[tuple[int, int]], list[PrefillChunk]]:
+    """The step's decode requests as (request, query row) pairs, and its prefill chunks, both
+    in batch order. Requests with no new token are in neither."""
+    qsl, lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
+    decodes = [(i, qsl[i]) for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
+    prefills = [PrefillChunk(i, qsl[i], qsl[i + 1], lens[i]) for i in range(len(lens))
                 if qsl[i + 1] - qsl[i] > 1]
-    if use_numba:
-        return _BatchPlan(_NumbaDecode(
-            np.ascontiguousarray(block_tables.numpy()), np.ascontiguousarray(seq_lens.numpy()),
-            np.array(decode, dtype=np.int64),
-            np.array([qsl[i] for i in decode], dtype=np.int64)) if decode else [], prefills)
-    decode.sort(key=lens.__getitem__)  # similar lengths share a chunk: little padding
-    bytes_per_slot = 2 * num_kv_heads * head_dim * acc.itemsize  # K and V of one position
-    chunks, first = [], 0
-    while first < len(decode):
-        last = first + 1  # sorted ascending: the chunk's last request is its longest
-        while (last < len(decode) and (last + 1 - first) * bytes_per_slot
-               * _round_up(lens[decode[last]], block_size) <= DECODE_CHUNK_BYTES):
-            last += 1
-        members = decode[first:last]
-        chunks.append(_decode_chunk_index(block_tables, [qsl[i] for i in members],
-                                          [lens[i] for i in members], members, block_size,
-                                          acc))
-        first = last
-    return _BatchPlan(chunks, prefills)
+    return decodes, prefills
 
 
 def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
-def _decode_chunk_index(block_tables, token_rows, lens, members, block_size,
-                        acc) -> _DecodeChunk:
+def _decode_chunk_index(block_tables: torch.Tensor, members: list[tuple[int, int]],
+                        all_lens: list[int], block_size: int, acc: torch.dtype) -> DecodeChunk:
+    """The index tensors of one chunk of (request, query row) decodes."""
     device = block_tables.device
+    lens = [all_lens[request] for request, _ in members]
     num, padded_len = len(members), _round_up(max(lens), block_size)
-    requests = torch.tensor(members, device=device)
+    requests = torch.tensor([request for request, _ in members], device=device)
     blocks = block_tables.index_select(0, requests)[:, :padded_len // block_size]
     valid = (torch.arange(padded_len, device=device).unsqueeze(0)
              < torch.tensor(lens, device=device).unsqueeze(1))  # [n, padded_len]
-    return _DecodeChunk(
-        token_rows=torch.tensor(token_rows, device=device),
+    return DecodeChunk(
+        token_rows=torch.tensor([row for _, row in members], device=device),
         blocks=blocks.reshape(-1).long(),
         pad_rows=(~valid).view(-1).nonzero().squeeze(1),
         mask=torch.zeros(num, 1, 1, padded_len, dtype=acc, device=device).masked_fill_(
@@ -178,33 +205,12 @@ def _decode_chunk_index(block_tables, token_rows, lens, members, block_size,
         num_seqs=num, padded_len=padded_len)
 
 
-def _acc_dtype(query: torch.Tensor) -> torch.dtype:
-    return torch.float64 if query.dtype == torch.float64 else torch.float32
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax and products run in float64 for float64 inputs, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-USE_NUMBA = True
-"""Decode through the compiled kernel when it can take the tensors (numba installed, CPU,
-float32/float64); False forces the torch path below (tests run both)."""
-
-DECODE_CHUNK_BYTES = 1 << 21
-"""Gathered K+V bytes per decode chunk: requests are attended a few at a time so that their
-gathered copy is still in the L2 cache when attention reads it (one pass over all of them at
-once, hundreds of MB at a few hundred requests, measured 2-3x slower on this CPU)."""
-
-
-def _decode(query, key_cache, value_cache, plan: _BatchPlan, scale, out):
-    """One new token per request for the decode requests, a chunk at a time."""
-    if plan.workspace is None:
-        rows = max(chunk.blocks.numel() for chunk in plan.decode)
-        plan.workspace = tuple(torch.empty(rows, key_cache[0].numel(), dtype=key_cache.dtype,
-                                           device=key_cache.device) for _ in range(2))
-    for chunk in plan.decode:
-        result = _decode_chunk(query.index_select(0, chunk.token_rows), key_cache,
-                               value_cache, chunk, scale, _acc_dtype(query), plan.workspace)
-        out.index_copy_(0, chunk.token_rows, result.to(out.dtype))
-
-
-def _decode_chunk(q, key_cache, value_cache, chunk: _DecodeChunk, scale, acc, workspace):
+def _decode_chunk(q, key_cache, value_cache, chunk: DecodeChunk, scale, acc, workspace):
     """q [n, heads, d] of one chunk's requests -> [n, heads, d] in `acc` dtype."""
     num, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
@@ -224,11 +230,13 @@ def _decode_chunk(q, key_cache, value_cache, chunk: _DecodeChunk, scale, acc, wo
     return o.view(num, num_heads, head_dim)
 
 
-def _prefill(query, key_cache, value_cache, table, q_start, q_end, seq_len, scale, out):
-    """A chunk of q_len > 1 new tokens of one request: SDPA with a bottom-right causal mask."""
+def _prefill(query, key_cache, value_cache, table, chunk: PrefillChunk, scale, out):
+    """A chunk of q_len > 1 new tokens of one request: SDPA with a bottom-right causal mask.
+    `table` is the request's block-table row."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    acc = _acc_dtype(query)
+    acc = _acc_dtype(query.dtype)
+    q_start, q_end, seq_len = chunk.q_start, chunk.q_end, chunk.seq_len
     q_len = q_end - q_start
     num_blocks = (seq_len + block_size - 1) // block_size
     blocks = table[:num_blocks].long()

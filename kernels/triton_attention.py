@@ -6,6 +6,7 @@ Public entry points (same signatures and semantics as the references):
     paged_attention_triton(query, key_cache, value_cache, block_tables, query_start_loc,
                            seq_lens, scale, out=None) -> Tensor
 
+wrapped as `TritonBackend` (the `AttentionBackend` the engine uses, `attention_backend=triton`),
 and, for tests and benchmarks that want a particular launch, `choose_launch` / `AttentionLaunch`
 and `run_paged_attention(..., launch)`.
 
@@ -51,6 +52,9 @@ from functools import lru_cache
 import torch
 import triton
 import triton.language as tl
+
+from tidal.kernels import AttentionBackend
+from tidal.kernels.metadata import AttentionMetadata
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_SPLITS = 32
@@ -445,11 +449,10 @@ def paged_attention_triton(
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
-    scratch: dict | None = None,  # per-step scratch shared by the layers (see below)
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its paged K/V (GQA aware);
-    see `paged_attention_ref`. The launch (tiles, split-K) comes from `choose_launch`;
-    `scratch` is unused (the launch is derived from shapes alone, without a host sync)."""
+    see `paged_attention_ref`. The launch (tiles, split-K) comes from `choose_launch`,
+    derived from shapes alone, without a host sync."""
     _check_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out)
     launch = choose_launch(
         num_tokens=query.shape[0], num_seqs=seq_lens.shape[0], num_heads=query.shape[1],
@@ -459,6 +462,24 @@ def paged_attention_triton(
     )
     return _launch(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
                    out, launch)
+
+
+class TritonBackend(AttentionBackend):
+    """`attention_backend=triton`: the kernels of this module. Every launch is derived from
+    tensor shapes alone (no host sync, no per-step plan), so a forward through it can be
+    captured in a CUDA graph and replayed with new metadata values."""
+
+    name = "triton"
+    can_capture_cuda_graphs = True
+
+    def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        write_kv_triton(key, value, key_cache, value_cache, slot_mapping)
+
+    def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               meta: AttentionMetadata, plan: None, scale: float,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        return paged_attention_triton(query, key_cache, value_cache, meta.block_tables,
+                                      meta.query_start_loc, meta.seq_lens, scale, out)
 
 
 def run_paged_attention(

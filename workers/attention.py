@@ -1,42 +1,36 @@
-"""Attention front: batch metadata for one forward, and the layer that writes K/V into the
-paged cache and attends through the selected kernels (`tidal.kernels.select_attention_ops`).
+"""Attention front: what one forward passes down to every attention layer, and the layer that
+writes K/V into the paged cache and attends through the selected backend
+(`tidal.kernels.select_attention_backend`).
 
-`AttentionMetadata` is built by the model runner for each step and passed explicitly down
-through the model's forward; nothing about the batch is kept in module state.
+`AttentionInputs` (the step's `AttentionMetadata` and the backend's plan for it) is built by
+the model runner for each step and passed explicitly down through the model's forward;
+nothing about the batch is kept in module state.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from tidal.kernels import AttentionOps
+from tidal.kernels import AttentionBackend
+from tidal.kernels.metadata import AttentionMetadata
+
+__all__ = ["AttentionInputs", "AttentionMetadata", "KVCache", "PagedAttention"]
 
 
-@dataclass
-class AttentionMetadata:
-    """One step's batch layout (see `kernels/reference.py` for the exact conventions).
+@dataclass(frozen=True)
+class AttentionInputs:
+    """Everything the attention layers of one forward read about the batch."""
 
-    Requests are packed in plan order; request i owns query rows
-    [query_start_loc[i], query_start_loc[i+1]).
-    """
-
-    slot_mapping: torch.Tensor
-    """[num_tokens] int64: cache slot (block_id * block_size + offset) of each new token;
-    -1 for a padding row (nothing written)."""
-    block_tables: torch.Tensor
-    """[num_seqs, max_blocks_per_seq] int32: each request's block ids, padded with 0."""
-    query_start_loc: torch.Tensor
-    """[num_seqs + 1] int32: prefix sums of the new-token counts."""
-    seq_lens: torch.Tensor
-    """[num_seqs] int32: tokens in the cache per request, including this step's."""
-    scratch: dict | None = field(default_factory=dict)
-    """Per-step scratch for the attention backend: index tensors it derives from the fields
-    above are built by the first layer and reused by every other layer of this step. It
-    lives exactly as long as this metadata (one step); nothing else may write it. None for
-    metadata whose tensors change in place between uses (a captured CUDA graph's)."""
+    meta: AttentionMetadata
+    """The batch layout (a pure description of the batch)."""
+    plan: object | None
+    """What `backend.prepare(meta, ...)` returned: derived from `meta` once per step, before
+    the forward, and shared by every layer. Valid only with that `meta`'s values: None for
+    a captured CUDA graph's metadata, whose tensors are rewritten before every replay (only
+    backends that need no plan can be captured)."""
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -48,18 +42,18 @@ class PagedAttention(nn.Module):
     every cached token of their request (the K/V just written included)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 ops: AttentionOps):
+                 backend: AttentionBackend):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
-        self.ops = ops
+        self.backend = backend
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+                attn_inputs: AttentionInputs) -> torch.Tensor:
         """q [T, heads, d], k/v [T, kv_heads, d] -> [T, heads * d]."""
         key_cache, value_cache = kv_cache
-        self.ops.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
-        out = self.ops.paged_attention(q, key_cache, value_cache, meta.block_tables,
-                                       meta.query_start_loc, meta.seq_lens, self.scale,
-                                       scratch=meta.scratch)
+        meta = attn_inputs.meta
+        self.backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        out = self.backend.attend(q, key_cache, value_cache, meta, attn_inputs.plan,
+                                  self.scale)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

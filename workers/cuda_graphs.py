@@ -8,8 +8,10 @@ size b >= n: its inputs are copied into static buffers, rows n..b-1 are padding
     input_ids 0 · position 0 · slot -1 (no KV write) · seq_len 1 over block 0 (the null block)
 
 and the first n rows of the static output are the hidden states. Capture needs kernels that
-never sync with the host, so graphs are only used with the Triton attention backend; any
-failure during capture is logged and the runner stays eager.
+never sync with the host and need no per-step plan (a plan would describe the capture's
+metadata values, not the ones each replay copies in), so graphs are only used with a
+backend whose `can_capture_cuda_graphs` is set (Triton's), and the captured forwards get
+`AttentionInputs.plan` None. Any failure during capture is logged and the runner stays eager.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tidal.workers.attention import AttentionMetadata
+from tidal.workers.attention import AttentionInputs, AttentionMetadata
 
 if TYPE_CHECKING:
     from tidal.workers.model_runner import ModelRunner, StepInputs
@@ -56,9 +58,10 @@ class DecodeGraphs:
     def try_capture(cls, runner: "ModelRunner", max_num_seqs: int) -> "DecodeGraphs | None":
         """Capture the ladder; None (eager decode) when the backend cannot be captured or
         capture fails. Logs the time spent."""
-        ops = runner.model.model.layers[0].self_attn.attn.ops
-        if ops.name != "triton":
-            logger.info("CUDA graphs off: attention backend %r syncs with the host", ops.name)
+        backend = runner.attention_backend
+        if not backend.can_capture_cuda_graphs:
+            logger.info("CUDA graphs off: attention backend %r cannot be captured (it syncs "
+                        "with the host or needs a per-step plan)", backend.name)
             return None
         graphs = cls(runner, batch_size_ladder(max_num_seqs))
         start = time.perf_counter()
@@ -72,14 +75,12 @@ class DecodeGraphs:
         return graphs
 
     def _meta(self, size: int) -> AttentionMetadata:
-        # NOTE: these static buffers are rewritten in place before every replay, so nothing
-        # derived from them may be cached across uses: no scratch.
+        """The first `size` rows of the static buffers, as the captured forward reads them."""
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:size],
             block_tables=self.block_tables[:size],
             query_start_loc=self.query_start_loc[:size + 1],
-            seq_lens=self.seq_lens[:size],
-            scratch=None)
+            seq_lens=self.seq_lens[:size])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -93,7 +94,10 @@ class DecodeGraphs:
     def _capture_one(self, size: int, pool):
         """(graph, static output) of the forward over the first `size` static rows."""
         model, kv_caches = self.runner.model, self.runner.kv_caches
-        args = (self.input_ids[:size], self.positions[:size], kv_caches, self._meta(size))
+        # NOTE: the static buffers are rewritten in place before every replay, so nothing
+        # derived from their values may be kept across uses: no plan (the backend needs none)
+        attn_inputs = AttentionInputs(self._meta(size), plan=None)
+        args = (self.input_ids[:size], self.positions[:size], kv_caches, attn_inputs)
         model(*args)  # warm-up: compiles kernels, allocates outside the graph
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -103,19 +107,20 @@ class DecodeGraphs:
         return graph, out
 
     def can_run(self, inputs: "StepInputs") -> bool:
-        num_reqs = inputs.meta.seq_lens.shape[0]
+        num_reqs = inputs.attention.meta.seq_lens.shape[0]
         return inputs.decode_only and num_reqs <= self.max_size
 
     def run(self, inputs: "StepInputs") -> torch.Tensor:
         """Replay the graph for this decode batch; returns hidden states [n, hidden]."""
         n = inputs.num_tokens
         size = next(b for b in self.sizes if b >= n)
-        width = inputs.meta.block_tables.shape[1]
+        meta = inputs.attention.meta
+        width = meta.block_tables.shape[1]
         self.input_ids[:n].copy_(inputs.input_ids)
         self.positions[:n].copy_(inputs.positions)
-        self.slot_mapping[:n].copy_(inputs.meta.slot_mapping)
-        self.block_tables[:n, :width].copy_(inputs.meta.block_tables)
-        self.seq_lens[:n].copy_(inputs.meta.seq_lens)
+        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        self.block_tables[:n, :width].copy_(meta.block_tables)
+        self.seq_lens[:n].copy_(meta.seq_lens)
         if size > n:  # padding rows: attend to one position of the null block, write nothing
             self.input_ids[n:size].zero_()
             self.positions[n:size].zero_()

@@ -1,5 +1,6 @@
 """Model runner: applies a plan's deltas to the persistent batch, builds the step's flat
-inputs (token ids, positions, slot mapping, attention metadata) with numpy, runs the model
+inputs (token ids, positions, slot mapping, attention metadata) with numpy, has the attention
+backend prepare its plan for them (once per step, shared by every layer), runs the model
 (eagerly, or by replaying a captured CUDA graph for decode batches), computes logits only
 at sampling positions and samples.
 
@@ -22,7 +23,8 @@ import numpy as np
 import torch
 
 from tidal.ipc.messages import BatchPlan, TokenLogprobs, WorkerConfig, pack_token_ids
-from tidal.workers.attention import AttentionMetadata, KVCache
+from tidal.kernels import AttentionBackend
+from tidal.workers.attention import AttentionInputs, AttentionMetadata, KVCache
 from tidal.workers.cuda_graphs import DecodeGraphs
 from tidal.workers.models.llama import LlamaForCausalLM, ModelArgs
 from tidal.workers.persistent_batch import PersistentBatch
@@ -37,7 +39,7 @@ class StepInputs:
 
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
-    meta: AttentionMetadata
+    attention: AttentionInputs  # the batch layout and the backend's plan for it
     logits_indices: torch.Tensor  # [num_sampling] rows of the hidden states that sample
     sample_rows: np.ndarray  # persistent-batch rows that sample, plan order
     sample_req_ids: list[str]
@@ -55,12 +57,14 @@ class StepResult:
 
 
 class ModelRunner:
-    """Owns the model, its KV cache tensors, the persistent batch and the sampler."""
+    """Owns the model, its KV cache tensors, the persistent batch and the sampler; prepares
+    the attention backend's plan once per step."""
 
     def __init__(self, config: WorkerConfig, model: LlamaForCausalLM, args: ModelArgs,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, attention_backend: AttentionBackend):
         self.config, self.model, self.args = config, model, args
         self.device, self.dtype = device, dtype
+        self.attention_backend = attention_backend  # the one the model's layers were built with
         self.block_size = config.block_size
         self.max_blocks_per_req = math.ceil(config.max_model_len / config.block_size)
         self.batch = PersistentBatch(config.max_num_seqs, config.max_model_len,
@@ -68,8 +72,9 @@ class ModelRunner:
         self.sampler = Sampler(config.seed, device)
         self.kv_caches: list[KVCache] = []
         self.graphs: DecodeGraphs | None = None
-        attn = model.model.layers[0].self_attn
-        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.num_kv_heads = kv_heads_per_rank(args.num_key_value_heads,
+                                              config.tensor_parallel_size)
+        self.head_dim = args.head_dim
 
     # -- KV cache ------------------------------------------------------------------------
 
@@ -142,7 +147,7 @@ class ModelRunner:
         """Hidden states [num_tokens, hidden] for the step's tokens."""
         if self.graphs is not None and self.graphs.can_run(inputs):
             return self.graphs.run(inputs)
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attention)
 
     # -- inputs --------------------------------------------------------------------------
 
@@ -194,13 +199,20 @@ class ModelRunner:
         return StepInputs(
             input_ids=to_dev(input_ids, torch.int64),
             positions=to_dev(positions, torch.int64),
-            meta=meta,
+            attention=self.attention_inputs(meta),
             logits_indices=to_dev(query_start_loc[1:][samples] - 1, torch.int64),
             sample_rows=rows[samples],
             sample_req_ids=[r for r, s in zip(req_ids, samples) if s],
             num_tokens=num_tokens,
             decode_only=bool((num_scheduled == 1).all()),
         )
+
+    def attention_inputs(self, meta: AttentionMetadata) -> AttentionInputs:
+        """The step's metadata with the backend's plan for it, prepared once for every
+        layer of the forward."""
+        plan = self.attention_backend.prepare(meta, self.block_size, self.num_kv_heads,
+                                              self.head_dim, self.dtype)
+        return AttentionInputs(meta, plan)
 
     def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         tensor = torch.from_numpy(np.asarray(array)).to(dtype)
@@ -298,11 +310,20 @@ class ModelRunner:
             query_start_loc=self._to_device(np.concatenate([[0], np.cumsum(lens)]), torch.int32),
             seq_lens=self._to_device(np.asarray(lens), torch.int32))
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, self._to_device(positions, torch.int64), kv_caches, meta)
+        hidden = self.model(ids, self._to_device(positions, torch.int64), kv_caches,
+                            self.attention_inputs(meta))
         rows = min(num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden[-rows:])
         self.sampler(logits, _dummy_sampling(rows, self.device))
         del kv_caches, hidden, logits
+
+
+def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int) -> int:
+    """KV heads one rank holds (its cache's third dimension), as `QKVParallelLinear` shards
+    them: split evenly when there are at least as many as ranks, else one replicated head."""
+    if num_kv_heads >= tensor_parallel_size:
+        return num_kv_heads // tensor_parallel_size
+    return 1
 
 
 def _check_schedule(req_ids, rows, num_scheduled, seq_lens, batch: PersistentBatch,

@@ -16,8 +16,7 @@ import time
 import torch
 
 from tidal.ipc.messages import BatchPlan, SampledTokens, WorkerConfig, WorkerReady, pack_token_ids
-from tidal.kernels import numba_attention
-from tidal.kernels import select_attention_ops
+from tidal.kernels import select_attention_backend
 from tidal.workers.distributed import destroy_distributed, init_distributed
 from tidal.workers.loader import load_weights, read_config, resolve_model_path
 from tidal.workers.model_runner import ModelRunner
@@ -59,20 +58,22 @@ class Worker:
     def load(self) -> None:
         """Build the model on the device and load this rank's shard of the weights."""
         start = time.perf_counter()
-        ops = select_attention_ops(self.config.attention_backend, self.device.type)
+        backend = select_attention_backend(self.config.attention_backend, self.device.type,
+                                           self.dtype)
         with _default_dtype(self.dtype), torch.device(self.device):
-            model = build_model(self.args, self.tp, ops, self.config.max_model_len)
+            model = build_model(self.args, self.tp, backend, self.config.max_model_len)
         load_weights(model, self.model_path)
         model.eval()
-        self.runner = ModelRunner(self.config, model, self.args, self.device, self.dtype)
-        if ops.name == "torch" and self.device.type == "cpu":
-            compile_s = numba_attention.warm_up(self.dtype)  # compiled once, then disk-cached
-            logger.debug("rank %d: numba decode kernel ready in %.2f s", self.rank, compile_s)
+        self.runner = ModelRunner(self.config, model, self.args, self.device, self.dtype,
+                                  backend)
+        warm_up_s = backend.warm_up(self.dtype)  # e.g. numba: compiled once, then disk-cached
+        logger.debug("rank %d: %s attention backend warmed up in %.2f s", self.rank,
+                     backend.name, warm_up_s)
         self.load_seconds = time.perf_counter() - start
         num_params = sum(p.numel() for p in model.parameters())
         logger.info("rank %d: loaded %s (%s, %.1fM parameters on this rank, %s attention) "
                     "from %s in %.2f s", self.rank, self.args.architecture, self.dtype,
-                    num_params / 1e6, ops.name, self.model_path, self.load_seconds)
+                    num_params / 1e6, backend.name, self.model_path, self.load_seconds)
 
     def determine_num_kv_blocks(self) -> int:
         """How many KV blocks fit on this rank (num_kv_blocks_override wins).

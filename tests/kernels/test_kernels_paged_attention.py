@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kernel_cases import assert_matches, make_case, poisoned_like
-from tidal.kernels import select_attention_ops
+from tidal.kernels import select_attention_backend
+from tidal.kernels.metadata import AttentionMetadata
 from tidal.kernels.reference import (
     merge_splits_ref,
     paged_attention_ref,
@@ -19,6 +20,7 @@ from tidal.kernels.triton_attention import (
     MAX_SPLITS,
     MIN_TOKENS_PER_SPLIT,
     AttentionLaunch,
+    TritonBackend,
     choose_launch,
     choose_num_splits,
     merge_splits_triton,
@@ -181,10 +183,21 @@ def test_rejects_bad_inputs():
         run_paged_attention(*case.args(), None, AttentionLaunch(block_m=1, tile_n=16))
 
 
-def test_select_attention_ops_triton_backend():
-    ops = select_attention_ops("triton", "cpu")
-    assert ops.name == "triton"
-    assert ops.paged_attention is paged_attention_triton
+def test_select_attention_backend_triton():
+    """The triton backend attends through `paged_attention_triton`, needs no per-step plan
+    and is the one backend a CUDA graph can capture."""
+    backend = select_attention_backend("triton", "cpu", torch.float32)
+    assert isinstance(backend, TritonBackend)
+    assert backend.name == "triton" and backend.can_capture_cuda_graphs
+    assert select_attention_backend("auto", "cuda", torch.bfloat16).name == "triton"
+    case = make_case([2, 1], [18, 33], 4, 2, 16, 16, num_pad_tokens=1)
+    meta = AttentionMetadata(torch.full((4,), -1), case.block_tables, case.query_start_loc,
+                             case.seq_lens)
+    assert backend.prepare(meta, 16, 2, 16, torch.float32) is None
+    out = backend.attend(case.query, case.key_cache, case.value_cache, meta, None, case.scale,
+                         poisoned_like(case.query))
+    expected = paged_attention_ref(*case.args(), out=poisoned_like(case.query))
+    assert_matches(out, expected, case.owned_rows())
 
 
 def test_head_dim_not_a_power_of_two():

@@ -1,24 +1,50 @@
-"""The CPU backend equals the reference: ragged batches mixing decodes and prefill chunks,
+"""The CPU backends equal the reference: ragged batches mixing decodes and prefill chunks,
 GQA, chunks crossing blocks, one-token contexts, float32 and float64, NaN in every cache slot
-nobody may read, and output rows nobody owns left untouched. Decode rows take the compiled
-numba kernel where it applies and the gathered torch path otherwise; both are tested (the
-`decode_path` fixture)."""
+nobody may read, and output rows nobody owns left untouched. `NumbaBackend` (decodes in the
+compiled kernel) and `TorchBackend` (decodes gathered in chunks) share the prefill path; both
+are tested (the `backend` fixture). `select_attention_backend` picks them by name, dtype and
+device."""
+
+from dataclasses import replace
 
 import pytest
 import torch
 
 from kernel_cases import assert_matches, make_case, poisoned_like
-from tidal.kernels import select_attention_ops
-from tidal.kernels.reference import paged_attention_ref, write_kv_ref
-from tidal.kernels.torch_attention import paged_attention_torch, write_kv_torch
+from tidal.engine_core.config import ATTENTION_BACKENDS
+from tidal.kernels import BACKENDS, select_attention_backend
+from tidal.kernels.metadata import AttentionMetadata
+from tidal.kernels.numba_attention import NumbaAttentionPlan, NumbaBackend
+from tidal.kernels.reference import ReferenceBackend, paged_attention_ref, write_kv_ref
+from tidal.kernels.torch_attention import TorchAttentionPlan, TorchBackend, write_kv_torch
 
-@pytest.fixture(params=["numba", "torch"])
-def decode_path(request, monkeypatch):
+
+@pytest.fixture(params=[NumbaBackend, TorchBackend], ids=["numba", "torch"])
+def backend(request):
     """Run the test with decodes through the numba kernel, then through the torch path."""
-    import tidal.kernels.torch_attention as torch_attention
+    return request.param()
 
-    monkeypatch.setattr(torch_attention, "USE_NUMBA", request.param == "numba")
-    return request.param
+
+def metadata(case) -> AttentionMetadata:
+    """The case's batch layout (no KV is written: the case's cache is already filled)."""
+    num_tokens = case.query.shape[0]
+    return AttentionMetadata(
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64),
+        block_tables=case.block_tables, query_start_loc=case.query_start_loc,
+        seq_lens=case.seq_lens)
+
+
+def prepare(backend, case):
+    """The backend's plan for the case, as the model runner prepares it once per step."""
+    key_cache = case.key_cache
+    return backend.prepare(metadata(case), key_cache.shape[1], key_cache.shape[2],
+                           key_cache.shape[3], key_cache.dtype)
+
+
+def attend(backend, case, out=None):
+    """One step of one layer: prepare, then attend."""
+    return backend.attend(case.query, case.key_cache, case.value_cache, metadata(case),
+                          prepare(backend, case), case.scale, out)
 
 
 CASES = [
@@ -34,27 +60,27 @@ CASES = [
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("q_lens,seq_lens,num_heads,num_kv_heads,block_size", CASES)
-def test_torch_attention_equals_reference(dtype, q_lens, seq_lens, num_heads, num_kv_heads,
-                                          block_size, decode_path):
+def test_cpu_backends_equal_reference(dtype, q_lens, seq_lens, num_heads, num_kv_heads,
+                                      block_size, backend):
     case = make_case(q_lens, seq_lens, num_heads, num_kv_heads, 16, block_size, dtype,
                      num_pad_tokens=2)
     expected = paged_attention_ref(*case.args(), out=poisoned_like(case.query))
-    out = paged_attention_torch(*case.args(), out=poisoned_like(case.query))
+    out = attend(backend, case, out=poisoned_like(case.query))
     assert_matches(out, expected, case.owned_rows())
     assert not torch.isnan(out[case.owned_rows()]).any()
 
 
-def test_torch_attention_allocates_output(decode_path):
+def test_attend_allocates_output(backend):
     case = make_case([1, 4], [9, 4], 4, 2, 16, 16, torch.float32)
-    out = paged_attention_torch(*case.args())
+    out = attend(backend, case)
     torch.testing.assert_close(out, paged_attention_ref(*case.args()), atol=2e-5, rtol=2e-5)
 
 
-def test_torch_attention_low_precision_cache():
+def test_torch_backend_low_precision_cache():
     """bfloat16 queries and cache: softmax in float32, output back in bfloat16."""
     case = make_case([1, 6, 1], [17, 6, 3], 4, 2, 16, 16, torch.bfloat16, num_pad_tokens=1)
     expected = paged_attention_ref(*case.args(), out=poisoned_like(case.query))
-    out = paged_attention_torch(*case.args(), out=poisoned_like(case.query))
+    out = attend(TorchBackend(), case, out=poisoned_like(case.query))
     assert_matches(out, expected, case.owned_rows())
 
 
@@ -78,91 +104,116 @@ def test_write_kv_torch_no_tokens():
     assert not cache.any()
 
 
-def test_backend_selection():
-    assert select_attention_ops("torch", "cpu").paged_attention is paged_attention_torch
-    assert select_attention_ops("auto", "cpu").paged_attention is paged_attention_torch
-    assert select_attention_ops("reference", "cpu").paged_attention is paged_attention_ref
-    with pytest.raises(ValueError, match="attention_backend"):
-        select_attention_ops("fast", "cpu")
+def test_backend_selection_by_name():
+    assert isinstance(select_attention_backend("torch", "cpu", torch.float32), TorchBackend)
+    assert type(select_attention_backend("torch", "cpu", torch.float32)) is TorchBackend
+    assert isinstance(select_attention_backend("numba", "cpu", torch.float64), NumbaBackend)
+    assert isinstance(select_attention_backend("reference", "cpu", torch.float32),
+                      ReferenceBackend)
+    for name in BACKENDS[1:]:
+        backend = select_attention_backend(name, "cpu", torch.float32)
+        assert backend.name == name
+        assert backend.can_capture_cuda_graphs == (name == "triton")
 
 
-def test_batch_plan_built_once_per_step_through_the_scratch_dict(decode_path):
-    """Layers share one step's metadata and its scratch dict: the index plan is built by the
-    first call and reused by the next; a new step (a fresh scratch dict) with different
-    seq_lens gets a fresh plan and the right answer; without a scratch dict nothing is kept."""
-    case = make_case([1, 1, 3], [9, 20, 5], 4, 2, 16, 16, torch.float64)
-    args = list(case.args())
-    scratch: dict = {}
-    expected = paged_attention_ref(*args)
-    torch.testing.assert_close(paged_attention_torch(*args, scratch=scratch), expected,
-                               atol=1e-12, rtol=1e-12)
-    (plan,) = scratch.values()
-    torch.testing.assert_close(paged_attention_torch(*args, scratch=scratch), expected,
-                               atol=1e-12, rtol=1e-12)
-    assert list(scratch.values()) == [plan]
-    args[5] = case.seq_lens.clone()
-    args[5][1] = 17  # next step: the second request now sees 17 cached tokens
-    next_scratch: dict = {}
-    expected = paged_attention_ref(*args)
-    torch.testing.assert_close(paged_attention_torch(*args, scratch=next_scratch), expected,
-                               atol=1e-12, rtol=1e-12)
-    assert next_scratch[next(iter(scratch))] is not plan
-    torch.testing.assert_close(paged_attention_torch(*args), expected, atol=1e-12, rtol=1e-12)
+def test_auto_takes_numba_on_cpu_for_float32_and_float64_and_torch_otherwise():
+    assert select_attention_backend("auto", "cpu", torch.float32).name == "numba"
+    assert select_attention_backend("auto", "cpu", torch.float64).name == "numba"
+    assert select_attention_backend("auto", "cpu", torch.bfloat16).name == "torch"
+    assert select_attention_backend("auto", "cpu", torch.float16).name == "torch"
+
+
+@pytest.mark.parametrize("device_type, dtype, reason", [
+    ("cpu", torch.bfloat16, "float32 or float64 only"),
+    ("cpu", torch.float16, "float32 or float64 only"),
+    ("cuda", torch.float32, "CPU only"),
+])
+def test_numba_where_it_cannot_run_is_an_error_naming_the_field(device_type, dtype, reason):
+    with pytest.raises(ValueError, match=f"attention_backend 'numba' .*{reason}"):
+        select_attention_backend("numba", device_type, dtype)
+
+
+def test_unknown_backend_is_an_error_naming_the_field():
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        select_attention_backend("fast", "cpu", torch.float32)
+
+
+def test_engine_config_accepts_exactly_the_kernel_backends():
+    """engine_core never imports torch, so it keeps its own tuple of the names."""
+    assert ATTENTION_BACKENDS == BACKENDS
+
+
+def test_plan_prepared_once_serves_every_layer_of_the_step(backend):
+    """`prepare` returns the backend's typed plan; two layers (two caches) attended with that
+    one plan each equal the reference; the next step's seq_lens need a fresh plan, which
+    gives the right answer again."""
+    plan_type = NumbaAttentionPlan if isinstance(backend, NumbaBackend) else TorchAttentionPlan
+    first = make_case([1, 1, 3], [9, 20, 5], 4, 2, 16, 16, torch.float64)
+    # the next layer: same batch layout, other queries and K/V (NaN where nobody may read)
+    second = replace(first, query=first.query.flip(0), key_cache=0.25 - first.key_cache / 2,
+                     value_cache=first.value_cache * 2 - 1)
+    meta = metadata(first)
+    plan = backend.prepare(meta, 16, 2, 16, torch.float64)
+    assert type(plan) is plan_type
+    for case in (first, second):
+        out = backend.attend(case.query, case.key_cache, case.value_cache, meta, plan,
+                             case.scale)
+        torch.testing.assert_close(out, paged_attention_ref(*case.args()), atol=1e-12,
+                                   rtol=1e-12)
+    next_step = replace(first, seq_lens=first.seq_lens.clone())
+    next_step.seq_lens[1] = 17  # the second request now sees 17 of its cached tokens
+    torch.testing.assert_close(attend(backend, next_step),
+                               paged_attention_ref(*next_step.args()), atol=1e-12, rtol=1e-12)
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 3 * 2 * 2 * 70 * 16 * 8])
-def test_decode_in_chunks_equals_reference(monkeypatch, chunk_bytes):
+def test_decode_in_chunks_equals_reference(chunk_bytes):
     """Decodes attended a request at a time, or three at a time, with the decode rows
     contiguous and split by prefill chunks."""
-    import tidal.kernels.torch_attention as torch_attention
-
-    monkeypatch.setattr(torch_attention, "DECODE_CHUNK_BYTES", chunk_bytes)
-    monkeypatch.setattr(torch_attention, "USE_NUMBA", False)
+    backend = TorchBackend(decode_chunk_bytes=chunk_bytes)
     for q_lens in ([1] * 7, [1, 1, 4, 1, 1, 3, 1]):
         case = make_case(q_lens, [70, 1, 33, 16, 17, 9, 2], 4, 2, 16, 16, torch.float64,
                          num_pad_tokens=1)
         expected = paged_attention_ref(*case.args(), out=poisoned_like(case.query))
-        out = paged_attention_torch(*case.args(), out=poisoned_like(case.query))
+        out = attend(backend, case, out=poisoned_like(case.query))
         assert_matches(out, expected, case.owned_rows())
 
 
-def test_decode_plan_sorts_by_length_and_pads_to_whole_blocks(monkeypatch):
+def test_decode_plan_sorts_by_length_and_pads_to_whole_blocks():
     """Decode requests are attended shortest first, in chunks whose padded length is the
     chunk's longest context rounded up to blocks of 16. With room for one request per chunk
     (a budget of 1 byte) every chunk is one request padded to its own whole blocks: 70 -> 80,
     33 -> 48, 16 -> 16, 1 -> 16; with the default budget (2 MiB, far more than 4 requests x
     80 positions x 2 kv heads x 16 dims x 2 (K and V) x 8 bytes) they share one chunk padded
     to 80."""
-    import tidal.kernels.torch_attention as torch_attention
-
-    monkeypatch.setattr(torch_attention, "USE_NUMBA", False)
     case = make_case([1, 1, 1, 1], [70, 1, 33, 16], 4, 2, 16, 16, torch.float64)
-    scratch: dict = {}
-    paged_attention_torch(*case.args(), scratch=scratch)
-    (plan,) = scratch.values()
-    assert [c.token_rows.tolist() for c in plan.decode] == [[1, 3, 2, 0]]
-    assert [c.padded_len for c in plan.decode] == [80]
-    monkeypatch.setattr(torch_attention, "DECODE_CHUNK_BYTES", 1)
-    scratch = {}
-    expected = paged_attention_ref(*case.args())
-    out = paged_attention_torch(*case.args(), scratch=scratch)
-    torch.testing.assert_close(out, expected, atol=1e-12, rtol=1e-12)
-    (plan,) = scratch.values()
-    assert [c.token_rows.tolist() for c in plan.decode] == [[1], [3], [2], [0]]
-    assert [c.padded_len for c in plan.decode] == [16, 16, 48, 80]
+    plan = prepare(TorchBackend(), case)
+    assert [c.token_rows.tolist() for c in plan.decode_chunks] == [[1, 3, 2, 0]]
+    assert [c.padded_len for c in plan.decode_chunks] == [80]
+    one_per_chunk = TorchBackend(decode_chunk_bytes=1)
+    plan = prepare(one_per_chunk, case)
+    assert [c.token_rows.tolist() for c in plan.decode_chunks] == [[1], [3], [2], [0]]
+    assert [c.padded_len for c in plan.decode_chunks] == [16, 16, 48, 80]
+    out = one_per_chunk.attend(case.query, case.key_cache, case.value_cache, metadata(case),
+                               plan, case.scale)
+    torch.testing.assert_close(out, paged_attention_ref(*case.args()), atol=1e-12,
+                               rtol=1e-12)
 
 
-@pytest.mark.parametrize("dtype,compiled", [(torch.float32, True), (torch.float64, True),
-                                            (torch.bfloat16, False)])
-def test_decode_takes_the_compiled_kernel_for_float32_and_float64(dtype, compiled):
-    """float32/float64 decodes go through the numba kernel; bfloat16 (which numba cannot
-    hold) through the gathered torch path. Both equal the reference."""
-    import tidal.kernels.torch_attention as torch_attention
+def test_numba_plan_takes_decodes_in_batch_order_and_leaves_prefills_to_sdpa():
+    """The compiled kernel reads each request's blocks in place (no padding to share), so its
+    plan keeps the decodes in batch order; the prefill chunk is the torch path's."""
+    case = make_case([1, 4, 1, 1], [70, 4, 1, 33], 4, 2, 16, 16, torch.float32)
+    plan = prepare(NumbaBackend(), case)
+    assert plan.decode.requests.tolist() == [0, 2, 3]
+    assert plan.decode.token_rows.tolist() == [0, 5, 6]
+    assert [tuple(p) for p in plan.prefills] == [(1, 1, 5, 4)]
+    prefill_only = make_case([3], [5], 4, 2, 16, 16, torch.float32)
+    assert prepare(NumbaBackend(), prefill_only).decode is None
 
-    case = make_case([1, 1, 4], [9, 40, 4], 4, 2, 16, 16, dtype, num_pad_tokens=1)
-    scratch: dict = {}
-    expected = paged_attention_ref(*case.args(), out=poisoned_like(case.query))
-    out = paged_attention_torch(*case.args(), out=poisoned_like(case.query), scratch=scratch)
-    assert_matches(out, expected, case.owned_rows())
-    (plan,) = scratch.values()
-    assert isinstance(plan.decode, torch_attention._NumbaDecode) == compiled
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_numba_warm_up_compiles_for_its_dtypes(dtype):
+    assert NumbaBackend().warm_up(dtype) >= 0
+    with pytest.raises(ValueError, match="numba"):
+        NumbaBackend().warm_up(torch.bfloat16)

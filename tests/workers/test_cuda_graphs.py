@@ -1,7 +1,9 @@
 """The decode-graph bookkeeping (static buffers, padding to a ladder size, slicing the
 output) checked on CPU: the capture itself needs CUDA, so this unit test of DecodeGraphs
 swaps `_capture_one` for an eager stand-in that recomputes the same static forward on
-replay. Tokens must equal the plain eager runner's."""
+replay. The CPU backend needs a per-step plan (a capturable one needs none), so the stand-in
+prepares it from the static buffers at each replay. Tokens must equal the plain eager
+runner's."""
 
 import pytest
 
@@ -28,9 +30,12 @@ class _CpuDecodeGraphs(DecodeGraphs):
     num_replays = 0
 
     def _capture_one(self, size, pool):
-        args = (self.input_ids[:size], self.positions[:size], self.runner.kv_caches,
-                self._meta(size))
-        forward = lambda: self.runner.model(*args)  # noqa: E731
+        args = (self.input_ids[:size], self.positions[:size], self.runner.kv_caches)
+        meta = self._meta(size)
+
+        def forward():
+            return self.runner.model(*args, self.runner.attention_inputs(meta))
+
         out = forward().clone()
         return _EagerReplay(forward, out), out
 

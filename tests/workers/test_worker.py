@@ -4,6 +4,7 @@ worker must refuse."""
 import pytest
 
 from tidal.ipc.messages import BatchPlan, CachedRequestData, SamplingParams
+from tidal.workers.model_runner import kv_heads_per_rank
 from tidal.workers.worker import DEFAULT_CPU_KV_CACHE_BYTES, Worker
 from worker_test_utils import PlanScript, worker_config
 
@@ -47,6 +48,30 @@ def test_too_little_kv_memory_is_an_error(tiny_llama):
 def test_bad_config_names_the_field(tiny_llama, field, value, message):
     with pytest.raises(ValueError, match=message):
         _loaded(tiny_llama, **{field: value})
+
+
+@pytest.mark.parametrize("dtype, backend", [("float32", "numba"), ("bfloat16", "torch")])
+def test_auto_attention_backend_follows_the_dtype(tiny_llama, dtype, backend):
+    """One backend object, chosen at load, serves every layer and the runner's step plans."""
+    worker = _loaded(tiny_llama, dtype=dtype)
+    assert worker.runner.attention_backend.name == backend
+    for layer in worker.runner.model.model.layers:
+        assert layer.self_attn.attn.backend is worker.runner.attention_backend
+        assert (layer.self_attn.num_kv_heads, layer.self_attn.head_dim) == (
+            worker.runner.num_kv_heads, worker.runner.head_dim)
+
+
+def test_numba_backend_for_bfloat16_is_an_error_naming_the_field(tiny_llama):
+    with pytest.raises(ValueError, match="attention_backend 'numba'"):
+        _loaded(tiny_llama, dtype="bfloat16", attention_backend="numba")
+
+
+@pytest.mark.parametrize("total, tp, per_rank", [(4, 1, 4), (4, 2, 2), (2, 2, 1), (1, 2, 1),
+                                                 (2, 4, 1)])
+def test_kv_heads_per_rank_as_the_qkv_projection_shards_them(total, tp, per_rank):
+    """Split evenly over ranks when there are at least as many KV heads as ranks, else one
+    (replicated) head per rank."""
+    assert kv_heads_per_rank(total, tp) == per_rank
 
 
 def test_tp_without_init_method_is_an_error(tiny_llama):

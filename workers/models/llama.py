@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidal.kernels import AttentionOps
-from tidal.workers.attention import AttentionMetadata, KVCache, PagedAttention
+from tidal.kernels import AttentionBackend
+from tidal.workers.attention import AttentionInputs, KVCache, PagedAttention
 from tidal.workers.distributed import TensorParallel
 from tidal.workers.layers import (
     MergedColumnParallelLinear,
@@ -172,7 +172,7 @@ def _as_list(value) -> list[int]:
 
 class LlamaAttention(nn.Module):
     def __init__(self, args: ModelArgs, rotary: RotaryEmbedding, tp: TensorParallel,
-                 ops: AttentionOps):
+                 backend: AttentionBackend):
         super().__init__()
         d = args.head_dim
         self.qkv_proj = QKVParallelLinear(args.hidden_size, d, args.num_attention_heads,
@@ -186,10 +186,10 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(d, args.rms_norm_eps)
         self.qk_norm = args.qk_norm
         self.rotary = [rotary]  # a list: shared by every layer, not registered per layer
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d ** -0.5, ops)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d ** -0.5, backend)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+                attn_inputs: AttentionInputs) -> torch.Tensor:
         num_tokens, d = x.shape[0], self.head_dim
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -199,7 +199,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary[0](positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        return self.o_proj(self.attn(q, k, v, kv_cache, attn_inputs))
 
 
 class LlamaMLP(nn.Module):
@@ -217,35 +217,35 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, rotary: RotaryEmbedding, tp: TensorParallel,
-                 ops: AttentionOps):
+                 backend: AttentionBackend):
         super().__init__()
-        self.self_attn = LlamaAttention(args, rotary, tp, ops)
+        self.self_attn = LlamaAttention(args, rotary, tp, backend)
         self.mlp = LlamaMLP(args, tp)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        h = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+                attn_inputs: AttentionInputs) -> torch.Tensor:
+        h = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, attn_inputs)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, args: ModelArgs, tp: TensorParallel, ops: AttentionOps,
+    def __init__(self, args: ModelArgs, tp: TensorParallel, backend: AttentionBackend,
                  max_model_len: int):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp)
         self.rotary = RotaryEmbedding(args.head_dim, max(max_model_len, 1), args.rope_theta,
                                       args.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(args, self.rotary, tp, ops)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(args, self.rotary, tp, backend)
                                     for _ in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[KVCache], attn_inputs: AttentionInputs) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(positions, h, kv_cache, meta)
+            h = layer(positions, h, kv_cache, attn_inputs)
         return self.norm(h)
 
 
@@ -261,26 +261,26 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, args: ModelArgs, tp: TensorParallel, ops: AttentionOps,
+    def __init__(self, args: ModelArgs, tp: TensorParallel, backend: AttentionBackend,
                  max_model_len: int):
         super().__init__()
         self.args = args
-        self.model = LlamaModel(args, tp, ops, max_model_len)
+        self.model = LlamaModel(args, tp, backend, max_model_len)
         self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[KVCache], attn_inputs: AttentionInputs) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> hidden states [num_tokens, hidden]."""
-        return self.model(input_ids, positions, kv_caches, meta)
+        return self.model(input_ids, positions, kv_caches, attn_inputs)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> [num_rows, vocab_size], identical on every rank."""
         return self.lm_head(hidden)
 
 
-def build_model(args: ModelArgs, tp: TensorParallel, ops: AttentionOps,
+def build_model(args: ModelArgs, tp: TensorParallel, backend: AttentionBackend,
                 max_model_len: int) -> LlamaForCausalLM:
     """The model for `args.architecture` (all registered ones share this class)."""
-    return LlamaForCausalLM(args, tp, ops, max_model_len)
+    return LlamaForCausalLM(args, tp, backend, max_model_len)
