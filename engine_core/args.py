@@ -126,6 +126,13 @@ def _add_parallel_args(g) -> None:
                         "float32/float64, the gathered torch path otherwise), numba, torch, "
                         "triton or reference (the slow per-request specification)")
     g.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    g.add_argument("--cpu-threads", type=int, default=None,
+                   help="OpenMP threads per worker rank on the CPU (default: the rank's "
+                        "--cpu-affinity cores, else all cores shared among the ranks; "
+                        "OMP_NUM_THREADS wins)")
+    g.add_argument("--cpu-affinity", default=None,
+                   help="cores per worker rank, like VLLM_CPU_OMP_THREADS_BIND: 0-3, or "
+                        "0-3|4-7 for two ranks (default: not pinned)")
 
 
 def config_from_args(ns: argparse.Namespace) -> EngineConfig:
@@ -155,7 +162,8 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
                                   long_prefill_token_threshold=ns.long_prefill_token_threshold),
         parallel=ParallelConfig(tensor_parallel_size=ns.tensor_parallel_size,
                                 device=ns.device, attention_backend=ns.attention_backend,
-                                enforce_eager=ns.enforce_eager),
+                                enforce_eager=ns.enforce_eager,
+                                cpu_threads=ns.cpu_threads, cpu_affinity=ns.cpu_affinity),
     )
 
 
@@ -183,6 +191,8 @@ def config_to_argv(config: EngineConfig) -> list[str]:
              "--attention-backend", p.attention_backend]
     if p.enforce_eager:
         argv.append("--enforce-eager")
+    _opt(argv, "--cpu-threads", p.cpu_threads)
+    _opt(argv, "--cpu-affinity", p.cpu_affinity)
     return argv
 
 

@@ -17,6 +17,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from tidal.engine_core.cpu_threads import parse_cpu_affinity, worker_threads
 from tidal.ipc.messages import WorkerConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
@@ -153,8 +154,18 @@ class ParallelConfig:
     per-request specification: slow, for tests)."""
     enforce_eager: bool = False
     """Never capture CUDA graphs."""
+    cpu_threads: int | None = None
+    """OpenMP threads per worker rank on the CPU; None: the rank's `cpu_affinity` cores,
+    else every core this process may use shared among the ranks (`engine_core/cpu_threads.py`
+    says why, and how idle threads wait). OMP_NUM_THREADS in the environment wins."""
+    cpu_affinity: str | None = None
+    """Cores each rank runs on, vLLM's VLLM_CPU_OMP_THREADS_BIND syntax: `0-3` for one rank,
+    `0-3|4-7` for two; None or `all`: not pinned."""
 
     def __post_init__(self) -> None:
+        _require(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads",
+                 f"must be at least 1, got {self.cpu_threads}")
+        parse_cpu_affinity(self.cpu_affinity, self.tensor_parallel_size)  # ValueError if bad
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size",
                  f"must be at least 1, got {self.tensor_parallel_size}")
         _require(self.device in DEVICES, "device",
@@ -182,6 +193,9 @@ class EngineConfig:
 
     def worker_config(self, rank: int, max_model_len: int, dist_init_method: str) -> WorkerConfig:
         """What rank `rank` needs to build itself (sent once at start-up)."""
+        affinity = parse_cpu_affinity(self.parallel.cpu_affinity,
+                                      self.parallel.tensor_parallel_size)
+        cores = affinity[rank] if affinity is not None else None
         return WorkerConfig(
             model=self.model.model,
             dtype=self.model.dtype,
@@ -199,6 +213,9 @@ class EngineConfig:
             attention_backend=self.parallel.attention_backend,
             enforce_eager=self.parallel.enforce_eager,
             seed=self.model.seed,
+            cpu_threads=worker_threads(self.parallel.cpu_threads, cores,
+                                       self.parallel.tensor_parallel_size, dict(os.environ)),
+            cpu_cores=cores,
         )
 
 

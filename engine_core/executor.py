@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import zmq
 
 from tidal.engine_core.config import EngineConfig
+from tidal.engine_core.cpu_threads import worker_env
 from tidal.ipc.messages import (
     BatchPlan,
     InitKVCache,
@@ -143,30 +144,22 @@ class Executor:
                "--config", encode_worker_config(worker_config),
                "--plan-address", plan_address, "--result-address", self.result_address,
                "--parent-pid", str(os.getpid()), "--log-level", self.log_level]
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True,
-                                env=self._worker_env())
+        env = self._worker_env(worker_config.cpu_threads)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True, env=env)
         try:
             pidfd = os.pidfd_open(proc.pid)
         except (AttributeError, OSError):
             pidfd = None
-        logger.debug("started worker rank %d as pid %d (OMP_NUM_THREADS=%s)", rank, proc.pid,
-                     self._worker_env()["OMP_NUM_THREADS"])
+        logger.debug("started worker rank %d as pid %d (OMP_NUM_THREADS=%s, cores %s)", rank,
+                     proc.pid, env.get("OMP_NUM_THREADS"), worker_config.cpu_cores or "all")
         return _Rank(rank, proc, sock, plan_address, pidfd)
 
-    def _worker_env(self) -> dict[str, str]:
-        """The ranks' environment: ours, plus a CPU thread count unless the user set one.
-
-        NOTE: torch's default (one OpenMP thread per core in every rank) oversubscribes the
-        machine once the engine core and the other ranks are busy too, and OpenMP's spinning
-        barriers then slow a step down by up to 100x (measured on 2 cores: 2.4 vs 228 steps/s).
-        Each rank gets (cores - 1) // ranks threads, at least one; one core stays for the
-        engine core. Set OMP_NUM_THREADS to override.
-        """
-        env = dict(os.environ)
-        if "OMP_NUM_THREADS" not in env:
-            num_ranks = self.config.parallel.tensor_parallel_size
-            env["OMP_NUM_THREADS"] = str(max(1, (_num_cpus() - 1) // num_ranks))
-        return env
+    def _worker_env(self, threads: int | None) -> dict[str, str]:
+        """A rank's environment: ours, plus its OpenMP thread count and wait policy
+        (`engine_core/cpu_threads.py`; values the user set win)."""
+        if threads is None:
+            return dict(os.environ)
+        return worker_env(dict(os.environ), threads)
 
     def _wait_ready(self, stop_requested) -> list[WorkerReady]:
         readies: dict[int, WorkerReady] = {}
@@ -315,13 +308,6 @@ class Executor:
         _unlink(self.result_address)
         if self._own_ctx:
             self.ctx.term()
-
-
-def _num_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def _unlink(address: str) -> None:

@@ -298,6 +298,8 @@ class WorkerConfig(msgspec.Struct, **_STRUCT):
     attention_backend: str = "auto"  # auto | numba | torch | triton | reference
     enforce_eager: bool = False
     seed: int = 0
+    cpu_threads: int | None = None  # OpenMP threads of this rank (None: the environment's)
+    cpu_cores: list[int] | None = None  # cores this rank is pinned to (None: not pinned)
 
 
 class NewRequestData(msgspec.Struct, **_STRUCT):

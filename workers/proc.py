@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(args.parent_pid)
     config = decode_worker_config(args.config)
+    if config.cpu_cores:  # before torch starts its thread pools: they inherit the mask
+        os.sched_setaffinity(0, config.cpu_cores)
     logging.basicConfig(
         level=args.log_level.upper(),
         format=f"%(asctime)s %(levelname)s [tidal worker {config.rank}] %(name)s: %(message)s")

@@ -52,6 +52,8 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.num_kv_blocks = 0
         self.load_seconds = 0.0
+        self.num_params = 0  # on this rank, counted at load (before any packing)
+        self.weight_bytes = 0
 
     # -- start-up ------------------------------------------------------------------------
 
@@ -64,16 +66,17 @@ class Worker:
             model = build_model(self.args, self.tp, backend, self.config.max_model_len)
         load_weights(model, self.model_path)
         model.eval()
+        self.num_params = sum(p.numel() for p in model.parameters())
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.runner = ModelRunner(self.config, model, self.args, self.device, self.dtype,
                                   backend)
         warm_up_s = backend.warm_up(self.dtype)  # e.g. numba: compiled once, then disk-cached
         logger.debug("rank %d: %s attention backend warmed up in %.2f s", self.rank,
                      backend.name, warm_up_s)
         self.load_seconds = time.perf_counter() - start
-        num_params = sum(p.numel() for p in model.parameters())
         logger.info("rank %d: loaded %s (%s, %.1fM parameters on this rank, %s attention) "
                     "from %s in %.2f s", self.rank, self.args.architecture, self.dtype,
-                    num_params / 1e6, backend.name, self.model_path, self.load_seconds)
+                    self.num_params / 1e6, backend.name, self.model_path, self.load_seconds)
 
     def determine_num_kv_blocks(self) -> int:
         """How many KV blocks fit on this rank (num_kv_blocks_override wins).

@@ -1,0 +1,56 @@
+"""Worker threads, cores and wait policy (`engine_core/cpu_threads.py`): how `--cpu-threads`,
+`--cpu-affinity` and the environment decide each rank's OpenMP setup."""
+
+import pytest
+
+from tidal.engine_core.config import EngineConfig, ModelConfig, ParallelConfig
+from tidal.engine_core.cpu_threads import (
+    available_cpus,
+    parse_cpu_affinity,
+    parse_cpu_list,
+    worker_env,
+    worker_threads,
+)
+
+
+def test_cpu_lists_read_like_vllms_omp_threads_bind():
+    assert parse_cpu_list("0-3,6") == [0, 1, 2, 3, 6]
+    assert parse_cpu_affinity("0-1", 1) == [[0, 1]]
+    assert parse_cpu_affinity("0-3|4-7", 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert parse_cpu_affinity(None, 2) is None and parse_cpu_affinity("all", 1) is None
+
+
+@pytest.mark.parametrize("text,ranks", [("0-x", 1), ("3-1", 1), ("0,0", 1), ("0-1|2-3", 1),
+                                        ("0-1", 2)])
+def test_bad_affinity_is_a_value_error_naming_the_field(text, ranks):
+    with pytest.raises(ValueError, match="cpu_affinity"):
+        ParallelConfig(cpu_affinity=text, tensor_parallel_size=ranks)
+
+
+def test_thread_count_precedence():
+    """Explicit --cpu-threads, then OMP_NUM_THREADS, then the rank's cores, then every core
+    this process may use shared among the ranks."""
+    assert worker_threads(3, [0, 1], 1, {"OMP_NUM_THREADS": "5"}) == 3
+    assert worker_threads(None, [0, 1], 1, {"OMP_NUM_THREADS": "5"}) == 5
+    assert worker_threads(None, [0, 1, 2], 1, {}) == 3
+    assert worker_threads(None, None, 1, {}) == available_cpus()
+    assert worker_threads(None, None, 10**6, {}) == 1
+    with pytest.raises(ValueError, match="cpu_threads"):
+        ParallelConfig(cpu_threads=0)
+
+
+def test_worker_env_sets_threads_for_both_openmp_pools_and_sleeps_idle_threads():
+    env = worker_env({"PATH": "/bin"}, 2)
+    assert env["OMP_NUM_THREADS"] == env["NUMBA_NUM_THREADS"] == "2"
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["PATH"] == "/bin"
+    assert worker_env({"OMP_WAIT_POLICY": "ACTIVE"}, 1)["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_each_rank_gets_its_own_cores_in_its_worker_config(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    config = EngineConfig(ModelConfig("m"), parallel=ParallelConfig(
+        tensor_parallel_size=2, cpu_affinity="0-2|3-4"))
+    ranks = [config.worker_config(r, 64, "") for r in range(2)]
+    assert [(w.cpu_cores, w.cpu_threads) for w in ranks] == [([0, 1, 2], 3), ([3, 4], 2)]
+    plain = EngineConfig(ModelConfig("m")).worker_config(0, 64, "")
+    assert plain.cpu_cores is None and plain.cpu_threads == available_cpus()
