@@ -52,7 +52,7 @@ class NumbaDecode:
 
     block_tables: np.ndarray  # [num_seqs, max_blocks] int32: the metadata's, all requests
     seq_lens: np.ndarray  # [num_seqs] int32
-    requests: np.ndarray  # [num_decode] int64: rows of the two above, in batch order
+    requests: np.ndarray  # [num_decode] int64: rows of the two above, in `balanced_order`
     token_rows: np.ndarray  # [num_decode] int64: their query rows
 
 
@@ -61,8 +61,8 @@ class NumbaAttentionPlan:
     """`NumbaBackend`'s view of one step, built once by `prepare` and read by every layer."""
 
     decode: NumbaDecode | None
-    """The decode requests (None when the step has none). In batch order: unlike the torch
-    path, the kernel pads nothing, so sorting by length would buy nothing."""
+    """The decode requests (None when the step has none), in `balanced_order` for the
+    kernel's threads (each request writes its own query row, so any order is correct)."""
     prefills: list[PrefillChunk]
     """The requests with more than one new token, in batch order (the torch path's SDPA)."""
 
@@ -96,11 +96,13 @@ class NumbaBackend(TorchBackend):
         decodes, prefills = split_requests(meta)
         if not decodes:
             return NumbaAttentionPlan(None, prefills)
+        seq_lens = np.ascontiguousarray(meta.seq_lens.numpy())
+        requests = np.array([request for request, _ in decodes], dtype=np.int64)
+        token_rows = np.array([row for _, row in decodes], dtype=np.int64)
+        order = balanced_order(seq_lens[requests], numba.get_num_threads())
         return NumbaAttentionPlan(NumbaDecode(
-            block_tables=np.ascontiguousarray(meta.block_tables.numpy()),
-            seq_lens=np.ascontiguousarray(meta.seq_lens.numpy()),
-            requests=np.array([request for request, _ in decodes], dtype=np.int64),
-            token_rows=np.array([row for _, row in decodes], dtype=np.int64)), prefills)
+            block_tables=np.ascontiguousarray(meta.block_tables.numpy()), seq_lens=seq_lens,
+            requests=requests[order], token_rows=token_rows[order]), prefills)
 
     def _attend_decodes(self, query, key_cache, value_cache, plan: NumbaAttentionPlan,
                         scale: float, out: torch.Tensor) -> None:
@@ -108,6 +110,19 @@ class NumbaBackend(TorchBackend):
         if d is not None:
             paged_decode_numba(query, key_cache, value_cache, d.block_tables, d.seq_lens,
                                d.requests, d.token_rows, scale, out)
+
+
+def balanced_order(lengths: np.ndarray, num_threads: int) -> np.ndarray:
+    """An order of the decode requests under which numba's static `prange` schedule (thread
+    k takes the k-th of `num_threads` equal runs of iterations) gives every thread about the
+    same number of positions: longest first, dealt round-robin, each thread's hand in turn.
+    In batch order one thread can get all the long contexts (64 lognormal lengths arriving
+    shortest first, 2 threads: 2.38 ms in batch order, 2.28 ms in this order; 3.18 ms on one
+    thread)."""
+    by_length = np.argsort(-lengths, kind="stable")
+    if num_threads <= 1:
+        return by_length
+    return np.concatenate([by_length[k::num_threads] for k in range(num_threads)])
 
 
 def _match_torch_threads() -> None:
@@ -148,6 +163,10 @@ if numba is not None:
             scores = np.empty((num_heads, seq_len), dtype=q.dtype)
             acc = np.zeros((num_heads, head_dim), dtype=q.dtype)
             qs = np.empty((num_heads, head_dim), dtype=q.dtype)
+            # NOTE: a zero of the query's dtype. A literal `0` is an int64, which numba
+            # promotes float32 sums to float64 with: a convert per multiply-add made the
+            # float32 dot products 1.7x slower (measured: 1.97 -> 1.18 ms for 64 x 300 x 9).
+            zero = acc[0, 0]
             for h in range(num_heads):
                 for d in range(head_dim):
                     qs[h, d] = q[t, h, d] * scale
@@ -156,7 +175,7 @@ if numba is not None:
                 for kh in range(num_kv_heads):
                     for g in range(group):
                         h = kh * group + g
-                        s = qs[h, 0] * 0
+                        s = zero
                         for d in range(head_dim):
                             s += qs[h, d] * key_cache[block, offset, kh, d]
                         scores[h, p] = s
@@ -164,14 +183,13 @@ if numba is not None:
                 top = scores[h, 0]
                 for p in range(1, seq_len):
                     top = max(top, scores[h, p])
-                total = top * 0
+                total = zero
                 for p in range(seq_len):
                     e = math.exp(scores[h, p] - top)
                     scores[h, p] = e
                     total += e
-                inv = 1 / total
                 for p in range(seq_len):
-                    scores[h, p] *= inv
+                    scores[h, p] /= total
             for p in range(seq_len):  # weighted sum: one pass over V
                 block, offset = block_tables[r, p // block_size], p % block_size
                 for kh in range(num_kv_heads):

@@ -17,7 +17,7 @@ needs is read from disk.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -281,26 +281,48 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, rope: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+class RopeTables(NamedTuple):
+    """One step's rotary factors, gathered once for every layer: [num_tokens, 1, head_dim / 2]
+    cosines and sines of each token's position (the two halves of transformers' duplicated
+    tables are equal, so half is kept), already in the activation dtype."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding (rotate_half) with a cos/sin table per position,
-    computed in float32 like transformers and cast to the query dtype on use."""
+    computed in float32 like transformers and cast to the activation dtype on use.
+
+    `tables(positions, dtype)` gathers a step's factors once; `apply(x, tables)` rotates any
+    [tokens, heads, head_dim] tensor, so q and k heads rotate in one call when they sit side
+    by side in the fused qkv output. The arithmetic is transformers' `x * cos +
+    rotate_half(x) * sin` term for term (each half: two rounded products, one rounded sum or
+    difference, and a - b == a + (-b) exactly), so the results are bit-identical to it.
+    """
 
     def __init__(self, head_dim: int, max_position: int, theta: float, rope: dict | None):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, rope)
         positions = torch.arange(max_position, dtype=torch.int64).to(torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim / 2]
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [T, heads, d], k [T, kv_heads, d] -> rotated (q, k)."""
-        cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """The factors of `positions` [num_tokens], for activations of `dtype`."""
+        return RopeTables(self.cos_cache[positions].to(dtype).unsqueeze(1),
+                          self.sin_cache[positions].to(dtype).unsqueeze(1))
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    @staticmethod
+    def apply(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
+        """x [tokens, heads, head_dim] (any strides) -> a new contiguous rotated tensor."""
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        first, second = out[..., :half], out[..., half:]
+        torch.mul(x1, rope.cos, out=first)
+        first.sub_(x2 * rope.sin)
+        torch.mul(x2, rope.cos, out=second)
+        second.add_(x1 * rope.sin)
+        return out

@@ -7,6 +7,7 @@ device."""
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,7 +15,7 @@ from kernel_cases import assert_matches, make_case, poisoned_like
 from tidal.engine_core.config import ATTENTION_BACKENDS
 from tidal.kernels import BACKENDS, select_attention_backend
 from tidal.kernels.metadata import AttentionMetadata
-from tidal.kernels.numba_attention import NumbaAttentionPlan, NumbaBackend
+from tidal.kernels.numba_attention import NumbaAttentionPlan, NumbaBackend, balanced_order
 from tidal.kernels.reference import ReferenceBackend, paged_attention_ref, write_kv_ref
 from tidal.kernels.torch_attention import TorchAttentionPlan, TorchBackend, write_kv_torch
 
@@ -200,9 +201,14 @@ def test_decode_plan_sorts_by_length_and_pads_to_whole_blocks():
                                rtol=1e-12)
 
 
-def test_numba_plan_takes_decodes_in_batch_order_and_leaves_prefills_to_sdpa():
-    """The compiled kernel reads each request's blocks in place (no padding to share), so its
-    plan keeps the decodes in batch order; the prefill chunk is the torch path's."""
+def test_numba_plan_balances_decodes_over_threads_and_leaves_prefills_to_sdpa(monkeypatch):
+    """The compiled kernel's static schedule gives thread k the k-th run of iterations, so the
+    plan deals the decodes longest first, round-robin: with 2 threads the contexts 70, 1, 33
+    become [70, 1] for the first thread and [33] for the second. The prefill chunk is the
+    torch path's."""
+    import tidal.kernels.numba_attention as numba_attention
+
+    monkeypatch.setattr(numba_attention.numba, "get_num_threads", lambda: 2)
     case = make_case([1, 4, 1, 1], [70, 4, 1, 33], 4, 2, 16, 16, torch.float32)
     plan = prepare(NumbaBackend(), case)
     assert plan.decode.requests.tolist() == [0, 2, 3]
@@ -210,6 +216,14 @@ def test_numba_plan_takes_decodes_in_batch_order_and_leaves_prefills_to_sdpa():
     assert [tuple(p) for p in plan.prefills] == [(1, 1, 5, 4)]
     prefill_only = make_case([3], [5], 4, 2, 16, 16, torch.float32)
     assert prepare(NumbaBackend(), prefill_only).decode is None
+
+
+def test_balanced_order_gives_each_thread_a_similar_share():
+    lengths = np.array([1, 2, 3, 4, 100, 90, 80, 70])
+    order = balanced_order(lengths, 2)
+    assert order.tolist() == [4, 6, 3, 1, 5, 7, 2, 0]  # 100+80+4+2 = 186 | 90+70+3+1 = 164
+    assert lengths[order[:4]].sum() < 1.2 * lengths[order[4:]].sum()
+    assert balanced_order(lengths, 1).tolist() == [4, 5, 6, 7, 3, 2, 1, 0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -25,6 +25,7 @@ from tidal.workers.layers import (
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
+    RopeTables,
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -171,8 +172,7 @@ def _as_list(value) -> list[int]:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, args: ModelArgs, rotary: RotaryEmbedding, tp: TensorParallel,
-                 backend: AttentionBackend):
+    def __init__(self, args: ModelArgs, tp: TensorParallel, backend: AttentionBackend):
         super().__init__()
         d = args.head_dim
         self.qkv_proj = QKVParallelLinear(args.hidden_size, d, args.num_attention_heads,
@@ -185,20 +185,20 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(d, args.rms_norm_eps)
             self.k_norm = RMSNorm(d, args.rms_norm_eps)
         self.qk_norm = args.qk_norm
-        self.rotary = [rotary]  # a list: shared by every layer, not registered per layer
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d ** -0.5, backend)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
+    def forward(self, rope: RopeTables, x: torch.Tensor, kv_cache: KVCache,
                 attn_inputs: AttentionInputs) -> torch.Tensor:
         num_tokens, d = x.shape[0], self.head_dim
-        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, d)
-        k = k.reshape(num_tokens, self.num_kv_heads, d)
-        v = v.reshape(num_tokens, self.num_kv_heads, d)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
+        num_heads, num_kv_heads = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x)  # [tokens, (heads + 2 kv_heads) * d]: q heads | k heads | v heads
+        qk = qkv[:, :(num_heads + num_kv_heads) * d].view(num_tokens, -1, d)
+        v = qkv[:, (num_heads + num_kv_heads) * d:].view(num_tokens, num_kv_heads, d)
+        if self.qk_norm:  # per-head norms with their own weights, then rotary
+            qk = torch.cat((self.q_norm(qk[:, :num_heads]), self.k_norm(qk[:, num_heads:])),
+                           dim=1)
+        qk = RotaryEmbedding.apply(qk, rope)  # q and k heads side by side: one rotation
+        q, k = qk[:, :num_heads].contiguous(), qk[:, num_heads:]
         return self.o_proj(self.attn(q, k, v, kv_cache, attn_inputs))
 
 
@@ -216,17 +216,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, rotary: RotaryEmbedding, tp: TensorParallel,
-                 backend: AttentionBackend):
+    def __init__(self, args: ModelArgs, tp: TensorParallel, backend: AttentionBackend):
         super().__init__()
-        self.self_attn = LlamaAttention(args, rotary, tp, backend)
+        self.self_attn = LlamaAttention(args, tp, backend)
         self.mlp = LlamaMLP(args, tp)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
+    def forward(self, rope: RopeTables, x: torch.Tensor, kv_cache: KVCache,
                 attn_inputs: AttentionInputs) -> torch.Tensor:
-        h = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, attn_inputs)
+        h = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, attn_inputs)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -237,15 +236,16 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp)
         self.rotary = RotaryEmbedding(args.head_dim, max(max_model_len, 1), args.rope_theta,
                                       args.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(args, self.rotary, tp, backend)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(args, tp, backend)
                                     for _ in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], attn_inputs: AttentionInputs) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions, h.dtype)  # gathered once for every layer
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(positions, h, kv_cache, attn_inputs)
+            h = layer(rope, h, kv_cache, attn_inputs)
         return self.norm(h)
 
 
