@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tidal.kernels.cpu_gemm import SmallBatchGemm, small_batch_gemm_available
 from tidal.workers.distributed import TensorParallel
 
 
@@ -67,7 +68,28 @@ def _param(*shape: int, loader, shard_ids=(None,)) -> nn.Parameter:
 # linear layers
 
 
-class ColumnParallelLinear(nn.Module):
+class GemmLayer(nn.Module):
+    """A module that multiplies by `self.weight` [out, in] through `matmul`, which switches
+    to the CPU's small-batch GEMM (`kernels/cpu_gemm.py`) once `use_cpu_gemm` ran."""
+
+    cpu_gemm: SmallBatchGemm | None = None
+
+    def use_cpu_gemm(self) -> bool:
+        """Reorder the loaded weight for small batches on the CPU (float32 only); False when
+        this weight does not qualify and `F.linear` stays."""
+        if not small_batch_gemm_available(self.weight):
+            return False
+        self.cpu_gemm = SmallBatchGemm(self.weight)
+        return True
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T, no bias."""
+        if self.cpu_gemm is not None:
+            return self.cpu_gemm(x)
+        return F.linear(x, self.weight)
+
+
+class ColumnParallelLinear(GemmLayer):
     """y = x W^T + b with W split by output rows; the output stays sharded."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp: TensorParallel):
@@ -85,7 +107,8 @@ class ColumnParallelLinear(nn.Module):
         _copy(param, _take(loaded, 0, self.tp.rank * rows, rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        y = self.matmul(x)
+        return y if self.bias is None else y + self.bias
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -152,7 +175,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         _copy(param[offset * d:(offset + num) * d], _take(loaded, 0, start_head * d, num * d))
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(GemmLayer):
     """y = x W^T + b with W split by input columns: each rank holds a slice of the input
     features, partial products are all-reduced, the bias is added once after the sum."""
 
@@ -174,7 +197,7 @@ class RowParallelLinear(nn.Module):
         _copy(param, loaded[:])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(self.matmul(x))
         return y if self.bias is None else y + self.bias
 
 
@@ -212,12 +235,12 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(VocabParallelEmbedding, GemmLayer):
     """Output projection sharded like the embedding; `forward` all-gathers full logits so
     every rank sees (and samples from) the same [num_tokens, vocab_size] tensor."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = self.matmul(hidden)
         if self.tp.size > 1:
             logits = self.tp.all_gather(logits, dim=-1)
         return logits[:, :self.vocab_size]

@@ -68,6 +68,9 @@ class Worker:
         model.eval()
         self.num_params = sum(p.numel() for p in model.parameters())
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        if self.device.type == "cpu":
+            logger.debug("rank %d: %d linear layers take oneDNN for small batches", self.rank,
+                         model.use_cpu_gemm())
         self.runner = ModelRunner(self.config, model, self.args, self.device, self.dtype,
                                   backend)
         warm_up_s = backend.warm_up(self.dtype)  # e.g. numba: compiled once, then disk-cached

@@ -21,6 +21,7 @@ from tidal.kernels import AttentionBackend
 from tidal.workers.attention import AttentionInputs, KVCache, PagedAttention
 from tidal.workers.distributed import TensorParallel
 from tidal.workers.layers import (
+    GemmLayer,
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -269,6 +270,11 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def use_cpu_gemm(self) -> int:
+        """Give every linear layer the CPU's small-batch GEMM (`kernels/cpu_gemm.py`), once
+        the weights are loaded; returns how many layers took it (0 off the CPU or float32)."""
+        return sum(m.use_cpu_gemm() for m in self.modules() if isinstance(m, GemmLayer))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], attn_inputs: AttentionInputs) -> torch.Tensor:

@@ -1,0 +1,33 @@
+"""The CPU's small-batch GEMM (`kernels/cpu_gemm.py`) equals `F.linear` up to float32
+rounding on both sides of its row threshold, and is refused where it does not apply."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tidal.kernels.cpu_gemm import SMALL_BATCH_ROWS, SmallBatchGemm, small_batch_gemm_available
+
+
+@pytest.mark.parametrize("rows", [1, 7, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1, 300])
+def test_small_batch_gemm_equals_linear(rows):
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 40, generator=gen)
+    x = torch.randn(rows, 40, generator=gen)
+    torch.testing.assert_close(SmallBatchGemm(weight)(x), F.linear(x, weight),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_small_batch_gemm_keeps_leading_dimensions_and_takes_strided_input():
+    weight = torch.randn(24, 16)
+    x = torch.randn(3, 5, 32)[..., ::2]  # non-contiguous last dimension
+    out = SmallBatchGemm(weight)(x)
+    assert out.shape == (3, 5, 24)
+    torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    assert SmallBatchGemm(weight)(torch.zeros(0, 16)).shape == (0, 24)
+
+
+def test_only_float32_cpu_weights_qualify():
+    assert small_batch_gemm_available(torch.randn(4, 4))
+    assert not small_batch_gemm_available(torch.randn(4, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="oneDNN"):
+        SmallBatchGemm(torch.randn(4, 4, dtype=torch.float64))
