@@ -22,6 +22,7 @@ never imports triton.
 from __future__ import annotations
 
 import abc
+from typing import Callable
 
 import torch
 
@@ -75,6 +76,24 @@ class AttentionBackend(abc.ABC):
         """Causal attention of each request's new tokens over its paged K/V, equal to
         `paged_attention_ref`; `plan` is what `prepare` returned for this `meta`. Rows of
         `out` that no request owns are left untouched."""
+
+
+class FunctionBackend(AttentionBackend):
+    """A backend that is a pair of plain functions with the reference's signatures
+    (`write_kv_ref`, `paged_attention_ref`) and needs no per-step plan. Subclasses name them
+    as `kv_writer` and `attention` (static methods)."""
+
+    kv_writer: Callable
+    attention: Callable
+
+    def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        self.kv_writer(key, value, key_cache, value_cache, slot_mapping)
+
+    def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               meta: AttentionMetadata, plan: None, scale: float,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.attention(query, key_cache, value_cache, meta.block_tables,
+                              meta.query_start_loc, meta.seq_lens, scale, out)
 
 
 def select_attention_backend(name: str, device_type: str,

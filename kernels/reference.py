@@ -24,24 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from tidal.kernels import AttentionBackend
-from tidal.kernels.metadata import AttentionMetadata
-
-
-class ReferenceBackend(AttentionBackend):
-    """`attention_backend=reference`: the functions below, one request at a time (slow; the
-    specification the other backends are tested against). Needs no per-step plan."""
-
-    name = "reference"
-
-    def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
-        write_kv_ref(key, value, key_cache, value_cache, slot_mapping)
-
-    def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-               meta: AttentionMetadata, plan: None, scale: float,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        return paged_attention_ref(query, key_cache, value_cache, meta.block_tables,
-                                   meta.query_start_loc, meta.seq_lens, scale, out)
+from tidal.kernels import FunctionBackend
 
 
 def write_kv_ref(
@@ -221,3 +204,12 @@ def paged_attention_splitk_ref(
         num_splits, tile_size,
     )
     return merge_splits_ref(*partials, query_start_loc, out)
+
+
+class ReferenceBackend(FunctionBackend):
+    """`attention_backend=reference`: the functions above, one request at a time (slow; the
+    specification the other backends are tested against). Needs no per-step plan."""
+
+    name = "reference"
+    kv_writer = staticmethod(write_kv_ref)
+    attention = staticmethod(paged_attention_ref)

@@ -53,8 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal.kernels import AttentionBackend
-from tidal.kernels.metadata import AttentionMetadata
+from tidal.kernels import FunctionBackend
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_SPLITS = 32
@@ -464,24 +463,6 @@ def paged_attention_triton(
                    out, launch)
 
 
-class TritonBackend(AttentionBackend):
-    """`attention_backend=triton`: the kernels of this module. Every launch is derived from
-    tensor shapes alone (no host sync, no per-step plan), so a forward through it can be
-    captured in a CUDA graph and replayed with new metadata values."""
-
-    name = "triton"
-    can_capture_cuda_graphs = True
-
-    def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
-        write_kv_triton(key, value, key_cache, value_cache, slot_mapping)
-
-    def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-               meta: AttentionMetadata, plan: None, scale: float,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        return paged_attention_triton(query, key_cache, value_cache, meta.block_tables,
-                                      meta.query_start_loc, meta.seq_lens, scale, out)
-
-
 def run_paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -594,3 +575,14 @@ __all__ = [
     "run_paged_attention",
     "write_kv_triton",
 ]
+
+
+class TritonBackend(FunctionBackend):
+    """`attention_backend=triton`: the kernels of this module. Every launch is derived from
+    tensor shapes alone (no host sync, no per-step plan), so a forward through it can be
+    captured in a CUDA graph and replayed with new metadata values."""
+
+    name = "triton"
+    can_capture_cuda_graphs = True
+    kv_writer = staticmethod(write_kv_triton)
+    attention = staticmethod(paged_attention_triton)
