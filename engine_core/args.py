@@ -127,9 +127,9 @@ def _add_parallel_args(g) -> None:
                         "triton or reference (the slow per-request specification)")
     g.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
     g.add_argument("--cpu-threads", type=int, default=None,
-                   help="OpenMP threads per worker rank on the CPU (default: the rank's "
-                        "--cpu-affinity cores, else all cores shared among the ranks; "
-                        "OMP_NUM_THREADS wins)")
+                   help="OpenMP threads per worker rank on the CPU (default: "
+                        "OMP_NUM_THREADS if set, else the rank's --cpu-affinity cores, else "
+                        "all cores shared among the ranks)")
     g.add_argument("--cpu-affinity", default=None,
                    help="cores per worker rank, like VLLM_CPU_OMP_THREADS_BIND: 0-3, or "
                         "0-3|4-7 for two ranks (default: not pinned)")

@@ -155,9 +155,9 @@ class ParallelConfig:
     enforce_eager: bool = False
     """Never capture CUDA graphs."""
     cpu_threads: int | None = None
-    """OpenMP threads per worker rank on the CPU; None: the rank's `cpu_affinity` cores,
-    else every core this process may use shared among the ranks (`engine_core/cpu_threads.py`
-    says why, and how idle threads wait). OMP_NUM_THREADS in the environment wins."""
+    """OpenMP threads per worker rank on the CPU; None: OMP_NUM_THREADS from the environment
+    if set, else the rank's `cpu_affinity` cores, else every core this process may use shared
+    among the ranks (`engine_core/cpu_threads.py` says why, and how idle threads wait)."""
     cpu_affinity: str | None = None
     """Cores each rank runs on, vLLM's VLLM_CPU_OMP_THREADS_BIND syntax: `0-3` for one rank,
     `0-3|4-7` for two; None or `all`: not pinned."""
