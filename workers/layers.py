@@ -136,6 +136,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         _copy(param[offset:offset + rows], _take(loaded, 0, self.tp.rank * rows, rows))
 
 
+def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int) -> int:
+    """KV heads one rank holds (its KV cache's third dimension): split evenly when there are
+    at least as many as ranks, else one replicated head. `QKVParallelLinear` shards by this
+    rule and checks that the counts divide."""
+    if num_kv_heads >= tensor_parallel_size:
+        return num_kv_heads // tensor_parallel_size
+    return 1
+
+
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections fused. Query heads are split over ranks; KV heads are split
     when there are at least as many as ranks, otherwise each KV head is replicated on
@@ -146,11 +155,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.head_dim = head_dim
         self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
         self.num_heads = tp.split(num_heads, "num_attention_heads")
+        self.num_kv_heads = kv_heads_per_rank(num_kv_heads, tp.size)
         if num_kv_heads >= tp.size:
-            self.num_kv_heads = tp.split(num_kv_heads, "num_key_value_heads")
+            tp.split(num_kv_heads, "num_key_value_heads")  # ValueError unless it divides
             self.kv_head_start = tp.rank * self.num_kv_heads
         elif tp.size % num_kv_heads == 0:
-            self.num_kv_heads = 1
             self.kv_head_start = tp.rank // (tp.size // num_kv_heads)
         else:
             raise ValueError(f"tensor_parallel_size={tp.size} must divide or be a multiple of "

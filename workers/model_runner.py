@@ -26,6 +26,7 @@ from tidal.ipc.messages import BatchPlan, TokenLogprobs, WorkerConfig, pack_toke
 from tidal.kernels import AttentionBackend
 from tidal.workers.attention import AttentionInputs, AttentionMetadata, KVCache
 from tidal.workers.cuda_graphs import DecodeGraphs
+from tidal.workers.layers import kv_heads_per_rank
 from tidal.workers.models.llama import LlamaForCausalLM, ModelArgs
 from tidal.workers.persistent_batch import PersistentBatch
 from tidal.workers.sampler import Sampler, SamplerOutput, SamplingBatch
@@ -316,14 +317,6 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[-rows:])
         self.sampler(logits, _dummy_sampling(rows, self.device))
         del kv_caches, hidden, logits
-
-
-def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int) -> int:
-    """KV heads one rank holds (its cache's third dimension), as `QKVParallelLinear` shards
-    them: split evenly when there are at least as many as ranks, else one replicated head."""
-    if num_kv_heads >= tensor_parallel_size:
-        return num_kv_heads // tensor_parallel_size
-    return 1
 
 
 def _check_schedule(req_ids, rows, num_scheduled, seq_lens, batch: PersistentBatch,

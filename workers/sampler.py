@@ -236,24 +236,16 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 def hashed_uniform_rows(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """[N] seeds, [N] positions -> [N] float64 uniforms in (0, 1) with 48 random bits, a pure
-    function of (seed, position): the 24-bit hashes of vocab indices 0 and 1, joined."""
+    function of (seed, position): two 24-bit hashes (indices 0 and 1), joined."""
     bits = _hashed_bits(seeds, positions, 2).to(torch.float64)
     return (bits[:, 0] + (bits[:, 1] + 0.5) / (1 << 24)) / (1 << 24)
 
 
-def hashed_uniform(seeds: torch.Tensor, positions: torch.Tensor,
-                   vocab_size: int) -> torch.Tensor:
-    """[N] seeds, [N] positions -> [N, vocab] float32 uniforms in (0, 1), a pure function of
-    (seed, position, vocab index)."""
-    bits = _hashed_bits(seeds, positions, vocab_size)
-    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-
-
-def _hashed_bits(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[N, vocab] int64 holding 24 random bits each, hashed from (seed, position, index)."""
+def _hashed_bits(seeds: torch.Tensor, positions: torch.Tensor, count: int) -> torch.Tensor:
+    """[N, count] int64 holding 24 random bits each, hashed from (seed, position, index)."""
     seed_lo, seed_hi = seeds & _MASK32, (seeds >> 32) & _MASK32
     key = _mix32(seed_lo ^ _mix32(seed_hi ^ _mix32((positions & _MASK32) ^ 0x9E3779B9)))
     key2 = _mix32(key ^ 0x85EBCA6B)
-    vocab = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
-    bits = _mix32(((_mix32(key.unsqueeze(1) ^ vocab) + key2.unsqueeze(1)) & _MASK32))
+    index = torch.arange(count, device=seeds.device, dtype=torch.int64)
+    bits = _mix32(((_mix32(key.unsqueeze(1) ^ index) + key2.unsqueeze(1)) & _MASK32))
     return bits >> 8
