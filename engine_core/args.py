@@ -130,6 +130,10 @@ def _add_parallel_args(g) -> None:
                    help="OpenMP threads per worker rank on the CPU (default: "
                         "OMP_NUM_THREADS if set, else the rank's --cpu-affinity cores, else "
                         "all cores shared among the ranks)")
+    g.add_argument("--max-worker-restarts", type=int,
+                   default=_default(ParallelConfig, "max_worker_restarts"),
+                   help="replace dead or hung workers this many times, recomputing every "
+                        "running request (default: 3; 0 = fail every request instead)")
     g.add_argument("--cpu-affinity", default=None,
                    help="cores per worker rank, like VLLM_CPU_OMP_THREADS_BIND: 0-3, or "
                         "0-3|4-7 for two ranks (default: not pinned)")
@@ -163,7 +167,8 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
         parallel=ParallelConfig(tensor_parallel_size=ns.tensor_parallel_size,
                                 device=ns.device, attention_backend=ns.attention_backend,
                                 enforce_eager=ns.enforce_eager,
-                                cpu_threads=ns.cpu_threads, cpu_affinity=ns.cpu_affinity),
+                                cpu_threads=ns.cpu_threads, cpu_affinity=ns.cpu_affinity,
+                                max_worker_restarts=ns.max_worker_restarts),
     )
 
 
@@ -188,7 +193,8 @@ def config_to_argv(config: EngineConfig) -> list[str]:
              "--long-prefill-token-threshold", str(s.long_prefill_token_threshold)]
     _opt(argv, "--max-num-queued-reqs", s.max_num_queued_reqs)
     argv += ["--tensor-parallel-size", str(p.tensor_parallel_size), "--device", p.device,
-             "--attention-backend", p.attention_backend]
+             "--attention-backend", p.attention_backend,
+             "--max-worker-restarts", str(p.max_worker_restarts)]
     if p.enforce_eager:
         argv.append("--enforce-eager")
     _opt(argv, "--cpu-threads", p.cpu_threads)

@@ -161,8 +161,15 @@ class ParallelConfig:
     cpu_affinity: str | None = None
     """Cores each rank runs on, vLLM's VLLM_CPU_OMP_THREADS_BIND syntax: `0-3` for one rank,
     `0-3|4-7` for two; None or `all`: not pinned."""
+    max_worker_restarts: int = 3
+    """How many times the engine core replaces its workers after one dies, fails or hangs
+    past --worker-timeout (every running request is then recomputed from its tokens, so
+    clients see a pause, not an error). Past it, or at 0, a worker failure fails every
+    unfinished request and the core exits."""
 
     def __post_init__(self) -> None:
+        _require(self.max_worker_restarts >= 0, "max_worker_restarts",
+                 f"must be non-negative, got {self.max_worker_restarts}")
         _require(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads",
                  f"must be at least 1, got {self.cpu_threads}")
         parse_cpu_affinity(self.cpu_affinity, self.tensor_parallel_size)  # ValueError if bad

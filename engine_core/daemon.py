@@ -11,9 +11,18 @@ Life of the process:
 2. start one worker per TP rank, wait for every WorkerReady, InitKVCache(min blocks);
 3. answer each Hello with EngineInfo, then loop over steps (see `EngineCoreDaemon._step`);
 4. SIGTERM / SIGINT: stop admitting, fail what is unfinished, EngineDead to every frontend,
-   Shutdown to the workers, join them, exit 0. A worker that dies, fails or hangs: every
-   unfinished request gets FinishReason.ERROR with a message, EngineDead, the remaining
-   workers are killed, exit 1. A bad configuration or a failed start-up: exit 2.
+   Shutdown to the workers, join them, exit 0. A bad configuration or a failed start-up:
+   exit 2.
+
+A worker that dies, fails or hangs past `--worker-timeout` is healed: every rank is killed,
+fresh ones are started (the same `Executor.start` handshake), and every running request goes
+back to waiting to be recomputed from its prompt and the tokens it already has, as after a
+preemption (`Scheduler.recompute_all`); plans in flight are dropped, their tokens never
+delivered. Clients see a pause. Greedy and seeded outputs equal a fault-free run's, because
+recompute gives the same KV and seeded draws depend on (seed, position) only. After
+`--max-worker-restarts` replacements (or when the replacement itself fails that often), the
+next failure is final: every unfinished request gets FinishReason.ERROR with a message,
+EngineDead, the remaining workers are killed, exit 1.
 
 Frontends are told apart by their zmq identity (= their client_id); a frontend may abort only
 its own requests, and receives outputs only for its own requests. A frontend silent for
@@ -112,6 +121,7 @@ class EngineCoreDaemon:
         self.in_flight: deque[BatchPlan] = deque()  # plans scheduled, not yet updated
         self.depth = 2 if config.scheduler.async_scheduling else 1
         self.stop_reason: str | None = None
+        self.num_worker_restarts = 0
         self.sock = self.auth = self.executor = self.scheduler = self.info = None
         self._wake_r, self._wake_w = socket.socketpair()
         self._last_log = time.monotonic()
@@ -143,10 +153,8 @@ class EngineCoreDaemon:
             logger.error("cannot start: %s", e)
             return EXIT_BAD_START
         logger.info("engine core listening on %s (model %s)", self.listen, self.config.model.model)
-        self.executor = Executor(self.config, max_model_len, self.ctx,
-                                 step_timeout=self.worker_timeout, log_level=self.log_level)
         try:
-            num_blocks, max_model_len = self.executor.start(lambda: self.stop_reason is not None)
+            num_blocks, max_model_len = self._start_workers(max_model_len)
             self.scheduler = Scheduler(self.config, num_blocks, max_model_len)
         except InterruptedError:
             self._refuse_pending_hellos(f"engine core stopped during start-up: {self.stop_reason}")
@@ -158,6 +166,14 @@ class EngineCoreDaemon:
             return EXIT_BAD_START
         self.info = self._engine_info(num_blocks, max_model_len)
         return None
+
+    def _start_workers(self, max_model_len: int) -> tuple[int, int]:
+        """A fresh executor with every rank loaded: (num_kv_blocks, max_model_len).
+        WorkerError if a rank fails to start; InterruptedError on a stop signal."""
+        self.executor = Executor(self.config, max_model_len, self.ctx,
+                                 step_timeout=self.worker_timeout, log_level=self.log_level)
+        self._idle_poller = None  # it polls the executor's process fds
+        return self.executor.start(lambda: self.stop_reason is not None)
 
     def _engine_info(self, num_blocks: int, max_model_len: int) -> EngineInfo:
         c = self.config
@@ -174,11 +190,14 @@ class EngineCoreDaemon:
                     self.info.num_kv_blocks, "on" if self.depth == 2 else "off")
         try:
             while self.stop_reason is None:
-                self._drain_frontends(block=self._is_idle())
-                self._expire_silent_frontends()
-                self._log_progress()
-                if self.stop_reason is None:
-                    self._step()
+                try:
+                    self._drain_frontends(block=self._is_idle())
+                    self._expire_silent_frontends()
+                    self._log_progress()
+                    if self.stop_reason is None:
+                        self._step()
+                except WorkerError as e:
+                    self._heal(e)
         except WorkerError as e:
             logger.error("%s; failing every unfinished request", e)
             self.executor.kill()
@@ -194,6 +213,42 @@ class EngineCoreDaemon:
         self._fail_everything(f"engine core shut down ({self.stop_reason})")
         self.executor.shutdown()
         return EXIT_OK
+
+    def _heal(self, failure: WorkerError) -> None:
+        """Replace every rank after `failure` and recompute the running requests (see the
+        module docstring); re-raises the failure once `max_worker_restarts` are used up."""
+        limit = self.config.parallel.max_worker_restarts
+        while True:
+            if self.num_worker_restarts >= limit:
+                if limit:
+                    failure = WorkerError(f"{failure} (after {limit} worker restart(s), "
+                                          "--max-worker-restarts)")
+                raise failure
+            self.num_worker_restarts += 1
+            self.executor.kill()
+            self.in_flight.clear()
+            num_running = self.scheduler.recompute_all()
+            logger.warning(
+                "%s: replacing the workers (restart %d of at most %d, --max-worker-restarts); "
+                "%d running request(s) will be recomputed from their tokens", failure,
+                self.num_worker_restarts, limit, num_running)
+            try:
+                num_blocks, _ = self._start_workers(self.scheduler.max_model_len)
+            except InterruptedError:
+                return  # a stop signal: the serve loop ends and fails what is unfinished
+            except WorkerError as e:
+                failure = e
+                continue
+            if num_blocks < self.scheduler.num_kv_blocks:
+                raise WorkerError(f"the replacement workers hold {num_blocks} KV blocks, "
+                                  f"fewer than the {self.scheduler.num_kv_blocks} in use")
+            return
+
+    def _stats(self):
+        """The scheduler's snapshot, with the restarts this core made."""
+        stats = self.scheduler.stats()
+        stats.num_worker_restarts = self.num_worker_restarts
+        return stats
 
     def _fail_everything(self, reason: str) -> None:
         try:
@@ -291,7 +346,7 @@ class EngineCoreDaemon:
             frontend.kind, frontend.pid = msg.kind, msg.pid
             self._send(frontend.client_id, self.info)
         elif isinstance(msg, StatsQuery):
-            self._send(frontend.client_id, EngineOutputs(outputs=[], stats=self.scheduler.stats(),
+            self._send(frontend.client_id, EngineOutputs(outputs=[], stats=self._stats(),
                                                           timestamp=time.time()))
         elif isinstance(msg, Goodbye):
             num_aborted = self.scheduler.abort_client(frontend.client_id)

@@ -485,6 +485,18 @@ class Scheduler:
             self.running = []
         return self.kv_cache_manager.reset_prefix_cache()
 
+    def recompute_all(self) -> int:
+        """The workers were replaced and their KV cache is gone: every running request goes
+        back to the front of the waiting queue in its running order, to be recomputed from
+        its prompt and the tokens it already has (as a preemption does, not counted as one),
+        every cached block hash is forgotten, and nothing is owed to the old workers (no
+        finished or preempted ids are sent to the new ones). Returns how many were running."""
+        num_running = len(self.running)
+        self.reset_prefix_cache(reset_running_requests=True)
+        self._finished_req_ids.clear()
+        self._preempted_req_ids.clear()
+        return num_running
+
     def check_invariants(self) -> None:
         """AssertionError if the scheduler or the block pool is inconsistent."""
         self.kv_cache_manager.check_invariants()

@@ -241,6 +241,7 @@ class SchedulerStats(msgspec.Struct, **_STRUCT):
     num_steps: int = 0
     preempted_prefix_cache_queries: int = 0  # tokens looked up when preempted requests resume
     preempted_prefix_cache_hits: int = 0  # their hits (mostly their own blocks), kept apart
+    num_worker_restarts: int = 0  # times the core replaced its workers after a failure
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", **_STRUCT):

@@ -51,6 +51,8 @@ _CORE_COUNTERS = {
     "prefix_cache_hits": ("Prefix-cache hits, in tokens.", "prefix_cache_hits"),
     "prompt_tokens": ("Prompt tokens computed (prefill).", "prompt_tokens"),
     "generation_tokens": ("Tokens generated.", "generation_tokens"),
+    "worker_restarts": ("Times the engine core replaced its workers after a failure.",
+                        "num_worker_restarts"),
 }
 
 

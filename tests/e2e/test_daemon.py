@@ -142,7 +142,7 @@ class Client:
 
     def add(self, req_id: str, prompt: list[int], max_tokens: int = MAX_TOKENS,
             eos_token_id: int | None = None, **sampling) -> None:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, **sampling)
+        params = SamplingParams(**{"temperature": 0.0, "max_tokens": max_tokens, **sampling})
         self.sent.add(req_id)
         self.tokens[req_id] = []
         self.send(AddRequest(req_id, pack_token_ids(prompt), params, eos_token_id=eos_token_id,
@@ -493,14 +493,14 @@ def test_sync_scheduling_same_tokens_then_sigterm(tiny_llama, tmp_path, zctx, pr
 @pytest.mark.timeout(150)
 def test_curve_then_worker_killed(tiny_llama, tmp_path, zctx, prompts, reference, eos_id):
     """CURVE forced on 127.0.0.1: only the key file's client is served. Then SIGKILL the
-    worker: every in-flight request fails with an error, the daemon exits non-zero, no
-    process is left behind."""
+    worker with --max-worker-restarts 0: every in-flight request fails with an error, the
+    daemon exits non-zero, no process is left behind."""
     key_file, other_keys = str(tmp_path / "engine.keys"), str(tmp_path / "other.keys")
     write_key_file(key_file)
     write_key_file(other_keys)
     address = f"tcp://127.0.0.1:{free_tcp_port()}"
     d = Daemon(tiny_llama, str(tmp_path / "core.log"), "--engine-key-file", key_file,
-               listen=address)
+               "--max-worker-restarts", "0", listen=address)
     try:
         client = Client(zctx, address, "keyholder", key_file=key_file)
         client.hello()
@@ -536,10 +536,11 @@ def test_curve_then_worker_killed(tiny_llama, tmp_path, zctx, prompts, reference
 def test_hung_worker_times_out_and_all_ranks_are_killed(tiny_llama, tmp_path, zctx, prompts,
                                                         reference, eos_id):
     """TP=2 with async scheduling, chunked prompts and preemptions gives the reference tokens.
-    Then rank 0 stops answering (SIGSTOP): past --worker-timeout every in-flight request
-    fails and the daemon kills both ranks."""
+    Then rank 0 stops answering (SIGSTOP): with --max-worker-restarts 0, past
+    --worker-timeout every in-flight request fails and the daemon kills both ranks."""
     d = Daemon(tiny_llama, str(tmp_path / "core.log"), "--tensor-parallel-size", "2",
-               "--worker-timeout", "2", "--max-num-batched-tokens", "32",
+               "--worker-timeout", "2", "--max-worker-restarts", "0",
+               "--max-num-batched-tokens", "32",
                "--max-model-len", "128", "--num-gpu-blocks-override", "12")
     try:
         client = Client(zctx, d.address, "tp2")

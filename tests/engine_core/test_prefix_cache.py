@@ -248,3 +248,41 @@ def test_salt_isolates_and_hashes_are_stable_across_processes():
     sched.add(make_request("c", [7] * 40))
     plan = sched.schedule()
     assert {n.req_id: n.num_computed_tokens for n in plan.new_requests} == {"b": 0, "c": 32}
+
+
+def test_recompute_all_after_the_workers_are_replaced():
+    """The engine core replaced its workers (one died) while two plans were in flight: their
+    tokens never come back. `recompute_all` sends every running request back to waiting in
+    running order and forgets every cached hash (the KV died with the workers); the next
+    plan owes the fresh worker nothing (no finished or preempted ids), re-sends each request
+    from token 0, and every request ends with the tokens of a fault-free run, the tokens it
+    had before the fault included."""
+    sched = make_scheduler(async_scheduling=True)
+    worker = FakeWorker(16)
+    for name in "abc":
+        sched.add(make_request(name, [ord(name)] * 40, max_tokens=6))
+    tokens = {n: [] for n in "abc"}
+    for _ in range(2):
+        _, out = step(sched, worker)
+        for n in "abc":
+            tokens[n] += output_tokens(out, n)
+    assert all(len(t) == 2 for t in tokens.values()) and sched.block_pool.cached
+    sched.add(make_request("d", 10, max_tokens=2))
+    sched.schedule(), sched.schedule()  # in flight when the worker dies: lost
+    assert sched.recompute_all() == 4
+    assert [r.req_id for r in sched.waiting] == ["a", "b", "c", "d"] and not sched.running
+    assert not sched.block_pool.cached
+    sched.check_invariants()
+    fresh = FakeWorker(16)
+    plan, out = step(sched, fresh)
+    assert plan.preempted_req_ids == [] and plan.finished_req_ids == []
+    assert {n.req_id: n.num_computed_tokens for n in plan.new_requests} == {
+        "a": 0, "b": 0, "c": 0, "d": 0}
+    for n in "abc":
+        tokens[n] += output_tokens(out, n)
+    while sched.has_unfinished_requests():
+        _, out = step(sched, fresh)
+        for n in "abc":
+            tokens[n] += output_tokens(out, n)
+    for n in "abc":
+        assert tokens[n] == reference_tokens([ord(n)] * 40, max_tokens=6, max_model_len=4096)
