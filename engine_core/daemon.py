@@ -10,6 +10,9 @@ Life of the process:
    that is taken fails at once; frontends may connect and say Hello right away;
 2. start one worker per TP rank, wait for every WorkerReady, InitKVCache(min blocks);
 3. answer each Hello with EngineInfo, then loop over steps (see `EngineCoreDaemon._step`);
+   a request that is bad in itself (a token id outside the vocabulary, an AddRequest that
+   does not decode) is refused to its sender alone (`RequestOutput.refused`), never reaches
+   a worker, and the engine goes on serving everyone else;
 4. SIGTERM / SIGINT: stop admitting, fail what is unfinished, EngineDead to every frontend,
    Shutdown to the workers, join them, exit 0. A worker that dies, fails or hangs: every
    unfinished request gets FinishReason.ERROR with a message, EngineDead, the remaining
@@ -42,7 +45,7 @@ from tidal.engine_core.executor import (
     Executor,
     WorkerError,
 )
-from tidal.engine_core.request import Request
+from tidal.engine_core.request import Request, check_request
 from tidal.engine_core.scheduler import Scheduler
 from tidal.ipc.messages import (
     Abort,
@@ -113,6 +116,7 @@ class EngineCoreDaemon:
         self.depth = 2 if config.scheduler.async_scheduling else 1
         self.stop_reason: str | None = None
         self.sock = self.auth = self.executor = self.scheduler = self.info = None
+        self.vocab_size = 0  # the model's, reported by the workers at start-up
         self._wake_r, self._wake_w = socket.socketpair()
         self._last_log = time.monotonic()
         self._last_logged_stats = None
@@ -146,8 +150,8 @@ class EngineCoreDaemon:
         self.executor = Executor(self.config, max_model_len, self.ctx,
                                  step_timeout=self.worker_timeout, log_level=self.log_level)
         try:
-            num_blocks, max_model_len = self.executor.start(lambda: self.stop_reason is not None)
-            self.scheduler = Scheduler(self.config, num_blocks, max_model_len)
+            facts = self.executor.start(lambda: self.stop_reason is not None)
+            self.scheduler = Scheduler(self.config, facts.num_kv_blocks, facts.max_model_len)
         except InterruptedError:
             self._refuse_pending_hellos(f"engine core stopped during start-up: {self.stop_reason}")
             return EXIT_OK
@@ -156,7 +160,8 @@ class EngineCoreDaemon:
             logger.error("engine core failed to start: %s", e)
             self._refuse_pending_hellos(f"engine core failed to start: {e}")
             return EXIT_BAD_START
-        self.info = self._engine_info(num_blocks, max_model_len)
+        self.vocab_size = facts.vocab_size
+        self.info = self._engine_info(facts.num_kv_blocks, facts.max_model_len)
         return None
 
     def _engine_info(self, num_blocks: int, max_model_len: int) -> EngineInfo:
@@ -167,7 +172,8 @@ class EngineCoreDaemon:
             max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
             stream_interval=c.scheduler.stream_interval,
             max_num_queued_reqs=c.scheduler.max_num_queued_reqs,
-            served_model_name=c.model.name, tokenizer=c.model.tokenizer_path)
+            served_model_name=c.model.name, tokenizer=c.model.tokenizer_path,
+            vocab_size=self.vocab_size)
 
     def _serve(self) -> int:
         logger.info("engine core ready: %d KV blocks, async scheduling %s",
@@ -274,6 +280,9 @@ class EngineCoreDaemon:
             return
         msg = self.decoder.decode(frames[1], sender=client_id)
         if msg is None:
+            refusal = self.decoder.undecodable_request(frames[1])
+            if refusal is not None:  # an AddRequest with a bad field: its sender must hear
+                self._refuse(client_id, *refusal)
             return
         frontend = self.frontends.get(client_id)
         if frontend is None:
@@ -303,11 +312,18 @@ class EngineCoreDaemon:
 
     def _add_request(self, client_id: str, msg: AddRequest) -> None:
         try:
-            self.scheduler.add(Request.from_add(msg, client_id))
+            request = Request.from_add(msg, client_id)
+            check_request(request, self.vocab_size)
+            self.scheduler.add(request)
         except ValueError as e:
-            logger.warning("request %r from %r refused: %s", msg.req_id, client_id, e)
-            error = RequestOutput(msg.req_id, b"", FinishReason.ERROR, error=str(e))
-            self._send(client_id, EngineOutputs([error], timestamp=time.time()))
+            self._refuse(client_id, msg.req_id, str(e))
+
+    def _refuse(self, client_id: str, req_id: str, error: str) -> None:
+        """Answer a bad request with its final output (an error naming the field); it never
+        reaches the scheduler or a worker."""
+        logger.warning("request %r from %r refused: %s", req_id, client_id, error)
+        out = RequestOutput(req_id, b"", FinishReason.ERROR, error=error, refused=True)
+        self._send(client_id, EngineOutputs([out], timestamp=time.time()))
 
     def _abort(self, client_id: str, req_ids: list[str]) -> None:
         """Abort the sender's own requests among `req_ids`; other ids are ignored."""
