@@ -10,6 +10,9 @@ Life of the process:
    that is taken fails at once; frontends may connect and say Hello right away;
 2. start one worker per TP rank, wait for every WorkerReady, InitKVCache(min blocks);
 3. answer each Hello with EngineInfo, then loop over steps (see `EngineCoreDaemon._step`);
+   a request that is bad in itself (a token id outside the vocabulary, an AddRequest that
+   does not decode) is refused to its sender alone (`RequestOutput.refused`), never reaches
+   a worker, and the engine goes on serving everyone else;
 4. SIGTERM / SIGINT: stop admitting, fail what is unfinished, EngineDead to every frontend,
    Shutdown to the workers, join them, exit 0. A bad configuration or a failed start-up:
    exit 2.
@@ -50,8 +53,9 @@ from tidal.engine_core.executor import (
     DEFAULT_STEP_TIMEOUT_S,
     Executor,
     WorkerError,
+    WorkerFacts,
 )
-from tidal.engine_core.request import Request
+from tidal.engine_core.request import Request, check_request
 from tidal.engine_core.scheduler import Scheduler
 from tidal.ipc.messages import (
     Abort,
@@ -123,6 +127,7 @@ class EngineCoreDaemon:
         self.stop_reason: str | None = None
         self.num_worker_restarts = 0
         self.sock = self.auth = self.executor = self.scheduler = self.info = None
+        self.vocab_size = 0  # the model's, reported by the workers at start-up
         self._wake_r, self._wake_w = socket.socketpair()
         self._last_log = time.monotonic()
         self._last_logged_stats = None
@@ -154,8 +159,8 @@ class EngineCoreDaemon:
             return EXIT_BAD_START
         logger.info("engine core listening on %s (model %s)", self.listen, self.config.model.model)
         try:
-            num_blocks, max_model_len = self._start_workers(max_model_len)
-            self.scheduler = Scheduler(self.config, num_blocks, max_model_len)
+            facts = self._start_workers(max_model_len)
+            self.scheduler = Scheduler(self.config, facts.num_kv_blocks, facts.max_model_len)
         except InterruptedError:
             self._refuse_pending_hellos(f"engine core stopped during start-up: {self.stop_reason}")
             return EXIT_OK
@@ -164,11 +169,12 @@ class EngineCoreDaemon:
             logger.error("engine core failed to start: %s", e)
             self._refuse_pending_hellos(f"engine core failed to start: {e}")
             return EXIT_BAD_START
-        self.info = self._engine_info(num_blocks, max_model_len)
+        self.vocab_size = facts.vocab_size
+        self.info = self._engine_info(facts.num_kv_blocks, facts.max_model_len)
         return None
 
-    def _start_workers(self, max_model_len: int) -> tuple[int, int]:
-        """A fresh executor with every rank loaded: (num_kv_blocks, max_model_len).
+    def _start_workers(self, max_model_len: int) -> WorkerFacts:
+        """A fresh executor with every rank loaded, and what the ranks found.
         WorkerError if a rank fails to start; InterruptedError on a stop signal."""
         self.executor = Executor(self.config, max_model_len, self.ctx,
                                  step_timeout=self.worker_timeout, log_level=self.log_level)
@@ -183,7 +189,8 @@ class EngineCoreDaemon:
             max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
             stream_interval=c.scheduler.stream_interval,
             max_num_queued_reqs=c.scheduler.max_num_queued_reqs,
-            served_model_name=c.model.name, tokenizer=c.model.tokenizer_path)
+            served_model_name=c.model.name, tokenizer=c.model.tokenizer_path,
+            vocab_size=self.vocab_size)
 
     def _serve(self) -> int:
         logger.info("engine core ready: %d KV blocks, async scheduling %s",
@@ -233,15 +240,18 @@ class EngineCoreDaemon:
                 "%d running request(s) will be recomputed from their tokens", failure,
                 self.num_worker_restarts, limit, num_running)
             try:
-                num_blocks, _ = self._start_workers(self.scheduler.max_model_len)
+                facts = self._start_workers(self.scheduler.max_model_len)
             except InterruptedError:
                 return  # a stop signal: the serve loop ends and fails what is unfinished
             except WorkerError as e:
                 failure = e
                 continue
-            if num_blocks < self.scheduler.num_kv_blocks:
-                raise WorkerError(f"the replacement workers hold {num_blocks} KV blocks, "
-                                  f"fewer than the {self.scheduler.num_kv_blocks} in use")
+            if (facts.num_kv_blocks < self.scheduler.num_kv_blocks
+                    or facts.vocab_size != self.vocab_size):
+                raise WorkerError(
+                    f"the replacement workers report {facts.num_kv_blocks} KV blocks and a "
+                    f"vocabulary of {facts.vocab_size}, where the engine core uses "
+                    f"{self.scheduler.num_kv_blocks} and {self.vocab_size}")
             return
 
     def _stats(self):
@@ -329,6 +339,9 @@ class EngineCoreDaemon:
             return
         msg = self.decoder.decode(frames[1], sender=client_id)
         if msg is None:
+            refusal = self.decoder.undecodable_request(frames[1])
+            if refusal is not None:  # an AddRequest with a bad field: its sender must hear
+                self._refuse(client_id, *refusal)
             return
         frontend = self.frontends.get(client_id)
         if frontend is None:
@@ -358,11 +371,18 @@ class EngineCoreDaemon:
 
     def _add_request(self, client_id: str, msg: AddRequest) -> None:
         try:
-            self.scheduler.add(Request.from_add(msg, client_id))
+            request = Request.from_add(msg, client_id)
+            check_request(request, self.vocab_size)
+            self.scheduler.add(request)
         except ValueError as e:
-            logger.warning("request %r from %r refused: %s", msg.req_id, client_id, e)
-            error = RequestOutput(msg.req_id, b"", FinishReason.ERROR, error=str(e))
-            self._send(client_id, EngineOutputs([error], timestamp=time.time()))
+            self._refuse(client_id, msg.req_id, str(e))
+
+    def _refuse(self, client_id: str, req_id: str, error: str) -> None:
+        """Answer a bad request with its final output (an error naming the field); it never
+        reaches the scheduler or a worker."""
+        logger.warning("request %r from %r refused: %s", req_id, client_id, error)
+        out = RequestOutput(req_id, b"", FinishReason.ERROR, error=error, refused=True)
+        self._send(client_id, EngineOutputs([out], timestamp=time.time()))
 
     def _abort(self, client_id: str, req_ids: list[str]) -> None:
         """Abort the sender's own requests among `req_ids`; other ids are ignored."""

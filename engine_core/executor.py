@@ -1,7 +1,7 @@
 """The executor: starts one worker process per tensor-parallel rank and feeds them plans.
 
     executor = Executor(config, max_model_len)
-    num_blocks, max_model_len = executor.start()   # spawn ranks, handshake, InitKVCache
+    facts = executor.start()                       # spawn ranks, handshake, InitKVCache
     executor.submit(plan)                          # broadcast to every rank, do not wait
     sampled = executor.collect(timeout)            # rank 0's SampledTokens, in step order
     executor.shutdown()                            # Shutdown, join, kill stragglers
@@ -65,6 +65,17 @@ class WorkerError(RuntimeError):
     """A worker died, failed or hung; every in-flight request is lost."""
 
 
+@dataclass(frozen=True)
+class WorkerFacts:
+    """What the ranks found at start-up (the smallest over ranks). Facts, not configuration:
+    passed to whoever needs them, never written into the frozen EngineConfig."""
+
+    num_kv_blocks: int
+    max_model_len: int
+    vocab_size: int
+    """Token ids the model takes: [0, vocab_size)."""
+
+
 @dataclass
 class _Rank:
     """One worker process and the socket that feeds it."""
@@ -104,12 +115,12 @@ class Executor:
 
     # -- start-up ------------------------------------------------------------------------------
 
-    def start(self, stop_requested=lambda: False) -> tuple[int, int]:
+    def start(self, stop_requested=lambda: False) -> WorkerFacts:
         """Spawn every rank, wait for all WorkerReady, send InitKVCache(minimum blocks).
 
-        Returns (num_kv_blocks, max_model_len): the smallest of what the ranks report.
-        Raises WorkerError when a rank fails, exits or the start-up timeout passes, and
-        InterruptedError when `stop_requested()` turns true while waiting.
+        Returns the smallest KV block count, context length and vocabulary the ranks report.
+        Raises WorkerError when a rank fails, exits, reports no vocabulary or the start-up
+        timeout passes, and InterruptedError when `stop_requested()` turns true while waiting.
         """
         dist_init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
         for rank in range(self.config.parallel.tensor_parallel_size):
@@ -122,6 +133,9 @@ class Executor:
         readies = self._wait_ready(stop_requested)
         num_blocks = min(r.num_kv_blocks for r in readies)
         max_model_len = min([self.max_model_len] + [r.max_model_len for r in readies])
+        vocab_size = min(r.vocab_size for r in readies)
+        if vocab_size < 1:
+            raise WorkerError("a worker rank reported no vocabulary size")
         if len({r.num_kv_blocks for r in readies}) > 1:
             logger.info("ranks report %s KV blocks; using the minimum, %d",
                         [r.num_kv_blocks for r in readies], num_blocks)
@@ -130,7 +144,7 @@ class Executor:
         logger.info("%d worker(s) ready on %s in %.1f s: %d KV blocks of %d tokens, "
                     "max_model_len %d", len(readies), readies[0].device, load_s, num_blocks,
                     self.config.cache.block_size, max_model_len)
-        return num_blocks, max_model_len
+        return WorkerFacts(num_blocks, max_model_len, vocab_size)
 
     def _spawn(self, rank: int, dist_init_method: str) -> _Rank:
         plan_address = new_private_address(f"plan{rank}")

@@ -13,8 +13,15 @@ known to the engine core); those are counted in `num_output_placeholders`:
 from __future__ import annotations
 
 import enum
+import math
 
-from tidal.ipc.messages import AddRequest, FinishReason, SamplingParams, unpack_token_ids
+from tidal.ipc.messages import (
+    INT32_MAX,
+    AddRequest,
+    FinishReason,
+    SamplingParams,
+    unpack_token_ids,
+)
 
 
 class RequestStatus(enum.IntEnum):
@@ -119,7 +126,11 @@ class Request:
 
     @classmethod
     def from_add(cls, msg: AddRequest, client_id: str) -> Request:
-        """Build from the wire message a frontend sent."""
+        """Build from the wire message a frontend sent (ValueError if the prompt is not
+        packed int32)."""
+        if len(msg.prompt_token_ids) % 4:
+            raise ValueError(f"prompt_token_ids must be packed int32 (a multiple of 4 bytes), "
+                             f"got {len(msg.prompt_token_ids)} bytes")
         return cls(
             msg.req_id,
             unpack_token_ids(msg.prompt_token_ids).tolist(),
@@ -154,3 +165,33 @@ class Request:
         return (f"Request({self.req_id!r}, {self.status.name}, computed="
                 f"{self.num_computed_tokens}/{len(self.all_token_ids)}, "
                 f"placeholders={self.num_output_placeholders})")
+
+
+def check_request(request: Request, vocab_size: int) -> None:
+    """ValueError naming the field of a request the workers could not run.
+
+    Any process that reaches the engine socket can send an AddRequest, so nothing a worker
+    indexes or converts is trusted: prompt token ids must be in the model's vocabulary
+    (`vocab_size`, reported by the workers at start-up); EOS, like the stop token ids
+    (checked by SamplingParams), must be an int32 id (an id outside the vocabulary is never
+    sampled, so it is harmless); `n` must be 1 (frontends send one request per completion);
+    logprobs may not ask for more alternatives than the vocabulary holds. SamplingParams has
+    checked its own ranges on decode.
+    """
+    ids = request.prompt_token_ids
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        bad = next(t for t in ids if not 0 <= t < vocab_size)
+        raise ValueError(f"prompt_token_ids contains token id {bad}, outside the vocabulary "
+                         f"[0, {vocab_size})")
+    eos = request.eos_token_id
+    if eos is not None and not 0 <= eos <= INT32_MAX:
+        raise ValueError(f"eos_token_id must be a token id in [0, {INT32_MAX}], got {eos}")
+    sampling = request.sampling
+    if sampling.n != 1:
+        raise ValueError(f"n must be 1 in an AddRequest (a frontend sends one request per "
+                         f"completion), got {sampling.n}")
+    if sampling.logprobs is not None and sampling.logprobs > vocab_size:
+        raise ValueError(f"logprobs must be at most the vocabulary size {vocab_size}, got "
+                         f"{sampling.logprobs}")
+    if not math.isfinite(request.arrival_time):
+        raise ValueError(f"arrival_time must be a finite number, got {request.arrival_time}")

@@ -32,7 +32,7 @@ from tidal.engine_core.preemption_log import PreemptionLog
 from tidal.engine_core.request import Request, RequestStatus
 from tidal.engine_core.request_queue import create_request_queue, priority_key
 from tidal.ipc.messages import (
-    BatchPlan, CachedRequestData, NewRequestData, RequestOutput, SampledTokens,
+    BatchPlan, CachedRequestData, NewRequestData, RequestFailure, RequestOutput, SampledTokens,
     SchedulerStats, pack_token_ids, unpack_token_ids,
 )
 
@@ -388,11 +388,14 @@ class Scheduler:
 
     def update(self, plan: BatchPlan, sampled: SampledTokens) -> Outputs:
         """Append the step's sampled tokens, check stops, free finished requests. Results for
-        requests finished meanwhile, or preempted after the step was planned, are dropped."""
+        requests finished meanwhile, or preempted after the step was planned, are dropped;
+        requests the workers refused fail alone."""
         if sampled.step_id != plan.step_id:
             raise ValueError(f"sampled.step_id {sampled.step_id} does not match plan.step_id "
                              f"{plan.step_id}")
         outputs: Outputs = {}
+        if sampled.failed:
+            self._fail_refused(sampled.failed, outputs)
         step_id = plan.step_id
         requests = self.requests
         max_model_len = self.max_model_len
@@ -433,6 +436,17 @@ class Scheduler:
         if num_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]
         return outputs
+
+    def _fail_refused(self, failures: list[RequestFailure], outputs: Outputs) -> None:
+        """Requests whose data a worker refused (the engine core's checks let them through):
+        each finishes with an error of its own, refused, and frees its blocks."""
+        for failure in failures:
+            finished = self._finish_many([failure.req_id], RequestStatus.FINISHED_ERROR,
+                                         failure.error)
+            for client_id, client_outputs in finished.items():
+                for out in client_outputs:
+                    out.refused = True
+                outputs.setdefault(client_id, []).extend(client_outputs)
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         """EOS (unless ignore_eos) or a stop token, once more than min_tokens tokens exist;

@@ -9,7 +9,8 @@
 One background task reads the socket and routes outputs, through the `OutputProcessor`
 (detokenize, stop strings, n > 1, stream interval), into one `RequestOutputCollector` per
 request. A collector holds at most one pending update: if the consumer falls behind, newer
-deltas are merged into it (vLLM's back-pressure without unbounded queues). Engine death (an
+deltas are merged into it (vLLM's back-pressure without unbounded queues). A request the engine
+core refuses (bad input) makes `generate` raise ValueError naming the field. Engine death (an
 `EngineDead` message, a lost connection, or the private daemon process gone) ends every
 pending request with finish_reason "error"; later calls raise RuntimeError.
 
@@ -43,6 +44,7 @@ from tidal.ipc.messages import (
     SamplingParams,
     SchedulerStats,
     StatsQuery,
+    is_valid_unicode,
 )
 
 logger = logging.getLogger(__name__)
@@ -91,6 +93,7 @@ class RequestOutputCollector:
 
     def __init__(self) -> None:
         self._pending: RequestOutput | None = None
+        self._error: Exception | None = None
         self._ready = asyncio.Event()
 
     def put(self, output: RequestOutput) -> None:
@@ -98,11 +101,18 @@ class RequestOutputCollector:
         self._pending = output if self._pending is None else merge_outputs(self._pending, output)
         self._ready.set()
 
+    def fail(self, error: Exception) -> None:
+        """End the request with `error`, raised by the next `get()`."""
+        self._error = error
+        self._ready.set()
+
     async def get(self) -> RequestOutput:
-        """The next (possibly merged) update."""
-        while self._pending is None:
+        """The next (possibly merged) update; raises the error given to `fail()`."""
+        while self._pending is None and self._error is None:
             self._ready.clear()
             await self._ready.wait()
+        if self._error is not None:
+            raise self._error
         output, self._pending = self._pending, None
         return output
 
@@ -224,7 +234,8 @@ class AsyncLLM:
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         """Token ids of `prompt`; ValueError if empty or too long (both numbers given)."""
-        return encode_prompt(self.tokenizer, prompt, self.engine_info.max_model_len)
+        return encode_prompt(self.tokenizer, prompt, self.engine_info.max_model_len,
+                             self.engine_info.vocab_size)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str | None = None, *, priority: int = 0,
@@ -232,7 +243,8 @@ class AsyncLLM:
         """Stream updates of one request: the first token at once, then every
         `stream_interval` tokens (the engine's when None; a request may only raise it), the
         rest when it finishes. Leaving the loop early (break, cancellation, an HTTP client
-        gone) aborts the request in the engine."""
+        gone) aborts the request in the engine. ValueError naming the field when the prompt
+        or the engine core refuses the request."""
         interval = max(self.engine_info.stream_interval, stream_interval or 1)
         request_id, collector = self._add_request(prompt, params, request_id, priority,
                                                   interval, final_only=False)
@@ -253,6 +265,7 @@ class AsyncLLM:
         """The finished result of one request (all n completions), without streaming.
 
         `prompt_token_ids`: the prompt already encoded by `encode_prompt` (not re-checked).
+        ValueError naming the field when the engine core refuses the request.
         """
         request_id, collector = self._add_request(prompt, params, request_id, priority, 1,
                                                   final_only=True, prompt_ids=prompt_token_ids)
@@ -271,6 +284,8 @@ class AsyncLLM:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         request_id = request_id or uuid.uuid4().hex
+        if not is_valid_unicode(request_id):
+            raise ValueError("request_id must be valid Unicode (no lone surrogates)")
         if prompt_ids is None:
             prompt_ids = self.encode_prompt(prompt)
         messages = self._processor.add_request(
@@ -350,6 +365,7 @@ class AsyncLLM:
             if processed.reqs_to_abort:
                 self._client.send_nowait(Abort(processed.reqs_to_abort))
             self._deliver(processed.request_outputs)
+            self._deliver_refusals(processed.refused)
         if msg.stats is not None:
             self.latest_stats = msg.stats
             for fut in self._stats_waiters:
@@ -362,6 +378,12 @@ class AsyncLLM:
             collector = self._collectors.get(output.request_id)
             if collector is not None:
                 collector.put(output)
+
+    def _deliver_refusals(self, refused: dict[str, str]) -> None:
+        for request_id, error in refused.items():
+            collector = self._collectors.get(request_id)
+            if collector is not None:
+                collector.fail(ValueError(error))
 
     async def _watch_daemon(self) -> None:
         while self._daemon.alive():

@@ -25,7 +25,7 @@ import uuid
 import zmq
 import zmq.asyncio
 
-from tidal.ipc.messages import EngineDead, EngineInfo, Goodbye, Heartbeat, Hello
+from tidal.ipc.messages import EngineDead, EngineInfo, Goodbye, Heartbeat, Hello, is_valid_unicode
 from tidal.ipc.transport import (
     HEARTBEAT_INTERVAL_S,
     CoreToFrontendDecoder,
@@ -99,17 +99,21 @@ def read_eos_token_ids(model_dir: str, tokenizer) -> list[int]:
     return ids
 
 
-def encode_prompt(tokenizer, prompt: str | list[int], max_model_len: int) -> list[int]:
+def encode_prompt(tokenizer, prompt: str | list[int], max_model_len: int,
+                  model_vocab_size: int = 0) -> list[int]:
     """Token ids of `prompt` (text is tokenized with special tokens, as vLLM does).
 
-    ValueError for an empty prompt, ids outside the vocabulary, or a prompt that leaves no
-    room to generate: like vLLM, a prompt of `max_model_len` tokens or more is refused.
+    ValueError for an empty prompt, ids outside the vocabulary (the tokenizer's, and the
+    model's when `model_vocab_size` is known: EngineInfo.vocab_size), or a prompt that leaves
+    no room to generate: like vLLM, a prompt of `max_model_len` tokens or more is refused.
     """
     if isinstance(prompt, str):
+        if not is_valid_unicode(prompt):
+            raise ValueError("prompt must be valid Unicode (it holds a lone surrogate)")
         ids = tokenizer.encode(prompt)
     else:
         ids = [int(t) for t in prompt]
-        vocab = len(tokenizer)
+        vocab = min(len(tokenizer), model_vocab_size) if model_vocab_size else len(tokenizer)
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")

@@ -133,8 +133,9 @@ class LLM:
 
         `sampling_params`: one for all prompts, or one per prompt (None: the defaults).
         `priority`: one per prompt (with --scheduling-policy priority; lower runs first).
-        Every prompt is checked (ValueError) before any is sent. If the engine dies, the
-        unfinished outputs end with finish_reason "error".
+        Every prompt is checked (ValueError) before any is sent; a request the engine core
+        refuses all the same raises ValueError naming the field, and the rest of the batch
+        is aborted. If the engine dies, the unfinished outputs end with finish_reason "error".
         """
         prompt_list = _normalize_prompts(prompts)
         params = _normalize_params(sampling_params, len(prompt_list))
@@ -168,7 +169,13 @@ class LLM:
             task.add_done_callback(progress.one_done)
             tasks.append(task)
         progress.start(self._llm.num_generated_tokens)
-        outputs = await asyncio.gather(*tasks)
+        try:
+            outputs = await asyncio.gather(*tasks)
+        except BaseException:  # a refused request (ValueError): the rest of the batch stops
+            for task in tasks:
+                task.cancel()  # aborts each one still running in the engine
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         if self._llm.dead:
             logger.error("the engine core died during generate(): %s", self._llm.dead_reason)
         return list(outputs)

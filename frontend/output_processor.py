@@ -19,6 +19,10 @@ Per completion, for every new token id (in order):
                                dropped, and the engine request is returned in
                                `reqs_to_abort` so the caller tells the core to stop it.
 
+A request the engine core refused (`refused`: bad input, the error names the field) is
+dropped at once with all its completions and reported in `ProcessedOutputs.refused`, for the
+caller to raise as a ValueError rather than deliver as an output.
+
 Emission (streaming): a completion is reported on its first token, when it finishes, and
 otherwise once `stream_interval` tokens have accumulated since its last report. With stop
 strings (and not include_stop_str_in_output) the last `max(len(stop)) - 1` characters are held
@@ -104,6 +108,8 @@ class ProcessedOutputs:
     """User-facing updates, at most one per parent request (its changed completions)."""
     reqs_to_abort: list[str] = field(default_factory=list)
     """Engine request ids stopped by a stop string here: tell the engine core to abort them."""
+    refused: dict[str, str] = field(default_factory=dict)
+    """request_id -> error, for requests the engine core refused (forgotten here already)."""
 
 
 def child_params(params: SamplingParams, index: int, max_tokens: int) -> SamplingParams:
@@ -208,14 +214,27 @@ class OutputProcessor:
             parent, comp = entry
             if comp.finished:
                 continue
+            if out.refused:
+                self._refuse(parent, comp, out.error, result)
+                continue
             if self._apply(parent, comp, out, now) and out.finish_reason is None:
                 result.reqs_to_abort.append(comp.req_id)
             if self._should_report(parent, comp):
                 changed.setdefault(parent.request_id, {})[comp.index] = comp
         for request_id, comps in changed.items():
+            if request_id in result.refused:
+                continue
             parent = self._parents[request_id]
             result.request_outputs.append(self._make_output(parent, list(comps.values()), now))
         return result
+
+    def _refuse(self, parent: _Parent, comp: _Completion, error: str | None,
+                result: ProcessedOutputs) -> None:
+        """Forget a request one of whose completions the engine core refused; the others
+        still running are aborted."""
+        running = self.abort_request(parent.request_id)
+        result.reqs_to_abort.extend(r for r in running if r != comp.req_id)
+        result.refused[parent.request_id] = error or "the engine core refused this request"
 
     def finish_request(self, request_id: str, finish_reason: str,
                        error: str | None = None) -> tuple[RequestOutput | None, list[str]]:

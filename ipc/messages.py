@@ -25,6 +25,11 @@ import msgspec
 
 _STRUCT = dict(array_like=True, omit_defaults=True, gc=False)
 
+INT32_MAX = 2**31 - 1
+"""Largest token id, top_k or min_tokens a worker takes (token ids travel as int32)."""
+FLOAT32_MAX = 3.4028234663852886e38
+"""Largest temperature or repetition penalty a worker takes (it samples in float32)."""
+
 # ---------------------------------------------------------------------------------------------
 # token id arrays
 
@@ -102,27 +107,34 @@ class SamplingParams(msgspec.Struct, **_STRUCT):
     """Keep the matched stop string at the end of the text."""
 
     def __post_init__(self) -> None:
+        """ValueError naming the field for a value out of range, or one the worker cannot
+        hold (it keeps these in float32 / int64 arrays): the same rules run on decode, so
+        a value that passes here never reaches a worker it would crash."""
         _check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
                f"must be at least 1, got {self.max_tokens}")
-        _check(self.min_tokens >= 0, "min_tokens", f"must be non-negative, got {self.min_tokens}")
+        _check(0 <= self.min_tokens <= INT32_MAX, "min_tokens",
+               f"must be in [0, {INT32_MAX}], got {self.min_tokens}")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                f"must be at most max_tokens={self.max_tokens}, got {self.min_tokens}")
         _check(self.temperature >= 0.0, "temperature",
                f"must be non-negative, got {self.temperature}")
+        _check(self.temperature <= FLOAT32_MAX, "temperature",
+               f"must be finite (at most {FLOAT32_MAX:.4g}), got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= -1, "top_k", f"must be -1, 0 (off) or positive, got {self.top_k}")
+        _check(-1 <= self.top_k <= INT32_MAX, "top_k",
+               f"must be -1, 0 (off) or positive (at most {INT32_MAX}), got {self.top_k}")
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
                f"must be in [-2, 2], got {self.presence_penalty}")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
                f"must be in [-2, 2], got {self.frequency_penalty}")
-        _check(self.repetition_penalty > 0.0, "repetition_penalty",
-               f"must be positive, got {self.repetition_penalty}")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop",
-               "must be non-empty strings")
-        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-               "must be non-negative token ids")
+        _check(0.0 < self.repetition_penalty <= FLOAT32_MAX, "repetition_penalty",
+               f"must be positive and finite, got {self.repetition_penalty}")
+        _check(all(isinstance(s, str) and s and is_valid_unicode(s) for s in self.stop),
+               "stop", "must be non-empty strings of valid Unicode (no lone surrogates)")
+        _check(all(0 <= t <= INT32_MAX for t in self.stop_token_ids), "stop_token_ids",
+               f"must be token ids in [0, {INT32_MAX}]")
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
                f"must be in [0, 20], got {self.logprobs}")
         _check(self.seed is None or -(2**63) <= self.seed < 2**63, "seed",
@@ -136,6 +148,16 @@ class SamplingParams(msgspec.Struct, **_STRUCT):
 def _check(ok: bool, field: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{field} {message}")
+
+
+def is_valid_unicode(text: str) -> bool:
+    """False for a string holding a lone surrogate (JSON may escape one, "\\ud800"): no
+    tokenizer can encode it and msgpack cannot carry it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,6 +246,10 @@ class RequestOutput(msgspec.Struct, **_STRUCT):
     num_cached_tokens: int = 0  # prefix-cache hit at admission, in tokens
     error: str | None = None  # with FinishReason.ERROR: what went wrong
     queue_time: float | None = None  # first output only: seconds from add() to first scheduled
+    refused: bool = False
+    """With FinishReason.ERROR: the request itself was bad (a token id outside the vocabulary,
+    a value a worker cannot hold) and never ran; `error` starts with the field's name. A
+    client error: frontends raise ValueError / answer HTTP 400, not 500."""
 
 
 class SchedulerStats(msgspec.Struct, **_STRUCT):
@@ -265,6 +291,8 @@ class EngineInfo(msgspec.Struct, tag="info", **_STRUCT):
     max_num_queued_reqs: int | None = None
     served_model_name: str | None = None
     tokenizer: str | None = None
+    vocab_size: int = 0
+    """Prompt token ids must be in [0, vocab_size): the model's, as the workers found it."""
 
 
 class EngineDead(msgspec.Struct, tag="dead", **_STRUCT):
@@ -373,6 +401,15 @@ class WorkerReady(msgspec.Struct, tag="ready", **_STRUCT):
     max_model_len: int
     device: str = "cpu"
     load_seconds: float = 0.0
+    vocab_size: int = 0  # rows of the model's embedding: valid token ids are [0, vocab_size)
+
+
+class RequestFailure(msgspec.Struct, **_STRUCT):
+    """A request the workers refused to run because its own data was bad (defence in depth:
+    the engine core checks first). It fails alone; the worker and the rest of the batch go on."""
+
+    req_id: str
+    error: str  # starts with the field's name
 
 
 class SampledTokens(msgspec.Struct, tag="sampled", **_STRUCT):
@@ -380,13 +417,15 @@ class SampledTokens(msgspec.Struct, tag="sampled", **_STRUCT):
 
     Only requests that sampled this step are listed (a prefill chunk that does not reach the
     end of the prompt samples nothing). `token_ids` is packed int32, one per listed request.
-    `logprobs[i]` is set only for requests that asked for them.
+    `logprobs[i]` is set only for requests that asked for them. `failed`: requests of this
+    step's plan that the workers refused (every rank refuses the same ones) and dropped.
     """
 
     step_id: int
     req_ids: list[str]
     token_ids: bytes
     logprobs: list[TokenLogprobs | None] | None = None
+    failed: list[RequestFailure] = []
 
 
 class WorkerFailed(msgspec.Struct, tag="failed", **_STRUCT):

@@ -18,6 +18,7 @@ Public API, for the engine core, the workers and the frontends:
 
     encode(msg) -> bytes                            any Struct of messages.py
     FrontendDecoder()   .decode(frame) -> FrontendMessage | None      (engine core side)
+                        .undecodable_request(frame) -> (req_id, why) | None  (to refuse it)
     CoreToFrontendDecoder() .decode(frame) -> CoreToFrontend | None   (frontend side)
     CoreToWorkerDecoder() .decode(frame) -> CoreToWorker | None       (worker side)
     WorkerToCoreDecoder() .decode(frame) -> WorkerToCore | None       (engine core side)
@@ -48,6 +49,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import re
 import socket
 import stat
 import tempfile
@@ -61,6 +63,7 @@ import msgspec
 import zmq
 
 from tidal.ipc.messages import (
+    AddRequest,
     CoreToFrontend,
     CoreToWorker,
     FrontendMessage,
@@ -128,11 +131,75 @@ class TypedDecoder:
         self._num_unlogged = 0
 
 
+class _AddRequestHead(msgspec.Struct, tag="add", array_like=True):
+    """The first field of an AddRequest on the wire, the rest ignored."""
+
+    req_id: str
+
+
 class FrontendDecoder(TypedDecoder):
     """Engine core side of the frontend socket: decodes `FrontendMessage` only."""
 
     def __init__(self) -> None:
         super().__init__(FrontendMessage, "frontend socket")
+        self._head = msgspec.msgpack.Decoder(_AddRequestHead)
+        self._add = msgspec.msgpack.Decoder(AddRequest)
+
+    def undecodable_request(self, frame) -> tuple[str, str] | None:
+        """For a frame `decode` dropped: (req_id, why it does not decode) when the frame is
+        tagged as an AddRequest and its req_id reads as a string, so the engine core can
+        refuse that request to its sender instead of leaving it waiting; else None.
+        `why` names the field ("sampling.temperature: Expected `float`, got `str`")."""
+        try:
+            req_id = self._head.decode(frame).req_id
+        except Exception:  # noqa: BLE001 - not even an addressable AddRequest
+            return None
+        try:
+            self._add.decode(frame)
+        except msgspec.ValidationError as e:
+            return req_id, describe_validation_error(e, AddRequest)
+        except Exception as e:  # noqa: BLE001 - truncated or malformed msgpack
+            return req_id, f"AddRequest does not decode: {e}"
+        return None
+
+
+_ERROR_LOCATION = re.compile(r"^(.*) - at `\$((?:\[\d+\])*)`$", re.DOTALL)
+
+
+def describe_validation_error(error: msgspec.ValidationError, struct_type) -> str:
+    """A msgspec error on an array-like Struct with its location as field names:
+    "Expected `float`, got `str` - at `$[3][3]`" -> "sampling.temperature: Expected ...". An
+    error a Struct's own validation raised ("temperature must be ...") names its field
+    already and is returned as it is."""
+    match = _ERROR_LOCATION.match(str(error))
+    if match is None:
+        return str(error)
+    text, location = match.groups()
+    path, leaf_type = _field_path(struct_type, [int(i) for i in re.findall(r"\d+", location)])
+    if not path or _is_struct(leaf_type):
+        return text
+    return f"{path}: {text}"
+
+
+def _field_path(struct_type, indices: list[int]) -> tuple[str, object]:
+    """Field names along `indices` (array positions) of an array-like Struct, and the type
+    reached; list positions are written `[i]`."""
+    path, current = "", struct_type
+    for index in indices:
+        if not _is_struct(current):
+            path, current = f"{path}[{index}]", None
+            continue
+        fields = msgspec.structs.fields(current)
+        index -= current.__struct_config__.tag is not None  # position 0 holds the tag
+        if not 0 <= index < len(fields):
+            return path, None
+        path = f"{path}.{fields[index].name}" if path else fields[index].name
+        current = fields[index].type
+    return path, current
+
+
+def _is_struct(t) -> bool:
+    return isinstance(t, type) and issubclass(t, msgspec.Struct)
 
 
 class CoreToFrontendDecoder(TypedDecoder):

@@ -22,13 +22,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tidal.ipc.messages import BatchPlan, TokenLogprobs, WorkerConfig, pack_token_ids
+from tidal.ipc.messages import (
+    BatchPlan,
+    RequestFailure,
+    TokenLogprobs,
+    WorkerConfig,
+    pack_token_ids,
+)
 from tidal.kernels import AttentionBackend
 from tidal.workers.attention import AttentionInputs, AttentionMetadata, KVCache
 from tidal.workers.cuda_graphs import DecodeGraphs
 from tidal.workers.layers import kv_heads_per_rank
 from tidal.workers.models.llama import LlamaForCausalLM, ModelArgs
-from tidal.workers.persistent_batch import PersistentBatch
+from tidal.workers.persistent_batch import BadRequestData, PersistentBatch
 from tidal.workers.sampler import Sampler, SamplerOutput, SamplingBatch
 
 logger = logging.getLogger(__name__)
@@ -55,6 +61,7 @@ class StepResult:
     req_ids: list[str]
     token_ids: np.ndarray  # [len(req_ids)] int32
     logprobs: list[TokenLogprobs | None] | None
+    failed: list[RequestFailure]  # new requests refused for their own data (not run)
 
 
 class ModelRunner:
@@ -69,7 +76,10 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_blocks_per_req = math.ceil(config.max_model_len / config.block_size)
         self.batch = PersistentBatch(config.max_num_seqs, config.max_model_len,
-                                     self.max_blocks_per_req)
+                                     self.max_blocks_per_req, args.vocab_size)
+        self.refused: set[str] = set()
+        """Requests refused for their own data, until the engine core finishes them: later
+        plans may still list them (async scheduling), and are run without them."""
         self.sampler = Sampler(config.seed, device)
         self.kv_caches: list[KVCache] = []
         self.graphs: DecodeGraphs | None = None
@@ -121,25 +131,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> StepResult:
-        """Run one step on this rank; every rank samples the same tokens."""
-        inputs = self.prepare(plan)
+        """Run one step on this rank; every rank samples the same tokens (and refuses the
+        same requests)."""
+        inputs, failed = self.prepare(plan)
         if inputs is None:
-            return StepResult([], np.zeros(0, np.int32), None)
+            return StepResult([], np.zeros(0, np.int32), None, failed)
         hidden = self.run_model(inputs)
         if not inputs.sample_req_ids:
-            return StepResult([], np.zeros(0, np.int32), None)
+            return StepResult([], np.zeros(0, np.int32), None, failed)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         out = self.sampler(logits, self.sampling_batch(inputs.sample_rows))
         token_ids = out.token_ids.cpu().numpy()
         self.batch.append_sampled(inputs.sample_rows, token_ids)
         return StepResult(inputs.sample_req_ids, token_ids.astype(np.int32),
-                          self._pack_logprobs(out, inputs.sample_rows))
+                          self._pack_logprobs(out, inputs.sample_rows), failed)
 
     @torch.inference_mode()
     def compute_logits_all(self, plan: BatchPlan) -> torch.Tensor:
         """Apply a plan and return logits for every scheduled token [num_tokens, vocab],
         sampling nothing (tests and diagnostics: prompt logits)."""
-        inputs = self.prepare(plan)
+        inputs, _ = self.prepare(plan)
         if inputs is None:
             return torch.zeros(0, self.args.vocab_size, device=self.device)
         return self.model.compute_logits(self.run_model(inputs))
@@ -152,25 +163,35 @@ class ModelRunner:
 
     # -- inputs --------------------------------------------------------------------------
 
-    def prepare(self, plan: BatchPlan) -> StepInputs | None:
-        """Apply the plan to the persistent batch and build the step's inputs."""
+    def prepare(self, plan: BatchPlan) -> tuple[StepInputs | None, list[RequestFailure]]:
+        """Apply the plan to the persistent batch and build the step's inputs (None when
+        nothing runs); new requests refused for their own data are left out and listed."""
         if not self.kv_caches:
             raise RuntimeError("init_kv_cache must run before the first step")
         for req_id in (*plan.finished_req_ids, *plan.preempted_req_ids):
             self.batch.remove(req_id)
-        req_ids, rows, num_scheduled = [], [], []
+            self.refused.discard(req_id)
+        req_ids, rows, num_scheduled, failed = [], [], [], []
         for new in plan.new_requests:
-            rows.append(self.batch.add(new))
+            try:
+                rows.append(self.batch.add(new))
+            except BadRequestData as e:
+                logger.warning("rank %d refused request %r: %s", self.config.rank, new.req_id, e)
+                failed.append(RequestFailure(new.req_id, str(e)))
+                self.refused.add(new.req_id)
+                continue
             req_ids.append(new.req_id)
             num_scheduled.append(new.num_scheduled_tokens)
         for cached in plan.cached_requests:
+            if cached.req_id in self.refused:
+                continue
             rows.append(self.batch.update(cached))
             req_ids.append(cached.req_id)
             num_scheduled.append(cached.num_scheduled_tokens)
         if not req_ids:
-            return None
+            return None, failed
         return self._build_inputs(req_ids, np.asarray(rows, np.int64),
-                                  np.asarray(num_scheduled, np.int64))
+                                  np.asarray(num_scheduled, np.int64)), failed
 
     def _build_inputs(self, req_ids: list[str], rows: np.ndarray,
                       num_scheduled: np.ndarray) -> StepInputs:

@@ -10,21 +10,32 @@ deltas for the rest (`CachedRequestData`), so the state lives here between steps
 
 The worker appends each token it samples to its row itself (`append_sampled`), so with async
 scheduling the "placeholder" the engine core schedules is simply that token.
+
+A new request whose own data the worker cannot run (a token id outside the vocabulary, say)
+is refused with `BadRequestData` before it takes a row: the engine core checks the same
+first, so this only guards against a core that let one through.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from tidal.ipc.messages import CachedRequestData, NewRequestData, unpack_token_ids
+from tidal.ipc.messages import INT32_MAX, CachedRequestData, NewRequestData, unpack_token_ids
+
+
+class BadRequestData(ValueError):
+    """A request's own data is unusable (the message names the field): that request fails
+    alone, the worker goes on."""
 
 
 class PersistentBatch:
     """Rows of request state; rows are reused after a request leaves."""
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int):
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,
+                 vocab_size: int):
         self.max_num_reqs, self.max_model_len = max_num_reqs, max_model_len
         self.max_blocks_per_req = max_blocks_per_req
+        self.vocab_size = vocab_size
         self.req_id_to_row: dict[str, int] = {}  # req_id -> row
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))  # pop() gives the lowest
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
@@ -59,9 +70,11 @@ class PersistentBatch:
             self.free_rows.append(row)
 
     def add(self, req: NewRequestData) -> int:
-        """Take a row for a request the worker has not seen (or resumed after preemption)."""
+        """Take a row for a request the worker has not seen (or resumed after preemption).
+        BadRequestData, before any row is taken, when the request's data is unusable."""
         self.remove(req.req_id)
         tokens = np.frombuffer(unpack_token_ids(req.token_ids), dtype=np.int32)
+        _check_request_data(req, tokens, self.vocab_size)
         _check_new(req, len(tokens), self.max_model_len, self.max_blocks_per_req)
         if not self.free_rows:
             raise ValueError(f"more than max_num_seqs={self.max_num_reqs} requests in the "
@@ -118,6 +131,26 @@ class PersistentBatch:
         eos = getattr(req, "eos_token_id", None)
         stop = list(sp.stop_token_ids) + ([eos] if eos is not None else [])
         self.stop_ids[row] = np.asarray(stop, dtype=np.int64)
+
+
+def _check_request_data(req: NewRequestData, tokens: np.ndarray, vocab_size: int) -> None:
+    """BadRequestData for what the embedding, the stop-id arrays or the logprobs top-k could
+    not take (the sampling ranges were checked when the plan decoded)."""
+    if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+        bad = int(tokens[(tokens < 0) | (tokens >= vocab_size)][0])
+        raise BadRequestData(f"token_ids of request {req.req_id!r} contain {bad}, outside the "
+                             f"vocabulary [0, {vocab_size})")
+    eos = req.eos_token_id
+    if eos is not None and not 0 <= eos <= INT32_MAX:
+        raise BadRequestData(f"eos_token_id of request {req.req_id!r} must be in "
+                             f"[0, {INT32_MAX}], got {eos}")
+    if any(not 0 <= t <= INT32_MAX for t in req.sampling.stop_token_ids):
+        raise BadRequestData(f"stop_token_ids of request {req.req_id!r} must be in "
+                             f"[0, {INT32_MAX}]")
+    logprobs = req.sampling.logprobs
+    if logprobs is not None and logprobs > vocab_size:
+        raise BadRequestData(f"logprobs of request {req.req_id!r} must be at most the "
+                             f"vocabulary size {vocab_size}, got {logprobs}")
 
 
 def _check_new(req: NewRequestData, num_tokens: int, max_model_len: int,

@@ -103,6 +103,8 @@ class WorkerProcess:
                     return
                 continue
             msg = self.decoder.decode(self.plan_sock.recv())
+            if msg is None:  # the persistent batch would miss this plan's deltas: stop loudly
+                raise RuntimeError("a message from the engine core does not decode")
             if isinstance(msg, BatchPlan):
                 self._execute(msg)
             elif isinstance(msg, InitKVCache):

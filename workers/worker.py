@@ -142,7 +142,7 @@ class Worker:
     def ready_message(self) -> WorkerReady:
         return WorkerReady(rank=self.rank, num_kv_blocks=self.num_kv_blocks,
                            max_model_len=self.config.max_model_len, device=str(self.device),
-                           load_seconds=self.load_seconds)
+                           load_seconds=self.load_seconds, vocab_size=self.args.vocab_size)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate `num_blocks` blocks (the minimum over ranks) and capture CUDA graphs."""
@@ -160,7 +160,7 @@ class Worker:
             return None
         return SampledTokens(step_id=plan.step_id, req_ids=result.req_ids,
                              token_ids=pack_token_ids(result.token_ids),
-                             logprobs=result.logprobs)
+                             logprobs=result.logprobs, failed=result.failed)
 
     def shutdown(self) -> None:
         """Release the KV cache and leave the process group."""

@@ -100,7 +100,7 @@ class _ChatView:
                         return
                     yield R.sse(self._chunk(self._delta_choice(c)))
         except Exception as exc:
-            yield R.error_event(f"{type(exc).__name__}: {exc}")
+            yield R.exception_event(exc)
             yield R.DONE
             return
         if self.req.include_usage:

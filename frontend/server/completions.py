@@ -115,7 +115,7 @@ class _CompletionView:
                         return
                     yield R.sse(self._chunk(job, c, offsets))
         except Exception as exc:
-            yield R.error_event(f"{type(exc).__name__}: {exc}")
+            yield R.exception_event(exc)
             yield R.DONE
             return
         if self.req.include_usage:

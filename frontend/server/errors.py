@@ -68,8 +68,17 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 def error_body(status: int, message: str, param: str | None = None,
                err_type: str | None = None) -> dict:
+    """The OpenAI error body. A message or param quoting the client's input may hold a lone
+    surrogate (JSON can escape one), which no JSON encoder writes: it is escaped here, so an
+    error can always be answered."""
     err_type = err_type or _TYPES.get(status) or HTTPStatus(status).phrase
-    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+    return {"error": {"message": _encodable(message), "type": err_type,
+                      "param": None if param is None else _encodable(param), "code": status}}
+
+
+def _encodable(text: str) -> str:
+    """`text` with any lone surrogate written as its escape ("\\ud800")."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def json_response(content, status: int = 200, headers: dict | None = None) -> Response:

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from tidal.ipc.messages import SamplingParams
+from tidal.ipc.messages import SamplingParams, is_valid_unicode
 
 INT32_MAX = 2**31 - 1
 MAX_N = 128
@@ -29,11 +29,10 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
 def _valid_unicode(text: str) -> str:
-    """JSON may escape lone surrogates ("\\ud800"); no tokenizer can encode them."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("must be valid Unicode (it contains a lone surrogate escape)") from None
+    """JSON may escape lone surrogates ("\\ud800"); no tokenizer can encode them, and no
+    answer could quote them back."""
+    if not is_valid_unicode(text):
+        raise ValueError("must be valid Unicode (it contains a lone surrogate escape)")
     return text
 
 
@@ -59,7 +58,7 @@ class StreamOptions(OpenAIModel):
 class SamplingRequest(OpenAIModel):
     """Fields shared by completions and chat completions."""
 
-    model: str | None = None
+    model: Text | None = None
     """The served model name; None means the (only) served model."""
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     """Number of completions per prompt."""
@@ -209,7 +208,7 @@ class ChatCompletionRequest(SamplingRequest):
 class TokenizeRequest(OpenAIModel):
     """POST /tokenize: either `prompt` or `messages`."""
 
-    model: str | None = None
+    model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
@@ -223,7 +222,7 @@ class TokenizeRequest(OpenAIModel):
 class DetokenizeRequest(OpenAIModel):
     """POST /detokenize."""
 
-    model: str | None = None
+    model: Text | None = None
     tokens: list[TokenId]
 
 

@@ -14,6 +14,8 @@ import math
 
 import msgspec
 
+from tidal.frontend.server.errors import error_body, from_value_error
+
 DONE = b"data: [DONE]\n\n"
 _encode = msgspec.json.Encoder().encode
 
@@ -114,5 +116,12 @@ def usage_chunk(req_id: str, obj: str, created: int, model: str, usage_info: dic
 
 def error_event(message: str, status: int = 500, err_type: str = "InternalServerError") -> bytes:
     """An error inside a stream (the HTTP status is already 200): one event, then [DONE]."""
-    return sse({"error": {"message": message, "type": err_type, "param": None,
-                          "code": status}})
+    return sse(error_body(status, message, None, err_type))
+
+
+def exception_event(exc: Exception) -> bytes:
+    """What ended a stream, as its error event: a ValueError (a request the engine core
+    refused, naming the field) is the client's 400, anything else a 500."""
+    if isinstance(exc, ValueError):
+        return sse(from_value_error(exc).body())
+    return error_event(f"{type(exc).__name__}: {exc}")

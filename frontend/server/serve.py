@@ -1,7 +1,8 @@
 """`tidal serve`: the engine-core daemon plus N HTTP server processes on one port.
 
     tidal serve [MODEL] [engine flags] [--host H] [--port P] [--api-server-count N]
-                [--api-key K]
+                [--api-key K] [--timeout-keep-alive S] [--timeout-request-header S]
+                [--timeout-request-body S]        (read timeouts: server/timeouts.py)
     tidal serve --engine ADDRESS [--engine-key-file F] [server flags]   (attach, start no daemon)
 
 Without MODEL (or --model) it serves the bundled demo model (tidal.frontend.demo) under the
@@ -38,6 +39,13 @@ import threading
 import time
 from dataclasses import dataclass
 
+from tidal.frontend.server.timeouts import (
+    DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+    DEFAULT_TIMEOUT_REQUEST_BODY_S,
+    DEFAULT_TIMEOUT_REQUEST_HEADER_S,
+    timed_http_protocol,
+)
+
 logger = logging.getLogger("tidal.serve")
 
 _STOP_TIMEOUT_S = 15.0
@@ -65,6 +73,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    choices=["debug", "info", "warning", "error", "critical"])
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="do not log one line per HTTP request")
+    g.add_argument("--timeout-keep-alive", type=int, default=DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+                   metavar="S", help="close a kept-alive connection idle this many seconds "
+                   f"between two requests (default: {DEFAULT_TIMEOUT_KEEP_ALIVE_S})")
+    g.add_argument("--timeout-request-header", type=float, metavar="S",
+                   default=DEFAULT_TIMEOUT_REQUEST_HEADER_S,
+                   help="close a connection whose request head has not arrived this many "
+                   "seconds after it opened, or after its first byte following a keep-alive "
+                   f"idle (default: {DEFAULT_TIMEOUT_REQUEST_HEADER_S:g})")
+    g.add_argument("--timeout-request-body", type=float, metavar="S",
+                   default=DEFAULT_TIMEOUT_REQUEST_BODY_S,
+                   help="answer 408 and close when a request body has not arrived this many "
+                   f"seconds after its head (default: {DEFAULT_TIMEOUT_REQUEST_BODY_S:g})")
 
 
 @dataclass
@@ -79,6 +99,9 @@ class ServerSpec:
     daemon_pid: int | None
     log_level: str = "info"
     access_log: bool = True
+    timeout_keep_alive: int = DEFAULT_TIMEOUT_KEEP_ALIVE_S
+    timeout_request_header: float = DEFAULT_TIMEOUT_REQUEST_HEADER_S
+    timeout_request_body: float = DEFAULT_TIMEOUT_REQUEST_BODY_S
 
 
 # --------------------------------------------------------------------------------------------
@@ -128,9 +151,11 @@ def serve_one(index: int, spec: ServerSpec, sock: socket.socket, slots) -> int:
     settings = ServerSettings(served_model_names=spec.served_model_names,
                               api_key=spec.api_key, admission_slots=slots, server_index=index)
     app = build_app(lambda: _attach_engine(spec), settings)
-    config = uvicorn.Config(app, loop="uvloop", lifespan="on", log_level=spec.log_level,
-                            access_log=spec.access_log, timeout_graceful_shutdown=5,
-                            timeout_keep_alive=30)
+    http = timed_http_protocol(spec.timeout_request_header, spec.timeout_request_body)
+    config = uvicorn.Config(app, loop="uvloop", http=http, lifespan="on",
+                            log_level=spec.log_level, access_log=spec.access_log,
+                            timeout_graceful_shutdown=5,
+                            timeout_keep_alive=spec.timeout_keep_alive)
     server = uvicorn.Server(config)
     server.run(sockets=[sock])
     return 0 if server.started else 3
@@ -235,6 +260,10 @@ def _check_args(ns: argparse.Namespace) -> None:
                          f"{ns.max_num_queued_reqs}")
     if not 0 <= ns.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {ns.port}")
+    for flag in ("timeout_keep_alive", "timeout_request_header", "timeout_request_body"):
+        value = getattr(ns, flag)
+        if not value > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
 
 
 def run_serve(ns: argparse.Namespace) -> int:
@@ -254,7 +283,8 @@ def run_serve(ns: argparse.Namespace) -> int:
         spec = ServerSpec(address, ns.engine_key_file, tokenizer,
                           [ns.served_model_name] if ns.served_model_name else None,
                           ns.api_key, daemon_pid, ns.uvicorn_log_level,
-                          not ns.disable_uvicorn_access_log)
+                          not ns.disable_uvicorn_access_log, ns.timeout_keep_alive,
+                          ns.timeout_request_header, ns.timeout_request_body)
         sup.start_servers(spec, sock)
         host, port = sock.getsockname()[:2]
         logger.info("listening on http://%s:%d; starting %d HTTP server process(es) for the "

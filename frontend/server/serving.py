@@ -160,7 +160,7 @@ class OpenAIServing:
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.engine_info.max_model_len
-        self.vocab_size = len(self.tokenizer)
+        self.vocab_size = _vocab_size(self.tokenizer, engine.engine_info)
 
     # ---------------------------------------------------------------- validation helpers
 
@@ -295,6 +295,8 @@ class OpenAIServing:
             return json_response(build(run))
         except _ClientGone:
             return Response(status_code=499)
+        except ValueError as exc:  # the engine core refused the request: bad input, a 400
+            raise from_value_error(exc) from None
         except RuntimeError as exc:
             if getattr(self.engine, "dead", False):  # died while this request ran
                 raise APIError(503, f"The engine is not running: {exc}") from None
@@ -351,6 +353,12 @@ class OpenAIServing:
         self.check_model(req.model)
         self.check_token_ids(req.tokens, "tokens")
         return {"prompt": self.tokenizer.decode(req.tokens)}
+
+
+def _vocab_size(tokenizer, info) -> int:
+    """Token ids a prompt may hold: the tokenizer's, within the model's (EngineInfo)."""
+    model_vocab = getattr(info, "vocab_size", 0)
+    return min(len(tokenizer), model_vocab) if model_vocab else len(tokenizer)
 
 
 def now() -> int:

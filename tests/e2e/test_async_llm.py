@@ -176,6 +176,30 @@ def test_prompt_checks(daemon):
 
 
 @pytest.mark.timeout(120)
+def test_a_request_the_engine_refuses_raises_value_error_naming_the_field(daemon):
+    """Issue 13: a prompt of token ids outside the model's vocabulary (512 ids; the daemon
+    says so in EngineInfo) is refused by encode_prompt; sent all the same (generate_final
+    does not re-check), the engine core refuses it: ValueError naming the field, for n = 1
+    and n = 2, while a request beside it runs to the end, and no KV block stays in use."""
+    async def body(llm):
+        assert llm.engine_info.vocab_size == 512
+        with pytest.raises(ValueError, match=r"must be in \[0, 512\), got \[600\]"):
+            llm.encode_prompt([5, 600])
+        neighbour = asyncio.ensure_future(collect(llm.generate(PROMPT, GREEDY)))
+        for params in (GREEDY, SamplingParams(n=2, max_tokens=4)):
+            with pytest.raises(ValueError, match="^prompt_token_ids contains token id 600"):
+                await llm.generate_final(None, params, prompt_token_ids=[5, 600, 7])
+        outs = await neighbour
+        assert len(outs[-1].outputs[0].token_ids) == 12 and outs[-1].finished
+        assert llm.num_unfinished_requests() == 0
+        await wait_idle(llm)
+        return await llm.get_stats()
+
+    stats = attach_and(daemon, body)
+    assert stats.kv_cache_usage == 0.0
+
+
+@pytest.mark.timeout(120)
 def test_engine_death_ends_every_pending_request_with_error(daemon):
     """Runs last: SIGKILL the daemon mid-generation. Every pending generate() ends with
     finish_reason "error" within a bounded time, and new requests are refused."""

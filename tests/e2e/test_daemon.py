@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 
+import msgspec
 import pytest
 import zmq
 
@@ -126,6 +127,7 @@ class Client:
         self.tokens: dict[str, list[int]] = {}
         self.finish: dict[str, FinishReason] = {}
         self.errors: dict[str, str | None] = {}
+        self.refused: dict[str, bool] = {}
         self.foreign: list[str] = []  # outputs for requests this client never sent
         self.sent: set[str] = set()
         self.dead: EngineDead | None = None
@@ -148,6 +150,12 @@ class Client:
         self.send(AddRequest(req_id, pack_token_ids(prompt), params, eos_token_id=eos_token_id,
                              arrival_time=time.time()))
 
+    def send_raw(self, req_id: str, frame: bytes) -> None:
+        """Send a frame carrying request `req_id`, built by hand (nothing validated)."""
+        self.sent.add(req_id)
+        self.tokens[req_id] = []
+        self.sock.send(frame)
+
     def _beat(self) -> None:
         now = time.monotonic()
         for client in Client._open:
@@ -169,6 +177,7 @@ class Client:
                 if out.finish_reason is not None:
                     self.finish[out.req_id] = out.finish_reason
                     self.errors[out.req_id] = out.error
+                    self.refused[out.req_id] = out.refused
 
     def recv_until(self, done, timeout: float):
         """Receive (and record) messages until `done(msg)`; returns that message or None."""
@@ -454,6 +463,82 @@ def test_bad_request_answered_with_error(daemon, zctx):
         assert client.finish["empty"] == FinishReason.ERROR
     finally:
         client.close()
+
+
+def _hostile_add(req_id: str, prompt=(5, 6, 7), prompt_bytes: bytes | None = None,
+                 **changes) -> bytes:
+    """An AddRequest frame as a hostile local process could send it: fields replaced on the
+    wire, past every check a frontend or SamplingParams would make. `sampling_NAME=value`
+    replaces a sampling field."""
+    ids = pack_token_ids(list(prompt)) if prompt_bytes is None else b""
+    wire = msgspec.msgpack.decode(encode(AddRequest(req_id, ids, SamplingParams(
+        temperature=0.0, max_tokens=4))))
+    if prompt_bytes is not None:
+        wire[2] = prompt_bytes
+    names = [f.name for f in msgspec.structs.fields(AddRequest)]
+    sampling_names = [f.name for f in msgspec.structs.fields(SamplingParams)]
+    for key, value in changes.items():
+        if key.startswith("sampling_"):
+            wire[1 + names.index("sampling")][sampling_names.index(key[9:])] = value
+        else:
+            wire[1 + names.index(key)] = value
+    return msgspec.msgpack.encode(wire)
+
+
+HOSTILE = {  # req_id -> (frame, words the error must hold: the field first)
+    "neg-token": (_hostile_add("neg-token", prompt=(5, -7, 6)), "prompt_token_ids", "-7"),
+    "big-token": (_hostile_add("big-token", prompt=(5, 10**6)), "prompt_token_ids", "1000000"),
+    "huge-stop": (_hostile_add("huge-stop", sampling_stop_token_ids=[2**63 + 5]),
+                  "stop_token_ids", ""),
+    "eos": (_hostile_add("eos", eos_token_id=2**40), "eos_token_id", ""),
+    "temp-type": (_hostile_add("temp-type", sampling_temperature="hot"),
+                  "sampling.temperature", "float"),
+    "temp-inf": (_hostile_add("temp-inf", sampling_temperature=float("inf")),
+                 "temperature", "finite"),
+    "top-k": (_hostile_add("top-k", sampling_top_k=2**40), "top_k", ""),
+    "min-tokens": (_hostile_add("min-tokens", sampling_max_tokens=None,
+                                sampling_min_tokens=2**62), "min_tokens", ""),
+    "n": (_hostile_add("n", sampling_n=4), "n", "got 4"),
+    "odd-bytes": (_hostile_add("odd-bytes", prompt_bytes=b"\x01\x02\x03"),
+                  "prompt_token_ids", "3 bytes"),
+    "nan-arrival": (_hostile_add("nan-arrival", arrival_time=float("nan")), "arrival_time", ""),
+}
+
+
+@pytest.mark.timeout(120)
+def test_hostile_requests_are_refused_to_their_sender_alone(daemon, zctx, prompts, reference,
+                                                            eos_id):
+    """Issue 13: any local process can reach the engine socket. Each hostile AddRequest
+    above (a token id outside the vocabulary, a stop id of 2**63+5, a field of the wrong
+    type, ...) once killed the worker, and with it every user's requests. Now each gets one
+    final output, an error that names the field, marked refused, and no token; the daemon
+    stays up, a client running alongside gets its tokens as if alone, and no KV block
+    stays in use."""
+    good, hostile = Client(zctx, daemon.address, "neighbour"), Client(zctx, daemon.address,
+                                                                      "hostile")
+    try:
+        good.hello()
+        hostile.hello()
+        for i, p in enumerate(prompts[:4]):
+            good.add(f"n-{i}", p, eos_token_id=eos_id)
+        for req_id, (frame, _, _) in HOSTILE.items():
+            hostile.send_raw(req_id, frame)
+        hostile.wait_finished(HOSTILE)
+        for req_id, (_, field, words) in HOSTILE.items():
+            error = hostile.errors[req_id]
+            assert hostile.finish[req_id] == FinishReason.ERROR and hostile.refused[req_id]
+            assert error.startswith(field) and words in error, (req_id, error)
+            assert hostile.tokens[req_id] == []
+        good.wait_finished([f"n-{i}" for i in range(4)])
+        assert [good.tokens[f"n-{i}"] for i in range(4)] == reference[:4]
+        assert not any(good.refused.values()) and not good.foreign and not hostile.foreign
+        stats = good.stats()
+        assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
+        assert daemon.proc.poll() is None, daemon.log_text()
+        assert "refused" in daemon.log_text()
+    finally:
+        good.close()
+        hostile.close()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -399,6 +399,31 @@ def test_prompt_longer_than_context_is_refused_before_sending(llm):
         llm.generate([[5], [6]], [GREEDY], use_tqdm=False)
 
 
+@pytest.mark.timeout(60)
+def test_prompt_outside_the_vocabulary_is_refused_before_sending(llm):
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 512\)"):
+        llm.generate([[5, 6], [5, 600]], GREEDY, use_tqdm=False)
+
+
+@pytest.mark.timeout(120)
+def test_a_request_the_engine_refuses_stops_the_batch_with_value_error(llm, monkeypatch):
+    """Should a prompt get past the frontend's checks (here they are switched off), the
+    engine core refuses it: generate() raises ValueError naming the field, the rest of the
+    batch is aborted, the engine is idle after, and the same LLM goes on working."""
+    long = SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)
+    generated_before = llm.get_stats().generation_tokens
+    monkeypatch.setattr(llm._llm, "encode_prompt", lambda prompt: list(prompt))
+    with pytest.raises(ValueError, match="^prompt_token_ids contains token id 600"):
+        llm.generate([[5, 6, 7], [5, 600], [8, 9]], long, use_tqdm=False)
+    monkeypatch.undo()
+    wait_until(lambda: llm.get_stats().num_running == 0 and llm.get_stats().num_waiting == 0,
+               20, "the rest of the batch to be aborted")
+    stats = llm.get_stats()
+    assert stats.kv_cache_usage == 0.0
+    assert stats.generation_tokens - generated_before < 480  # two were cut short, not run out
+    assert len(llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) > 0
+
+
 @pytest.mark.timeout(120)
 def test_tidal_generate_cli_attached(daemon, llm):
     """`tidal generate PROMPT --engine ADDRESS` prints the same greedy completion."""

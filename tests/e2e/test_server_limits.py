@@ -1,8 +1,11 @@
-"""A live `tidal serve MODEL --max-num-seqs 1 --max-num-queued-reqs 2 --stream-interval 4`
-(the server starts its own engine-core daemon): admission 503s and stream chunking."""
+"""A live `tidal serve MODEL --max-num-seqs 1 --max-num-queued-reqs 2 --stream-interval 4
+--timeout-request-header 1 --timeout-request-body 1` (the server starts its own engine-core
+daemon): admission 503s, stream chunking, and read timeouts through the command line."""
 
 import asyncio
 import json
+import socket
+import time
 
 import httpx
 import pytest
@@ -16,7 +19,8 @@ pytestmark = pytest.mark.slow  # live server subprocesses (still run by CI)
 def server(tiny_llama):
     srv = LiveServer([tiny_llama, *ENGINE_FLAGS, "--max-model-len", "256",
                       "--max-num-seqs", "1", "--max-num-queued-reqs", "2",
-                      "--stream-interval", "4"])
+                      "--stream-interval", "4", "--timeout-request-header", "1",
+                      "--timeout-request-body", "1"])
     try:
         yield srv.start()
     finally:
@@ -70,3 +74,22 @@ def test_stream_interval_4_chunks_first_token_alone_loses_none(server):
             text += choice["text"]
     assert sizes == [1, 4, 4, 4, 4, 1]
     assert token_ids == expected["token_ids"] and text == expected["text"]
+
+
+def test_read_timeouts_reach_the_server(server):
+    """The flags reach every server process: a silent connection is closed, a stalled body
+    answered 408, both within seconds; the server goes on answering."""
+    address = ("127.0.0.1", server.port)
+    with socket.create_connection(address, timeout=10) as silent, \
+            socket.create_connection(address, timeout=10) as stalled:
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                        b"Content-Type: application/json\r\nContent-Length: 50\r\n\r\n{")
+        start = time.monotonic()
+        assert silent.recv(1024) == b""
+        reply = b""
+        while chunk := stalled.recv(65536):
+            reply += chunk
+        assert time.monotonic() - start < 8
+    assert reply.startswith(b"HTTP/1.1 408"), reply
+    assert json.loads(reply.partition(b"\r\n\r\n")[2])["error"]["code"] == 408
+    assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200

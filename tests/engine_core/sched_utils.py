@@ -14,7 +14,7 @@ from tidal.engine_core.config import CacheConfig, EngineConfig, ModelConfig, Sch
 from tidal.engine_core.request import Request
 from tidal.engine_core.scheduler import Scheduler
 from tidal.ipc.messages import (
-    BatchPlan, SampledTokens, SamplingParams, pack_token_ids, unpack_token_ids,
+    BatchPlan, RequestFailure, SampledTokens, SamplingParams, pack_token_ids, unpack_token_ids,
 )
 
 VOCAB = 1000
@@ -85,25 +85,38 @@ class FakeWorker:
         self.kv: dict[int, list[int | None]] = {}
         self.num_scheduled: dict[str, int] = {}
         """req_id -> tokens computed over the whole run (for waste checks)."""
+        self.refuse: set[str] = set()
+        """req_ids refused as a real worker refuses bad data: never taken in, reported in
+        `SampledTokens.failed`, skipped while later plans still list them."""
+        self.refused: set[str] = set()
 
     def execute(self, plan: BatchPlan, forced: dict[str, int] | None = None) -> SampledTokens:
         """Run one step; `forced` overrides the model's token for some requests."""
-        for req_id in plan.finished_req_ids:
-            assert self.batch.pop(req_id, None) is not None, f"finished unknown {req_id}"
-        for req_id in plan.preempted_req_ids:
-            assert self.batch.pop(req_id, None) is not None, f"preempted unknown {req_id}"
-        work = []
+        for req_id in (*plan.finished_req_ids, *plan.preempted_req_ids):
+            if req_id in self.refused:
+                self.refused.discard(req_id)
+                continue
+            assert self.batch.pop(req_id, None) is not None, f"dropped unknown {req_id}"
+        work, failed, num_skipped = [], [], 0
         for new in plan.new_requests:
+            if new.req_id in self.refuse:
+                self.refused.add(new.req_id)
+                failed.append(RequestFailure(new.req_id, f"token_ids of {new.req_id} are bad"))
+                num_skipped += new.num_scheduled_tokens
+                continue
             assert new.req_id not in self.batch, f"{new.req_id} sent twice as new"
             state = _WorkerRequest(unpack_token_ids(new.token_ids).tolist(), list(new.block_ids))
             self.batch[new.req_id] = state
             work.append((new.req_id, state, new.num_computed_tokens, new.num_scheduled_tokens))
         for cached in plan.cached_requests:
+            if cached.req_id in self.refused:
+                num_skipped += cached.num_scheduled_tokens
+                continue
             state = self.batch[cached.req_id]
             state.table.extend(cached.new_block_ids)
             work.append((cached.req_id, state, cached.num_computed_tokens,
                          cached.num_scheduled_tokens))
-        assert sum(w[3] for w in work) == plan.total_num_scheduled_tokens
+        assert sum(w[3] for w in work) + num_skipped == plan.total_num_scheduled_tokens
         for req_id, state, start, num in work:  # pass 1: write the step's KV
             self._write_kv(state, start, start + num)
             self.num_scheduled[req_id] = self.num_scheduled.get(req_id, 0) + num
@@ -115,7 +128,7 @@ class FakeWorker:
                 state.tokens.append(token)
                 req_ids.append(req_id)
                 token_ids.append(token)
-        return SampledTokens(plan.step_id, req_ids, pack_token_ids(token_ids))
+        return SampledTokens(plan.step_id, req_ids, pack_token_ids(token_ids), failed=failed)
 
     def _write_kv(self, state: _WorkerRequest, start: int, end: int) -> None:
         assert 0 <= start < end <= len(state.tokens), (start, end, len(state.tokens))

@@ -264,6 +264,25 @@ def test_engine_error_finish_carries_the_message(tok):
     assert comp.finish_reason == "error" and comp.error == "boom"
 
 
+def test_a_refused_request_is_forgotten_and_reported_not_delivered(tok):
+    """The engine core refused one completion of an n=2 request (bad input): no user
+    update, the refusal reported for the caller to raise, the sibling aborted."""
+    proc = OutputProcessor(tok)
+    add(proc, SamplingParams(n=2, max_tokens=4))
+    add(proc, SamplingParams(max_tokens=4), request_id="ok")
+    r = proc.process_outputs([
+        out("1_eng-r", [42]),
+        out("0_eng-r", [], FinishReason.ERROR, error="prompt_token_ids contains 600",
+            refused=True),
+        out("eng-ok", [42])])
+    assert [u.request_id for u in r.request_outputs] == ["ok"]
+    assert r.refused == {"r": "prompt_token_ids contains 600"}
+    assert r.reqs_to_abort == ["1_eng-r"]
+    assert not proc.has_request("r") and proc.has_request("ok")
+    late = proc.process_outputs([out("1_eng-r", [], FinishReason.ERROR, refused=True)])
+    assert late.refused == {} and late.request_outputs == []
+
+
 def test_duplicate_request_id_is_refused(tok):
     proc = OutputProcessor(tok)
     add(proc, SamplingParams())
@@ -291,6 +310,10 @@ def test_prompt_length_limit_names_both_numbers(tok):
         encode_prompt(tok, "", 256)
     with pytest.raises(ValueError, match="token ids"):
         encode_prompt(tok, [5, 100000], 256)
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 300\)"):
+        encode_prompt(tok, [5, 400], 256, model_vocab_size=300)  # the model's is smaller
+    with pytest.raises(ValueError, match="^prompt must be valid Unicode"):
+        encode_prompt(tok, "a\ud800", 256)
 
 
 def test_extra_eos_ids_become_stop_token_ids(tok, tmp_path):

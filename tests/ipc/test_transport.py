@@ -22,6 +22,7 @@ from tidal.ipc.messages import (
     Hello,
     InitKVCache,
     NewRequestData,
+    RequestFailure,
     RequestOutput,
     SampledTokens,
     SamplingParams,
@@ -65,7 +66,9 @@ FRONTEND_MSGS = [
 ]
 CORE_TO_FRONTEND_MSGS = [
     EngineInfo("m", 128, 64, 16, 8, 256, served_model_name="served"),
-    EngineOutputs([RequestOutput("r1", pack_token_ids([5]), FinishReason.ERROR, error="boom")],
+    EngineOutputs([RequestOutput("r1", pack_token_ids([5]), FinishReason.ERROR, error="boom"),
+                   RequestOutput("r2", b"", FinishReason.ERROR, error="n must be 1",
+                                 refused=True)],
                   stats=SchedulerStats(num_running=1, kv_cache_usage=0.5), timestamp=3.0),
     EngineDead("bye"),
 ]
@@ -78,8 +81,9 @@ CORE_TO_WORKER_MSGS = [
     Shutdown(),
 ]
 WORKER_TO_CORE_MSGS = [
-    WorkerReady(0, 100, 128, device="cpu", load_seconds=0.5),
+    WorkerReady(0, 100, 128, device="cpu", load_seconds=0.5, vocab_size=512),
     SampledTokens(7, ["r1"], pack_token_ids([9])),
+    SampledTokens(8, [], b"", failed=[RequestFailure("r2", "token_ids contain 600")]),
     WorkerFailed(1, "Traceback ..."),
 ]
 CASES = [
@@ -150,6 +154,49 @@ def test_garbage_frames_dropped_and_decoder_keeps_working(caplog):
 def test_invalid_sampling_params_do_not_decode():
     bad = msgspec.msgpack.encode(["add", "r", b"", [1, 16, 0, -1.0]])
     assert FrontendDecoder().decode(bad) is None
+
+
+def _add_request_frame(**changes) -> bytes:
+    """An AddRequest frame with fields replaced as a hostile sender may (no validation):
+    `sampling.NAME=value` keys change a sampling field."""
+    wire = msgspec.msgpack.decode(encode(AddRequest("r9", pack_token_ids([1, 2]),
+                                                    SamplingParams())))
+    names = [f.name for f in msgspec.structs.fields(AddRequest)]
+    sampling_names = [f.name for f in msgspec.structs.fields(SamplingParams)]
+    for key, value in changes.items():
+        if key.startswith("sampling."):
+            wire[1 + names.index("sampling")][sampling_names.index(key[9:])] = value
+        else:
+            wire[1 + names.index(key)] = value
+    return msgspec.msgpack.encode(wire)
+
+
+@pytest.mark.parametrize("changes,why", [
+    ({"sampling.temperature": "hot"}, "sampling.temperature: Expected `float`, got `str`"),
+    ({"sampling.temperature": -1.0}, "temperature must be non-negative, got -1.0"),
+    ({"sampling.stop_token_ids": [1, 2**63 + 5]}, "stop_token_ids must be token ids"),
+    ({"sampling.stop_token_ids": [1, "x"]},
+     "sampling.stop_token_ids[1]: Expected `int`, got `str`"),
+    ({"sampling.top_k": 2**40}, "top_k must be"),
+    ({"eos_token_id": "eos"}, "eos_token_id: Expected `int | null`, got `str`"),
+    ({"prompt_token_ids": [1, 2]}, "prompt_token_ids: Expected `bytes`"),
+])
+def test_an_add_request_that_does_not_decode_is_answerable(changes, why):
+    """The engine core must refuse such a request to its sender: the decoder gives its
+    req_id and why it does not decode, naming the field."""
+    decoder = FrontendDecoder()
+    frame = _add_request_frame(**changes)
+    assert decoder.decode(frame) is None
+    req_id, message = decoder.undecodable_request(frame)
+    assert req_id == "r9" and message.startswith(why), message
+
+
+def test_only_an_addressable_add_request_is_answerable():
+    decoder = FrontendDecoder()
+    for frame in [*GARBAGE[:4], msgspec.msgpack.encode(["add", 5, b""]),
+                  encode(Heartbeat("c")), encode(AddRequest("r", b"", SamplingParams()))[:-3]]:
+        assert decoder.undecodable_request(frame) is None
+    assert decoder.undecodable_request(_add_request_frame()) is None  # it decodes
 
 
 def test_worker_config_argv_round_trip():

@@ -90,3 +90,35 @@ def test_plans_the_worker_refuses(tiny_llama):
     plan.new_requests[0].block_ids.pop()  # 37 tokens need 3 blocks of 16
     with pytest.raises(ValueError, match="37 tokens need more than its 2 KV blocks"):
         worker.execute(plan)
+
+
+def test_a_bad_new_request_fails_alone_and_the_worker_goes_on(tiny_llama):
+    """Defence in depth (issue 13): a new request whose own data the worker cannot run is
+    refused in `failed`, naming the field, and takes no row; a later plan that still lists
+    it (async scheduling) runs without it; the others' tokens are those of a run without it."""
+    worker = _loaded(tiny_llama)
+    worker.init_kv_cache(64)
+    script = PlanScript()
+    script.add("good", list(range(3, 20)))
+    script.add("bad-token", [5, 600, 7])  # the tiny vocabulary has 512 ids
+    script.add("bad-eos", [5, 6], eos_token_id=2**40)
+    plan = script.plan()
+    sampled = worker.execute(plan)
+    assert sampled.req_ids == ["good"]
+    failed = {f.req_id: f.error for f in sampled.failed}
+    assert failed["bad-token"].startswith("token_ids") and "600" in failed["bad-token"]
+    assert failed["bad-eos"].startswith("eos_token_id")
+    assert len(worker.runner.batch) == 1
+    for req_id in failed:
+        del script.requests[req_id]
+    script.record(sampled)
+    plan = script.plan()
+    plan.cached_requests.append(CachedRequestData("bad-token", [], 3, 1))  # planned meanwhile
+    plan.total_num_scheduled_tokens += 1
+    script.record(worker.execute(plan))
+    script.finished += list(failed)  # the engine core finished them
+    tokens = script.run(worker)["good"]
+    assert not worker.runner.refused
+    alone = PlanScript(first_block=40)
+    alone.add("good", list(range(3, 20)))
+    assert alone.run(worker)["good"] == tokens

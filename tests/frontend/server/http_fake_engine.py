@@ -20,7 +20,8 @@ class FakeEngine:
     """Deterministic token generator with the AsyncLLM surface the server uses."""
 
     def __init__(self, tokenizer, max_model_len: int = 64, token_delay: float = 0.0,
-                 max_num_queued_reqs: int | None = None, fail_with: str | None = None):
+                 max_num_queued_reqs: int | None = None, fail_with: str | None = None,
+                 refuse_with: str | None = None):
         self.tokenizer = tokenizer
         self.model_name = "fake-model"
         self.engine_info = SimpleNamespace(model="/models/fake", max_model_len=max_model_len,
@@ -28,6 +29,7 @@ class FakeEngine:
                                            stream_interval=1)
         self.token_delay = token_delay
         self.fail_with = fail_with
+        self.refuse_with = refuse_with  # as the engine core refusing a request: ValueError
         self.dead = False
         self.closed = False
         self.active: set[str] = set()
@@ -68,6 +70,9 @@ class FakeEngine:
                                  last_token_time=None, finished_time=None, queue_time=None,
                                  num_prompt_tokens=len(prompt_ids), num_generation_tokens=0,
                                  num_cached_tokens=0)
+        if self.refuse_with:
+            self.active.discard(request_id)
+            raise ValueError(self.refuse_with)
         tokens = {j: [] for j in range(params.n)}
         lps = {j: [] for j in range(params.n)}
         try:

@@ -226,6 +226,25 @@ def test_engine_error_is_500_or_error_event(tokenizer):
         assert events[-1] == "[DONE]" and "worker died" in events[-2]["error"]["message"]
 
 
+def test_a_request_the_engine_refuses_is_a_400_naming_the_field(tokenizer):
+    """The engine core refused the request (bad input it found): a client error, 400 with
+    the field as param, or, once a stream has started, an error event with code 400."""
+    engine = FakeEngine(tokenizer, refuse_with="stop_token_ids must be token ids in [0, 9]")
+    with make_client(engine) as c:
+        for path, body in [("/v1/completions", {"prompt": "x"}),
+                           ("/v1/chat/completions",
+                            {"messages": [{"role": "user", "content": "x"}]})]:
+            r = c.post(path, json={**body, "max_tokens": 2})
+            error = r.json()["error"]
+            assert r.status_code == 400 and error["param"] == "stop_token_ids", r.text
+            assert error["type"] == "BadRequestError" and "[0, 9]" in error["message"]
+            r = c.post(path, json={**body, "max_tokens": 2, "stream": True})
+            events = sse_events(r.text)
+            assert events[-1] == "[DONE]"
+            assert events[-2]["error"]["code"] == 400
+            assert events[-2]["error"]["param"] == "stop_token_ids"
+
+
 # ------------------------------------------------------------------ auth, metrics
 
 

@@ -5,7 +5,7 @@ from fastapi.testclient import TestClient
 
 from http_fake_engine import FakeEngine
 from tidal.frontend.server.app import ServerSettings, build_app
-from tidal.frontend.server.errors import from_value_error
+from tidal.frontend.server.errors import from_value_error, json_response
 
 CMPL = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -58,6 +58,21 @@ CASES = [
      "messages.0.content", "surrogate"),
     (CMPL, rb'{"prompt": "x", "stop": ["\ud800"]}', 400, "stop.0", "surrogate"),
     ("/tokenize", rb'{"prompt": "\ud800"}', 400, "prompt", "surrogate"),
+    # issue 13: a lone surrogate in `model` was a 500 (the 404 quoting it could not be encoded)
+    (CMPL, rb'{"prompt": "x", "model": "\ud800"}', 400, "model", "surrogate"),
+    (CHAT, rb'{"messages": [{"role": "user", "content": "x"}], "model": "\udfff"}', 400,
+     "model", "surrogate"),
+    ("/tokenize", rb'{"prompt": "x", "model": "\ud800"}', 400, "model", "surrogate"),
+    ("/detokenize", rb'{"tokens": [5], "model": "\ud800"}', 400, "model", "surrogate"),
+    (CMPL, b'{"prompt": "x", "model": "\xed\xa0\x80"}', 400, "model", "surrogate"),  # raw
+    (CHAT, rb'{"messages": [{"role": "user", "content": "x", "name": "\ud800"}]}', 400,
+     "messages.0.name", "surrogate"),
+    (CHAT, rb'{"messages": [{"role": "\ud800", "content": "x"}]}', 400, "messages.0.role",
+     ""),
+    # odd but meaningful unicode is accepted; an unused field's surrogate is ignored
+    (CMPL, rb'{"prompt": "x\u0000y\uffff", "stop": ["\u0000"], "max_tokens": 2}', 200, None,
+     ""),
+    (CMPL, rb'{"prompt": "x", "user": "\ud800", "max_tokens": 2}', 200, None, ""),
     (CHAT, {"messages": MSG, "chat_template_kwargs": {"tokenize": True, "x": 1},
             "max_tokens": 2}, 200, None, ""),
 ]
@@ -101,6 +116,13 @@ def test_server_still_answers_after_bad_requests(client):
     for path, body, *_ in CASES:
         client.post(path, json=body) if not isinstance(body, bytes) else None
     assert client.post(CMPL, json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_an_error_quoting_a_lone_surrogate_can_still_be_answered():
+    """The last line of defence: whatever input an error message quotes, it encodes."""
+    err = from_value_error(ValueError("stop_token_ids bad near '\ud800'"))
+    body = json_response(err.body(), status=err.status).body
+    assert b"\\ud800" in body and err.param == "stop_token_ids"
 
 
 def test_value_error_param_mapping():
