@@ -130,6 +130,10 @@ def _add_parallel_args(g) -> None:
                    help="OpenMP threads per worker rank on the CPU (default: "
                         "OMP_NUM_THREADS if set, else the rank's --cpu-affinity cores, else "
                         "all cores shared among the ranks)")
+    g.add_argument("--worker-timeout", type=float,
+                   default=_default(ParallelConfig, "worker_timeout"),
+                   help="seconds a step may take before the workers count as hung and are "
+                        "replaced (default: 300)")
     g.add_argument("--max-worker-restarts", type=int,
                    default=_default(ParallelConfig, "max_worker_restarts"),
                    help="replace dead or hung workers this many times, recomputing every "
@@ -168,6 +172,7 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
                                 device=ns.device, attention_backend=ns.attention_backend,
                                 enforce_eager=ns.enforce_eager,
                                 cpu_threads=ns.cpu_threads, cpu_affinity=ns.cpu_affinity,
+                                worker_timeout=ns.worker_timeout,
                                 max_worker_restarts=ns.max_worker_restarts),
     )
 
@@ -194,6 +199,7 @@ def config_to_argv(config: EngineConfig) -> list[str]:
     _opt(argv, "--max-num-queued-reqs", s.max_num_queued_reqs)
     argv += ["--tensor-parallel-size", str(p.tensor_parallel_size), "--device", p.device,
              "--attention-backend", p.attention_backend,
+             "--worker-timeout", repr(p.worker_timeout),
              "--max-worker-restarts", str(p.max_worker_restarts)]
     if p.enforce_eager:
         argv.append("--enforce-eager")

@@ -161,6 +161,9 @@ class ParallelConfig:
     cpu_affinity: str | None = None
     """Cores each rank runs on, vLLM's VLLM_CPU_OMP_THREADS_BIND syntax: `0-3` for one rank,
     `0-3|4-7` for two; None or `all`: not pinned."""
+    worker_timeout: float = 300.0
+    """Seconds rank 0 may take to answer a step before the engine core counts its workers
+    as hung (and replaces them, see `max_worker_restarts`)."""
     max_worker_restarts: int = 3
     """How many times the engine core replaces its workers after one dies, fails or hangs
     past --worker-timeout (every running request is then recomputed from its tokens, so
@@ -168,6 +171,8 @@ class ParallelConfig:
     unfinished request and the core exits."""
 
     def __post_init__(self) -> None:
+        _require(self.worker_timeout > 0, "worker_timeout",
+                 f"must be positive, got {self.worker_timeout}")
         _require(self.max_worker_restarts >= 0, "max_worker_restarts",
                  f"must be non-negative, got {self.max_worker_restarts}")
         _require(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads",

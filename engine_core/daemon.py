@@ -2,7 +2,7 @@
 pool and the executor in one process that serves any number of frontends.
 
     python -m tidal.engine_core.daemon MODEL [engine flags] [--listen ADDRESS]
-        [--engine-key-file PATH] [--frontend-timeout S] [--worker-timeout S] [--log-level L]
+        [--engine-key-file PATH] [--frontend-timeout S] [--log-level L]
     python -m tidal.engine_core.daemon --generate-key-file PATH
 
 Life of the process:
@@ -50,7 +50,6 @@ import zmq
 from tidal.engine_core.args import add_engine_args, config_from_args
 from tidal.engine_core.config import EngineConfig, resolve_max_model_len
 from tidal.engine_core.executor import (
-    DEFAULT_STEP_TIMEOUT_S,
     Executor,
     WorkerError,
     WorkerFacts,
@@ -108,16 +107,13 @@ class EngineCoreDaemon:
 
     def __init__(self, config: EngineConfig, listen: str, key_file: str | None = None,
                  frontend_timeout: float = DEFAULT_FRONTEND_TIMEOUT_S,
-                 worker_timeout: float = DEFAULT_STEP_TIMEOUT_S, log_level: str = "INFO") -> None:
+                 log_level: str = "INFO") -> None:
         if frontend_timeout <= 0:
             raise ValueError(f"frontend_timeout must be positive, got {frontend_timeout}")
-        if worker_timeout <= 0:
-            raise ValueError(f"worker_timeout must be positive, got {worker_timeout}")
         self.config = config
         self.listen = listen
         self.key_file = key_file
         self.frontend_timeout = frontend_timeout
-        self.worker_timeout = worker_timeout
         self.log_level = log_level
         self.ctx = zmq.Context()
         self.decoder = FrontendDecoder()
@@ -177,7 +173,8 @@ class EngineCoreDaemon:
         """A fresh executor with every rank loaded, and what the ranks found.
         WorkerError if a rank fails to start; InterruptedError on a stop signal."""
         self.executor = Executor(self.config, max_model_len, self.ctx,
-                                 step_timeout=self.worker_timeout, log_level=self.log_level)
+                                 step_timeout=self.config.parallel.worker_timeout,
+                                 log_level=self.log_level)
         self._idle_poller = None  # it polls the executor's process fds
         return self.executor.start(lambda: self.stop_reason is not None)
 
@@ -529,7 +526,7 @@ def _unlink_quietly(path: str) -> None:
 
 
 def add_daemon_args(parser: argparse.ArgumentParser) -> None:
-    """Add --listen, --engine-key-file, --frontend-timeout, --worker-timeout, --log-level and
+    """Add --listen, --engine-key-file, --frontend-timeout, --log-level and
     --generate-key-file (the engine flags come from `add_engine_args`)."""
     g = parser.add_argument_group("engine core daemon")
     g.add_argument("--listen", default=None,
@@ -540,9 +537,6 @@ def add_daemon_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--frontend-timeout", type=float, default=DEFAULT_FRONTEND_TIMEOUT_S,
                    help="abort the requests of a frontend silent for this many seconds "
                         f"(default: {DEFAULT_FRONTEND_TIMEOUT_S:g})")
-    g.add_argument("--worker-timeout", type=float, default=DEFAULT_STEP_TIMEOUT_S,
-                   help="fail all requests if a worker does not finish a step within this "
-                        f"many seconds (default: {DEFAULT_STEP_TIMEOUT_S:g})")
     g.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper,
                    help="log level of the engine core and its workers (default: INFO)")
@@ -552,11 +546,10 @@ def add_daemon_args(parser: argparse.ArgumentParser) -> None:
 
 def run_daemon(config: EngineConfig, listen: str | None = None, key_file: str | None = None,
                frontend_timeout: float = DEFAULT_FRONTEND_TIMEOUT_S,
-               worker_timeout: float = DEFAULT_STEP_TIMEOUT_S, log_level: str = "INFO") -> int:
+               log_level: str = "INFO") -> int:
     """Run an engine core in this process (main thread) until stopped; the exit code."""
     listen = listen or default_engine_address()
-    return EngineCoreDaemon(config, listen, key_file, frontend_timeout, worker_timeout,
-                            log_level).run()
+    return EngineCoreDaemon(config, listen, key_file, frontend_timeout, log_level).run()
 
 
 def run_daemon_from_args(ns: argparse.Namespace) -> int:
@@ -571,7 +564,7 @@ def run_daemon_from_args(ns: argparse.Namespace) -> int:
     try:
         config = config_from_args(ns)
         return run_daemon(config, ns.listen, ns.engine_key_file, ns.frontend_timeout,
-                          ns.worker_timeout, ns.log_level)
+                          ns.log_level)
     except ValueError as e:
         logger.error("%s", e)
         return EXIT_BAD_START

@@ -1,4 +1,4 @@
-"""`tidal bench {serve,sweep,throughput,latency,overhead}`: flags and dispatch.
+"""`tidal bench {serve,sweep,throughput,latency,overhead,chaos}`: flags and dispatch.
 
 `add_bench_args(parser)` adds the subcommands to the `bench` parser of `tidal`'s CLI;
 `run_bench(ns)` runs the chosen one and returns the exit status. Every subcommand prints a
@@ -25,7 +25,7 @@ from tidal.frontend.bench.metrics import format_report, parse_goodput, parse_per
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     """Add the bench subcommands (`ns.bench_command` names the chosen one)."""
     sub = parser.add_subparsers(dest="bench_command", metavar="{serve,sweep,throughput,latency,"
-                                "overhead}", required=True)
+                                "overhead,chaos}", required=True)
     serve = sub.add_parser("serve", help="online: stream requests to an OpenAI-compatible server")
     _add_client_args(serve)
     sweep = sub.add_parser("sweep", help="online: the serve benchmark at several request rates")
@@ -49,6 +49,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     overhead.add_argument("--batch-size", type=int, default=8, help="requests per batch (8)")
     overhead.add_argument("--output-len", type=int, default=128, help="tokens each (128)")
     overhead.add_argument("--num-iters", type=int, default=3, help="timed batches (3)")
+    from tidal.frontend.bench.chaos import add_chaos_args
+
+    add_chaos_args(sub.add_parser("chaos", help="soak a live tidal serve while killing its "
+                                  "workers, engine core and HTTP processes"))
 
 
 def _add_dataset_args(p: argparse.ArgumentParser, with_seed: bool) -> None:
@@ -146,12 +150,20 @@ def _add_latency_args(p: argparse.ArgumentParser) -> None:
 def run_bench(ns: argparse.Namespace) -> int:
     """Run `ns.bench_command`; 0 on success, 1 when requests failed, 2 on bad arguments."""
     handlers = {"serve": _run_serve, "sweep": _run_sweep, "throughput": _run_throughput,
-                "latency": _run_latency, "overhead": _run_overhead}
+                "latency": _run_latency, "overhead": _run_overhead, "chaos": _run_chaos}
     try:
         return handlers[ns.bench_command](ns)
     except (ValueError, TimeoutError) as e:
         print(f"tidal bench {ns.bench_command}: {e}", file=sys.stderr)
         return 2
+
+
+def _run_chaos(ns: argparse.Namespace) -> int:
+    from tidal.frontend.bench.chaos import chaos_config_from_args, run_chaos
+
+    text, status = run_chaos(chaos_config_from_args(ns), ns.log)
+    print(text)
+    return status
 
 
 def dataset_config_from_args(ns: argparse.Namespace) -> DatasetConfig:
