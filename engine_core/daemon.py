@@ -348,9 +348,10 @@ class EngineCoreDaemon:
         for client_id, frontend in list(self.frontends.items()):
             silent = now - frontend.last_seen
             if silent > self.frontend_timeout:
-                self._drop_frontend(client_id, f"the engine core heard nothing from frontend "
-                                    f"{client_id!r} for {silent:.1f} s (--frontend-timeout "
-                                    f"{self.frontend_timeout:g} s) and dropped its requests")
+                self._drop_frontend(client_id, f"frontend {client_id!r} was silent for "
+                                    f"{silent:.1f} s (--frontend-timeout "
+                                    f"{self.frontend_timeout:g} s): the engine core dropped "
+                                    "its requests")
 
     def _drop_frontend(self, client_id: str, reason: str) -> None:
         """Fail the frontend's requests (ERROR, `reason`), tell it `Detached`, forget it.
