@@ -118,6 +118,20 @@ def post_in_background(base_url: str, body: dict) -> dict:
     return result
 
 
+def both_answer(base_url: str, completion: bool = False) -> bool:
+    """Whether both HTTP processes answered one of 8 fresh connections (with 200)."""
+    seen = set()
+    for _ in range(8):
+        if completion:
+            r = httpx.post(base_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
+                           timeout=60)
+        else:
+            r = httpx.get(base_url + "/health", timeout=10)
+        if r.status_code == 200:
+            seen.add(r.headers["x-tidal-server"])
+    return seen == {"0", "1"}
+
+
 def completes(base_url: str) -> bool:
     r = httpx.post(base_url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4},
                    timeout=60)
@@ -159,9 +173,10 @@ def test_stalled_http_process_gets_errors_then_serves(long_llama):
 def test_killing_one_http_process_leaves_the_others_streams_alone(long_llama):
     server = LiveServer([long_llama, *FLAGS, "--api-server-count", "2"]).start()
     try:
+        wait_until(lambda: both_answer(server.base_url), 60, "both processes to be ready")
         streams: list[Stream] = []
         while len({s.server for s in streams}) < 2:  # streams on both processes
-            assert len(streams) < 12, "every connection went to one process"
+            assert len(streams) < 16, "every connection went to one process"
             streams.append(Stream(server.base_url))
             assert streams[-1].first.wait(60) and not streams[-1].broken
         victim = http_processes(server.proc.pid)[0]
@@ -174,16 +189,8 @@ def test_killing_one_http_process_leaves_the_others_streams_alone(long_llama):
         assert sorted((all(ok), any(ok)) for ok in by_server.values()) == [
             (False, False), (True, True)], by_server
         # the dead one is started again: both indexes answer
-        seen = set()
-
-        def both_serve():
-            r = httpx.post(server.base_url + "/v1/completions",
-                           json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
-            assert r.status_code == 200, r.text
-            seen.add(r.headers["x-tidal-server"])
-            return seen == {"0", "1"}
-
-        wait_until(both_serve, 60, "the killed process to be started again")
+        wait_until(lambda: both_answer(server.base_url, completion=True), 60,
+                   "the killed process to be started again")
         assert server.alive() and "starting it again" in server.output()
     finally:
         server.stop()
