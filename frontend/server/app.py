@@ -113,9 +113,10 @@ class Server(uvicorn.Server):
     so clients learn why instead of seeing the connection cut after the grace period."""
 
     async def shutdown(self, sockets=None) -> None:
-        engine = getattr(self.config.app.state, "engine", None)  # None: never started
-        if engine is not None:
-            engine.fail_requests("the HTTP server is shutting down")
+        serving = getattr(self.config.app.state, "serving", None)  # None: never started
+        if serving is not None:
+            serving.stopping = True  # a request still being tokenized gets a 503
+            serving.engine.fail_requests("the HTTP server is shutting down")
         await super().shutdown(sockets)
 
 

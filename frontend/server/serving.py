@@ -173,6 +173,7 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.vocab_size = len(self.tokenizer)
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tidal-tokenize")
+        self.stopping = False  # the server is shutting down: 503 from now on
 
     @property
     def max_model_len(self) -> int:
@@ -197,7 +198,10 @@ class OpenAIServing:
         raise APIError(404, f"The model `{model}` does not exist.", "model")
 
     def check_alive(self) -> None:
-        """503 when the engine is dead, 503 with Retry-After while no core is attached."""
+        """503 when the engine is dead, 503 with Retry-After while no core is attached or
+        the server is stopping."""
+        if self.stopping:
+            raise engine_unavailable("This server is shutting down.")
         if self.engine.dead:
             raise APIError(503, "The engine is not running; this server cannot generate.")
         if not self.engine.attached:
@@ -205,10 +209,10 @@ class OpenAIServing:
                                      "this server re-attaches when one is back.")
 
     def engine_error(self, completion) -> APIError:
-        """A completion the engine failed: 503 (with Retry-After) if the core is away now,
-        else 500; never the client's fault."""
+        """A completion the engine failed: 503 (with Retry-After) if the core is away now or
+        the server is stopping, else 500; never the client's fault."""
         message = completion.error or "the engine failed this request"
-        if not self.engine.attached and not self.engine.dead:
+        if self.stopping or (not self.engine.attached and not self.engine.dead):
             return engine_unavailable(message)
         return APIError(500, message)
 

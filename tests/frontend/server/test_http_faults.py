@@ -141,8 +141,9 @@ def test_tokenizing_and_chat_templates_run_in_the_thread_pool(tokenizer):
 
 
 @pytest.mark.timeout(60)
-def test_shutdown_ends_streams_with_an_error_event(tokenizer):
-    """uvicorn's graceful shutdown would wait, then cut the stream; `Server` fails it first."""
+def test_shutdown_ends_requests_with_an_error(tokenizer):
+    """uvicorn's graceful shutdown would wait, then cut the stream; `Server` fails it first:
+    an error event and [DONE], and a 503 for the non-streaming request."""
     engine = FakeEngine(tokenizer, token_delay=0.2)  # 60 tokens: 12 s
 
     async def factory():
@@ -160,18 +161,27 @@ def test_shutdown_ends_streams_with_an_error_event(tokenizer):
         deadline = time.monotonic() + 20
         while not server.started and time.monotonic() < deadline:
             time.sleep(0.05)
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        plain = []
+        waiter = threading.Thread(target=lambda: plain.append(httpx.post(
+            url, json={"prompt": "x", "max_tokens": 60}, timeout=20)))
+        waiter.start()
         body = {"prompt": "x", "max_tokens": 60, "stream": True}
-        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
-                          timeout=20) as r:
+        with httpx.stream("POST", url, json=body, timeout=20) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: {")
+            while len(engine.active) < 2:  # the non-streaming request is generating too
+                time.sleep(0.01)
             stopped = time.monotonic()
             server.should_exit = True
             rest = [line for line in lines if line]
+        waiter.join(10)
         assert time.monotonic() - stopped < 5
     finally:
         server.should_exit = True
         thread.join(20)
     assert rest[-1] == "data: [DONE]"
     assert "the HTTP server is shutting down" in rest[-2] and '"error"' in rest[-2]
+    assert_retry_later(plain[0])
+    assert "the HTTP server is shutting down" in plain[0].json()["error"]["message"]
     assert engine.closed
