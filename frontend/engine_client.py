@@ -30,7 +30,6 @@ import uuid
 
 import zmq
 import zmq.asyncio
-
 from zmq.utils.monitor import parse_monitor_message
 
 from tidal.ipc.messages import EngineDead, EngineInfo, Goodbye, Heartbeat, Hello

@@ -2,8 +2,9 @@
 
 It follows frontend-contract.md's AsyncLLM surface: `engine_info`, `tokenizer`, `model_name`,
 `encode_prompt`, `generate` (async iterator of the real `RequestOutput`s, with deltas),
-`abort`, `fail_requests`, `get_stats`, `close`, `dead`, `attached`, `away_reason`. Tokens are deterministic: completion j of a prompt
-whose last token is t generates t+1+j, t+2+j, ... (mod a small range of plain tokens).
+`abort`, `fail_requests`, `get_stats`, `close`, `dead`, `attached`, `away_reason`. Tokens are
+deterministic: completion j of a prompt whose last token is t generates t+1+j, t+2+j, ...
+(mod a small range of plain tokens).
 """
 
 from __future__ import annotations
