@@ -144,10 +144,10 @@ def completes(base_url: str) -> bool:
 
 @pytest.mark.timeout(240)
 def test_stalled_http_process_gets_errors_then_serves(long_llama):
-    """SIGSTOP the only HTTP process past a 1 s --frontend-timeout: the core drops it. After
+    """SIGSTOP the only HTTP process past a 2 s --frontend-timeout: the core drops it. After
     SIGCONT its stream ends with an error event and [DONE], its non-streaming client gets a
     5xx with an OpenAI error body, both naming the timeout; then it serves new requests."""
-    server = LiveServer([long_llama, *FLAGS, "--frontend-timeout", "1"]).start()
+    server = LiveServer([long_llama, *FLAGS, "--frontend-timeout", "2"]).start()
     try:
         (pid,) = http_processes(server.proc.pid)
         plain = post_in_background(server.base_url, LONG)
@@ -158,11 +158,11 @@ def test_stalled_http_process_gets_errors_then_serves(long_llama):
             wait_until(lambda: "silent for" in server.output(), 20, "the core to drop it")
         finally:
             os.kill(pid, signal.SIGCONT)
-        assert "--frontend-timeout 1" in stream.finish().error()
+        assert "--frontend-timeout 2" in stream.finish().error()
         plain["thread"].join(60)
         r = plain["response"]
         assert r.status_code in (500, 503), r.text
-        assert "--frontend-timeout 1" in r.json()["error"]["message"]
+        assert "--frontend-timeout 2" in r.json()["error"]["message"]
         wait_until(lambda: completes(server.base_url), 30, "the process to serve again")
         assert httpx.get(server.base_url + "/health").status_code == 200
     finally:
