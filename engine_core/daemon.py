@@ -28,9 +28,14 @@ next failure is final: every unfinished request gets FinishReason.ERROR with a m
 EngineDead, the remaining workers are killed, exit 1.
 
 Frontends are told apart by their zmq identity (= their client_id); a frontend may abort only
-its own requests, and receives outputs only for its own requests. A frontend silent for
-longer than `--frontend-timeout` seconds (they send a Heartbeat every
-`HEARTBEAT_INTERVAL_S`) has its requests aborted and their blocks freed.
+its own requests, and receives outputs only for its own requests. A frontend attaches with
+Hello. One silent for longer than `--frontend-timeout` seconds (they send a Heartbeat every
+`EngineInfo.heartbeat_interval`) is dropped: each of its requests gets FinishReason.ERROR
+with a message, then the frontend gets `Detached`, and its blocks are freed. Any frame but
+Hello from a frontend the core does not know (dropped, or attached to the core this one
+replaced) is answered with `Detached` (an AddRequest also with an ERROR output), never
+served: only the frontend knows which requests it still waits for, so it must say Hello
+again and fail those itself.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ from tidal.ipc.messages import (
     Abort,
     AddRequest,
     BatchPlan,
+    Detached,
     EngineDead,
     EngineInfo,
     EngineOutputs,
@@ -77,6 +83,7 @@ from tidal.ipc.transport import (
     bind_engine_socket,
     default_engine_address,
     encode,
+    heartbeat_interval,
     ipc_path,
     write_key_file,
 )
@@ -187,7 +194,8 @@ class EngineCoreDaemon:
             stream_interval=c.scheduler.stream_interval,
             max_num_queued_reqs=c.scheduler.max_num_queued_reqs,
             served_model_name=c.model.name, tokenizer=c.model.tokenizer_path,
-            vocab_size=self.vocab_size)
+            vocab_size=self.vocab_size,
+            heartbeat_interval=heartbeat_interval(self.frontend_timeout))
 
     def _serve(self) -> int:
         logger.info("engine core ready: %d KV blocks, async scheduling %s",
@@ -342,10 +350,26 @@ class EngineCoreDaemon:
             return
         frontend = self.frontends.get(client_id)
         if frontend is None:
+            if not isinstance(msg, Hello):
+                self._refuse_unknown(client_id, msg)
+                return
             frontend = self.frontends[client_id] = _Frontend(client_id, time.monotonic())
             logger.info("frontend %r attached", client_id)
         frontend.last_seen = time.monotonic()
         self._dispatch(frontend, msg)
+
+    def _refuse_unknown(self, client_id: str, msg) -> None:
+        """A frame from a frontend that never said Hello to this core, or was dropped."""
+        if isinstance(msg, Goodbye):
+            return
+        reason = (f"the engine core does not know frontend {client_id!r} (it was dropped, or "
+                  "the engine core restarted): say Hello")
+        logger.info("%s from unknown frontend %r: answered Detached", type(msg).__name__,
+                    client_id)
+        if isinstance(msg, AddRequest):
+            error = RequestOutput(msg.req_id, b"", FinishReason.ERROR, error=reason)
+            self._send(client_id, EngineOutputs([error], timestamp=time.time()))
+        self._send(client_id, Detached(reason))
 
     def _dispatch(self, frontend: _Frontend, msg) -> None:
         if isinstance(msg, AddRequest):
@@ -396,11 +420,19 @@ class EngineCoreDaemon:
         for client_id, frontend in list(self.frontends.items()):
             silent = now - frontend.last_seen
             if silent > self.frontend_timeout:
-                num_aborted = self.scheduler.abort_client(client_id)
-                del self.frontends[client_id]
-                logger.warning("frontend %r silent for %.1f s (timeout %.1f s): aborted its %d "
-                               "unfinished requests", client_id, silent, self.frontend_timeout,
-                               num_aborted)
+                self._drop_frontend(client_id, f"frontend {client_id!r} was silent for "
+                                    f"{silent:.1f} s (--frontend-timeout "
+                                    f"{self.frontend_timeout:g} s): the engine core dropped "
+                                    "its requests")
+
+    def _drop_frontend(self, client_id: str, reason: str) -> None:
+        """Fail the frontend's requests (ERROR, `reason`), tell it `Detached`, forget it.
+        A frontend that is only stalled reads both when it wakes up."""
+        outputs = self.scheduler.fail_client(client_id, reason)
+        self._send_outputs(outputs)
+        self._send(client_id, Detached(reason))
+        del self.frontends[client_id]
+        logger.warning("%s (%d unfinished)", reason, len(outputs.get(client_id, ())))
 
     def _send(self, client_id: str, msg) -> None:
         self.sock.send_multipart([_identity(client_id), encode(msg)], copy=False)

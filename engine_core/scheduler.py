@@ -144,6 +144,11 @@ class Scheduler:
         self.abort(req_ids)
         return len(req_ids)
 
+    def fail_client(self, client_id: str, error: str) -> Outputs:
+        """Every request of one frontend finishes with FinishReason.ERROR and this message."""
+        req_ids = [r.req_id for r in self.requests.values() if r.client_id == client_id]
+        return self._finish_many(req_ids, RequestStatus.FINISHED_ERROR, error)
+
     def fail_all(self, error: str) -> Outputs:
         """Every unfinished request finishes with FinishReason.ERROR and this message."""
         return self._finish_many(list(self.requests), RequestStatus.FINISHED_ERROR, error)

@@ -10,9 +10,21 @@ One background task reads the socket and routes outputs, through the `OutputProc
 (detokenize, stop strings, n > 1, stream interval), into one `RequestOutputCollector` per
 request. A collector holds at most one pending update: if the consumer falls behind, newer
 deltas are merged into it (vLLM's back-pressure without unbounded queues). A request the engine
-core refuses (bad input) makes `generate` raise ValueError naming the field. Engine death (an
-`EngineDead` message, a lost connection, or the private daemon process gone) ends every
-pending request with finish_reason "error"; later calls raise RuntimeError.
+core refuses (bad input) makes `generate` raise ValueError naming the field.
+
+No request is left without an end. When the engine core goes away (an `EngineDead` message,
+a lost connection) or drops this frontend (`Detached`: it was silent past the core's
+--frontend-timeout, or a new core sits at the address), every pending request ends with
+finish_reason "error" and a message, and its engine ids are aborted (a no-op in a core that
+forgot them). Then:
+- attached to someone else's core (`engine=ADDRESS`), or dropped by our own: the frontend is
+  away. New calls raise `EngineUnavailable` (a RuntimeError) until a core answers the Hello
+  it sends on every new connection; then it serves again (`attached`), if that core serves
+  the same model.
+- our private daemon gone: the frontend is dead for good (`dead`); later calls raise
+  RuntimeError.
+Messages the core sent in answer to frames that left before our new Hello (a `Detached` for
+each, say) arrive before its `EngineInfo` (one ordered pipe), so they are ignored while away.
 
 Run it on uvloop: `tidal.frontend.async_llm.run(main())` (or `uvloop.run`); uvicorn picks
 uvloop by itself.
@@ -38,6 +50,7 @@ from tidal.frontend.output_processor import OutputProcessor
 from tidal.frontend.outputs import CompletionOutput, RequestOutput
 from tidal.ipc.messages import (
     Abort,
+    Detached,
     EngineDead,
     EngineInfo,
     EngineOutputs,
@@ -52,6 +65,11 @@ logger = logging.getLogger(__name__)
 _OUTPUT_CHUNK = 128  # outputs processed between two yields to the event loop (vLLM's default)
 _STATS_TIMEOUT_S = 10.0
 _DAEMON_POLL_S = 0.5
+
+
+class EngineUnavailable(RuntimeError):
+    """No engine core is attached right now (it went away or dropped us); this frontend
+    re-attaches by itself when one answers at the same address. Retry later."""
 
 
 def run(main):
@@ -168,6 +186,7 @@ class AsyncLLM:
         self.num_generated_tokens = 0  # tokens received from the engine, all requests
         self.dead = False
         self.dead_reason: str | None = None
+        self.away_reason: str | None = None  # why no core is attached now
         self._closed = False
         self._tasks = [asyncio.ensure_future(self._output_loop())]
         if daemon is not None:
@@ -246,8 +265,10 @@ class AsyncLLM:
         gone) aborts the request in the engine. ValueError naming the field when the prompt
         or the engine core refuses the request."""
         interval = max(self.engine_info.stream_interval, stream_interval or 1)
+        prompt_ids = await self._encode_off_loop(prompt)
         request_id, collector = self._add_request(prompt, params, request_id, priority,
-                                                  interval, final_only=False)
+                                                  interval, final_only=False,
+                                                  prompt_ids=prompt_ids)
         finished = False
         try:
             while not finished:
@@ -267,6 +288,8 @@ class AsyncLLM:
         `prompt_token_ids`: the prompt already encoded by `encode_prompt` (not re-checked).
         ValueError naming the field when the engine core refuses the request.
         """
+        if prompt_token_ids is None:
+            prompt_token_ids = await self._encode_off_loop(prompt)
         request_id, collector = self._add_request(prompt, params, request_id, priority, 1,
                                                   final_only=True, prompt_ids=prompt_token_ids)
         try:
@@ -276,6 +299,14 @@ class AsyncLLM:
             if self._processor.has_request(request_id):
                 self._abort_quietly(request_id)
         return output
+
+    async def _encode_off_loop(self, prompt: str | list[int]) -> list[int]:
+        """`encode_prompt`; text is tokenized in a thread, so that a huge prompt does not stall
+        the event loop (other requests' streams, the heartbeat)."""
+        self._check_usable()
+        if isinstance(prompt, str):
+            return await asyncio.to_thread(self.encode_prompt, prompt)
+        return self.encode_prompt(prompt)
 
     def _add_request(self, prompt, params: SamplingParams, request_id: str | None,
                      priority: int, interval: int, final_only: bool,
@@ -336,18 +367,36 @@ class AsyncLLM:
             raise RuntimeError("this AsyncLLM is closed")
         if self.dead:
             raise RuntimeError(f"the engine core is dead: {self.dead_reason}")
+        if not self._client.attached:
+            raise EngineUnavailable(f"no engine core is attached ({self.away_reason}); this "
+                                    f"frontend re-attaches when one answers at "
+                                    f"{self._client.address}")
+
+    @property
+    def attached(self) -> bool:
+        """Whether an engine core serves this frontend now (False while away, or dead)."""
+        return self._client.attached and not self.dead
+
+    def fail_requests(self, reason: str) -> None:
+        """End every pending request now with finish_reason "error" and `reason`, and abort
+        them in the engine core (for a server that shuts down, say)."""
+        engine_ids = self._processor.engine_req_ids()
+        if engine_ids and self.attached:
+            self._client.send_nowait(Abort(engine_ids))
+        self._fail_pending(reason)
 
     # -- background tasks -----------------------------------------------------------------
 
     async def _output_loop(self) -> None:
         try:
-            while True:
+            while not self.dead:
                 msg = await self._client.recv()
                 if isinstance(msg, EngineOutputs):
                     await self._handle_outputs(msg)
-                elif isinstance(msg, EngineDead):
-                    self._on_dead(msg.reason)
-                    return
+                elif isinstance(msg, EngineInfo):
+                    self._on_info(msg)
+                elif isinstance(msg, (EngineDead, Detached)):
+                    self._on_lost(msg)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - never leave requests hanging
@@ -391,16 +440,52 @@ class AsyncLLM:
         if not self._closed:
             self._on_dead(self._daemon.failure_message("the engine core process exited"))
 
+    def _on_lost(self, msg: EngineDead | Detached) -> None:
+        """The core went away or dropped us: end every pending request, then re-attach
+        (or, when it was our own daemon that died, be dead)."""
+        if not self._client.attached:
+            return  # away already: an answer to a frame sent before our new Hello
+        if self._daemon is not None and isinstance(msg, EngineDead):
+            self._on_dead(msg.reason)
+            return
+        engine_ids = self._processor.engine_req_ids()
+        logger.error("engine core at %s: %s; failing %d unfinished requests, re-attaching "
+                     "when a core answers", self._client.address, msg.reason,
+                     self.num_unfinished_requests())
+        self.away_reason = msg.reason
+        self._client.reattach()
+        if engine_ids:  # the core may know them still (a connection lost, not the core)
+            self._client.send_nowait(Abort(engine_ids))
+        self._fail_pending(msg.reason)
+
+    def _on_info(self, info: EngineInfo) -> None:
+        """A core answered our Hello: attached again, if it serves the same model."""
+        if self._client.attached:
+            return  # a second answer (Hello is sent again on each new connection)
+        old = self.engine_info
+        if (info.model, info.tokenizer) != (old.model, old.tokenizer):
+            self.away_reason = (f"the engine core at {self._client.address} now serves "
+                                f"{info.model}, not {old.model}")
+            logger.error("%s: not re-attaching", self.away_reason)
+            return
+        self.engine_info, self.away_reason = info, None
+        self._client.on_attached(info)
+        logger.info("re-attached to the engine core at %s", self._client.address)
+
     def _on_dead(self, reason: str) -> None:
         if self.dead:
             return
         self.dead, self.dead_reason = True, reason
         if not self._closed:
             logger.error("engine core is dead: %s", reason)
+        self._fail_pending(reason)
+
+    def _fail_pending(self, reason: str) -> None:
+        """Every request in flight ends with "error" and `reason`; stats waiters raise."""
         self._deliver(self._processor.fail_all(reason))
         for fut in self._stats_waiters:
             if not fut.done():
-                fut.set_exception(RuntimeError(f"the engine core is dead: {reason}"))
+                fut.set_exception(RuntimeError(f"the engine core went away: {reason}"))
         self._stats_waiters.clear()
 
     # -- shutdown -------------------------------------------------------------------------

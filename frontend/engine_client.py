@@ -4,13 +4,19 @@ frontends share.
 Protocol (see tidal.ipc.transport): one DEALER per frontend (identity = client_id) to the
 daemon's ROUTER. The frontend sends `Hello` first; the daemon answers `EngineInfo` when ready.
 Then `AddRequest` / `Abort` / `StatsQuery` / `Goodbye`, and a `Heartbeat` every
-HEARTBEAT_INTERVAL_S (a silent frontend's requests are aborted by the daemon). The daemon sends
-`EngineOutputs` (only this frontend's requests) and `EngineDead`.
+`EngineInfo.heartbeat_interval` seconds (a silent frontend's requests are failed by the
+daemon). The daemon sends `EngineOutputs` (only this frontend's requests), `EngineDead`, and
+`Detached` when it does not know (or no longer knows) this frontend.
 
-`AsyncEngineClient` is a zmq.asyncio socket on the running loop plus one heartbeat task
-(`LLM` runs an `AsyncLLM` on a private event-loop thread, so this one client serves both).
-It watches the socket for a disconnect from the daemon (a daemon killed without a word) and
-turns it into an `EngineDead`, so no caller waits forever.
+`AsyncEngineClient` is a zmq.asyncio socket on the running loop plus a heartbeat task and a
+task watching the connection (`LLM` runs an `AsyncLLM` on a private event-loop thread, so this
+one client serves both). A disconnect from the daemon (a daemon killed without a word) comes
+out of `recv()` as an `EngineDead`, once per disconnect, so no caller waits forever.
+
+`attached` is True from the EngineInfo that answers a Hello until the owner learns that the
+core is gone or dropped it (it then calls `reattach()`); heartbeats go out only while
+attached. While re-attaching, the client says Hello again on every new connection (ZeroMQ
+reconnects to the same address by itself), so a core restarted there is found.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import uuid
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from tidal.ipc.messages import EngineDead, EngineInfo, Goodbye, Heartbeat, Hello, is_valid_unicode
 from tidal.ipc.transport import (
@@ -132,26 +139,44 @@ def encode_prompt(tokenizer, prompt: str | list[int], max_model_len: int,
 
 
 class AsyncEngineClient:
-    """The same connection for an asyncio loop: awaitable recv, a heartbeat task."""
+    """The connection to one engine core for an asyncio loop (see the module docstring)."""
 
     def __init__(self, address: str, key_file: str | None = None, kind: str = "python"):
         self.address = address
         self.client_id = make_client_id(kind)
         self.kind = kind
+        self.attached = False
+        self.heartbeat_interval = HEARTBEAT_INTERVAL_S
+        self._reattaching = False
         self._ctx = zmq.asyncio.Context()
         self._decoder = CoreToFrontendDecoder()
         self._sock = connect_frontend_socket(self._ctx, address, self.client_id, key_file)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED
+                                                      | zmq.EVENT_DISCONNECTED)
         self._closed = False
         self._heartbeat_task: asyncio.Task | None = None
         self._monitor_task: asyncio.Task | None = None
         self._lost = asyncio.Event()
 
     def start(self) -> None:
-        """Say Hello and start the heartbeat and disconnect-watch tasks (on the running loop)."""
-        self.send_nowait(Hello(self.client_id, self.kind, os.getpid()))
+        """Say Hello and start the heartbeat and connection-watch tasks (on the running loop)."""
+        self.hello()
         self._heartbeat_task = asyncio.ensure_future(self._heartbeat_loop())
-        self._monitor_task = asyncio.ensure_future(self._watch_disconnect())
+        self._monitor_task = asyncio.ensure_future(self._watch_connection())
+
+    def hello(self) -> None:
+        self.send_nowait(Hello(self.client_id, self.kind, os.getpid()))
+
+    def on_attached(self, info: EngineInfo) -> None:
+        """The core answered Hello: heartbeat at the pace it asks for."""
+        self.attached, self._reattaching = True, False
+        self.heartbeat_interval = info.heartbeat_interval
+
+    def reattach(self) -> None:
+        """The core is gone or dropped us: stop beating, say Hello now and on every new
+        connection until an EngineInfo comes (`on_attached`)."""
+        self.attached, self._reattaching = False, True
+        self.hello()
 
     def send_nowait(self, msg) -> None:
         """Send one message without awaiting (the socket queues it; HWM is unbounded)."""
@@ -172,6 +197,7 @@ class AsyncEngineClient:
                 if not recv.done():
                     recv.cancel()  # safe: a cancelled zmq recv consumes no message
             if recv not in done:
+                self._lost.clear()
                 return EngineDead(_LOST)
             frames = recv.result()
             if len(frames) != 1:
@@ -182,7 +208,8 @@ class AsyncEngineClient:
                 return msg
 
     async def wait_for_info(self, timeout: float, alive=None) -> EngineInfo:
-        """Await the daemon's EngineInfo; RuntimeError on timeout, EngineDead or death.
+        """Await the daemon's EngineInfo (then `attached`); RuntimeError on timeout,
+        EngineDead or death.
 
         `alive()` (optional) is called a few times a second; False means the daemon is gone.
         """
@@ -194,6 +221,7 @@ class AsyncEngineClient:
                 if pending.done():
                     msg = pending.result()
                     if isinstance(msg, EngineInfo):
+                        self.on_attached(msg)
                         return msg
                     if isinstance(msg, EngineDead):
                         raise RuntimeError(f"engine core failed to start: {msg.reason}")
@@ -223,12 +251,17 @@ class AsyncEngineClient:
 
     async def _heartbeat_loop(self) -> None:
         while not self._closed:
-            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
-            self.send_nowait(Heartbeat(self.client_id))
+            await asyncio.sleep(self.heartbeat_interval)
+            if self.attached:
+                self.send_nowait(Heartbeat(self.client_id))
 
-    async def _watch_disconnect(self) -> None:
-        await self._monitor.recv_multipart()
-        self._lost.set()
+    async def _watch_connection(self) -> None:
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                self._lost.set()
+            elif event == zmq.EVENT_CONNECTED and self._reattaching:
+                self.hello()  # maybe a new core at the address: the old Hello went nowhere
 
 
 def _log_send_error(fut) -> None:

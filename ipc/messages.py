@@ -293,6 +293,9 @@ class EngineInfo(msgspec.Struct, tag="info", **_STRUCT):
     tokenizer: str | None = None
     vocab_size: int = 0
     """Prompt token ids must be in [0, vocab_size): the model's, as the workers found it."""
+    heartbeat_interval: float = 1.0
+    """Seconds between two Heartbeats of the frontend (a quarter of --frontend-timeout, at
+    most 1 s), so that a short timeout still tolerates a late beat or two."""
 
 
 class EngineDead(msgspec.Struct, tag="dead", **_STRUCT):
@@ -301,7 +304,16 @@ class EngineDead(msgspec.Struct, tag="dead", **_STRUCT):
     reason: str
 
 
-CoreToFrontend = Union[EngineOutputs, EngineInfo, EngineDead]
+class Detached(msgspec.Struct, tag="detached", **_STRUCT):
+    """The engine core does not (or no longer) know this frontend: it dropped it after
+    --frontend-timeout of silence, or it is a new core at the old address. Every request of
+    the frontend that the core knew got an ERROR output first; a frontend that wants to go on
+    says Hello again."""
+
+    reason: str
+
+
+CoreToFrontend = Union[EngineOutputs, EngineInfo, EngineDead, Detached]
 
 
 # ---------------------------------------------------------------------------------------------

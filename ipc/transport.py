@@ -5,7 +5,8 @@ Socket map (who binds, who connects, what travels):
     frontend DEALER (identity = client_id) ──connect──► engine core ROUTER  (--listen ADDRESS)
         frontend → core: FrontendMessage   (Hello first, then AddRequest / Abort / Heartbeat /
                                             StatsQuery / Goodbye), one msgpack frame each
-        core → frontend: CoreToFrontend    (EngineInfo answers Hello, EngineOutputs, EngineDead)
+        core → frontend: CoreToFrontend    (EngineInfo answers Hello, EngineOutputs, EngineDead,
+                                            Detached: "I do not know you (any more): say Hello")
     engine core PUSH (bind, one per rank) ──► worker PULL (connect)   CoreToWorker
     worker PUSH (connect, every rank) ──────► engine core PULL (bind) WorkerToCore
 
@@ -24,7 +25,7 @@ Public API, for the engine core, the workers and the frontends:
     WorkerToCoreDecoder() .decode(frame) -> WorkerToCore | None       (engine core side)
     encode_worker_config(cfg) -> str / decode_worker_config(text) -> WorkerConfig  (argv)
 
-    HEARTBEAT_INTERVAL_S, DEFAULT_FRONTEND_TIMEOUT_S
+    HEARTBEAT_INTERVAL_S, DEFAULT_FRONTEND_TIMEOUT_S, heartbeat_interval(frontend_timeout)
     default_engine_address() -> "ipc://<private dir>/engine.sock"
     new_private_address(tag="engine") -> a fresh ipc:// address, unique per call
     runtime_dir() -> the private (0700) directory of this user
@@ -77,7 +78,13 @@ HEARTBEAT_INTERVAL_S = 1.0
 """Seconds between two Heartbeat messages of a frontend."""
 
 DEFAULT_FRONTEND_TIMEOUT_S = 10.0
-"""A frontend silent for longer than this has its requests aborted (daemon --frontend-timeout)."""
+"""A frontend silent for longer than this has its requests failed (daemon --frontend-timeout)."""
+
+
+def heartbeat_interval(frontend_timeout: float) -> float:
+    """How often frontends beat for this timeout: every second, or four times per timeout
+    when the timeout is shorter than 4 s (the core tells them in EngineInfo)."""
+    return min(HEARTBEAT_INTERVAL_S, frontend_timeout / 4)
 
 _DROP_LOG_INTERVAL_S = 1.0
 
@@ -203,7 +210,8 @@ def _is_struct(t) -> bool:
 
 
 class CoreToFrontendDecoder(TypedDecoder):
-    """Frontend side: decodes `CoreToFrontend` (EngineInfo, EngineOutputs, EngineDead) only."""
+    """Frontend side: decodes `CoreToFrontend` (EngineInfo, EngineOutputs, EngineDead,
+    Detached) only."""
 
     def __init__(self) -> None:
         super().__init__(CoreToFrontend, "engine socket")

@@ -4,7 +4,9 @@
 
 `engine_factory` is an async callable returning a started AsyncLLM (attached to the engine
 daemon); it is awaited in the app's lifespan, on the server's own event loop, and the engine
-is closed (detached) at shutdown. Tests pass a factory returning a fake engine.
+is closed (detached) at shutdown. Tests pass a factory returning a fake engine. Run the app
+with `Server` (uvicorn's, which on shutdown first ends every request in flight with an error:
+streams get an error event and [DONE] instead of a cut connection).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
 POST /detokenize, GET /health, GET /metrics, GET /version, GET|POST /ping. With an API key,
@@ -23,6 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
+import uvicorn
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
@@ -104,6 +107,19 @@ class ServerIndexMiddleware:
         await self.app(scope, receive, send_with_header)
 
 
+class Server(uvicorn.Server):
+    """uvicorn's server; its graceful shutdown starts by failing every request in flight
+    (finish reason "error": an error event then [DONE] for streams, a 5xx for the others),
+    so clients learn why instead of seeing the connection cut after the grace period."""
+
+    async def shutdown(self, sockets=None) -> None:
+        serving = getattr(self.config.app.state, "serving", None)  # None: never started
+        if serving is not None:
+            serving.stopping = True  # a request still being tokenized gets a 503
+            serving.engine.fail_requests("the HTTP server is shutting down")
+        await super().shutdown(sockets)
+
+
 _ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse},
            404: {"model": ErrorResponse}, 503: {"model": ErrorResponse}}
 
@@ -123,6 +139,7 @@ def build_app(engine_factory: Callable[[], Awaitable[Any]],
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            app.state.serving.close()
             await engine.close()
 
     app = FastAPI(title="tidal", version=tidal.__version__, lifespan=lifespan)
@@ -171,12 +188,14 @@ def _add_generate_routes(app: FastAPI) -> None:
     @app.post("/tokenize", responses={200: {"model": TokenizeResponse}, **_ERRORS})
     async def tokenize(req: TokenizeRequest, request: Request) -> Response:
         """Token ids of a prompt, or of messages through the chat template."""
-        return json_response(request.app.state.serving.tokenize(req))
+        serving = request.app.state.serving
+        return json_response(await serving.off_loop(serving.tokenize, req))
 
     @app.post("/detokenize", responses={200: {"model": DetokenizeResponse}, **_ERRORS})
     async def detokenize(req: DetokenizeRequest, request: Request) -> Response:
         """Text of a list of token ids."""
-        return json_response(request.app.state.serving.detokenize(req))
+        serving = request.app.state.serving
+        return json_response(await serving.off_loop(serving.detokenize, req))
 
 
 def _add_info_routes(app: FastAPI) -> None:
@@ -193,9 +212,12 @@ def _add_info_routes(app: FastAPI) -> None:
 
     @app.get("/health")
     async def health(request: Request) -> Response:
-        """200 while the engine runs, 503 once it is dead."""
-        if getattr(request.app.state.engine, "dead", False):
-            return APIError(503, "The engine is not running.").response()
+        """200 while an engine core serves this process; 503 once it is dead, and 503 with
+        Retry-After while none is attached."""
+        try:
+            request.app.state.serving.check_alive()
+        except APIError as exc:
+            return exc.response()
         return Response(status_code=200)
 
     @app.get("/metrics")

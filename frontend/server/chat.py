@@ -10,7 +10,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tidal.frontend.server import responses as R
-from tidal.frontend.server.completions import engine_error
 from tidal.frontend.server.errors import bad_request
 from tidal.frontend.server.protocol import ChatCompletionRequest
 from tidal.frontend.server.serving import OpenAIServing, Run, now
@@ -36,9 +35,10 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     model = serving.check_model(req.model)
     _check_supported(req)
     params = serving.sampling_params(req, _RENAMES)
-    token_ids = serving.render_chat(req.messages, req.add_generation_prompt,
-                                    req.continue_final_message, req.chat_template_kwargs)
-    token_ids = serving.encode(token_ids, "messages")
+    token_ids = await serving.off_loop(serving.render_chat, req.messages,
+                                       req.add_generation_prompt, req.continue_final_message,
+                                       req.chat_template_kwargs)
+    token_ids = await serving.encode(token_ids, "messages")
     serving.check_room(params, len(token_ids), "max_completion_tokens"
                        if req.max_completion_tokens else "max_tokens")
     response_id, run = serving.start([(token_ids, None)], params, req.priority, "chatcmpl")
@@ -72,7 +72,7 @@ class _ChatView:
         for index in sorted(job.final):
             c = job.final[index]
             if c.finish_reason == "error":
-                raise engine_error(c)
+                raise self.serving.engine_error(c)
             choice = {"index": index, "message": {"role": "assistant", "content": c.text},
                       "logprobs": self._logprobs(c.token_ids, c.logprobs),
                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}

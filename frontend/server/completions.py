@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tidal.frontend.server import responses as R
-from tidal.frontend.server.errors import APIError, bad_request
+from tidal.frontend.server.errors import bad_request
 from tidal.frontend.server.protocol import CompletionRequest
 from tidal.frontend.server.serving import OpenAIServing, Run, now
 
@@ -46,7 +46,7 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest,
     params = serving.sampling_params(req)
     prompts = []
     for prompt in _prompt_list(req.prompt):
-        token_ids = serving.encode(prompt, "prompt")
+        token_ids = await serving.encode(prompt, "prompt")
         serving.check_room(params, len(token_ids), "max_tokens")
         text = prompt if isinstance(prompt, str) else None
         prompts.append((token_ids, text))
@@ -92,7 +92,7 @@ class _CompletionView:
             for index in sorted(job.final):
                 c = job.final[index]
                 if c.finish_reason == "error":
-                    raise engine_error(c)
+                    raise self.serving.engine_error(c)
                 prefix = self._prompt_text(job) if self.req.echo else ""
                 choice, _ = self._choice(job, c, prefix + c.text, c.token_ids, c.logprobs, 0)
                 choices.append(choice)
@@ -138,7 +138,3 @@ class _CompletionView:
     def _usage(self) -> dict:
         return R.usage(self.run.num_prompt_tokens(), self.run.num_completion_tokens())
 
-
-def engine_error(completion) -> APIError:
-    """A completion the engine failed (a worker died, say): 500, not the client's fault."""
-    return APIError(500, completion.error or "the engine failed this request")

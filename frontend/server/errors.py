@@ -7,6 +7,7 @@ Status mapping (as vLLM's server does it, §6.3 of the reference):
     unknown model, unknown route                                     404 NotFoundError
     wrong HTTP method                                                405 MethodNotAllowed
     --max-num-queued-reqs reached, engine dead                       503 Service Unavailable
+    no engine core attached (it went away; we re-attach by ourselves) 503 + Retry-After
     a bug or an engine failure (never bad input)                     500 InternalServerError
 
 `param` names the offending request field when there is one. A `ValueError` raised by
@@ -25,6 +26,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 logger = logging.getLogger("tidal.serve")
+
+RETRY_AFTER_S = 2
+"""The Retry-After (seconds) of a 503 sent while no engine core is attached."""
 
 QUEUE_FULL_MESSAGE = ("The engine is currently busy and cannot accept new requests. "
                       "Please try again later or on a different instance.")
@@ -47,23 +51,29 @@ class APIError(Exception):
     """An error with its HTTP status and OpenAI error fields."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 err_type: str | None = None):
+                 err_type: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.err_type = err_type or _TYPES.get(status) or HTTPStatus(status).phrase
+        self.headers = headers
 
     def body(self) -> dict:
         """The JSON body, `{"error": {...}}`."""
         return error_body(self.status, self.message, self.param, self.err_type)
 
     def response(self) -> Response:
-        return json_response(self.body(), status=self.status)
+        return json_response(self.body(), status=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
+
+
+def engine_unavailable(message: str) -> APIError:
+    """503 with Retry-After: no engine core is attached now, one may be soon."""
+    return APIError(503, message, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def error_body(status: int, message: str, param: str | None = None,

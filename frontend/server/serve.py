@@ -19,9 +19,16 @@ Processes:
 
 With N > 1 the supervisor also makes the shared admission counters (admission.py) and the
 Prometheus multiprocess directory (metrics.py), set in the environment before any server
-process imports prometheus_client. The supervisor exits when a server process or the daemon
-dies (exit status 1), or on SIGTERM / SIGINT (exit status 0): servers first (they detach
-from the daemon), then the daemon.
+process imports prometheus_client.
+
+Faults stay where they happen. An HTTP process that dies is started again under the same
+index (its admission slot zeroed); the others, and their streams, go on. The supervisor
+gives up (exit status 1, everything stopped) only when a process could not start at all, when
+one index died more than `_MAX_RESTARTS` times in `_RESTART_WINDOW_S`, or when its own
+daemon died. On SIGTERM / SIGINT it exits with status 0: servers first (each ends its
+streams with an error event, then detaches), then the daemon. A server attached with
+`--engine` outlives that core: it answers 503 with Retry-After while the core is away and
+re-attaches when a core answers at the address again (async_llm.py).
 """
 
 from __future__ import annotations
@@ -50,6 +57,9 @@ logger = logging.getLogger("tidal.serve")
 
 _STOP_TIMEOUT_S = 15.0
 _POLL_S = 0.25
+_MAX_RESTARTS = 5  # restarts of one HTTP process index within _RESTART_WINDOW_S
+_RESTART_WINDOW_S = 60.0
+EXIT_NOT_STARTED = 3  # an HTTP process whose server never started (it could not attach, say)
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -69,6 +79,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' (default: $TIDAL_API_KEY)")
     g.add_argument("--api-server-count", type=int, default=1,
                    help="HTTP server processes sharing the port (default: 1)")
+    g.add_argument("--frontend-timeout", type=float, default=None, metavar="S",
+                   help="the engine core started here drops an HTTP process silent for S "
+                        "seconds (its requests end with an error; it re-attaches) "
+                        "(default: 10; with --engine it is `tidal core`'s flag)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["debug", "info", "warning", "error", "critical"])
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
@@ -145,7 +159,7 @@ def serve_one(index: int, spec: ServerSpec, sock: socket.socket, slots) -> int:
     """Run one HTTP server process until SIGTERM/SIGINT; its exit status."""
     import uvicorn
 
-    from tidal.frontend.server.app import ServerSettings, build_app
+    from tidal.frontend.server.app import Server, ServerSettings, build_app
 
     _setup_logging(index)
     settings = ServerSettings(served_model_names=spec.served_model_names,
@@ -156,9 +170,9 @@ def serve_one(index: int, spec: ServerSpec, sock: socket.socket, slots) -> int:
                             log_level=spec.log_level, access_log=spec.access_log,
                             timeout_graceful_shutdown=5,
                             timeout_keep_alive=spec.timeout_keep_alive)
-    server = uvicorn.Server(config)
+    server = Server(config)
     server.run(sockets=[sock])
-    return 0 if server.started else 3
+    return 0 if server.started else EXIT_NOT_STARTED
 
 
 def _server_process_main(index: int, spec: ServerSpec, sock: socket.socket, slots) -> None:
@@ -188,9 +202,11 @@ class _Supervisor:
         self.num_servers = ns.api_server_count
         self.daemon = None
         self.procs: list[multiprocessing.Process] = []
+        self.restarts: list[list[float]] = [[] for _ in range(self.num_servers)]
         self.metrics_dir: str | None = None
         self.stop_event = threading.Event()
         self.exit_code = 0
+        self._spawn_args = None  # (spec, socket, shared admission slots) of every process
 
     def start_engine(self) -> tuple[str, str | None, int | None]:
         """(address, tokenizer folder, daemon pid): start a daemon unless --engine."""
@@ -202,11 +218,12 @@ class _Supervisor:
 
         apply_demo_model_default(self.ns)  # no MODEL: the bundled demo model, "tidal-demo"
         config = config_from_args(self.ns)  # ValueError names the flag
-        self.daemon = DaemonProcess(config, echo=True)
+        extra = [] if self.ns.frontend_timeout is None else [
+            "--frontend-timeout", str(self.ns.frontend_timeout)]
+        self.daemon = DaemonProcess(config, echo=True, extra_args=extra)
         return self.daemon.address, config.model.tokenizer_path, self.daemon.pid
 
     def start_servers(self, spec: ServerSpec, sock: socket.socket) -> None:
-        ctx = multiprocessing.get_context("spawn")
         slots = None
         if self.num_servers > 1:
             from tidal.frontend.server.admission import make_shared_slots
@@ -214,19 +231,45 @@ class _Supervisor:
             slots = make_shared_slots(self.num_servers)
             self.metrics_dir = tempfile.mkdtemp(prefix="tidal-prometheus-")
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_dir
-        for index in range(self.num_servers):
-            proc = ctx.Process(target=_server_process_main, args=(index, spec, sock, slots),
-                               name=f"tidal-http-{index}")
-            proc.start()
-            self.procs.append(proc)
+        self._spawn_args = (spec, sock, slots)
+        self.procs = [self._spawn(index) for index in range(self.num_servers)]
+
+    def _spawn(self, index: int) -> multiprocessing.Process:
+        ctx = multiprocessing.get_context("spawn")
+        proc = ctx.Process(target=_server_process_main, args=(index, *self._spawn_args),
+                           name=f"tidal-http-{index}")
+        proc.start()
+        return proc
+
+    def _restart(self, index: int) -> bool:
+        """Start HTTP process `index` again after it died; False when it must not be: it
+        never started serving, or it died too often lately."""
+        proc = self.procs[index]
+        if proc.exitcode == EXIT_NOT_STARTED:
+            logger.error("HTTP server %s could not start; shutting down", proc.name)
+            return False
+        now = time.monotonic()
+        recent = [t for t in self.restarts[index] if now - t < _RESTART_WINDOW_S]
+        if len(recent) >= _MAX_RESTARTS:
+            logger.error("HTTP server %s exited with status %s after %d restarts in %.0f s; "
+                         "shutting down", proc.name, proc.exitcode, len(recent),
+                         _RESTART_WINDOW_S)
+            return False
+        self.restarts[index] = recent + [now]
+        logger.error("HTTP server %s (pid %s) exited with status %s; starting it again (the "
+                     "other servers and their streams go on)", proc.name, proc.pid,
+                     proc.exitcode)
+        slots = self._spawn_args[2]
+        if slots is not None:
+            slots[index] = 0  # its unfinished requests died with it
+        self.procs[index] = self._spawn(index)
+        return True
 
     def watch(self) -> None:
-        """Block until a signal, a dead server process or a dead daemon."""
+        """Block until a signal or a dead daemon, restarting HTTP processes that die."""
         while not self.stop_event.wait(_POLL_S):
-            for proc in self.procs:
-                if proc.exitcode is not None:
-                    logger.error("HTTP server %s exited with status %s; shutting down",
-                                 proc.name, proc.exitcode)
+            for index, proc in enumerate(self.procs):
+                if proc.exitcode is not None and not self._restart(index):
                     self.exit_code = 1
                     return
             if self.daemon is not None and not self.daemon.alive():
@@ -264,6 +307,12 @@ def _check_args(ns: argparse.Namespace) -> None:
         value = getattr(ns, flag)
         if not value > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    if ns.frontend_timeout is not None:
+        if ns.engine:
+            raise ValueError("--frontend-timeout belongs to the engine core: with --engine, "
+                             "give it to `tidal core`")
+        if ns.frontend_timeout <= 0:
+            raise ValueError(f"--frontend-timeout must be positive, got {ns.frontend_timeout}")
 
 
 def run_serve(ns: argparse.Namespace) -> int:

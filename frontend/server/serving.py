@@ -8,6 +8,10 @@ streaming request also gets a real 400 / 503 status):
     -> admission (503) -> one engine request per prompt (n completions each)
     -> JSON body, or server-sent events
 
+Tokenizing and the chat template run in a small thread pool (`off_loop`), never on the event
+loop: a prompt of megabytes takes seconds to tokenize, and meanwhile this process's other
+streams and its heartbeat to the engine core must go on (a silent frontend is dropped).
+
 A `Run` holds what one HTTP request started (its engine requests and its admission ticket);
 `Run.close()` always runs, whatever ends the request (finished, error, client gone): it
 aborts the engine requests that are still unfinished (so their KV blocks are freed) and
@@ -18,9 +22,11 @@ for a plain request, the handler races the generation against the client's disco
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 import anyio
@@ -28,13 +34,19 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from tidal.frontend.server.admission import AdmissionController
-from tidal.frontend.server.errors import APIError, bad_request, from_value_error, json_response
+from tidal.frontend.server.errors import (
+    APIError, bad_request, engine_unavailable, from_value_error, json_response,
+)
 from tidal.frontend.server.metrics import ServerMetrics
 from tidal.frontend.server.protocol import (
     MAX_N, ChatMessage, DetokenizeRequest, TokenizeRequest,
 )
 
 logger = logging.getLogger("tidal.serve")
+
+TOKENIZER_THREADS = 4
+"""Threads per HTTP process for tokenizing and chat templates (HF fast tokenizers release the
+GIL while they work, so a big prompt does not stop the event loop)."""
 
 _RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "add_generation_prompt",
                              "continue_final_message", "return_dict", "return_tensors"}
@@ -159,8 +171,21 @@ class OpenAIServing:
         self.admission = admission
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.engine_info.max_model_len
         self.vocab_size = _vocab_size(self.tokenizer, engine.engine_info)
+        self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tidal-tokenize")
+        self.stopping = False  # the server is shutting down: 503 from now on
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine_info.max_model_len  # a re-attached core may say otherwise
+
+    async def off_loop(self, fn, *args, **kwargs):
+        """`fn(*args, **kwargs)` in the tokenizer thread pool, awaited."""
+        call = functools.partial(fn, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---------------------------------------------------------------- validation helpers
 
@@ -173,8 +198,23 @@ class OpenAIServing:
         raise APIError(404, f"The model `{model}` does not exist.", "model")
 
     def check_alive(self) -> None:
-        if getattr(self.engine, "dead", False):
+        """503 when the engine is dead, 503 with Retry-After while no core is attached or
+        the server is stopping."""
+        if self.stopping:
+            raise engine_unavailable("This server is shutting down.")
+        if self.engine.dead:
             raise APIError(503, "The engine is not running; this server cannot generate.")
+        if not self.engine.attached:
+            raise engine_unavailable(f"No engine core is attached ({self.engine.away_reason}); "
+                                     "this server re-attaches when one is back.")
+
+    def engine_error(self, completion) -> APIError:
+        """A completion the engine failed: 503 (with Retry-After) if the core is away now or
+        the server is stopping, else 500; never the client's fault."""
+        message = completion.error or "the engine failed this request"
+        if self.stopping or (not self.engine.attached and not self.engine.dead):
+            return engine_unavailable(message)
+        return APIError(500, message)
 
     def check_token_ids(self, token_ids, param: str) -> None:
         for token_id in token_ids:
@@ -182,8 +222,11 @@ class OpenAIServing:
                 raise bad_request(f"{param} contains token id {token_id}, outside the "
                                   f"vocabulary [0, {self.vocab_size})", param)
 
-    def encode(self, prompt: str | list[int], param: str) -> list[int]:
-        """Token ids of one prompt; 400 when empty or longer than the context."""
+    async def encode(self, prompt: str | list[int], param: str) -> list[int]:
+        """Token ids of one prompt, made off the event loop; 400 when empty or too long."""
+        return await self.off_loop(self._encode, prompt, param)
+
+    def _encode(self, prompt: str | list[int], param: str) -> list[int]:
         if isinstance(prompt, list):
             self.check_token_ids(prompt, param)
         try:
@@ -298,8 +341,10 @@ class OpenAIServing:
         except ValueError as exc:  # the engine core refused the request: bad input, a 400
             raise from_value_error(exc) from None
         except RuntimeError as exc:
-            if getattr(self.engine, "dead", False):  # died while this request ran
+            if self.engine.dead:  # died while this request ran
                 raise APIError(503, f"The engine is not running: {exc}") from None
+            if not self.engine.attached:  # went away while this request ran
+                raise engine_unavailable(str(exc)) from None
             raise
         finally:
             await run.close()
@@ -309,7 +354,8 @@ class OpenAIServing:
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
                     continue_final_message: bool = False,
                     template_kwargs: dict | None = None) -> list[int]:
-        """The conversation through the tokenizer's chat template, as token ids."""
+        """The conversation through the tokenizer's chat template, as token ids (blocking:
+        call it through `off_loop`)."""
         tokenizer = self.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise bad_request("This model has no chat template; use /v1/completions.",
@@ -335,6 +381,7 @@ class OpenAIServing:
     # ---------------------------------------------------------------- tokenize endpoints
 
     def tokenize(self, req: TokenizeRequest) -> dict:
+        """The /tokenize answer (blocking: call it through `off_loop`)."""
         self.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("Give exactly one of `prompt` and `messages`.", "prompt")
@@ -350,6 +397,7 @@ class OpenAIServing:
         return out
 
     def detokenize(self, req: DetokenizeRequest) -> dict:
+        """The /detokenize answer (blocking: call it through `off_loop`)."""
         self.check_model(req.model)
         self.check_token_ids(req.tokens, "tokens")
         return {"prompt": self.tokenizer.decode(req.tokens)}

@@ -1,6 +1,7 @@
 """`AsyncLLM` through the whole process tree, on uvloop: streaming deltas, stream interval,
 abort (explicit, and by leaving the loop), stop strings while streaming, n > 1 streaming,
-concurrent requests, and engine death (every pending request ends with "error").
+concurrent requests, and engine death (every pending request ends with "error"; attached to
+a daemon it does not own, the AsyncLLM then waits for a core to come back).
 
 One daemon serves the module; each test attaches its own AsyncLLM inside `run()` (uvloop).
 The last test kills the daemon. Every test has a pytest timeout and its waits are bounded.
@@ -15,7 +16,7 @@ import time
 
 import pytest
 
-from tidal.frontend.async_llm import AsyncLLM, run
+from tidal.frontend.async_llm import AsyncLLM, EngineUnavailable, run
 from tidal.frontend.launcher import DaemonProcess
 from tidal.frontend.llm import engine_config_from_kwargs
 from tidal.ipc.messages import SamplingParams
@@ -202,7 +203,8 @@ def test_a_request_the_engine_refuses_raises_value_error_naming_the_field(daemon
 @pytest.mark.timeout(120)
 def test_engine_death_ends_every_pending_request_with_error(daemon):
     """Runs last: SIGKILL the daemon mid-generation. Every pending generate() ends with
-    finish_reason "error" within a bounded time, and new requests are refused."""
+    finish_reason "error" within a bounded time, and new requests are refused with
+    EngineUnavailable (the daemon was not ours: a core may come back at its address)."""
 
     async def body(llm):
         streams = [llm.generate([5 + i, 6, 7], LONG).__aiter__() for i in range(3)]
@@ -217,12 +219,12 @@ def test_engine_death_ends_every_pending_request_with_error(daemon):
                 last = out
             lasts.append(last)
         elapsed = time.monotonic() - killed
-        with pytest.raises(RuntimeError, match="dead"):
+        with pytest.raises(EngineUnavailable, match="no engine core is attached"):
             await collect(llm.generate(PROMPT, GREEDY))
-        return lasts, elapsed, llm.dead
+        return lasts, elapsed, llm.attached, llm.dead
 
-    lasts, elapsed, dead = attach_and(daemon, body, timeout=30)
-    assert dead and elapsed < 10
+    lasts, elapsed, attached, dead = attach_and(daemon, body, timeout=30)
+    assert not attached and not dead and elapsed < 10
     for last in lasts:
         assert last.finished and last.outputs[0].finish_reason == "error"
         assert last.outputs[0].error

@@ -3,7 +3,8 @@
 Each daemon here is `python -m tidal.engine_core.daemon` with the tiny random Llama; the
 tests speak the wire messages directly (no frontend library), so they check the daemon alone:
 greedy tokens equal transformers' generate(); each client gets only its own outputs; a silent
-client's requests are aborted and the block pool returns to all free; garbage is dropped;
+client's requests end with an error, it is told `Detached` and must say Hello again, and the
+block pool returns to all free; garbage is dropped;
 a killed worker fails every in-flight request and the daemon exits non-zero with no process
 left behind; SIGTERM exits cleanly; async and sync scheduling give the same tokens.
 """
@@ -26,6 +27,7 @@ from tidal.ipc.messages import (
     Abort,
     AddRequest,
     BatchPlan,
+    Detached,
     EngineDead,
     EngineInfo,
     EngineOutputs,
@@ -131,6 +133,7 @@ class Client:
         self.foreign: list[str] = []  # outputs for requests this client never sent
         self.sent: set[str] = set()
         self.dead: EngineDead | None = None
+        self.detached: Detached | None = None
         self.last_stats = None
 
     def send(self, msg) -> None:
@@ -166,6 +169,8 @@ class Client:
     def _take(self, msg) -> None:
         if isinstance(msg, EngineDead):
             self.dead = msg
+        elif isinstance(msg, Detached):
+            self.detached = msg
         elif isinstance(msg, EngineOutputs):
             if msg.stats is not None:
                 self.last_stats = msg.stats
@@ -323,8 +328,11 @@ def test_clients_get_only_their_own_outputs(daemon, zctx, prompts, reference, eo
 
 
 @pytest.mark.timeout(120)
-def test_silent_frontend_is_aborted_and_blocks_freed(daemon, zctx, prompts, reference, eos_id):
-    """A client that stops heartbeating loses its requests within the timeout; blocks return."""
+def test_silent_frontend_is_failed_detached_and_blocks_freed(daemon, zctx, prompts, reference,
+                                                             eos_id):
+    """A client that stops heartbeating has its requests failed within the timeout (each with
+    an ERROR output naming the timeout, then `Detached`), blocks return; the core refuses its
+    frames until it says Hello again, then serves it."""
     watcher = Client(zctx, daemon.address, "watcher")
     silent = Client(zctx, daemon.address, "silent")
     try:
@@ -350,14 +358,28 @@ def test_silent_frontend_is_aborted_and_blocks_freed(daemon, zctx, prompts, refe
         assert stats.kv_cache_usage == 0.0
         elapsed = time.monotonic() - t0
         assert elapsed < FRONTEND_TIMEOUT_S + 10
-        # The silent client's requests were cut short, not finished.
-        silent.recv_until(lambda m: False, 0.5)
-        assert any(rid not in silent.finish for rid in silent.sent)
-        assert "silent" in daemon.log_text() and "aborted" in daemon.log_text()
+        # Every request of the silent client got an answer: cut short with an error.
+        assert silent.recv_until(lambda m: isinstance(m, Detached), 5) is not None
+        assert set(silent.finish) == silent.sent
+        cut = [rid for rid in silent.sent if silent.finish[rid] == FinishReason.ERROR]
+        assert cut and all("--frontend-timeout" in silent.errors[rid] for rid in cut)
+        assert "--frontend-timeout" in silent.detached.reason
+        assert "dropped its requests" in daemon.log_text()
         # ... and the engine still serves the client that stayed.
         watcher.add("w-1", prompts[1], eos_token_id=eos_id)
         watcher.wait_finished(["w-1"])
         assert watcher.tokens["w-1"] == reference[1]
+        # The silent one wakes up: refused (with an answer) until it says Hello again.
+        silent.detached = None
+        silent.add("late", prompts[2], eos_token_id=eos_id)
+        silent.wait_finished(["late"], timeout=5)
+        assert silent.finish["late"] == FinishReason.ERROR and "Hello" in silent.errors["late"]
+        assert silent.recv_until(lambda m: isinstance(m, Detached), 5) is not None
+        silent.heartbeat = True
+        silent.hello()
+        silent.add("again", prompts[2], eos_token_id=eos_id)
+        silent.wait_finished(["again"])
+        assert silent.tokens["again"] == reference[2]
     finally:
         watcher.close()
         silent.close()

@@ -14,6 +14,7 @@ from tidal.ipc.messages import (
     AddRequest,
     BatchPlan,
     CachedRequestData,
+    Detached,
     EngineDead,
     EngineInfo,
     EngineOutputs,
@@ -65,12 +66,14 @@ FRONTEND_MSGS = [
     StatsQuery("client-a"),
 ]
 CORE_TO_FRONTEND_MSGS = [
-    EngineInfo("m", 128, 64, 16, 8, 256, served_model_name="served"),
+    EngineInfo("m", 128, 64, 16, 8, 256, served_model_name="served",
+               heartbeat_interval=0.25),
     EngineOutputs([RequestOutput("r1", pack_token_ids([5]), FinishReason.ERROR, error="boom"),
                    RequestOutput("r2", b"", FinishReason.ERROR, error="n must be 1",
                                  refused=True)],
                   stats=SchedulerStats(num_running=1, kv_cache_usage=0.5), timestamp=3.0),
     EngineDead("bye"),
+    Detached("silent for 12.0 s"),
 ]
 CORE_TO_WORKER_MSGS = [
     BatchPlan(7, new_requests=[NewRequestData("r1", pack_token_ids([1, 2]), 2, [0, 1], 0, 2,

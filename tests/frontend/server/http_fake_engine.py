@@ -2,8 +2,9 @@
 
 It follows frontend-contract.md's AsyncLLM surface: `engine_info`, `tokenizer`, `model_name`,
 `encode_prompt`, `generate` (async iterator of the real `RequestOutput`s, with deltas),
-`abort`, `get_stats`, `close`, `dead`. Tokens are deterministic: completion j of a prompt
-whose last token is t generates t+1+j, t+2+j, ... (mod a small range of plain tokens).
+`abort`, `fail_requests`, `get_stats`, `close`, `dead`, `attached`, `away_reason`. Tokens are
+deterministic: completion j of a prompt whose last token is t generates t+1+j, t+2+j, ...
+(mod a small range of plain tokens).
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ class FakeEngine:
         self.token_delay = token_delay
         self.fail_with = fail_with
         self.refuse_with = refuse_with  # as the engine core refusing a request: ValueError
+        self.failed_all: str | None = None  # fail_requests(reason) was called
         self.dead = False
+        self.attached = True  # False: the core is away (503 with Retry-After)
+        self.away_reason: str | None = None
         self.closed = False
         self.active: set[str] = set()
         self.aborted: list[str] = []  # generate() iterators closed before the end
@@ -78,6 +82,9 @@ class FakeEngine:
         try:
             for step in range(params.max_tokens or 8):
                 await asyncio.sleep(self.token_delay)
+                if self.failed_all:
+                    yield self._failed(request_id, prompt_ids, params, tokens)
+                    return
                 outs = [self._step(prompt_ids, params, j, step, tokens[j], lps[j])
                         for j in range(params.n)]
                 done = step + 1 == (params.max_tokens or 8)
@@ -117,6 +124,17 @@ class FakeEngine:
             logprobs=list(lps) if params.logprobs is not None else None,
             delta_logprobs=delta_lp, cumulative_logprob=None, finish_reason=reason,
             stop_reason=None, error=self.fail_with if last else None)
+
+    def _failed(self, request_id, prompt_ids, params, tokens) -> RequestOutput:
+        outs = [CompletionOutput(
+            index=j, text=self.tokenizer.decode(tokens[j]), token_ids=list(tokens[j]),
+            delta_text="", delta_token_ids=[], logprobs=None, delta_logprobs=None,
+            cumulative_logprob=None, finish_reason="error", stop_reason=None,
+            error=self.failed_all) for j in range(params.n)]
+        return RequestOutput(request_id, None, prompt_ids, outs, True, None)
+
+    def fail_requests(self, reason: str) -> None:
+        self.failed_all = reason
 
     async def abort(self, request_id: str) -> None:
         self.abort_calls.append(request_id)

@@ -4,7 +4,9 @@ import argparse
 
 import pytest
 
-from tidal.frontend.server.serve import _check_args, add_serve_args, bind_socket
+from tidal.frontend.server.serve import (
+    EXIT_NOT_STARTED, _check_args, _Supervisor, add_serve_args, bind_socket,
+)
 
 
 def parse(*argv):
@@ -28,6 +30,8 @@ def test_defaults_and_engine_flags_coexist():
     (["--api-server-count", "0"], "api-server-count"),
     (["--max-num-queued-reqs", "0"], "max-num-queued-reqs"),
     (["--port", "70000"], "port"),
+    (["--frontend-timeout", "0"], "frontend-timeout"),
+    (["--engine", "ipc:///tmp/x.sock", "--frontend-timeout", "3"], "tidal core"),
 ])
 def test_bad_server_flags_are_value_errors(argv, word):
     with pytest.raises(ValueError, match=word):
@@ -41,3 +45,25 @@ def test_bind_socket_on_a_free_port():
         assert host == "127.0.0.1" and port > 0
     finally:
         sock.close()
+
+
+class _ExitedProcess:
+    def __init__(self, exitcode):
+        self.exitcode, self.pid, self.name = exitcode, 4242, "tidal-http-0"
+
+
+def test_a_dead_http_process_is_restarted_but_not_forever(monkeypatch):
+    """Killed: started again under its index, its admission slot zeroed; a 6th death within
+    a minute, or a process that never started, stops the server instead."""
+    sup = _Supervisor(parse("--api-server-count", "2"))
+    sup._spawn_args = (None, None, [3, 5])  # spec, socket, admission slots
+    spawned = []
+    monkeypatch.setattr(sup, "_spawn", lambda index: spawned.append(index) or
+                        _ExitedProcess(-9))
+    sup.procs = [_ExitedProcess(-9), _ExitedProcess(None)]
+    for _ in range(5):
+        assert sup._restart(0)
+    assert spawned == [0] * 5 and sup._spawn_args[2] == [0, 5]
+    assert not sup._restart(0)
+    sup.procs[1] = _ExitedProcess(EXIT_NOT_STARTED)
+    assert not sup._restart(1)

@@ -1,0 +1,224 @@
+"""Faults of a live `tidal serve`, and what its clients see (every request gets an answer):
+
+- an HTTP process stalled (SIGSTOP) past the core's --frontend-timeout: its clients get an
+  error event / a 5xx naming the timeout when it wakes, and it serves again;
+- one of two HTTP processes killed: the other's streams run to their end, the dead one is
+  started again;
+- the engine core killed under `tidal serve --engine`: streams end with an error event,
+  new requests get 503 + Retry-After, a core restarted at the address is attached again;
+- `tidal serve` stopped (SIGTERM): a stream in flight ends with an error event and [DONE].
+
+The model is the tiny Llama with a 4096-token context, so a long request outlives the fault.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from live_server import ENGINE_FLAGS, LiveServer, Proc
+
+pytestmark = pytest.mark.slow  # live server subprocesses (still run by CI)
+
+FLAGS = [*ENGINE_FLAGS, "--max-model-len", "4096"]
+LONG = {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True,
+        "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def long_llama(tiny_model_factory) -> str:
+    return tiny_model_factory("llama", max_position_embeddings=4096)
+
+
+def http_processes(supervisor_pid: int) -> list[int]:
+    """The HTTP server processes of a `tidal serve` (its multiprocessing-spawned children)."""
+    try:
+        with open(f"/proc/{supervisor_pid}/task/{supervisor_pid}/children") as f:
+            children = [int(p) for p in f.read().split()]
+    except FileNotFoundError:
+        return []
+    found = []
+    for pid in children:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    found.append(pid)
+        except FileNotFoundError:
+            pass
+    return found
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+class Stream(threading.Thread):
+    """One streaming completion on its own connection, read in the background."""
+
+    def __init__(self, base_url: str, body: dict = LONG):
+        super().__init__(daemon=True)
+        self.url, self.body = base_url + "/v1/completions", {**body, "stream": True}
+        self.lines: list[str] = []
+        self.server: str | None = None  # x-tidal-server of the process that answers
+        self.broken: Exception | None = None
+        self.first = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        try:
+            with httpx.stream("POST", self.url, json=self.body, timeout=120) as r:
+                self.server = r.headers.get("x-tidal-server")
+                for line in r.iter_lines():
+                    if line:
+                        self.lines.append(line)
+                        self.first.set()
+        except httpx.HTTPError as exc:  # the connection was cut
+            self.broken = exc
+        finally:
+            self.first.set()
+
+    def finish(self, timeout: float = 60) -> "Stream":
+        self.join(timeout)
+        assert not self.is_alive(), f"the stream did not end: {self.lines[-3:]}"
+        return self
+
+    def ended_well(self) -> bool:
+        """[DONE] after a last chunk with finish_reason "length"."""
+        if self.broken or self.lines[-1:] != ["data: [DONE]"]:
+            return False
+        return json.loads(self.lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+
+    def error(self) -> str:
+        """The message of the error event before [DONE] (asserting there is one)."""
+        assert self.broken is None, self.broken
+        assert self.lines[-1] == "data: [DONE]", self.lines[-3:]
+        return json.loads(self.lines[-2][6:])["error"]["message"]
+
+
+def post_in_background(base_url: str, body: dict) -> dict:
+    result: dict = {}
+
+    def run():
+        result["response"] = httpx.post(base_url + "/v1/completions", json=body, timeout=120)
+
+    result["thread"] = threading.Thread(target=run, daemon=True)
+    result["thread"].start()
+    return result
+
+
+def both_answer(base_url: str, completion: bool = False) -> bool:
+    """Whether both HTTP processes answered one of 8 fresh connections (with 200)."""
+    seen = set()
+    for _ in range(8):
+        if completion:
+            r = httpx.post(base_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
+                           timeout=60)
+        else:
+            r = httpx.get(base_url + "/health", timeout=10)
+        if r.status_code == 200:
+            seen.add(r.headers["x-tidal-server"])
+    return seen == {"0", "1"}
+
+
+def completes(base_url: str) -> bool:
+    r = httpx.post(base_url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4},
+                   timeout=60)
+    if r.status_code == 503:
+        assert r.headers["retry-after"]
+        return False
+    assert r.status_code == 200, r.text
+    return True
+
+
+@pytest.mark.timeout(240)
+def test_stalled_http_process_gets_errors_then_serves(long_llama):
+    """SIGSTOP the only HTTP process past a 2 s --frontend-timeout: the core drops it. After
+    SIGCONT its stream ends with an error event and [DONE], its non-streaming client gets a
+    5xx with an OpenAI error body, both naming the timeout; then it serves new requests."""
+    server = LiveServer([long_llama, *FLAGS, "--frontend-timeout", "2"]).start()
+    try:
+        (pid,) = http_processes(server.proc.pid)
+        plain = post_in_background(server.base_url, LONG)
+        stream = Stream(server.base_url)
+        assert stream.first.wait(60) and not stream.broken
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            wait_until(lambda: "silent for" in server.output(), 20, "the core to drop it")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert "--frontend-timeout 2" in stream.finish().error()
+        plain["thread"].join(60)
+        r = plain["response"]
+        assert r.status_code in (500, 503), r.text
+        assert "--frontend-timeout 2" in r.json()["error"]["message"]
+        wait_until(lambda: completes(server.base_url), 30, "the process to serve again")
+        assert httpx.get(server.base_url + "/health").status_code == 200
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(240)
+def test_killing_one_http_process_leaves_the_others_streams_alone(long_llama):
+    server = LiveServer([long_llama, *FLAGS, "--api-server-count", "2"]).start()
+    try:
+        wait_until(lambda: both_answer(server.base_url), 60, "both processes to be ready")
+        streams: list[Stream] = []
+        while len({s.server for s in streams}) < 2:  # streams on both processes
+            assert len(streams) < 16, "every connection went to one process"
+            streams.append(Stream(server.base_url))
+            assert streams[-1].first.wait(60) and not streams[-1].broken
+        victim = http_processes(server.proc.pid)[0]
+        os.kill(victim, signal.SIGKILL)
+        for s in streams:
+            s.finish(120)
+        by_server = {index: [s.ended_well() for s in streams if s.server == index]
+                     for index in ("0", "1")}
+        # one process's streams were cut with it; every stream of the other one completed
+        assert sorted((all(ok), any(ok)) for ok in by_server.values()) == [
+            (False, False), (True, True)], by_server
+        # the dead one is started again: both indexes answer
+        wait_until(lambda: both_answer(server.base_url, completion=True), 60,
+                   "the killed process to be started again")
+        assert server.alive() and "starting it again" in server.output()
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(300)
+def test_core_restarted_at_the_same_address_is_attached_again(long_llama, tmp_path):
+    address = f"ipc://{tmp_path}/engine.sock"
+    core = Proc(["core", long_llama, *FLAGS, "--listen", address])
+    server = LiveServer(["--engine", address])
+    try:
+        server.start()
+        stream = Stream(server.base_url)
+        assert stream.first.wait(60) and not stream.broken
+        os.killpg(core.proc.pid, signal.SIGKILL)  # the core and its workers, without a word
+        assert "engine core" in stream.finish().error()
+        assert not completes(server.base_url)  # 503 with Retry-After
+        r = httpx.get(server.base_url + "/health")
+        assert r.status_code == 503 and r.headers["retry-after"]
+        core.stop()
+        core = Proc(["core", long_llama, *FLAGS, "--listen", address])
+        wait_until(lambda: completes(server.base_url), 120, "the server to attach again")
+        # stopping the server: the stream in flight gets an error event, not a cut
+        stream = Stream(server.base_url)
+        assert stream.first.wait(60) and not stream.broken
+        server.proc.send_signal(signal.SIGTERM)
+        assert "shutting down" in stream.finish(30).error()
+        assert server.proc.wait(30) == 0
+    finally:
+        server.stop()
+        core.stop()
