@@ -23,9 +23,10 @@ It starts `tidal serve MODEL` itself (so it knows the process tree), then:
 
 Every request is classified: `ok` (a complete answer), `error` (an answer that says it
 failed: HTTP 5xx, or a stream's error event / finish reason `error`), `refused` (the 4xx a
-bad body must get), `disconnected` (the client left on purpose) or `lost` (no final answer
-within `--request-timeout`: a stream that stopped with no finish reason and no error, a
-connection closed without a response). `mismatched` counts ok greedy answers whose text
+bad body must get), `disconnected` (the client left on purpose), `cut` (its connection
+broke: expected only for the connections of an HTTP process that was killed) or `lost` (no
+final answer: a stream that stopped with no finish reason and no error, or nothing within
+`--request-timeout`). `mismatched` counts ok greedy answers whose text
 differs from the reference. The report ends with the RSS of each process at the start of the
 soak and at its end.
 """
@@ -205,12 +206,21 @@ def _body(model: str, prompt: str, cfg: ChaosConfig, stream: bool) -> dict:
             "temperature": 0.0, "stream": stream}
 
 
+def _no_answer(error: Exception) -> str:
+    """`cut` when the connection broke (its HTTP process was killed, say: the answer cannot
+    reach this client, whatever the engine does), `lost` when the server kept it open and
+    never answered within the timeout."""
+    import httpx
+
+    return "lost" if isinstance(error, httpx.TimeoutException) else "cut"
+
+
 async def complete(client, base: str, body: dict, timeout: float) -> tuple[str, str, str]:
     """(status, text, detail) of one non-streaming completion."""
     try:
         r = await client.post(f"{base}/v1/completions", json=body, timeout=timeout)
-    except Exception as e:  # noqa: BLE001 - a connection cut without a response
-        return "lost", "", f"{type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001 - no response
+        return _no_answer(e), "", f"{type(e).__name__}: {e}"
     if r.status_code == 200:
         choice = r.json()["choices"][0]
         if choice.get("finish_reason") in ("length", "stop"):
@@ -249,8 +259,8 @@ async def stream(client, base: str, body: dict, timeout: float,
                 finish = choice.get("finish_reason") or finish
                 if disconnect:
                     return "disconnected", "", ""
-    except Exception as e:  # noqa: BLE001 - the connection was cut
-        return "lost", "".join(text), f"{type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001 - the connection was cut or timed out
+        return _no_answer(e), "".join(text), f"{type(e).__name__}: {e}"
     if error is not None or finish == "error":
         return "error", "".join(text), error or "finish_reason error"
     if finish in ("length", "stop") and done:
@@ -390,6 +400,8 @@ def report(cfg: ChaosConfig, result: dict, orphans: list[int]) -> tuple[str, int
         kinds[f.split()[0]] = kinds.get(f.split()[0], 0) + 1
     lost = by_status.get("lost", 0) + sum(v for k, v in by_status.items()
                                           if k.startswith("bad-body-"))
+    if "http-kill" not in kinds:
+        lost += by_status.get("cut", 0)  # nothing should have broken a connection
     mismatched = by_status.get("mismatched", 0)
     lines = [
         f"{'=' * 16} tidal bench chaos {'=' * 16}",

@@ -35,6 +35,10 @@ def test_report_passes_only_with_nothing_lost_mismatched_leaked_or_orphaned():
     assert report(cfg, _result(["ok", "lost"]), [])[1] == 1
     assert report(cfg, _result(["ok", "mismatched"]), [])[1] == 1
     assert report(cfg, _result(["ok"]), [4242])[1] == 1
+    assert report(cfg, _result(["ok", "cut"]), [])[1] == 1  # no HTTP process was killed
+    with_http_kill = _result(["ok", "cut"])
+    with_http_kill["faults"].append((2.0, "http-kill pid 8"))
+    assert report(cfg, with_http_kill, [])[1] == 0  # its own connections break, nothing else
     leaked = {"running": 0, "waiting": 0, "kv_usage": 0.1}
     assert report(cfg, _result(["ok"], leaked), [])[1] == 1
 
