@@ -21,6 +21,12 @@ Prometheus multiprocess directory (metrics.py), set in the environment before an
 process imports prometheus_client. The supervisor exits when a server process or the daemon
 dies (exit status 1), or on SIGTERM / SIGINT (exit status 0): servers first (they detach
 from the daemon), then the daemon.
+
+A supervisor that dies without stopping them (SIGKILL, a crash) takes them along: the daemon
+and each server process watch a pipe only the supervisor holds open (`ipc/lifeline.py`), and
+on its end-of-file stop as on SIGTERM, SIGKILLed if still there after a grace period. Before,
+a server process outlived a SIGKILLed supervisor, holding the port and answering 503 for
+good, and the next `tidal serve` on that port could not bind it.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ logger = logging.getLogger("tidal.serve")
 
 _STOP_TIMEOUT_S = 15.0
 _POLL_S = 0.25
+_LIFELINE_GRACE_S = 10.0  # uvicorn's own graceful shutdown takes at most 5 s (see serve_one)
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -137,6 +144,11 @@ def serve_one(index: int, spec: ServerSpec, sock: socket.socket, slots) -> int:
 
 
 def _server_process_main(index: int, spec: ServerSpec, sock: socket.socket, slots) -> None:
+    from tidal.ipc.lifeline import watch_parent
+
+    supervisor = multiprocessing.parent_process()
+    if supervisor is not None:  # its sentinel: multiprocessing's pipe, EOF once it is gone
+        watch_parent(supervisor.sentinel, _LIFELINE_GRACE_S, what=f"HTTP server {index}")
     sys.exit(serve_one(index, spec, sock, slots))
 
 
