@@ -61,6 +61,7 @@ from tidal.engine_core.executor import (
 )
 from tidal.engine_core.request import Request, check_request
 from tidal.engine_core.scheduler import Scheduler
+from tidal.ipc.lifeline import watch_parent
 from tidal.ipc.messages import (
     Abort,
     AddRequest,
@@ -95,6 +96,9 @@ LOG_INTERVAL_S = 10.0
 """Seconds between two progress lines while the engine is busy."""
 STOP_GRACE_S = 5.0
 """Seconds a stop signal waits for a step still running on the workers."""
+LIFELINE_GRACE_S = 15.0
+"""Seconds a private daemon whose owner died has to stop after SIGTERM before it is
+SIGKILLed: more than its own worst case (a running step, then its workers' shutdown)."""
 _HOUSEKEEPING_S = 1.0  # longest idle poll: frontend timeouts are checked at least this often
 _COLLECT_SLICE_S = 0.5  # a long step is waited for in slices, to notice a stop signal
 
@@ -574,6 +578,8 @@ def add_daemon_args(parser: argparse.ArgumentParser) -> None:
                    help="log level of the engine core and its workers (default: INFO)")
     g.add_argument("--generate-key-file", metavar="PATH", default=None,
                    help="write a new CURVE key file to PATH and exit")
+    g.add_argument("--lifeline-fd", type=int, default=None, help=argparse.SUPPRESS)
+    # (set by the frontend that starts a private daemon: ipc/lifeline.py)
 
 
 def run_daemon(config: EngineConfig, listen: str | None = None, key_file: str | None = None,
@@ -588,6 +594,8 @@ def run_daemon_from_args(ns: argparse.Namespace) -> int:
     """`tidal core`: run the daemon from parsed engine + daemon flags; the exit code."""
     logging.basicConfig(level=ns.log_level,
                         format="%(asctime)s %(levelname)s [tidal core] %(message)s")
+    if ns.lifeline_fd is not None:  # a private daemon: stop with the frontend that owns it
+        watch_parent(ns.lifeline_fd, LIFELINE_GRACE_S, what="engine core")
     if ns.generate_key_file:
         write_key_file(ns.generate_key_file)
         print(f"wrote CURVE key file {ns.generate_key_file} (mode 0600); give it to "

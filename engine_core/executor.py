@@ -35,6 +35,7 @@ import zmq
 
 from tidal.engine_core.config import EngineConfig
 from tidal.engine_core.cpu_threads import worker_env
+from tidal.ipc.lifeline import lifeline_fd
 from tidal.ipc.messages import (
     BatchPlan,
     InitKVCache,
@@ -154,12 +155,14 @@ class Executor:
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(plan_address)
         worker_config = self.config.worker_config(rank, self.max_model_len, dist_init_method)
+        lifeline = lifeline_fd()  # the rank dies with this process (ipc/lifeline.py)
         cmd = [sys.executable, "-m", "tidal.workers.proc",
                "--config", encode_worker_config(worker_config),
                "--plan-address", plan_address, "--result-address", self.result_address,
-               "--parent-pid", str(os.getpid()), "--log-level", self.log_level]
+               "--lifeline-fd", str(lifeline), "--log-level", self.log_level]
         env = self._worker_env(worker_config.cpu_threads)
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True, env=env)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True, env=env,
+                                pass_fds=(lifeline,))
         try:
             pidfd = os.pidfd_open(proc.pid)
         except (AttributeError, OSError):

@@ -1,12 +1,14 @@
 """Start and stop a private engine-core daemon for one frontend (`LLM(model)`, `AsyncLLM`).
 
     python -m tidal.frontend.cli core <config_to_argv(config)> --listen <new private address>
+        --lifeline-fd <read end of this process's lifeline pipe>
 
 The daemon runs in its own session (so a Ctrl-C in the terminal reaches the frontend, which
-then stops the daemon in order) and, on Linux, gets SIGTERM if the frontend dies without
-closing it (PR_SET_PDEATHSIG), so a private daemon never outlives its owner. Its stderr is
-echoed line by line (to this process's stderr, unless `echo=False`) and the last lines are
-kept, to be quoted when it fails to start.
+then stops the daemon in order) and never outlives its owner: when this process dies without
+closing it, SIGKILL included, the daemon reads end-of-file on its lifeline, stops as on
+SIGTERM (its workers with it) and is SIGKILLed if still there 15 s later
+(`ipc/lifeline.py`). Its stderr is echoed line by line (to this process's stderr, unless
+`echo=False`) and the last lines are kept, to be quoted when it fails to start.
 
 Stopping: SIGTERM, wait `stop_timeout` seconds, then SIGKILL the daemon's whole process
 group (the daemon and any worker it left behind).
@@ -15,7 +17,6 @@ group (the daemon and any worker it left behind).
 from __future__ import annotations
 
 import collections
-import ctypes
 import logging
 import os
 import signal
@@ -26,19 +27,12 @@ import weakref
 
 from tidal.engine_core.args import config_to_argv
 from tidal.engine_core.config import EngineConfig
+from tidal.ipc.lifeline import lifeline_fd
 from tidal.ipc.transport import new_private_address
 
 logger = logging.getLogger(__name__)
 
 _NUM_KEPT_LINES = 60
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 class DaemonProcess:
@@ -50,12 +44,12 @@ class DaemonProcess:
         self.address = address or new_private_address()
         self._lines: collections.deque[str] = collections.deque(maxlen=_NUM_KEPT_LINES)
         self._echo = echo
+        lifeline = lifeline_fd()
         argv = [sys.executable, "-m", "tidal.frontend.cli", "core", *config_to_argv(config),
-                "--listen", self.address, *(extra_args or [])]
+                "--listen", self.address, "--lifeline-fd", str(lifeline), *(extra_args or [])]
         self.proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+            start_new_session=True, pass_fds=(lifeline,))
         self._reader = threading.Thread(target=self._read_stderr, name="tidal-core-stderr",
                                         daemon=True)
         self._reader.start()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +33,7 @@ from tidal.ipc.messages import (
 from tidal.kernels import AttentionBackend
 from tidal.workers.attention import AttentionInputs, AttentionMetadata, KVCache
 from tidal.workers.cuda_graphs import DecodeGraphs
+from tidal.workers.host_memory import commit_pages
 from tidal.workers.layers import kv_heads_per_rank
 from tidal.workers.models.llama import LlamaForCausalLM, ModelArgs
 from tidal.workers.persistent_batch import BadRequestData, PersistentBatch
@@ -83,6 +85,7 @@ class ModelRunner:
         self.sampler = Sampler(config.seed, device)
         self.kv_caches: list[KVCache] = []
         self.graphs: DecodeGraphs | None = None
+        self.kv_commit: threading.Thread | None = None  # CPU: making the cache resident
         self.num_kv_heads = kv_heads_per_rank(args.num_key_value_heads,
                                               config.tensor_parallel_size)
         self.head_dim = args.head_dim
@@ -99,14 +102,15 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> list[KVCache]:
         """K and V tensors per layer, [num_blocks, block_size, kv_heads, head_dim].
 
-        Left uninitialised (zero-filling the CPU default of 4 GiB took ~3 s of start-up and
-        made every page resident): attention reads, for the token at position p, only the
-        slots of positions 0..p of its request, and each of those was written before it is
-        read (this step's K/V are written before attention runs; earlier positions were
-        written by an earlier step, or by the request that computed a prefix-cached full
-        block). No kernel reads a slot past a request's `seq_len` (the torch backend masks
-        by position, Triton masks its loads). Only the null block 0, which padding rows and
-        padded block tables point at, is zeroed so that nothing ever sees NaN there.
+        Left uninitialised (zero-filling the CPU default of 4 GiB took 2-3 s; on the CPU
+        `init_kv_cache` makes the pages resident without writing them): attention reads,
+        for the token at position p, only the slots of positions 0..p of its request, and
+        each of those was written before it is read (this step's K/V are written before
+        attention runs; earlier positions were written by an earlier step, or by the
+        request that computed a prefix-cached full block). No kernel reads a slot past a
+        request's `seq_len` (the torch backend masks by position, Triton masks its loads).
+        Only the null block 0, which padding rows and padded block tables point at, is
+        zeroed so that nothing ever sees NaN there.
         """
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),
@@ -118,12 +122,16 @@ class ModelRunner:
         return caches
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the cache (block 0 is the null block) and, on CUDA without
-        enforce_eager, capture the decode graphs."""
+        """Allocate the cache (block 0 is the null block); on the CPU start making all of
+        it resident (`host_memory.py`: otherwise the prefix cache faults it in round after
+        round under load); on CUDA without enforce_eager, capture the decode graphs."""
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be at least 2 (block 0 is reserved), "
                              f"got {num_blocks}")
         self.kv_caches = self.allocate_kv_cache(num_blocks)
+        if self.device.type == "cpu":
+            self.kv_commit = commit_pages([t for pair in self.kv_caches for t in pair],
+                                          f"rank {self.config.rank}: KV cache")
         if self.device.type == "cuda" and not self.config.enforce_eager:
             self.graphs = DecodeGraphs.try_capture(self, self.config.max_num_seqs)
 

@@ -2,7 +2,7 @@
 
 Started by the engine core's executor as
 
-    python -m tidal.workers.proc --config B64 --plan-address A --result-address B --parent-pid P
+    python -m tidal.workers.proc --config B64 --plan-address A --result-address B --lifeline-fd F
 
 where B64 is the msgpack-encoded `WorkerConfig` (see `tidal.ipc.transport.encode_worker_config`).
 
@@ -12,15 +12,15 @@ Conversation (the engine core binds both sockets, the worker connects):
     result PUSH ──► WorkerToCore: WorkerReady after loading (every rank), SampledTokens per
                     step (rank 0 only), WorkerFailed if anything raises (then exit 1)
 
-The worker never outlives the engine core: it asks Linux to SIGKILL it when its parent dies
-(PR_SET_PDEATHSIG) and also checks its parent pid whenever the plan socket is quiet. SIGINT is
-ignored (a Ctrl-C reaches the whole process group; the engine core decides, then sends Shutdown).
+The worker never outlives the engine core: F is the read end of the core's lifeline pipe, and
+the worker SIGKILLs itself the moment it reads end-of-file there (`ipc/lifeline.py`; a worker
+has nothing to save). SIGINT is ignored (a Ctrl-C reaches the whole process group; the engine
+core decides, then sends Shutdown).
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import signal
@@ -29,6 +29,7 @@ import traceback
 
 import zmq
 
+from tidal.ipc.lifeline import watch_parent
 from tidal.ipc.messages import (
     BatchPlan,
     InitKVCache,
@@ -41,29 +42,11 @@ from tidal.ipc.transport import CoreToWorkerDecoder, decode_worker_config, encod
 
 logger = logging.getLogger(__name__)
 
-_PARENT_CHECK_MS = 1000
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this process when the parent dies; exit now if it already has."""
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):
-            logger.debug("prctl(PR_SET_PDEATHSIG) unavailable; relying on parent pid checks")
-    if os.getppid() != parent_pid:
-        os._exit(0)
-
-
 class WorkerProcess:
     """Sockets, handshake and step loop of one rank; `run()` returns the exit code."""
 
-    def __init__(self, config: WorkerConfig, plan_address: str, result_address: str,
-                 parent_pid: int) -> None:
+    def __init__(self, config: WorkerConfig, plan_address: str, result_address: str) -> None:
         self.config = config
-        self.parent_pid = parent_pid
         self.ctx = zmq.Context()
         # Plans first: the core starts sending only after every rank has said ready.
         self.plan_sock = self.ctx.socket(zmq.PULL)
@@ -96,12 +79,6 @@ class WorkerProcess:
 
     def _loop(self) -> None:
         while True:
-            if not self.plan_sock.poll(_PARENT_CHECK_MS):
-                if os.getppid() != self.parent_pid:
-                    logger.warning("worker rank %d: engine core is gone, exiting",
-                                   self.config.rank)
-                    return
-                continue
             msg = self.decoder.decode(self.plan_sock.recv())
             if msg is None:  # the persistent batch would miss this plan's deltas: stop loudly
                 raise RuntimeError("a message from the engine core does not decode")
@@ -136,18 +113,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="base64 msgpack WorkerConfig")
     parser.add_argument("--plan-address", required=True)
     parser.add_argument("--result-address", required=True)
-    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--lifeline-fd", type=int, required=True,
+                        help="read end of the engine core's lifeline pipe")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent(args.parent_pid)
+    watch_parent(args.lifeline_fd, grace_s=0, what="worker")
     config = decode_worker_config(args.config)
     if config.cpu_cores:  # before torch starts its thread pools: they inherit the mask
         os.sched_setaffinity(0, config.cpu_cores)
     logging.basicConfig(
         level=args.log_level.upper(),
         format=f"%(asctime)s %(levelname)s [tidal worker {config.rank}] %(name)s: %(message)s")
-    proc = WorkerProcess(config, args.plan_address, args.result_address, args.parent_pid)
+    proc = WorkerProcess(config, args.plan_address, args.result_address)
     return proc.run()
 
 

@@ -29,6 +29,12 @@ daemon died. On SIGTERM / SIGINT it exits with status 0: servers first (each end
 streams with an error event, then detaches), then the daemon. A server attached with
 `--engine` outlives that core: it answers 503 with Retry-After while the core is away and
 re-attaches when a core answers at the address again (async_llm.py).
+
+A supervisor that dies without stopping them (SIGKILL, a crash) takes them along: the daemon
+and each server process watch a pipe only the supervisor holds open (`ipc/lifeline.py`), and
+on its end-of-file stop as on SIGTERM, SIGKILLed if still there after a grace period. Before,
+a server process outlived a SIGKILLed supervisor, holding the port and answering 503 for
+good, and the next `tidal serve` on that port could not bind it.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ _POLL_S = 0.25
 _MAX_RESTARTS = 5  # restarts of one HTTP process index within _RESTART_WINDOW_S
 _RESTART_WINDOW_S = 60.0
 EXIT_NOT_STARTED = 3  # an HTTP process whose server never started (it could not attach, say)
+_LIFELINE_GRACE_S = 10.0  # uvicorn's own graceful shutdown takes at most 5 s (see serve_one)
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -176,6 +183,11 @@ def serve_one(index: int, spec: ServerSpec, sock: socket.socket, slots) -> int:
 
 
 def _server_process_main(index: int, spec: ServerSpec, sock: socket.socket, slots) -> None:
+    from tidal.ipc.lifeline import watch_parent
+
+    supervisor = multiprocessing.parent_process()
+    if supervisor is not None:  # its sentinel: multiprocessing's pipe, EOF once it is gone
+        watch_parent(supervisor.sentinel, _LIFELINE_GRACE_S, what=f"HTTP server {index}")
     sys.exit(serve_one(index, spec, sock, slots))
 
 

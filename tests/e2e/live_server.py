@@ -61,8 +61,8 @@ class Proc:
 class LiveServer(Proc):
     """`tidal serve ARGS --port P` on 127.0.0.1; `start()` waits for /health."""
 
-    def __init__(self, args: list[str], api_key: str | None = None):
-        self.port = free_port()
+    def __init__(self, args: list[str], api_key: str | None = None, port: int | None = None):
+        self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         extra = ["--api-key", api_key] if api_key else []

@@ -113,7 +113,7 @@ def test_llm_default_greedy_equals_transformers(reference):
 def test_tidal_generate_without_model_prints_text():
     proc = subprocess.run(
         [sys.executable, "-m", "tidal.frontend.cli", "generate", "def add(a, b):",
-         "--max-tokens", "8"], capture_output=True, text=True, timeout=50)
+         "--max-tokens", "8", *ENGINE_FLAGS], capture_output=True, text=True, timeout=50)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip(), f"no completion printed; stderr:\n{proc.stderr}"
 

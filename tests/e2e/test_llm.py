@@ -39,6 +39,7 @@ from tidal.ipc.messages import SamplingParams
 MAX_TOKENS = 10
 FRONTEND_TIMEOUT_S = 3.0
 STARTUP_TIMEOUT_S = 120.0
+SMALL_KV = "64MiB"  # a CPU KV cache is made resident at start-up; the default is 4 GiB
 TIE_GAP = 1e-4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 
@@ -113,7 +114,7 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.2):
 
 @pytest.fixture(scope="module")
 def daemon(tiny_llama, reference):
-    config = engine_config_from_kwargs(tiny_llama)
+    config = engine_config_from_kwargs(tiny_llama, kv_cache_memory=SMALL_KV)
     d = DaemonProcess(config, echo=False,
                       extra_args=["--frontend-timeout", str(FRONTEND_TIMEOUT_S)])
     yield d
@@ -153,7 +154,7 @@ def test_greedy_defaults_and_prefix_cache_hits(llm, prompts, reference):
 def test_greedy_chunked_prefill_priority_sync(tiny_llama, prompts, reference):
     """max_num_batched_tokens=32 (every prompt but the shortest is chunked), priority policy
     with mixed priorities, async scheduling off, prefix caching off."""
-    with LLM(tiny_llama, max_num_batched_tokens=32, max_num_seqs=16,
+    with LLM(tiny_llama, kv_cache_memory=SMALL_KV, max_num_batched_tokens=32, max_num_seqs=16,
              scheduling_policy="priority", async_scheduling=False, enable_prefix_caching=False,
              startup_timeout=STARTUP_TIMEOUT_S) as llm:
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False,

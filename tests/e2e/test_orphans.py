@@ -1,0 +1,98 @@
+"""Issue 13: nothing tidal starts outlives the process that started it, SIGKILL included.
+
+1. `tidal serve` (engine core, worker, two HTTP processes) SIGKILLed: every process below it
+   is gone within seconds, and the port binds again, to a new `tidal serve` too. Before, the
+   HTTP processes lived on as orphans, holding the port and answering 503.
+2. A Python process SIGKILLed in the middle of `LLM.generate`: its engine core and worker
+   are gone within seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from live_server import ENGINE_FLAGS, LiveServer
+from process_tree import alive, descendants, wait_for, wait_gone
+from tidal.frontend.server.serve import bind_socket
+
+pytestmark = [pytest.mark.slow,  # live process trees (still run by CI)
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
+
+GONE_WITHIN_S = 10.0  # what "within seconds" allows on a busy 2-core machine
+
+
+def _kill_leftovers(pids: list[int]) -> None:
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(180)
+def test_sigkilled_serve_leaves_no_process_and_frees_its_port(tiny_llama):
+    server = LiveServer([tiny_llama, *ENGINE_FLAGS, "--api-server-count", "2"]).start()
+    pids = []
+    try:
+        # engine core + worker + 2 HTTP processes (+ multiprocessing's resource tracker)
+        pids = wait_for(lambda: (lambda found: found if len(found) >= 4 else None)(
+            descendants(server.proc.pid)), timeout=30, what="the serve process tree")
+        assert httpx.get(server.base_url + "/health", timeout=5).status_code == 200
+        os.kill(server.proc.pid, signal.SIGKILL)
+        server.proc.wait(10)
+        start = time.monotonic()
+        left = wait_gone(pids, GONE_WITHIN_S)
+        assert not left, f"still running {GONE_WITHIN_S:.0f} s after the SIGKILL: {left}"
+        print(f"all {len(pids)} processes gone {time.monotonic() - start:.2f} s after the kill")
+        bind_socket("127.0.0.1", server.port).close()  # what a new tidal serve does first
+    finally:
+        server.stop()
+        _kill_leftovers(pids)
+    again = LiveServer([tiny_llama, *ENGINE_FLAGS], port=server.port)
+    try:
+        again.start()
+        assert httpx.get(again.base_url + "/health", timeout=5).status_code == 200
+    finally:
+        again.stop()
+
+
+# Starts LLM() and a long generate(); prints the daemon's pid once the generation runs.
+OWNER = r"""
+import sys, threading, time
+from tidal.frontend import LLM, SamplingParams
+llm = LLM(sys.argv[1], kv_cache_memory="8MiB", max_num_seqs=8)
+params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+threading.Thread(target=llm.generate, args=(["Hello"] * 8, params),
+                 kwargs=dict(use_tqdm=False), daemon=True).start()
+time.sleep(1.0)
+print(llm.daemon_pid, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_sigkilled_llm_owner_leaves_no_engine_process(tiny_llama):
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, tiny_llama],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    pids = []
+    try:
+        daemon_pid = int(owner.stdout.readline())
+        pids = descendants(owner.pid)
+        assert daemon_pid in pids and len(pids) >= 2, pids  # the engine core and its worker
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait(10)
+        start = time.monotonic()
+        left = wait_gone(pids, GONE_WITHIN_S)
+        assert not left, f"still running {GONE_WITHIN_S:.0f} s after the SIGKILL: {left}"
+        print(f"all {len(pids)} processes gone {time.monotonic() - start:.2f} s after the kill")
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait(10)
+        owner.stdout.close()
+        _kill_leftovers(pids)

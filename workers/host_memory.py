@@ -1,0 +1,75 @@
+"""Committing the CPU KV cache: every page resident right after start-up, not at first use.
+
+Why: a CPU KV cache left to fault in page by page does not stay small. The prefix cache hands
+out every never-used block before it evicts a cached one (`engine_core/block_pool.py`), so
+under steady load each round of requests writes blocks no earlier round touched, and the
+worker's RSS climbs until the whole cache is resident. Measured (the demo model, default
+4 GiB cache, `LLM()` with rounds of 2,000 short requests): worker RSS 391 → 655 → 873 →
+1091 → 1305 → 1515 MB, the KV mapping's resident part being that growth; with prefix caching
+off it stayed at 490-570 MB. It looked like a leak, and a cache too large for the machine
+was found by the OOM killer hours into serving instead of at start.
+
+How: madvise(MADV_POPULATE_WRITE) (Linux 5.14+) faults the pages in without writing them,
+1.5 s for 4 GiB on this project's 2-core machine. It runs on a thread so that start-up does
+not wait for it (committing first delayed `tidal serve`'s first answer by about 2 s):
+populating never changes a page's contents, and the kernel serialises it with the steps'
+own faults on the same pages, so steps may read and write the cache meanwhile. Where the
+call is missing the cache is zero-filled before use instead (2.2 s for 4 GiB, by torch).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import sys
+import threading
+import time
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_MADV_POPULATE_WRITE = 23
+
+
+def commit_pages(tensors: list[torch.Tensor], what: str) -> threading.Thread | None:
+    """Make every page of these CPU tensors resident: on a thread when the kernel can
+    populate pages (returned, to join), else by zero-filling them now (None)."""
+    if not tensors:
+        return None
+    if not _populate_write(tensors[0].data_ptr(), 1):  # probe: is the call there?
+        for tensor in tensors:
+            tensor.zero_()
+        return None
+    thread = threading.Thread(target=_populate_all, args=(tensors, what), daemon=True,
+                              name="tidal-commit-pages")
+    thread.start()
+    return thread
+
+
+def _populate_all(tensors: list[torch.Tensor], what: str) -> None:
+    start = time.perf_counter()
+    nbytes = 0
+    for tensor in tensors:
+        size = tensor.numel() * tensor.element_size()
+        if not _populate_write(tensor.data_ptr(), size):
+            logger.warning("%s: could not make %d bytes resident (errno %d); they fault in "
+                           "at first use", what, size, ctypes.get_errno())
+        nbytes += size
+    logger.info("%s: %.2f GiB resident in %.2f s", what, nbytes / 2**30,
+                time.perf_counter() - start)
+
+
+def _populate_write(address: int, nbytes: int) -> bool:
+    """madvise(MADV_POPULATE_WRITE) over the pages holding [address, address + nbytes)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return False
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = address & ~(page - 1)
+    return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(address + nbytes - start),
+                        _MADV_POPULATE_WRITE) == 0
