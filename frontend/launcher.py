@@ -50,6 +50,7 @@ class DaemonProcess:
         self.address = address or new_private_address()
         self._lines: collections.deque[str] = collections.deque(maxlen=_NUM_KEPT_LINES)
         self._echo = echo
+        self._extra_args = list(extra_args or [])
         argv = [sys.executable, "-m", "tidal.frontend.cli", "core", *config_to_argv(config),
                 "--listen", self.address, *(extra_args or [])]
         self.proc = subprocess.Popen(
@@ -104,6 +105,13 @@ class DaemonProcess:
         self._finalizer.detach()
         self._reader.join(timeout=1.0)
         return code
+
+    def respawn(self) -> "DaemonProcess":
+        """A new daemon with the same config and flags at the same address, after this one
+        died: what is left of this one (workers in its process group) is killed first."""
+        self.stop(timeout=0.0)
+        return DaemonProcess(self.config, address=self.address, echo=self._echo,
+                             extra_args=self._extra_args)
 
     def _read_stderr(self) -> None:
         stream = self.proc.stderr
