@@ -476,7 +476,10 @@ class AsyncLLM:
                            "wait for it", cause, self.num_engine_restarts,
                            self.max_engine_restarts, self.num_unfinished_requests())
             self._on_lost(EngineDead("the engine core process died"))  # if not seen yet
-            self._daemon = await _in_own_thread(self._daemon.respawn)
+            await _in_own_thread(self._daemon.stop)  # its workers, if any are left
+            if self._closed:
+                return
+            self._daemon = self._daemon.respawn()  # on the loop's thread: see its NOTE
 
     def _on_lost(self, msg: EngineDead | Detached) -> None:
         """The core went away or dropped us: suspend every pending request until a core

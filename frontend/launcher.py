@@ -108,8 +108,10 @@ class DaemonProcess:
 
     def respawn(self) -> "DaemonProcess":
         """A new daemon with the same config and flags at the same address, after this one
-        died: what is left of this one (workers in its process group) is killed first."""
-        self.stop(timeout=0.0)
+        died (call `stop()` first: it kills what is left in its process group).
+
+        NOTE: call it from a thread that lives as long as the daemon should (an event loop's,
+        the main thread): PR_SET_PDEATHSIG fires when the *thread* that forked it ends."""
         return DaemonProcess(self.config, address=self.address, echo=self._echo,
                              extra_args=self._extra_args)
 
