@@ -269,7 +269,9 @@ HEALED = [{"prompt": "Once upon a time", "max_tokens": 600, "ignore_eos": True,
 def test_core_killed_under_serve_is_restarted_and_streams_go_on(long_llama):
     """SIGKILL the daemon `tidal serve MODEL` started while two streams run: the supervisor
     starts it again at the same address, the HTTP process resubmits both requests (prompt +
-    the tokens streamed), and each stream ends with the text of a fault-free run."""
+    the tokens streamed), and each stream ends with the text of a fault-free run. With
+    --max-engine-restarts 1 used up, a second SIGKILL is final: the stream in flight ends
+    with an error event and `tidal serve` exits 1."""
     server = LiveServer([long_llama, *FLAGS, "--max-engine-restarts", "1"]).start()
     try:
         expected = [Stream(server.base_url, body).finish(120) for body in HEALED]
@@ -287,5 +289,12 @@ def test_core_killed_under_serve_is_restarted_and_streams_go_on(long_llama):
         assert server.alive() and core_process(server.proc.pid) not in (None, old_core)
         wait_until(lambda: group_gone(old_core), 10, "the old core's workers to exit")
         assert completes(server.base_url)
+
+        stream = Stream(server.base_url, HEALED[0])
+        assert stream.first.wait(60) and not stream.broken
+        os.kill(core_process(server.proc.pid), signal.SIGKILL)
+        assert stream.finish(60).error()
+        assert server.proc.wait(60) == 1
+        assert "restarted 1 times already (--max-engine-restarts 1)" in server.output()
     finally:
         server.stop()
