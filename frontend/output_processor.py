@@ -73,6 +73,7 @@ class _Completion:
     # metrics
     first_token_time: float | None = None
     last_token_time: float | None = None
+    first_req_id: str = ""  # the engine id it was first sent under
     queue_time: float | None = None
     num_cached_tokens: int = 0
     inter_token_latencies: list[float] = field(default_factory=list)
@@ -200,7 +201,7 @@ class OutputProcessor:
                 sent = msgspec.structs.replace(sent, stop_token_ids=sent.stop_token_ids + extra)
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
                                            params.skip_special_tokens)
-            comp = _Completion(i, req_id, sent, detok)
+            comp = _Completion(i, req_id, sent, detok, first_req_id=req_id)
             if params.logprobs is not None:
                 comp.logprobs, comp.cumulative_logprob = [], 0.0
             parent.completions.append(comp)
@@ -257,7 +258,7 @@ class OutputProcessor:
                     done_here.append(comp)
                     continue
                 del self._children[comp.req_id]
-                comp.req_id = f"{comp.req_id.split('~')[0]}~{parent.num_resubmits}"
+                comp.req_id = f"{comp.first_req_id}~{parent.num_resubmits}"
                 self._children[comp.req_id] = (parent, comp)
                 prompt = pack_token_ids(parent.prompt_token_ids + comp.token_ids)
                 messages.append(AddRequest(comp.req_id, prompt, params, parent.eos_token_id,

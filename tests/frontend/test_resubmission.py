@@ -82,6 +82,14 @@ def test_resubmission_continues_prompt_seed_and_text(tok):
     assert len({"eng-s", first, second}) == 3
 
 
+def test_resubmitted_ids_stay_unique_whatever_the_request_ids_hold(tok):
+    proc = OutputProcessor(tok, EOS)
+    for rid in ("a~b", "a~c"):
+        proc.add_request(rid, "eng-" + rid, None, PROMPT, SamplingParams(max_tokens=4), MAX_LEN)
+    messages, _ = proc.resubmit_all()
+    assert len({m.req_id for m in messages}) == 2
+
+
 def test_n_completions_resubmit_only_the_unfinished_ones(tok):
     proc = OutputProcessor(tok, EOS)
     params = SamplingParams(n=2, max_tokens=5, seed=10)
