@@ -12,17 +12,21 @@ request. A collector holds at most one pending update: if the consumer falls beh
 deltas are merged into it (vLLM's back-pressure without unbounded queues). A request the engine
 core refuses (bad input) makes `generate` raise ValueError naming the field.
 
-No request is left without an end. When the engine core goes away (an `EngineDead` message,
-a lost connection) or drops this frontend (`Detached`: it was silent past the core's
---frontend-timeout, or a new core sits at the address), every pending request ends with
-finish_reason "error" and a message, and its engine ids are aborted (a no-op in a core that
-forgot them). Then:
-- attached to someone else's core (`engine=ADDRESS`), or dropped by our own: the frontend is
-  away. New calls raise `EngineUnavailable` (a RuntimeError) until a core answers the Hello
-  it sends on every new connection; then it serves again (`attached`), if that core serves
-  the same model.
-- our private daemon gone: the frontend is dead for good (`dead`); later calls raise
-  RuntimeError.
+No request is left without an end, and a lost engine core does not end them. When the core
+goes away (an `EngineDead` message, a lost connection) or drops this frontend (`Detached`: it
+was silent past the core's --frontend-timeout, or a new core sits at the address), pending
+requests are suspended and their old engine ids aborted (a no-op in a core that forgot them).
+New calls raise `EngineUnavailable` (a RuntimeError) meanwhile. Then:
+- a core answers the Hello this frontend sends on every new connection, serving the same
+  model: attached again, and every unfinished completion is resubmitted under a new engine
+  id with its prompt plus the tokens already delivered, max_tokens / min_tokens reduced, the
+  same seed and stops (OutputProcessor.resubmit_all), so its stream goes on where it stopped;
+- our private daemon died: it is started again at the same address (at most
+  `max_engine_restarts` times, a warning each), and the same re-attach follows;
+- no core within `engine_restart_timeout` seconds: the suspended requests end with
+  finish_reason "error" and the reason (at once when the timeout is 0). A private daemon
+  that died once more than it may be restarted makes the frontend dead for good (`dead`);
+  later calls raise RuntimeError.
 Messages the core sent in answer to frames that left before our new Hello (a `Detached` for
 each, say) arrive before its `EngineInfo` (one ordered pipe), so they are ignored while away.
 
@@ -65,6 +69,8 @@ logger = logging.getLogger(__name__)
 _OUTPUT_CHUNK = 128  # outputs processed between two yields to the event loop (vLLM's default)
 _STATS_TIMEOUT_S = 10.0
 _DAEMON_POLL_S = 0.5
+DEFAULT_ENGINE_RESTART_TIMEOUT_S = 60.0
+DEFAULT_MAX_ENGINE_RESTARTS = 3
 
 
 class EngineUnavailable(RuntimeError):
@@ -170,7 +176,9 @@ class AsyncLLM:
     """The served model name."""
 
     def __init__(self, client: AsyncEngineClient, info: EngineInfo, tokenizer,
-                 eos_token_ids: list[int], daemon: DaemonProcess | None):
+                 eos_token_ids: list[int], daemon: DaemonProcess | None, *,
+                 engine_restart_timeout: float = DEFAULT_ENGINE_RESTART_TIMEOUT_S,
+                 max_engine_restarts: int = DEFAULT_MAX_ENGINE_RESTARTS):
         """Use `AsyncLLM.create`; this wires already-started parts together."""
         self._client = client
         self.client_id = client.client_id
@@ -187,6 +195,11 @@ class AsyncLLM:
         self.dead = False
         self.dead_reason: str | None = None
         self.away_reason: str | None = None  # why no core is attached now
+        self.engine_restart_timeout = engine_restart_timeout
+        self.max_engine_restarts = max_engine_restarts
+        self.num_engine_restarts = 0  # of the private daemon
+        self.num_resubmitted = 0  # engine requests sent again to a new core, all told
+        self._give_up: asyncio.TimerHandle | None = None  # ends suspended requests
         self._closed = False
         self._tasks = [asyncio.ensure_future(self._output_loop())]
         if daemon is not None:
@@ -198,13 +211,22 @@ class AsyncLLM:
     async def create(cls, config: EngineConfig | None = None, *, engine: str | None = None,
                      key_file: str | None = None, client_kind: str = "python",
                      tokenizer: str | None = None, startup_timeout: float = 300.0,
-                     echo_daemon_output: bool = True) -> "AsyncLLM":
+                     echo_daemon_output: bool = True,
+                     engine_restart_timeout: float = DEFAULT_ENGINE_RESTART_TIMEOUT_S,
+                     max_engine_restarts: int = DEFAULT_MAX_ENGINE_RESTARTS) -> "AsyncLLM":
         """Start a private daemon for `config`, or attach to the daemon at `engine`.
 
         Exactly one of `config` and `engine`. `tokenizer` overrides the tokenizer folder
         (default: the config's, or the one the daemon names). RuntimeError, quoting the
         daemon's last output, if it does not become ready within `startup_timeout` seconds.
+        `engine_restart_timeout`: how long requests wait, suspended, for a lost core to come
+        back (0: they fail at once); `max_engine_restarts`: how often a private daemon that
+        died is started again (0: never).
         """
+        if engine_restart_timeout < 0:
+            raise ValueError(f"engine_restart_timeout must be >= 0, got {engine_restart_timeout}")
+        if max_engine_restarts < 0:
+            raise ValueError(f"max_engine_restarts must be >= 0, got {max_engine_restarts}")
         if (config is None) == (engine is None):
             raise ValueError("give exactly one of config (start a daemon) or engine (attach)")
         daemon = None
@@ -213,8 +235,10 @@ class AsyncLLM:
             engine = daemon.address
             tokenizer = tokenizer or config.model.tokenizer_path
         try:
-            return await cls._attach(engine, key_file, client_kind, tokenizer, daemon,
-                                     startup_timeout)
+            return await cls._attach(
+                engine, key_file, client_kind, tokenizer, daemon, startup_timeout,
+                engine_restart_timeout=engine_restart_timeout,
+                max_engine_restarts=max_engine_restarts)
         except BaseException:
             if daemon is not None:
                 await _in_own_thread(daemon.stop)
@@ -223,7 +247,7 @@ class AsyncLLM:
     @classmethod
     async def _attach(cls, address: str, key_file: str | None, kind: str,
                       tokenizer_path: str | None, daemon: DaemonProcess | None,
-                      timeout: float) -> "AsyncLLM":
+                      timeout: float, **restart) -> "AsyncLLM":
         client = AsyncEngineClient(address, key_file, kind)
         client.start()
         # load the tokenizer while the daemon starts (its path is known up front when we own it)
@@ -247,7 +271,7 @@ class AsyncLLM:
             await client.close()
             raise
         eos_ids = read_eos_token_ids(info.model, tok)  # generation_config.json of the model
-        return cls(client, info, tok, eos_ids, daemon)
+        return cls(client, info, tok, eos_ids, daemon, **restart)
 
     # -- requests -------------------------------------------------------------------------
 
@@ -435,31 +459,72 @@ class AsyncLLM:
                 collector.fail(ValueError(error))
 
     async def _watch_daemon(self) -> None:
-        while self._daemon.alive():
-            await asyncio.sleep(_DAEMON_POLL_S)
-        if not self._closed:
-            self._on_dead(self._daemon.failure_message("the engine core process exited"))
+        """Start our daemon again when it dies (at most max_engine_restarts times); the
+        client re-attaches to it at the same address (`_on_info`)."""
+        while True:
+            while self._daemon.alive():
+                await asyncio.sleep(_DAEMON_POLL_S)
+            if self._closed:
+                return
+            cause = self._daemon.failure_message("the engine core exited")
+            if self.num_engine_restarts >= self.max_engine_restarts:
+                self._on_dead(f"{cause}; restarted {self.num_engine_restarts} times already "
+                              f"(max_engine_restarts={self.max_engine_restarts})")
+                return
+            self.num_engine_restarts += 1
+            logger.warning("%s; starting it again (restart %d of %d), %d unfinished requests "
+                           "wait for it", cause, self.num_engine_restarts,
+                           self.max_engine_restarts, self.num_unfinished_requests())
+            self._on_lost(EngineDead("the engine core process died"))  # if not seen yet
+            await _in_own_thread(self._daemon.stop)  # its workers, if any are left
+            if self._closed:
+                return
+            self._daemon = self._daemon.respawn()
 
     def _on_lost(self, msg: EngineDead | Detached) -> None:
-        """The core went away or dropped us: end every pending request, then re-attach
-        (or, when it was our own daemon that died, be dead)."""
+        """The core went away or dropped us: suspend every pending request until a core
+        answers at the address again (`_on_info` resubmits them) or the restart timeout
+        ends them."""
         if not self._client.attached:
             return  # away already: an answer to a frame sent before our new Hello
-        if self._daemon is not None and isinstance(msg, EngineDead):
+        if (self._daemon is not None and isinstance(msg, EngineDead)
+                and self.max_engine_restarts == 0):
             self._on_dead(msg.reason)
             return
         engine_ids = self._processor.engine_req_ids()
-        logger.error("engine core at %s: %s; failing %d unfinished requests, re-attaching "
-                     "when a core answers", self._client.address, msg.reason,
-                     self.num_unfinished_requests())
         self.away_reason = msg.reason
         self._client.reattach()
         if engine_ids:  # the core may know them still (a connection lost, not the core)
             self._client.send_nowait(Abort(engine_ids))
-        self._fail_pending(msg.reason)
+        self._fail_stats_waiters(msg.reason)
+        if self.engine_restart_timeout <= 0:
+            logger.error("engine core at %s: %s; failing %d unfinished requests, re-attaching "
+                         "when a core answers", self._client.address, msg.reason,
+                         self.num_unfinished_requests())
+            self._fail_pending(msg.reason)
+            return
+        logger.warning("engine core at %s: %s; %d unfinished requests wait up to %g s for a "
+                       "core to answer there, then are resubmitted", self._client.address,
+                       msg.reason, self.num_unfinished_requests(),
+                       self.engine_restart_timeout)
+        if self._give_up is not None:
+            self._give_up.cancel()
+        self._give_up = asyncio.get_running_loop().call_later(
+            self.engine_restart_timeout, self._on_restart_timeout, msg.reason)
+
+    def _on_restart_timeout(self, reason: str) -> None:
+        self._give_up = None
+        if self._client.attached or self.dead:
+            return
+        reason = (f"{reason}; no engine core answered at {self._client.address} within "
+                  f"{self.engine_restart_timeout:g} s")
+        logger.error("%s; failing %d unfinished requests", reason,
+                     self.num_unfinished_requests())
+        self._fail_pending(reason)
 
     def _on_info(self, info: EngineInfo) -> None:
-        """A core answered our Hello: attached again, if it serves the same model."""
+        """A core answered our Hello: attached again, if it serves the same model; every
+        unfinished request is resubmitted to it."""
         if self._client.attached:
             return  # a second answer (Hello is sent again on each new connection)
         old = self.engine_info
@@ -470,12 +535,24 @@ class AsyncLLM:
             return
         self.engine_info, self.away_reason = info, None
         self._client.on_attached(info)
-        logger.info("re-attached to the engine core at %s", self._client.address)
+        if self._give_up is not None:
+            self._give_up.cancel()
+            self._give_up = None
+        messages, finished = self._processor.resubmit_all()
+        for msg in messages:
+            self._client.send_nowait(msg)
+        self.num_resubmitted += len(messages)
+        self._deliver(finished)
+        logger.info("re-attached to the engine core at %s; resubmitted %d engine requests",
+                    self._client.address, len(messages))
 
     def _on_dead(self, reason: str) -> None:
         if self.dead:
             return
         self.dead, self.dead_reason = True, reason
+        if self._give_up is not None:
+            self._give_up.cancel()
+            self._give_up = None
         if not self._closed:
             logger.error("engine core is dead: %s", reason)
         self._fail_pending(reason)
@@ -483,6 +560,9 @@ class AsyncLLM:
     def _fail_pending(self, reason: str) -> None:
         """Every request in flight ends with "error" and `reason`; stats waiters raise."""
         self._deliver(self._processor.fail_all(reason))
+        self._fail_stats_waiters(reason)
+
+    def _fail_stats_waiters(self, reason: str) -> None:
         for fut in self._stats_waiters:
             if not fut.done():
                 fut.set_exception(RuntimeError(f"the engine core went away: {reason}"))
@@ -495,6 +575,8 @@ class AsyncLLM:
         if self._closed:
             return
         self._closed = True
+        if self._give_up is not None:
+            self._give_up.cancel()
         self._deliver(self._processor.fail_all("the frontend was closed", "abort"))
         await self._client.close()
         for task in self._tasks:

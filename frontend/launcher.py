@@ -44,6 +44,7 @@ class DaemonProcess:
         self.address = address or new_private_address()
         self._lines: collections.deque[str] = collections.deque(maxlen=_NUM_KEPT_LINES)
         self._echo = echo
+        self._extra_args = list(extra_args or [])
         lifeline = lifeline_fd()
         argv = [sys.executable, "-m", "tidal.frontend.cli", "core", *config_to_argv(config),
                 "--listen", self.address, "--lifeline-fd", str(lifeline), *(extra_args or [])]
@@ -98,6 +99,15 @@ class DaemonProcess:
         self._finalizer.detach()
         self._reader.join(timeout=1.0)
         return code
+
+    def respawn(self) -> "DaemonProcess":
+        """A new daemon with the same config and flags at the same address, after this one
+        died (call `stop()` first: it kills what is left in its process group).
+
+        The new daemon gets a lifeline of its own (`ipc/lifeline.py`): it dies with this
+        process, whichever thread starts it."""
+        return DaemonProcess(self.config, address=self.address, echo=self._echo,
+                             extra_args=self._extra_args)
 
     def _read_stderr(self) -> None:
         stream = self.proc.stderr

@@ -26,7 +26,11 @@ from collections.abc import Sequence
 
 from tidal.engine_core.args import add_engine_args, config_from_args
 from tidal.engine_core.config import EngineConfig
-from tidal.frontend.async_llm import AsyncLLM
+from tidal.frontend.async_llm import (
+    DEFAULT_ENGINE_RESTART_TIMEOUT_S,
+    DEFAULT_MAX_ENGINE_RESTARTS,
+    AsyncLLM,
+)
 from tidal.frontend.outputs import RequestOutput
 from tidal.ipc.messages import SamplingParams, SchedulerStats
 
@@ -80,9 +84,16 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, engine: str | None = None,
                  key_file: str | None = None, tokenizer: str | None = None,
-                 startup_timeout: float = 300.0, **engine_flags):
+                 startup_timeout: float = 300.0,
+                 engine_restart_timeout: float = DEFAULT_ENGINE_RESTART_TIMEOUT_S,
+                 max_engine_restarts: int = DEFAULT_MAX_ENGINE_RESTARTS, **engine_flags):
         """Start a private daemon for `model` (None: the bundled demo model) with
-        `engine_flags`, or attach to the daemon at `engine` (then no model or flags)."""
+        `engine_flags`, or attach to the daemon at `engine` (then no model or flags).
+
+        If the engine core dies (or goes away), unfinished requests wait up to
+        `engine_restart_timeout` seconds for it to come back and are then resubmitted, so
+        `generate` returns what a fault-free run would; a private daemon is started again up
+        to `max_engine_restarts` times (AsyncLLM's module docstring)."""
         if engine is not None and (model is not None or engine_flags):
             raise ValueError("engine: attaching to a running engine core takes no model or "
                              "engine flags (the daemon was started with its own)")
@@ -97,7 +108,8 @@ class LLM:
         try:
             self._llm: AsyncLLM = self._call(AsyncLLM.create(
                 config, engine=engine, key_file=key_file, tokenizer=tokenizer,
-                startup_timeout=startup_timeout))
+                startup_timeout=startup_timeout, engine_restart_timeout=engine_restart_timeout,
+                max_engine_restarts=max_engine_restarts))
         except BaseException:
             _stop_loop(self._loop, self._thread)
             raise
@@ -135,7 +147,8 @@ class LLM:
         `priority`: one per prompt (with --scheduling-policy priority; lower runs first).
         Every prompt is checked (ValueError) before any is sent; a request the engine core
         refuses all the same raises ValueError naming the field, and the rest of the batch
-        is aborted. If the engine dies, the unfinished outputs end with finish_reason "error".
+        is aborted. If the engine core dies and no core comes back (see `__init__`), the
+        unfinished outputs end with finish_reason "error".
         """
         prompt_list = _normalize_prompts(prompts)
         params = _normalize_params(sampling_params, len(prompt_list))

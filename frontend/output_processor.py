@@ -55,7 +55,7 @@ class _Completion:
     """State of one engine request (one of the parent's n completions)."""
 
     index: int
-    req_id: str  # the engine request id
+    req_id: str  # the engine request id (a new one on each resubmission)
     params: SamplingParams  # as sent to the engine core (n == 1)
     detokenizer: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)
@@ -73,6 +73,7 @@ class _Completion:
     # metrics
     first_token_time: float | None = None
     last_token_time: float | None = None
+    first_req_id: str = ""  # the engine id it was first sent under
     queue_time: float | None = None
     num_cached_tokens: int = 0
     inter_token_latencies: list[float] = field(default_factory=list)
@@ -94,6 +95,9 @@ class _Parent:
     stream_interval: int
     stop_buffer_len: int  # characters held back while streaming (partial stop strings)
     arrival_time: float
+    priority: int = 0
+    eos_token_id: int | None = None  # as sent with the AddRequest
+    num_resubmits: int = 0  # times sent again to a new engine core
 
     @property
     def finished(self) -> bool:
@@ -119,6 +123,36 @@ def child_params(params: SamplingParams, index: int, max_tokens: int) -> Samplin
         seed -= 2**64
     return msgspec.structs.replace(params, n=1, seed=seed, max_tokens=max_tokens,
                                    min_tokens=min(params.min_tokens, max_tokens))
+
+
+def resume_params(params: SamplingParams, delivered: list[int]) -> SamplingParams | None:
+    """The engine-side params that continue a completion after `delivered` tokens, sent with
+    prompt + delivered as the new prompt: max_tokens and min_tokens less what was delivered,
+    all else (seed, stops, penalties) unchanged. None when nothing is left to generate.
+
+    A seeded request draws the same numbers: the worker hashes (seed, absolute position),
+    and the positions are the same. (Presence and frequency penalties count output tokens
+    only; after a resubmission the delivered ones count as prompt.)
+    """
+    left = params.max_tokens - len(delivered)
+    if left <= 0:
+        return None
+    return msgspec.structs.replace(params, max_tokens=left,
+                                   min_tokens=max(0, params.min_tokens - len(delivered)))
+
+
+def lost_finish(params: SamplingParams, delivered: list[int],
+                eos_token_id: int | None) -> tuple[str, int | None]:
+    """(finish_reason, stop_reason) of a completion that had all its tokens delivered but
+    whose finish was lost with the core: "stop" when its last token is a stop token (or
+    EOS) past min_tokens, else "length"."""
+    last = delivered[-1] if delivered else None
+    if last is not None and len(delivered) > params.min_tokens:
+        if last in params.stop_token_ids:
+            return "stop", last
+        if last == eos_token_id and not params.ignore_eos:
+            return "stop", None
+    return "length", None
 
 
 class OutputProcessor:
@@ -155,7 +189,8 @@ class OutputProcessor:
         if params.stop and not params.include_stop_str_in_output:
             stop_buffer = max(len(s) for s in params.stop) - 1
         parent = _Parent(request_id, prompt, list(prompt_token_ids), [], final_only,
-                         max(1, stream_interval), stop_buffer, arrival_time)
+                         max(1, stream_interval), stop_buffer, arrival_time, priority,
+                         self.eos_token_id)
         packed_prompt = pack_token_ids(prompt_token_ids)
         messages = []
         for i in range(params.n):
@@ -166,7 +201,7 @@ class OutputProcessor:
                 sent = msgspec.structs.replace(sent, stop_token_ids=sent.stop_token_ids + extra)
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
                                            params.skip_special_tokens)
-            comp = _Completion(i, req_id, sent, detok)
+            comp = _Completion(i, req_id, sent, detok, first_req_id=req_id)
             if params.logprobs is not None:
                 comp.logprobs, comp.cumulative_logprob = [], 0.0
             parent.completions.append(comp)
@@ -197,6 +232,40 @@ class OutputProcessor:
     def engine_req_ids(self) -> list[str]:
         """Every engine request id still in flight."""
         return [rid for rid, (_, comp) in self._children.items() if not comp.finished]
+
+    # -- resubmission ---------------------------------------------------------------------
+
+    def resubmit_all(self) -> tuple[list[AddRequest], list[RequestOutput]]:
+        """After the engine core was lost: every unfinished completion as a new engine
+        request that continues where its delivered tokens end (see `resume_params`), under
+        a new engine id (late outputs of the old one are then ignored). A completion with
+        nothing left to generate (its final output was lost in flight) is finished here.
+
+        Returns (the AddRequests to send, the final updates of requests finished here).
+        """
+        messages: list[AddRequest] = []
+        finished: list[RequestOutput] = []
+        for parent in list(self._parents.values()):
+            parent.num_resubmits += 1
+            done_here = []
+            for comp in parent.completions:
+                if comp.finished:
+                    continue
+                params = resume_params(comp.params, comp.token_ids)
+                if params is None:
+                    comp.finish_reason, comp.stop_reason = lost_finish(
+                        comp.params, comp.token_ids, parent.eos_token_id)
+                    done_here.append(comp)
+                    continue
+                del self._children[comp.req_id]
+                comp.req_id = f"{comp.first_req_id}~{parent.num_resubmits}"
+                self._children[comp.req_id] = (parent, comp)
+                prompt = pack_token_ids(parent.prompt_token_ids + comp.token_ids)
+                messages.append(AddRequest(comp.req_id, prompt, params, parent.eos_token_id,
+                                           parent.priority, parent.arrival_time))
+            if done_here and (parent.finished or not parent.final_only):
+                finished.append(self._make_output(parent, done_here, time.time()))
+        return messages, finished
 
     # -- processing -----------------------------------------------------------------------
 

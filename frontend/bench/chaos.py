@@ -178,7 +178,8 @@ def start_server(cfg: ChaosConfig, port: int, log_path: str) -> subprocess.Popen
     if cfg.model:
         cmd.append(cfg.model)
     cmd += ["--port", str(port), "--api-server-count", str(cfg.api_server_count),
-            "--max-worker-restarts", "1000000", "--worker-timeout", str(cfg.worker_timeout_s),
+            "--max-worker-restarts", "1000000", "--max-engine-restarts", "1000000",
+            "--worker-timeout", str(cfg.worker_timeout_s),
             *cfg.serve_args]
     return subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)

@@ -22,13 +22,18 @@ Prometheus multiprocess directory (metrics.py), set in the environment before an
 process imports prometheus_client.
 
 Faults stay where they happen. An HTTP process that dies is started again under the same
-index (its admission slot zeroed); the others, and their streams, go on. The supervisor
-gives up (exit status 1, everything stopped) only when a process could not start at all, when
-one index died more than `_MAX_RESTARTS` times in `_RESTART_WINDOW_S`, or when its own
-daemon died. On SIGTERM / SIGINT it exits with status 0: servers first (each ends its
+index (its admission slot zeroed); the others, and their streams, go on. A daemon that dies
+is started again at the same address (at most --max-engine-restarts times, a warning with
+its last words each); the HTTP processes answer 503 with Retry-After meanwhile, re-attach
+when it answers and resubmit their unfinished requests (prompt plus the tokens already
+streamed), so streams go on where they stopped (async_llm.py); requests that wait longer
+than --engine-restart-timeout end with an error. The supervisor gives up (exit status 1,
+everything stopped) only when a process could not start at all, when one index died more
+than `_MAX_RESTARTS` times in `_RESTART_WINDOW_S`, or when its daemon died once more than it
+may be restarted. On SIGTERM / SIGINT it exits with status 0: servers first (each ends its
 streams with an error event, then detaches), then the daemon. A server attached with
-`--engine` outlives that core: it answers 503 with Retry-After while the core is away and
-re-attaches when a core answers at the address again (async_llm.py).
+`--engine` outlives that core the same way: 503 while it is away, re-attach and resubmit
+when a core answers at the address again.
 
 A supervisor that dies without stopping them (SIGKILL, a crash) takes them along: the daemon
 and each server process watch a pipe only the supervisor holds open (`ipc/lifeline.py`), and
@@ -50,8 +55,12 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from tidal.frontend.async_llm import (
+    DEFAULT_ENGINE_RESTART_TIMEOUT_S,
+    DEFAULT_MAX_ENGINE_RESTARTS,
+)
 from tidal.frontend.server.timeouts import (
     DEFAULT_TIMEOUT_KEEP_ALIVE_S,
     DEFAULT_TIMEOUT_REQUEST_BODY_S,
@@ -90,6 +99,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="the engine core started here drops an HTTP process silent for S "
                         "seconds (its requests end with an error; it re-attaches) "
                         "(default: 10; with --engine it is `tidal core`'s flag)")
+    g.add_argument("--max-engine-restarts", type=int, default=DEFAULT_MAX_ENGINE_RESTARTS,
+                   metavar="N", help="start the engine core started here again when it dies, "
+                   f"at most N times (default: {DEFAULT_MAX_ENGINE_RESTARTS}; 0: exit 1 "
+                   "when it dies)")
+    g.add_argument("--engine-restart-timeout", type=float,
+                   default=DEFAULT_ENGINE_RESTART_TIMEOUT_S, metavar="S",
+                   help="unfinished requests wait up to S seconds for a lost engine core to "
+                   "come back (then they are resubmitted to it), else end with an error "
+                   f"(default: {DEFAULT_ENGINE_RESTART_TIMEOUT_S:g}; 0: at once)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["debug", "info", "warning", "error", "critical"])
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
@@ -123,6 +141,7 @@ class ServerSpec:
     timeout_keep_alive: int = DEFAULT_TIMEOUT_KEEP_ALIVE_S
     timeout_request_header: float = DEFAULT_TIMEOUT_REQUEST_HEADER_S
     timeout_request_body: float = DEFAULT_TIMEOUT_REQUEST_BODY_S
+    engine_restart_timeout: float = DEFAULT_ENGINE_RESTART_TIMEOUT_S
 
 
 # --------------------------------------------------------------------------------------------
@@ -153,7 +172,7 @@ async def _attach_engine(spec: ServerSpec):
 
     create = asyncio.ensure_future(AsyncLLM.create(
         engine=spec.engine_address, key_file=spec.key_file, client_kind="http",
-        tokenizer=spec.tokenizer))
+        tokenizer=spec.tokenizer, engine_restart_timeout=spec.engine_restart_timeout))
     while not create.done():
         await asyncio.wait({create}, timeout=_POLL_S)
         if not create.done() and spec.daemon_pid and not _pid_alive(spec.daemon_pid):
@@ -215,6 +234,7 @@ class _Supervisor:
         self.daemon = None
         self.procs: list[multiprocessing.Process] = []
         self.restarts: list[list[float]] = [[] for _ in range(self.num_servers)]
+        self.num_engine_restarts = 0
         self.metrics_dir: str | None = None
         self.stop_event = threading.Event()
         self.exit_code = 0
@@ -284,11 +304,30 @@ class _Supervisor:
                 if proc.exitcode is not None and not self._restart(index):
                     self.exit_code = 1
                     return
-            if self.daemon is not None and not self.daemon.alive():
-                logger.error("%s; shutting down",
-                             self.daemon.failure_message("the engine core exited"))
+            if self.daemon is not None and not self.daemon.alive() \
+                    and not self._restart_engine():
                 self.exit_code = 1
                 return
+
+    def _restart_engine(self) -> bool:
+        """Start the dead daemon again at its address; False when it may not be (it died
+        more than --max-engine-restarts times)."""
+        cause = self.daemon.failure_message("the engine core exited")
+        if self.num_engine_restarts >= self.ns.max_engine_restarts:
+            logger.error("%s; it was restarted %d times already (--max-engine-restarts %d); "
+                         "shutting down", cause, self.num_engine_restarts,
+                         self.ns.max_engine_restarts)
+            return False
+        self.num_engine_restarts += 1
+        logger.warning("%s; starting it again at the same address (restart %d of %d); the "
+                       "HTTP servers re-attach and resubmit their unfinished requests", cause,
+                       self.num_engine_restarts, self.ns.max_engine_restarts)
+        self.daemon.stop()  # its workers, if any are left
+        self.daemon = self.daemon.respawn()
+        spec, sock, slots = self._spawn_args
+        # an HTTP process started from now on watches the new daemon while it attaches
+        self._spawn_args = (replace(spec, daemon_pid=self.daemon.pid), sock, slots)
+        return True
 
     def stop(self) -> None:
         """Servers first (they detach cleanly), then the daemon, then shared files."""
@@ -319,6 +358,11 @@ def _check_args(ns: argparse.Namespace) -> None:
         value = getattr(ns, flag)
         if not value > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    if ns.max_engine_restarts < 0:
+        raise ValueError(f"--max-engine-restarts must be >= 0, got {ns.max_engine_restarts}")
+    if not ns.engine_restart_timeout >= 0:
+        raise ValueError(f"--engine-restart-timeout must be >= 0, got "
+                         f"{ns.engine_restart_timeout}")
     if ns.frontend_timeout is not None:
         if ns.engine:
             raise ValueError("--frontend-timeout belongs to the engine core: with --engine, "
@@ -345,7 +389,8 @@ def run_serve(ns: argparse.Namespace) -> int:
                           [ns.served_model_name] if ns.served_model_name else None,
                           ns.api_key, daemon_pid, ns.uvicorn_log_level,
                           not ns.disable_uvicorn_access_log, ns.timeout_keep_alive,
-                          ns.timeout_request_header, ns.timeout_request_body)
+                          ns.timeout_request_header, ns.timeout_request_body,
+                          ns.engine_restart_timeout)
         sup.start_servers(spec, sock)
         host, port = sock.getsockname()[:2]
         logger.info("listening on http://%s:%d; starting %d HTTP server process(es) for the "

@@ -163,39 +163,63 @@ def test_greedy_chunked_prefill_priority_sync(tiny_llama, prompts, reference):
         stats = llm.get_stats()
         assert stats.prefix_cache_hits == 0
         assert stats.prompt_tokens >= sum(len(p) for p in prompts)
-        assert_death_ends_generate_with_errors(llm)
+        assert_daemon_death_is_healed_then_final(llm)
 
 
-def assert_death_ends_generate_with_errors(llm: LLM) -> None:
-    """SIGKILL the private daemon during generate(): the call returns within a bounded time
-    with finish_reason "error" for every request; later calls raise; close() leaves no
-    process of the daemon's group behind."""
-    pgid = llm.daemon_pid
-    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+def generate_killing_the_daemon(llm: LLM, prompts, params) -> list:
+    """llm.generate(prompts, params), SIGKILLing the private daemon (alone: its workers exit
+    with it) once the first tokens have arrived; the outputs."""
     result = {}
     num_tokens_before = llm._llm.num_generated_tokens
     worker = threading.Thread(
-        target=lambda: result.setdefault("out", llm.generate([[5, 6, 7]] * 3, long,
-                                                             use_tqdm=False)))
+        target=lambda: result.setdefault("out", llm.generate(prompts, params, use_tqdm=False)))
     worker.start()
     wait_until(lambda: llm._llm.num_generated_tokens > num_tokens_before, 30,
                "the first tokens")
-    os.kill(pgid, signal.SIGKILL)
-    worker.join(timeout=15)
+    os.kill(llm.daemon_pid, signal.SIGKILL)
+    worker.join(timeout=150)
     assert not worker.is_alive(), "generate() did not return after the engine died"
-    assert [o.outputs[0].finish_reason for o in result["out"]] == ["error"] * 3
+    return result["out"]
+
+
+def group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def assert_daemon_death_is_healed_then_final(llm: LLM) -> None:
+    """SIGKILL the private daemon during generate(): it is started again, the unfinished
+    requests are resubmitted, and generate() returns what a fault-free run returns (greedy,
+    and seeded sampling: the same seed and positions draw the same numbers); the old
+    daemon's workers are gone. With its restarts used up, a second SIGKILL is final: every
+    request ends with "error", later calls raise, close() leaves no process behind."""
+    long = [SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True),
+            SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True, stop=["zzzz"]),
+            SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=150,
+                           ignore_eos=True)]
+    prompts = [[5, 6, 7], [9, 10, 11, 12], [5, 6, 7]]
+    expected = llm.generate(prompts, long, use_tqdm=False)
+    first_pid = llm.daemon_pid
+    healed = generate_killing_the_daemon(llm, prompts, long)
+    assert llm._llm.num_engine_restarts == 1 and llm.daemon_pid != first_pid
+    assert llm._llm.num_resubmitted >= 1
+    for got, want in zip(healed, expected):
+        assert got.outputs[0].finish_reason == "length"
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert got.outputs[0].text == want.outputs[0].text
+    wait_until(lambda: group_gone(first_pid), 10, "the first daemon's workers to exit")
+
+    llm._llm.max_engine_restarts = 1  # used up: the next death is final
+    pgid = llm.daemon_pid
+    lost = generate_killing_the_daemon(llm, prompts, long)
+    assert [o.outputs[0].finish_reason for o in lost] == ["error"] * 3
     with pytest.raises(RuntimeError, match="dead"):
         llm.generate([[5, 6]], GREEDY, use_tqdm=False)
     llm.close()
-
-    def group_gone():
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return True
-        return False
-
-    wait_until(group_gone, 10, "the daemon's workers to exit")
+    wait_until(lambda: group_gone(pgid), 10, "the daemon's workers to exit")
 
 
 @pytest.mark.timeout(300)

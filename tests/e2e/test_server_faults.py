@@ -4,8 +4,11 @@
   error event / a 5xx naming the timeout when it wakes, and it serves again;
 - one of two HTTP processes killed: the other's streams run to their end, the dead one is
   started again;
-- the engine core killed under `tidal serve --engine`: streams end with an error event,
-  new requests get 503 + Retry-After, a core restarted at the address is attached again;
+- the engine core killed under `tidal serve MODEL`: the supervisor starts it again, the
+  streams go on and end with the tokens and text of a fault-free run (greedy, and seeded
+  sampling); the old core's workers are gone;
+- the engine core killed under `tidal serve --engine`: new requests get 503 + Retry-After,
+  a core restarted at the address is attached again and the stream in flight completes;
 - `tidal serve` stopped (SIGTERM): a stream in flight ends with an error event and [DONE].
 
 The model is the tiny Llama with a 4096-token context, so a long request outlives the fault.
@@ -54,6 +57,31 @@ def http_processes(supervisor_pid: int) -> list[int]:
     return found
 
 
+def core_process(supervisor_pid: int) -> int | None:
+    """The engine-core daemon started by a `tidal serve` (its `tidal core` child)."""
+    try:
+        with open(f"/proc/{supervisor_pid}/task/{supervisor_pid}/children") as f:
+            children = [int(p) for p in f.read().split()]
+    except FileNotFoundError:
+        return None
+    for pid in children:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"\0core\0" in f.read():
+                    return pid
+        except FileNotFoundError:
+            pass
+    return None
+
+
+def group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
 def wait_until(predicate, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -99,6 +127,11 @@ class Stream(threading.Thread):
         if self.broken or self.lines[-1:] != ["data: [DONE]"]:
             return False
         return json.loads(self.lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+
+    def text(self) -> str:
+        """The streamed text, all chunks joined."""
+        return "".join(json.loads(line[6:])["choices"][0]["text"] for line in self.lines
+                       if line.startswith("data: {"))
 
     def error(self) -> str:
         """The message of the error event before [DONE] (asserting there is one)."""
@@ -206,13 +239,15 @@ def test_core_restarted_at_the_same_address_is_attached_again(long_llama, tmp_pa
         stream = Stream(server.base_url)
         assert stream.first.wait(60) and not stream.broken
         os.killpg(core.proc.pid, signal.SIGKILL)  # the core and its workers, without a word
-        assert "engine core" in stream.finish().error()
-        assert not completes(server.base_url)  # 503 with Retry-After
+        wait_until(lambda: not completes(server.base_url), 30, "503 with Retry-After")
         r = httpx.get(server.base_url + "/health")
         assert r.status_code == 503 and r.headers["retry-after"]
+        assert stream.is_alive()  # suspended, not failed
         core.stop()
         core = Proc(["core", long_llama, *FLAGS, "--listen", address])
         wait_until(lambda: completes(server.base_url), 120, "the server to attach again")
+        assert stream.finish(120).ended_well(), stream.lines[-3:]
+        assert "resubmitted 1 engine requests" in server.output()
         # stopping the server: the stream in flight gets an error event, not a cut
         stream = Stream(server.base_url)
         assert stream.first.wait(60) and not stream.broken
@@ -222,3 +257,44 @@ def test_core_restarted_at_the_same_address_is_attached_again(long_llama, tmp_pa
     finally:
         server.stop()
         core.stop()
+
+
+HEALED = [{"prompt": "Once upon a time", "max_tokens": 600, "ignore_eos": True,
+           "temperature": 0},
+          {"prompt": "The capital of", "max_tokens": 600, "ignore_eos": True,
+           "temperature": 1.0, "top_p": 0.9, "seed": 77}]
+
+
+@pytest.mark.timeout(300)
+def test_core_killed_under_serve_is_restarted_and_streams_go_on(long_llama):
+    """SIGKILL the daemon `tidal serve MODEL` started while two streams run: the supervisor
+    starts it again at the same address, the HTTP process resubmits both requests (prompt +
+    the tokens streamed), and each stream ends with the text of a fault-free run. With
+    --max-engine-restarts 1 used up, a second SIGKILL is final: the stream in flight ends
+    with an error event and `tidal serve` exits 1."""
+    server = LiveServer([long_llama, *FLAGS, "--max-engine-restarts", "1"]).start()
+    try:
+        expected = [Stream(server.base_url, body).finish(120) for body in HEALED]
+        assert all(s.ended_well() for s in expected)
+        old_core = core_process(server.proc.pid)
+        streams = [Stream(server.base_url, body) for body in HEALED]
+        assert all(s.first.wait(60) and not s.broken for s in streams)
+        os.kill(old_core, signal.SIGKILL)  # alone: its workers must exit by themselves
+        for got, want in zip(streams, expected):
+            assert got.finish(180).ended_well(), got.lines[-3:]
+            assert got.text() == want.text()
+        out = server.output()
+        assert "starting it again at the same address (restart 1 of 1)" in out
+        assert "resubmitted 2 engine requests" in out
+        assert server.alive() and core_process(server.proc.pid) not in (None, old_core)
+        wait_until(lambda: group_gone(old_core), 10, "the old core's workers to exit")
+        assert completes(server.base_url)
+
+        stream = Stream(server.base_url, HEALED[0])
+        assert stream.first.wait(60) and not stream.broken
+        os.kill(core_process(server.proc.pid), signal.SIGKILL)
+        assert stream.finish(60).error()
+        assert server.proc.wait(60) == 1
+        assert "restarted 1 times already (--max-engine-restarts 1)" in server.output()
+    finally:
+        server.stop()

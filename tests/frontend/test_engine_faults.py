@@ -1,7 +1,9 @@
-"""`AsyncLLM` against a scripted engine core (a bare ROUTER, no model): every pending request
-ends with an answer when the core drops the frontend or goes away, new requests are refused
-with `EngineUnavailable` while no core is attached, and the frontend re-attaches to a core
-that comes back at the same address (but not to one serving another model)."""
+"""`AsyncLLM` against a scripted engine core (a bare ROUTER, no model): when the core drops the
+frontend or goes away, pending requests wait, suspended, and are resubmitted (prompt plus
+the tokens delivered) to a core that comes back at the same address, or end with an error
+after --engine-restart-timeout; requests the core ended itself are not resubmitted; new
+requests are refused with `EngineUnavailable` while no core is attached; a core serving
+another model is not attached."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from tidal.ipc.messages import (
     RequestOutput,
     SamplingParams,
     pack_token_ids,
+    unpack_token_ids,
 )
 from tidal.ipc.transport import FrontendDecoder, encode, new_private_address
 
@@ -123,14 +126,14 @@ async def finishes_normally(llm: AsyncLLM, core: FakeCore) -> None:
     assert (await asyncio.wait_for(gen, WAIT_S)).outputs[0].finish_reason == "length"
 
 
-def with_core(tokenizer_dir: str, body, address: str | None = None):
+def with_core(tokenizer_dir: str, body, address: str | None = None, **llm_args):
     """Run `body(llm, core, ctx, address)` on uvloop: a FakeCore and an AsyncLLM attached."""
     address = address or new_private_address("fake-core")
 
     async def main():
         ctx = zmq.asyncio.Context()
         core = FakeCore(ctx, address, tokenizer_dir)
-        llm = await AsyncLLM.create(engine=address, startup_timeout=WAIT_S)
+        llm = await AsyncLLM.create(engine=address, startup_timeout=WAIT_S, **llm_args)
         try:
             return await asyncio.wait_for(body(llm, core, ctx, address), 3 * WAIT_S)
         finally:
@@ -160,20 +163,31 @@ def test_dropped_frontend_fails_what_it_had_and_serves_again(tokenizer_dir):
     with_core(tokenizer_dir, body)
 
 
+async def resumes(stream, core: FakeCore, req_id: str) -> None:
+    """The suspended stream's request comes back to `core` as prompt + the delivered token,
+    with one token less to go, and its stream goes on to the end."""
+    identity, add = await asyncio.wait_for(core.next_request(), WAIT_S)
+    assert add.req_id != req_id and add.req_id.startswith(req_id)
+    assert unpack_token_ids(add.prompt_token_ids).tolist() == [5, 6, 7, 65]
+    assert add.sampling.max_tokens == LONG.max_tokens - 1
+    core.send(identity, token(add.req_id, FinishReason.LENGTH))
+    last = await asyncio.wait_for(last_output(stream), WAIT_S)
+    assert last.finished and last.outputs[0].finish_reason == "length"
+    assert last.outputs[0].token_ids == [65, 65]
+
+
 @pytest.mark.timeout(60)
-def test_detached_alone_fails_pending_aborts_them_and_ignores_repeats(tokenizer_dir):
+def test_detached_alone_suspends_aborts_resubmits_and_ignores_repeats(tokenizer_dir):
     """A core that forgot us says only Detached (one per frame we sent before our Hello):
-    the pending request ends with "error", its id is aborted, the repeats change nothing."""
+    the pending request's old id is aborted, the repeats change nothing, and on re-attach it
+    is resubmitted and finishes."""
 
     async def body(llm, core, ctx, address):
         stream, identity, req_id = await started_stream(llm, core)
         core.send(identity, Detached("unknown frontend"))
         core.send(identity, Detached("unknown frontend"))  # answered before our Hello
-        last = await asyncio.wait_for(last_output(stream), WAIT_S)
-        assert last.outputs[0].finish_reason == "error"
-        assert last.outputs[0].error == "unknown frontend"
-        await until(lambda: llm.attached, "re-attaching")
-        assert req_id in core.aborted()
+        await resumes(stream, core, req_id)
+        assert llm.attached and req_id in core.aborted()
         await finishes_normally(llm, core)
         assert core.num_hellos == 2
 
@@ -185,21 +199,33 @@ def test_core_gone_then_back_at_the_same_address(tokenizer_dir):
     async def body(llm, core, ctx, address):
         stream, identity, req_id = await started_stream(llm, core)
         await core.close()  # the core dies without a word
-        last = await asyncio.wait_for(last_output(stream), WAIT_S)
-        assert last.outputs[0].finish_reason == "error" and last.outputs[0].error
-        assert not llm.attached and not llm.dead
+        await until(lambda: not llm.attached, "the lost connection")
+        assert not llm.dead and llm.num_unfinished_requests() == 1
         with pytest.raises(EngineUnavailable, match="re-attaches"):
             await llm.generate_final([1, 2], LONG)
         with pytest.raises(EngineUnavailable):
             await llm.get_stats()
         new_core = FakeCore(ctx, address, core.info.model)
         try:
-            await until(lambda: llm.attached, "re-attaching to the new core")
+            await resumes(stream, new_core, req_id)
             await finishes_normally(llm, new_core)
         finally:
             await new_core.close()
 
     with_core(tokenizer_dir, body)
+
+
+@pytest.mark.timeout(60)
+def test_no_core_within_the_restart_timeout_fails_pending(tokenizer_dir):
+    async def body(llm, core, ctx, address):
+        stream, identity, req_id = await started_stream(llm, core)
+        await core.close()
+        last = await asyncio.wait_for(last_output(stream), WAIT_S)
+        assert last.outputs[0].finish_reason == "error"
+        assert "within 0.5 s" in last.outputs[0].error
+        assert not llm.attached and not llm.dead
+
+    with_core(tokenizer_dir, body, engine_restart_timeout=0.5)
 
 
 @pytest.mark.timeout(60)
