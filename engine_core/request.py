@@ -20,6 +20,7 @@ from tidal.ipc.messages import (
     AddRequest,
     FinishReason,
     SamplingParams,
+    check_priority,
     unpack_token_ids,
 )
 
@@ -167,7 +168,7 @@ class Request:
                 f"placeholders={self.num_output_placeholders})")
 
 
-def check_request(request: Request, vocab_size: int) -> None:
+def check_request(request: Request, vocab_size: int, scheduling_policy: str = "fcfs") -> None:
     """ValueError naming the field of a request the workers could not run.
 
     Any process that reaches the engine socket can send an AddRequest, so nothing a worker
@@ -175,8 +176,9 @@ def check_request(request: Request, vocab_size: int) -> None:
     (`vocab_size`, reported by the workers at start-up); EOS, like the stop token ids
     (checked by SamplingParams), must be an int32 id (an id outside the vocabulary is never
     sampled, so it is harmless); `n` must be 1 (frontends send one request per completion);
-    logprobs may not ask for more alternatives than the vocabulary holds. SamplingParams has
-    checked its own ranges on decode.
+    logprobs may not ask for more alternatives than the vocabulary holds; a priority other
+    than 0 needs the priority policy (as vLLM refuses it). SamplingParams has checked its own
+    ranges on decode.
     """
     ids = request.prompt_token_ids
     if ids and (min(ids) < 0 or max(ids) >= vocab_size):
@@ -193,5 +195,7 @@ def check_request(request: Request, vocab_size: int) -> None:
     if sampling.logprobs is not None and sampling.logprobs > vocab_size:
         raise ValueError(f"logprobs must be at most the vocabulary size {vocab_size}, got "
                          f"{sampling.logprobs}")
+    check_priority(request.priority, scheduling_policy)
     if not math.isfinite(request.arrival_time):
         raise ValueError(f"arrival_time must be a finite number, got {request.arrival_time}")
+

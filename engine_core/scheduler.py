@@ -486,6 +486,8 @@ class Scheduler:
             num_steps=self.num_steps,
             preempted_prefix_cache_queries=self.preempted_prefix_cache_queries,
             preempted_prefix_cache_hits=self.preempted_prefix_cache_hits,
+            queued_prompt_tokens=sum(r.num_prompt_tokens for r in self.requests.values()
+                                     if not r.output_token_ids),
         )
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:

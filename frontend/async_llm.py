@@ -44,6 +44,7 @@ from tidal.ipc.messages import (
     SamplingParams,
     SchedulerStats,
     StatsQuery,
+    check_priority,
     is_valid_unicode,
 )
 
@@ -283,6 +284,7 @@ class AsyncLLM:
         self._check_usable()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        check_priority(priority, self.engine_info.scheduling_policy)
         request_id = request_id or uuid.uuid4().hex
         if not is_valid_unicode(request_id):
             raise ValueError("request_id must be valid Unicode (no lone surrogates)")

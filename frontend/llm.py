@@ -28,7 +28,7 @@ from tidal.engine_core.args import add_engine_args, config_from_args
 from tidal.engine_core.config import EngineConfig
 from tidal.frontend.async_llm import AsyncLLM
 from tidal.frontend.outputs import RequestOutput
-from tidal.ipc.messages import SamplingParams, SchedulerStats
+from tidal.ipc.messages import SamplingParams, SchedulerStats, check_priority
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,8 @@ class LLM:
         "prompt_token_ids"); outputs in input order.
 
         `sampling_params`: one for all prompts, or one per prompt (None: the defaults).
-        `priority`: one per prompt (with --scheduling-policy priority; lower runs first).
+        `priority`: one per prompt (with --scheduling-policy priority; lower runs first;
+        under fcfs any value but 0 is a ValueError, as in vLLM).
         Every prompt is checked (ValueError) before any is sent; a request the engine core
         refuses all the same raises ValueError naming the field, and the rest of the batch
         is aborted. If the engine dies, the unfinished outputs end with finish_reason "error".
@@ -142,6 +143,8 @@ class LLM:
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} "
                              "prompts")
+        for value in priority or ():
+            check_priority(value, self.engine_info.scheduling_policy)
         prompt_ids = [self._llm.encode_prompt(p) for p in prompt_list]
         batch = [(str(next(self._ids)), p, ids, sp, priority[i] if priority else 0)
                  for i, (p, ids, sp) in enumerate(zip(prompt_list, prompt_ids, params))]

@@ -160,6 +160,15 @@ def is_valid_unicode(text: str) -> bool:
     return True
 
 
+def check_priority(priority: int, scheduling_policy: str) -> None:
+    """ValueError for a priority other than 0 under the fcfs policy (vLLM refuses it too:
+    the request would be scheduled as if it had none). Frontends check before sending; the
+    engine core checks again."""
+    if priority != 0 and scheduling_policy != "priority":
+        raise ValueError(f"priority {priority} needs --scheduling-policy priority; this engine "
+                         "schedules fcfs, where every request's priority must be 0")
+
+
 # ---------------------------------------------------------------------------------------------
 # frontend ⇄ engine core
 
@@ -268,6 +277,9 @@ class SchedulerStats(msgspec.Struct, **_STRUCT):
     preempted_prefix_cache_queries: int = 0  # tokens looked up when preempted requests resume
     preempted_prefix_cache_hits: int = 0  # their hits (mostly their own blocks), kept apart
     num_worker_restarts: int = 0  # times the core replaced its workers after a failure
+    queued_prompt_tokens: int = 0
+    """Prompt tokens of unfinished requests that have no generated token yet (waiting, or in
+    prefill): what --max-num-queued-tokens limits."""
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", **_STRUCT):
@@ -293,6 +305,9 @@ class EngineInfo(msgspec.Struct, tag="info", **_STRUCT):
     tokenizer: str | None = None
     vocab_size: int = 0
     """Prompt token ids must be in [0, vocab_size): the model's, as the workers found it."""
+    scheduling_policy: str = "fcfs"
+    """fcfs or priority; under fcfs a request's priority must be 0."""
+    max_num_queued_tokens: int | None = None
 
 
 class EngineDead(msgspec.Struct, tag="dead", **_STRUCT):

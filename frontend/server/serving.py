@@ -33,6 +33,7 @@ from tidal.frontend.server.metrics import ServerMetrics
 from tidal.frontend.server.protocol import (
     MAX_N, ChatMessage, DetokenizeRequest, TokenizeRequest,
 )
+from tidal.ipc.messages import check_priority
 
 logger = logging.getLogger("tidal.serve")
 
@@ -44,7 +45,7 @@ class _Job:
     """One engine request: one prompt and its n completions (latest output per completion)."""
 
     __slots__ = ("req_id", "prompt_index", "prompt_ids", "prompt_text", "gen", "finished",
-                 "final", "metrics")
+                 "final", "metrics", "prefilled")
 
     def __init__(self, req_id: str, prompt_index: int, prompt_ids: list[int],
                  prompt_text: str | None):
@@ -56,6 +57,7 @@ class _Job:
         self.finished = False
         self.final: dict = {}  # completion index -> latest CompletionOutput (cumulative)
         self.metrics = None
+        self.prefilled: set[int] = set()  # completions whose first token came back
 
 
 class Run:
@@ -161,6 +163,7 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.engine_info.max_model_len
         self.vocab_size = _vocab_size(self.tokenizer, engine.engine_info)
+        self.scheduling_policy = engine.engine_info.scheduling_policy
 
     # ---------------------------------------------------------------- validation helpers
 
@@ -224,18 +227,27 @@ class OpenAIServing:
               prefix: str) -> tuple[str, Run]:
         """Admit the request (503 if full) and create its engine jobs (not yet started)."""
         self.check_alive()
+        try:
+            check_priority(priority, self.scheduling_policy)
+        except ValueError as exc:
+            raise bad_request(str(exc), "priority") from None
         num_reqs = len(prompts) * params.n
         if num_reqs > MAX_N:
             raise bad_request(f"n times the number of prompts must be at most {MAX_N}, got "
                               f"{num_reqs}", "n")
-        ticket = self.admission.admit(num_reqs)
+        num_tokens = params.n * sum(len(ids) for ids, _ in prompts)
+        ticket = self.admission.admit(num_reqs, num_tokens)
         response_id = f"{prefix}-{uuid.uuid4().hex}"
         jobs = [_Job(f"{response_id}-{i}", i, ids, text) for i, (ids, text) in enumerate(prompts)]
         return response_id, Run(self, jobs, params, priority, ticket)
 
-    def _note(self, job: _Job, out) -> None:
+    def _note(self, run: Run, job: _Job, out) -> None:
         for completion in out.outputs:
             job.final[completion.index] = completion
+            if completion.index not in job.prefilled and (completion.token_ids
+                                                          or completion.finished):
+                job.prefilled.add(completion.index)
+                run.ticket.prefill_done(len(job.prompt_ids))
         if out.finished and not job.finished:
             job.finished = True
             job.metrics = out.metrics
@@ -246,7 +258,7 @@ class OpenAIServing:
         job.gen = self.engine.generate(job.prompt_ids, run.params, job.req_id,
                                        priority=run.priority)
         async for out in job.gen:
-            self._note(job, out)
+            self._note(run, job, out)
             yield job, out
 
     async def events(self, run: Run) -> AsyncIterator:

@@ -73,13 +73,15 @@ def test_completion_prompt_list_and_token_ids(client, engine):
     assert engine.tokenizer.decode(choice["token_ids"]) == choice["text"]
 
 
-def test_completion_sampling_params_reach_the_engine(client, engine):
-    r = client.post("/v1/completions", json={
-        "prompt": "hi", "max_tokens": 4, "temperature": 0.5, "top_p": 0.9, "top_k": 7,
-        "min_p": 0.1, "seed": 3, "stop": "xyz", "stop_token_ids": [1], "ignore_eos": True,
-        "min_tokens": 2, "presence_penalty": 0.5, "frequency_penalty": -0.5,
-        "repetition_penalty": 1.2, "priority": -3, "include_stop_str_in_output": True,
-        "skip_special_tokens": False, "user": "u1", "some_unknown_field": 1})
+def test_completion_sampling_params_reach_the_engine(tokenizer):
+    engine = FakeEngine(tokenizer, scheduling_policy="priority")
+    with make_client(engine) as client:
+        r = client.post("/v1/completions", json={
+            "prompt": "hi", "max_tokens": 4, "temperature": 0.5, "top_p": 0.9, "top_k": 7,
+            "min_p": 0.1, "seed": 3, "stop": "xyz", "stop_token_ids": [1], "ignore_eos": True,
+            "min_tokens": 2, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+            "repetition_penalty": 1.2, "priority": -3, "include_stop_str_in_output": True,
+            "skip_special_tokens": False, "user": "u1", "some_unknown_field": 1})
     assert r.status_code == 200, r.text
     (_, params, priority), = engine.generated.values()
     assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.5, 0.9, 7, 0.1)
@@ -88,6 +90,24 @@ def test_completion_sampling_params_reach_the_engine(client, engine):
     assert params.include_stop_str_in_output and not params.skip_special_tokens
     assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.5)
     assert priority == -3
+
+
+@pytest.mark.parametrize("path,payload", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                              "stream": True}),
+])
+def test_priority_under_fcfs_is_a_400(client, engine, path, payload):
+    """As vLLM: a priority other than 0 needs --scheduling-policy priority; a 400 naming the
+    field, before admission (a stream gets a real status too), and nothing reaches the
+    engine. Priority 0 is everyone's default and passes."""
+    r = client.post(path, json={**payload, "priority": 1})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "priority" and "--scheduling-policy priority" in error["message"]
+    assert not engine.generated
+    assert client.app.state.serving.admission.num_ours() == 0
+    assert client.post(path, json={**payload, "priority": 0}).status_code == 200
 
 
 def test_completion_echo_and_logprobs(client):

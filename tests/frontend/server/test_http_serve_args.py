@@ -27,6 +27,7 @@ def test_defaults_and_engine_flags_coexist():
 @pytest.mark.parametrize("argv,word", [
     (["--api-server-count", "0"], "api-server-count"),
     (["--max-num-queued-reqs", "0"], "max-num-queued-reqs"),
+    (["--max-num-queued-tokens", "0"], "max-num-queued-tokens"),
     (["--port", "70000"], "port"),
 ])
 def test_bad_server_flags_are_value_errors(argv, word):
