@@ -27,6 +27,7 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from tidal.frontend.chat_template import RESERVED_TEMPLATE_KWARGS, has_chat_template, render_chat
 from tidal.frontend.server.admission import AdmissionController
 from tidal.frontend.server.errors import APIError, bad_request, from_value_error, json_response
 from tidal.frontend.server.metrics import ServerMetrics
@@ -36,9 +37,6 @@ from tidal.frontend.server.protocol import (
 from tidal.ipc.messages import check_priority
 
 logger = logging.getLogger("tidal.serve")
-
-_RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "add_generation_prompt",
-                             "continue_final_message", "return_dict", "return_tensors"}
 
 
 class _Job:
@@ -322,8 +320,7 @@ class OpenAIServing:
                     continue_final_message: bool = False,
                     template_kwargs: dict | None = None) -> list[int]:
         """The conversation through the tokenizer's chat template, as token ids."""
-        tokenizer = self.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
+        if not has_chat_template(self.tokenizer):
             raise bad_request("This model has no chat template; use /v1/completions.",
                               "messages")
         conversation = []
@@ -333,16 +330,15 @@ class OpenAIServing:
                 item["name"] = message.name
             conversation.append(item)
         extra = {k: v for k, v in (template_kwargs or {}).items()
-                 if k not in _RESERVED_TEMPLATE_KWARGS}
+                 if k not in RESERVED_TEMPLATE_KWARGS}
         try:
-            text = tokenizer.apply_chat_template(
-                conversation, tokenize=False, continue_final_message=continue_final_message,
+            _, token_ids = render_chat(
+                self.tokenizer, conversation, continue_final_message=continue_final_message,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
-                **extra)
-            return tokenizer.encode(text, add_special_tokens=False)
-        except Exception as exc:  # template errors come from the conversation given
-            raise bad_request(f"The chat template failed on these messages: {exc}",
-                              "messages") from None
+                chat_template_kwargs=extra)
+        except ValueError as exc:
+            raise bad_request(str(exc), "messages") from None
+        return token_ids
 
     # ---------------------------------------------------------------- tokenize endpoints
 
