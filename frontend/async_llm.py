@@ -126,7 +126,7 @@ def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
         by_index[comp.index] = comp if prev is None else _merge_completion(prev, comp)
     outputs = [by_index[i] for i in sorted(by_index)]
     return RequestOutput(new.request_id, new.prompt, new.prompt_token_ids, outputs,
-                         new.finished, new.metrics)
+                         new.finished, new.metrics, new.prompt_logprobs or old.prompt_logprobs)
 
 
 def _merge_completion(prev: CompletionOutput, comp: CompletionOutput) -> CompletionOutput:

@@ -43,7 +43,7 @@ class _Job:
     """One engine request: one prompt and its n completions (latest output per completion)."""
 
     __slots__ = ("req_id", "prompt_index", "prompt_ids", "prompt_text", "gen", "finished",
-                 "final", "metrics", "prefilled")
+                 "final", "metrics", "prefilled", "prompt_logprobs")
 
     def __init__(self, req_id: str, prompt_index: int, prompt_ids: list[int],
                  prompt_text: str | None):
@@ -56,6 +56,7 @@ class _Job:
         self.final: dict = {}  # completion index -> latest CompletionOutput (cumulative)
         self.metrics = None
         self.prefilled: set[int] = set()  # completions whose first token came back
+        self.prompt_logprobs = None  # with SamplingParams.prompt_logprobs, once they arrive
 
 
 class Run:
@@ -240,6 +241,8 @@ class OpenAIServing:
         return response_id, Run(self, jobs, params, priority, ticket)
 
     def _note(self, run: Run, job: _Job, out) -> None:
+        if out.prompt_logprobs is not None:
+            job.prompt_logprobs = out.prompt_logprobs
         for completion in out.outputs:
             job.final[completion.index] = completion
             if completion.index not in job.prefilled and (completion.token_ids

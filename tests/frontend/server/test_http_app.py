@@ -92,6 +92,36 @@ def test_completion_sampling_params_reach_the_engine(tokenizer):
     assert priority == -3
 
 
+def test_completion_echo_with_logprobs_leads_with_the_prompt(client, engine):
+    """OpenAI / vLLM: echo + logprobs gives the prompt's tokens and logprobs, then the
+    completion's; the first prompt token has null logprob and top_logprobs; offsets run over
+    the whole text. The engine is asked for prompt logprobs with the same top count."""
+    prompt = [30, 31, 32]
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "echo": True,
+                                             "logprobs": 1, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    (_, params, _), = engine.generated.values()
+    assert params.prompt_logprobs == 1 and params.logprobs == 1
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    tok = engine.tokenizer
+    assert lp["tokens"] == [tok.decode([t]) for t in prompt + choice["token_ids"]]
+    assert lp["token_logprobs"][:3] == [None, -0.5, -0.5]  # the fake's prompt entries
+    assert lp["token_logprobs"][3:] == [-0.25, -0.25]
+    assert lp["top_logprobs"][0] is None and len(lp["top_logprobs"][1]) == 2
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(5)]
+    assert choice["text"] == "".join(lp["tokens"])
+    assert len(choice["token_ids"]) == 2  # return_token_ids: the completion's own ids
+
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "echo": True,
+                                             "logprobs": 0, "stream": True})
+    chunks = [e for e in sse_events(r.text) if e != "[DONE]"]
+    first, second = (c["choices"][0]["logprobs"] for c in chunks)
+    assert first["token_logprobs"][:3] == [None, -0.5, -0.5] and len(first["tokens"]) == 4
+    assert second["text_offset"][0] == sum(len(t) for t in first["tokens"])
+    assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
+
+
 @pytest.mark.parametrize("path,payload", [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
