@@ -8,7 +8,8 @@ worker), on the tiny llama (float32) whose tokenizer has a chat template:
    the first, with a prompt chunked over three steps (max_num_batched_tokens=32), also when
    the same prompt is in the prefix cache (requests asking for them skip it); the HTTP
    completions API answers echo + logprobs with the same values.
-7. `LLM.generate(priority=...)` under fcfs is a ValueError, before anything is sent.
+7. `LLM.generate(priority=...)` under fcfs is a ValueError, before anything is sent; the
+   daemon's EngineInfo carries its policy and --max-num-queued-tokens.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ CONVERSATION = [{"role": "user", "content": "Hello world! How are you today?"},
 @pytest.fixture(scope="module")
 def daemon(tiny_llama):
     config = engine_config_from_kwargs(tiny_llama, max_num_batched_tokens=32, max_num_seqs=8,
-                                       kv_cache_memory="16MiB")
+                                       kv_cache_memory="16MiB", max_num_queued_tokens="32k")
     d = DaemonProcess(config, echo=False)
     yield d
     assert d.stop(timeout=20) == 0, d.failure_message("daemon did not stop cleanly")
@@ -197,7 +198,9 @@ def test_echo_with_logprobs_over_http(daemon, llm, long_prompt):
 
 @pytest.mark.timeout(60)
 def test_priority_under_fcfs_is_a_value_error(llm):
+    """(The daemon tells frontends its policy and its --max-num-queued-tokens.)"""
     assert llm.engine_info.scheduling_policy == "fcfs"
+    assert llm.engine_info.max_num_queued_tokens == 32_000
     before = llm.get_stats()
     with pytest.raises(ValueError, match="^priority 1 needs --scheduling-policy priority"):
         llm.generate(["a", "b"], GREEDY, use_tqdm=False, priority=[0, 1])

@@ -134,8 +134,9 @@ def test_burst_gets_the_expected_mix_of_200_and_503(slow_engine):
 def test_token_limit_gets_503_and_frees_at_the_first_token(tokenizer):
     """--max-num-queued-tokens: prompts of 20 tokens against a limit of 50. While two requests
     wait for their first token a third gets 503 (counted under its reason); once the first
-    tokens are back (the requests still decode) the next one is admitted."""
-    engine = FakeEngine(tokenizer, token_delay=0.3)
+    tokens are back (the requests still decode) the next one is admitted. The limit comes
+    from the engine (EngineInfo), as --max-num-queued-tokens sets it."""
+    engine = FakeEngine(tokenizer, token_delay=0.3, max_num_queued_tokens=50)
     prompt = list(range(30, 50))
 
     async def body(app):
@@ -161,7 +162,7 @@ def test_token_limit_gets_503_and_frees_at_the_first_token(tokenizer):
         assert app.state.serving.admission.num_ours() == 0
         assert app.state.serving.admission.num_our_tokens() == 0
 
-    asyncio.run(_with_app(engine, ServerSettings(max_num_queued_tokens=50), body))
+    asyncio.run(_with_app(engine, ServerSettings(), body))
 
 
 def _scope(path: str) -> dict:
