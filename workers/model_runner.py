@@ -14,7 +14,7 @@ Flat batch layout of one step (plan order: new requests, then cached ones):
 
 A request that asked for prompt logprobs also gets logits for its rows at prompt positions
 q < prompt_len - 1 (each predicts the prompt token at q + 1; the row at prompt_len - 1 is its
-sampling row), in slices of `PROMPT_LOGITS_ROWS` so a long chunk never holds a full
+sampling row), in slices of max_num_seqs rows so a long chunk never holds a full
 [num_tokens, vocab] tensor. Every chunk of a chunked prompt covers the positions it computes,
 so the positions 1 .. prompt_len - 1 each come once; the engine core keeps them in order.
 """
@@ -46,9 +46,11 @@ from tidal.workers.sampler import Sampler, SamplerOutput, SamplingBatch, token_l
 
 logger = logging.getLogger(__name__)
 
-PROMPT_LOGITS_ROWS = 512
-"""Prompt positions whose full-vocabulary logits exist at once (about 300 MB of float32 at a
-150k vocabulary)."""
+MIN_PROMPT_LOGITS_ROWS = 64
+"""Prompt positions whose full-vocabulary logits may exist at once, at least: the slice is
+max_num_seqs rows, as many as `profile_run` sends through the LM head and the sampler, so
+the CUDA memory profile covers it; small max_num_seqs get 64 rows (40 MB of float32 logits
+at a 150k vocabulary) rather than a step per few positions."""
 
 
 @dataclass
@@ -363,8 +365,9 @@ class ModelRunner:
         logprob and rank, and the top alternatives. Every rank computes the logits (the LM
         head gathers across ranks); rank 0 packs them."""
         ids, values, ranks = [], [], []
-        for lo in range(0, len(plan.target_ids), PROMPT_LOGITS_ROWS):
-            hi = lo + PROMPT_LOGITS_ROWS
+        rows_per_slice = max(MIN_PROMPT_LOGITS_ROWS, self.config.max_num_seqs)
+        for lo in range(0, len(plan.target_ids), rows_per_slice):
+            hi = lo + rows_per_slice
             logits = self.model.compute_logits(hidden[plan.hidden_rows[lo:hi]])
             logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
             chunk = token_logprobs(logprobs, plan.target_ids[lo:hi], plan.max_top)

@@ -10,6 +10,7 @@ import torch
 import transformers
 
 from tidal.ipc.messages import SamplingParams, unpack_token_ids
+from tidal.workers import model_runner
 from tidal.workers.worker import Worker
 from worker_test_utils import PlanScript, worker_config
 
@@ -61,11 +62,14 @@ def _run(worker, script, chunk):
     return parts
 
 
-@pytest.mark.parametrize("chunk", [1000, 10, 1])
-def test_prompt_logprobs_match_transformers(worker, prompt, reference, chunk):
+@pytest.mark.parametrize("chunk,min_rows", [(1000, 64), (1000, 8), (10, 64), (1, 64)])
+def test_prompt_logprobs_match_transformers(worker, prompt, reference, chunk, min_rows,
+                                            monkeypatch):
     """Positions 1..36 each come once (chunked: one piece per chunk, in order); each row is
     the prompt token's logprob and rank, then the top 3, all as transformers computes them.
-    A request without prompt_logprobs in the same steps gets none."""
+    With min_rows 8 the logits come in slices of max_num_seqs = 16 rows (three for the 36
+    positions of the whole prompt). A request without prompt_logprobs gets none."""
+    monkeypatch.setattr(model_runner, "MIN_PROMPT_LOGITS_ROWS", min_rows)
     script = PlanScript()
     script.add(f"want{chunk}", prompt, SamplingParams(temperature=0, max_tokens=2,
                                                       prompt_logprobs=TOP))
