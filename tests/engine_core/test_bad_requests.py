@@ -42,6 +42,10 @@ def test_check_request_accepts_the_edges():
     check_request(_request(eos=2**40, ignore_eos=True), VOCAB)  # EOS ignored: never sent on
     with pytest.raises(ValueError, match="^logprobs "):
         check_request(_request(logprobs=20), 10)
+    with pytest.raises(ValueError, match="^prompt_logprobs "):
+        check_request(_request(prompt_logprobs=20), 10)
+    with pytest.raises(ValueError, match=r"^prompt_logprobs must be in \[0, 20\]"):
+        SamplingParams(prompt_logprobs=21)
 
 
 def test_priority_needs_the_priority_policy():
