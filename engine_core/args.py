@@ -33,6 +33,18 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").lower()])
 
 
+_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def parse_count(text: str) -> int:
+    """'32768', '32k' (32000), '32K' (32768), '1.5m' -> an integer, as vLLM's
+    human_readable_int: lower-case units are decimal, upper-case binary (whole numbers only)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)([kmgKMG]?)\s*", text)
+    if not m or (m.group(2).isupper() and "." in m.group(1)):
+        raise argparse.ArgumentTypeError(f"not a count: {text!r} (e.g. 8192, 32k, 32K)")
+    return int(float(m.group(1)) * _COUNT_UNITS[m.group(2)])
+
+
 def _dtype(text: str) -> str:
     try:
         return _DTYPE_ALIASES[text.lower()]
@@ -106,6 +118,9 @@ def _add_scheduler_args(g) -> None:
                    help="plan the next step while the current one runs (default: on)")
     g.add_argument("--max-num-queued-reqs", type=int, default=None,
                    help="answer 503 beyond this many unfinished requests (default: unlimited)")
+    g.add_argument("--max-num-queued-tokens", type=parse_count, default=None,
+                   help="answer 503 when the prompt tokens of requests waiting for their "
+                        "first token would pass this, e.g. 32k (default: unlimited)")
     g.add_argument("--stream-interval", type=int,
                    default=_default(SchedulerConfig, "stream_interval"),
                    help="stream tokens in groups of this many (default: 1)")
@@ -166,6 +181,7 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
                                   scheduling_policy=ns.scheduling_policy,
                                   async_scheduling=ns.async_scheduling,
                                   max_num_queued_reqs=ns.max_num_queued_reqs,
+                                  max_num_queued_tokens=ns.max_num_queued_tokens,
                                   stream_interval=ns.stream_interval,
                                   long_prefill_token_threshold=ns.long_prefill_token_threshold),
         parallel=ParallelConfig(tensor_parallel_size=ns.tensor_parallel_size,
@@ -197,6 +213,7 @@ def config_to_argv(config: EngineConfig) -> list[str]:
              "--stream-interval", str(s.stream_interval),
              "--long-prefill-token-threshold", str(s.long_prefill_token_threshold)]
     _opt(argv, "--max-num-queued-reqs", s.max_num_queued_reqs)
+    _opt(argv, "--max-num-queued-tokens", s.max_num_queued_tokens)
     argv += ["--tensor-parallel-size", str(p.tensor_parallel_size), "--device", p.device,
              "--attention-backend", p.attention_backend,
              "--worker-timeout", repr(p.worker_timeout),

@@ -118,6 +118,10 @@ class SchedulerConfig:
     """Plan step N+1 while step N runs on the workers (same results as synchronous)."""
     max_num_queued_reqs: int | None = None
     """Most unfinished requests a frontend accepts before answering 503; None = unlimited."""
+    max_num_queued_tokens: int | None = None
+    """Most prompt tokens of unfinished requests still waiting for their first token (in the
+    queue or in prefill) before a frontend answers 503; None = unlimited. A TTFT guard: set
+    it near target TTFT x prefill throughput."""
     stream_interval: int = 1
     """Frontends send streamed tokens in groups of this many (first and last at once)."""
     long_prefill_token_threshold: int = 0
@@ -134,6 +138,9 @@ class SchedulerConfig:
                  f"must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         _require(self.max_num_queued_reqs is None or self.max_num_queued_reqs >= 1,
                  "max_num_queued_reqs", f"must be at least 1, got {self.max_num_queued_reqs}")
+        _require(self.max_num_queued_tokens is None or self.max_num_queued_tokens >= 1,
+                 "max_num_queued_tokens",
+                 f"must be at least 1, got {self.max_num_queued_tokens}")
         _require(self.stream_interval >= 1, "stream_interval",
                  f"must be at least 1, got {self.stream_interval}")
         _require(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold",

@@ -198,7 +198,8 @@ class EngineCoreDaemon:
             stream_interval=c.scheduler.stream_interval,
             max_num_queued_reqs=c.scheduler.max_num_queued_reqs,
             served_model_name=c.model.name, tokenizer=c.model.tokenizer_path,
-            vocab_size=self.vocab_size,
+            vocab_size=self.vocab_size, scheduling_policy=c.scheduler.scheduling_policy,
+            max_num_queued_tokens=c.scheduler.max_num_queued_tokens,
             heartbeat_interval=heartbeat_interval(self.frontend_timeout))
 
     def _serve(self) -> int:
@@ -397,7 +398,7 @@ class EngineCoreDaemon:
     def _add_request(self, client_id: str, msg: AddRequest) -> None:
         try:
             request = Request.from_add(msg, client_id)
-            check_request(request, self.vocab_size)
+            check_request(request, self.vocab_size, self.config.scheduler.scheduling_policy)
             self.scheduler.add(request)
         except ValueError as e:
             self._refuse(client_id, msg.req_id, str(e))

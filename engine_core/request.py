@@ -19,7 +19,9 @@ from tidal.ipc.messages import (
     INT32_MAX,
     AddRequest,
     FinishReason,
+    PromptLogprobs,
     SamplingParams,
+    check_priority,
     unpack_token_ids,
 )
 
@@ -62,7 +64,8 @@ class Request:
         "eos_token_id", "stop_token_ids", "min_tokens", "max_tokens", "priority",
         "arrival_time", "arrival_seq", "cache_salt", "status", "stop_reason", "block_hashes",
         "num_cached_tokens", "num_preemptions", "discard_before_step", "in_worker",
-        "first_output_sent", "error", "add_time", "queue_time",
+        "first_output_sent", "error", "add_time", "queue_time", "prompt_logprob_parts",
+        "next_prompt_logprob",
     )
 
     def __init__(
@@ -123,6 +126,12 @@ class Request:
         """Scheduler clock at add()."""
         self.queue_time: float | None = None
         """Seconds from add() to the first admission."""
+        self.prompt_logprob_parts: list[PromptLogprobs] | None = (
+            [] if sampling.prompt_logprobs is not None else None)
+        """Prompt logprobs received so far, in position order, until the first output
+        carries them (then None: nothing more is wanted)."""
+        self.next_prompt_logprob = 1
+        """The first prompt position whose logprobs have not arrived yet."""
 
     @classmethod
     def from_add(cls, msg: AddRequest, client_id: str) -> Request:
@@ -153,6 +162,12 @@ class Request:
         return len(self.output_token_ids)
 
     @property
+    def skips_prefix_cache(self) -> bool:
+        """Its prompt logprobs are still to come: cached positions would have no logits, so it
+        computes its whole prompt (vLLM's rule)."""
+        return self.prompt_logprob_parts is not None
+
+    @property
     def is_finished(self) -> bool:
         return self.status > RequestStatus.PREEMPTED
 
@@ -167,7 +182,7 @@ class Request:
                 f"placeholders={self.num_output_placeholders})")
 
 
-def check_request(request: Request, vocab_size: int) -> None:
+def check_request(request: Request, vocab_size: int, scheduling_policy: str = "fcfs") -> None:
     """ValueError naming the field of a request the workers could not run.
 
     Any process that reaches the engine socket can send an AddRequest, so nothing a worker
@@ -175,8 +190,9 @@ def check_request(request: Request, vocab_size: int) -> None:
     (`vocab_size`, reported by the workers at start-up); EOS, like the stop token ids
     (checked by SamplingParams), must be an int32 id (an id outside the vocabulary is never
     sampled, so it is harmless); `n` must be 1 (frontends send one request per completion);
-    logprobs may not ask for more alternatives than the vocabulary holds. SamplingParams has
-    checked its own ranges on decode.
+    logprobs and prompt logprobs may not ask for more alternatives than the vocabulary
+    holds; a priority other than 0 needs the priority policy (as vLLM refuses it).
+    SamplingParams has checked its own ranges on decode.
     """
     ids = request.prompt_token_ids
     if ids and (min(ids) < 0 or max(ids) >= vocab_size):
@@ -190,8 +206,12 @@ def check_request(request: Request, vocab_size: int) -> None:
     if sampling.n != 1:
         raise ValueError(f"n must be 1 in an AddRequest (a frontend sends one request per "
                          f"completion), got {sampling.n}")
-    if sampling.logprobs is not None and sampling.logprobs > vocab_size:
-        raise ValueError(f"logprobs must be at most the vocabulary size {vocab_size}, got "
-                         f"{sampling.logprobs}")
+    for field in ("logprobs", "prompt_logprobs"):
+        value = getattr(sampling, field)
+        if value is not None and value > vocab_size:
+            raise ValueError(f"{field} must be at most the vocabulary size {vocab_size}, got "
+                             f"{value}")
+    check_priority(request.priority, scheduling_policy)
     if not math.isfinite(request.arrival_time):
         raise ValueError(f"arrival_time must be a finite number, got {request.arrival_time}")
+

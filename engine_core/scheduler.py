@@ -25,6 +25,8 @@ import struct
 import time
 from typing import Iterable
 
+import msgspec
+
 from tidal.engine_core.block_pool import BlockPool
 from tidal.engine_core.config import EngineConfig, check_lengths
 from tidal.engine_core.kv_cache_manager import KVCacheManager
@@ -32,8 +34,9 @@ from tidal.engine_core.preemption_log import PreemptionLog
 from tidal.engine_core.request import Request, RequestStatus
 from tidal.engine_core.request_queue import create_request_queue, priority_key
 from tidal.ipc.messages import (
-    BatchPlan, CachedRequestData, NewRequestData, RequestFailure, RequestOutput, SampledTokens,
-    SchedulerStats, pack_token_ids, unpack_token_ids,
+    BatchPlan, CachedRequestData, NewRequestData, PromptLogprobs, RequestFailure, RequestOutput,
+    SampledTokens, SchedulerStats, drop_prompt_positions, join_prompt_logprobs, pack_token_ids,
+    unpack_token_ids,
 )
 
 logger = logging.getLogger("tidal.engine_core.scheduler")
@@ -310,7 +313,10 @@ class Scheduler:
         now = None
         while self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
-            hit_blocks, num_hit = kv.get_computed_blocks(request)
+            if request.skips_prefix_cache:
+                hit_blocks, num_hit = [], 0
+            else:
+                hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_tokens = len(request.all_token_ids)
             num_new = num_tokens - num_hit
             if not self.chunked_prefill:
@@ -335,9 +341,10 @@ class Scheduler:
             step.budget -= num_new
 
     def _admit(self, request: Request, num_hit: int, now: float) -> None:
-        """Waiting -> running, with prefix-cache statistics counted once per admission."""
+        """Waiting -> running, with prefix-cache statistics counted once per admission (not
+        for a request that did not look the cache up, as vLLM counts)."""
         num_tokens = len(request.all_token_ids)
-        if self.kv_cache_manager.enable_caching:
+        if self.kv_cache_manager.enable_caching and not request.skips_prefix_cache:
             if request.num_preemptions:
                 self.preempted_prefix_cache_queries += num_tokens
                 self.preempted_prefix_cache_hits += num_hit
@@ -406,6 +413,8 @@ class Scheduler:
         max_model_len = self.max_model_len
         token_ids = unpack_token_ids(sampled.token_ids)
         logprobs = sampled.logprobs
+        if sampled.prompt_logprobs:
+            self._add_prompt_logprobs(sampled.prompt_logprobs, step_id)
         num_finished = num_accepted = 0
         for i, req_id in enumerate(sampled.req_ids):
             request = requests.get(req_id)
@@ -423,6 +432,8 @@ class Scheduler:
                                 None if lp is None else [lp])
             if not request.first_output_sent:
                 self._mark_first_output(request, out)
+                if request.prompt_logprob_parts is not None:
+                    out.prompt_logprobs = _take_prompt_logprobs(request)
             num_output = len(output_token_ids)
             if (num_output >= request.max_tokens or len(request.all_token_ids) >= max_model_len
                     or (num_output > request.min_tokens and (
@@ -441,6 +452,30 @@ class Scheduler:
         if num_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]
         return outputs
+
+    def _add_prompt_logprobs(self, parts: list[PromptLogprobs], step_id: int) -> None:
+        """Keep each request's prompt logprobs in position order until its first output.
+        A request recomputing its prompt after a preemption sends positions again: those
+        already here are dropped (results of steps planned before it was preempted are
+        dropped whole, as its tokens are)."""
+        requests = self.requests
+        for part in parts:
+            request = requests.get(part.req_id)
+            if (request is None or step_id < request.discard_before_step
+                    or request.prompt_logprob_parts is None):
+                continue
+            known = request.next_prompt_logprob - part.start
+            if known < 0:
+                logger.error("request %r: prompt logprobs from position %d arrived while %d "
+                             "was expected; dropped", part.req_id, part.start,
+                             request.next_prompt_logprob)
+                continue
+            if known >= part.num_positions:
+                continue
+            if known:
+                part = drop_prompt_positions(part, known)
+            request.prompt_logprob_parts.append(part)
+            request.next_prompt_logprob = part.start + part.num_positions
 
     def _fail_refused(self, failures: list[RequestFailure], outputs: Outputs) -> None:
         """Requests whose data a worker refused (the engine core's checks let them through):
@@ -491,6 +526,8 @@ class Scheduler:
             num_steps=self.num_steps,
             preempted_prefix_cache_queries=self.preempted_prefix_cache_queries,
             preempted_prefix_cache_hits=self.preempted_prefix_cache_hits,
+            queued_prompt_tokens=sum(r.num_prompt_tokens for r in self.requests.values()
+                                     if not r.output_token_ids),
         )
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
@@ -535,6 +572,19 @@ class Scheduler:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), request
             assert request.num_computed_tokens == 0 and request.num_output_placeholders == 0
             assert not request.in_worker, f"{request} waits but the workers hold it"
+
+
+def _take_prompt_logprobs(request: Request) -> PromptLogprobs:
+    """The request's prompt logprobs in one piece (empty for a one-token prompt); from now on
+    it wants none, so a resume after a preemption neither recomputes them nor skips the
+    prefix cache."""
+    parts = request.prompt_logprob_parts
+    request.prompt_logprob_parts = None
+    num_logprobs = request.sampling.prompt_logprobs
+    request.sampling = msgspec.structs.replace(request.sampling, prompt_logprobs=None)
+    if not parts:
+        return PromptLogprobs(request.req_id, 1, num_logprobs, b"", b"", b"")
+    return join_prompt_logprobs(parts)
 
 
 def _check_running(request: Request, kv: KVCacheManager, block_size: int) -> None:

@@ -61,6 +61,7 @@ from tidal.ipc.messages import (
     SamplingParams,
     SchedulerStats,
     StatsQuery,
+    check_priority,
     is_valid_unicode,
 )
 
@@ -149,7 +150,7 @@ def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
         by_index[comp.index] = comp if prev is None else _merge_completion(prev, comp)
     outputs = [by_index[i] for i in sorted(by_index)]
     return RequestOutput(new.request_id, new.prompt, new.prompt_token_ids, outputs,
-                         new.finished, new.metrics)
+                         new.finished, new.metrics, new.prompt_logprobs or old.prompt_logprobs)
 
 
 def _merge_completion(prev: CompletionOutput, comp: CompletionOutput) -> CompletionOutput:
@@ -338,6 +339,7 @@ class AsyncLLM:
         self._check_usable()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        check_priority(priority, self.engine_info.scheduling_policy)
         request_id = request_id or uuid.uuid4().hex
         if not is_valid_unicode(request_id):
             raise ValueError("request_id must be valid Unicode (no lone surrogates)")

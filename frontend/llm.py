@@ -3,14 +3,16 @@
     llm = LLM("path/to/model", max_num_seqs=64)     # starts a private engine-core daemon
     llm = LLM(engine="ipc:///run/user/1000/tidal/engine.sock")   # attaches to a running one
     outputs = llm.generate(["Hello", "The capital of"], SamplingParams(max_tokens=32))
+    outputs = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=32))
 
 Engine flags are keyword arguments with the command-line names (`max_num_batched_tokens=32`,
 `enable_prefix_caching=False`, `num_gpu_blocks_override=64`, `tensor_parallel_size=2`...).
 
 `LLM` runs an `AsyncLLM` on a private uvloop event loop in a background thread: one code path
 for detokenization, stop strings, n > 1, heartbeats and engine-death handling. `generate`
-submits the whole batch, shows a tqdm bar with the live output tokens/s, and returns the
-finished outputs in input order.
+(and `chat`, which renders conversations through the chat template first) submits the whole
+batch, shows a tqdm bar with the live output tokens/s, and returns the finished outputs in
+input order.
 """
 
 from __future__ import annotations
@@ -31,8 +33,13 @@ from tidal.frontend.async_llm import (
     DEFAULT_MAX_ENGINE_RESTARTS,
     AsyncLLM,
 )
+from tidal.frontend.chat_template import (
+    RESERVED_TEMPLATE_KWARGS,
+    normalize_conversation,
+    render_chat,
+)
 from tidal.frontend.outputs import RequestOutput
-from tidal.ipc.messages import SamplingParams, SchedulerStats
+from tidal.ipc.messages import SamplingParams, SchedulerStats, check_priority
 
 logger = logging.getLogger(__name__)
 
@@ -144,20 +151,75 @@ class LLM:
         "prompt_token_ids"); outputs in input order.
 
         `sampling_params`: one for all prompts, or one per prompt (None: the defaults).
-        `priority`: one per prompt (with --scheduling-policy priority; lower runs first).
+        `priority`: one per prompt (with --scheduling-policy priority; lower runs first;
+        under fcfs any value but 0 is a ValueError, as in vLLM).
         Every prompt is checked (ValueError) before any is sent; a request the engine core
         refuses all the same raises ValueError naming the field, and the rest of the batch
         is aborted. If the engine core dies and no core comes back (see `__init__`), the
         unfinished outputs end with finish_reason "error".
         """
         prompt_list = _normalize_prompts(prompts)
-        params = _normalize_params(sampling_params, len(prompt_list))
-        if priority is not None and len(priority) != len(prompt_list):
-            raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} "
-                             "prompts")
+        params = self._check_batch(len(prompt_list), sampling_params, priority)
         prompt_ids = [self._llm.encode_prompt(p) for p in prompt_list]
-        batch = [(str(next(self._ids)), p, ids, sp, priority[i] if priority else 0)
-                 for i, (p, ids, sp) in enumerate(zip(prompt_list, prompt_ids, params))]
+        texts = [p if isinstance(p, str) else None for p in prompt_list]
+        return self._generate(texts, prompt_ids, params, use_tqdm, priority)
+
+    def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, *, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or
+        to a list of conversations, through the tokenizer's chat template or `chat_template`
+        (a Jinja string); outputs in input order, as `generate` returns them, with the
+        rendered text as `prompt`.
+
+        `add_generation_prompt` ends the prompt with the assistant's turn header;
+        `continue_final_message` leaves the last message open for the model to continue
+        (then `add_generation_prompt` must be False, as in vLLM and transformers);
+        `chat_template_kwargs` are extra template variables. ValueError when there is no
+        template, a message is malformed, or the template fails on a conversation.
+        """
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be "
+                             "True: continue the last message, or start the assistant's turn")
+        reserved = RESERVED_TEMPLATE_KWARGS.intersection(chat_template_kwargs or {})
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)}: they are "
+                             "chat()'s own parameters")
+        batched = (isinstance(messages, (list, tuple)) and bool(messages)
+                   and all(isinstance(c, (list, tuple)) for c in messages))
+        conversations = list(messages) if batched else [messages]
+        params = self._check_batch(len(conversations), sampling_params, None)
+        texts, prompt_ids = [], []
+        for i, conversation in enumerate(conversations):
+            where = f"messages[{i}]" if batched else "messages"
+            text, ids = render_chat(self.tokenizer, normalize_conversation(conversation, where),
+                                    chat_template=chat_template,
+                                    add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message,
+                                    chat_template_kwargs=chat_template_kwargs)
+            texts.append(text)
+            prompt_ids.append(self._llm.encode_prompt(ids))
+        return self._generate(texts, prompt_ids, params, use_tqdm, None)
+
+    def _check_batch(self, num_prompts: int, sampling_params,
+                     priority: Sequence[int] | None) -> list[SamplingParams]:
+        """One SamplingParams per prompt; ValueError for a priority list of the wrong
+        length, or a priority the engine's policy refuses."""
+        params = _normalize_params(sampling_params, num_prompts)
+        if priority is not None and len(priority) != num_prompts:
+            raise ValueError(f"priority has {len(priority)} entries for {num_prompts} prompts")
+        for value in priority or ():
+            check_priority(value, self.engine_info.scheduling_policy)
+        return params
+
+    def _generate(self, texts: list[str | None], prompt_ids: list[list[int]],
+                  params: list[SamplingParams], use_tqdm: bool,
+                  priority: Sequence[int] | None) -> list[RequestOutput]:
+        """Run checked prompts (their text, if any, and token ids) to the end."""
+        batch = [(str(next(self._ids)), text, ids, sp, priority[i] if priority else 0)
+                 for i, (text, ids, sp) in enumerate(zip(texts, prompt_ids, params))]
         progress = _Progress(len(batch), use_tqdm)
         fut = asyncio.run_coroutine_threadsafe(self._run_batch(batch, progress), self._loop)
         try:
@@ -175,9 +237,9 @@ class LLM:
 
     async def _run_batch(self, batch, progress: "_Progress") -> list[RequestOutput]:
         tasks = []
-        for request_id, prompt, ids, sp, prio in batch:
+        for request_id, text, ids, sp, prio in batch:
             task = asyncio.ensure_future(self._llm.generate_final(
-                prompt if isinstance(prompt, str) else ids, sp, request_id, priority=prio,
+                ids if text is None else text, sp, request_id, priority=prio,
                 prompt_token_ids=ids))
             task.add_done_callback(progress.one_done)
             tasks.append(task)

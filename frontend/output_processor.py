@@ -33,6 +33,7 @@ request (LLM.generate) is reported once, when all n completions are finished.
 from __future__ import annotations
 
 import time
+from array import array
 from dataclasses import dataclass, field
 
 import msgspec
@@ -42,6 +43,7 @@ from tidal.frontend.outputs import CompletionOutput, Logprob, RequestMetrics, Re
 from tidal.ipc.messages import (
     AddRequest,
     FinishReason,
+    PromptLogprobs,
     SamplingParams,
     TokenLogprobs,
     pack_token_ids,
@@ -98,10 +100,20 @@ class _Parent:
     priority: int = 0
     eos_token_id: int | None = None  # as sent with the AddRequest
     num_resubmits: int = 0  # times sent again to a new engine core
+    wants_prompt_logprobs: bool = False
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # from completion 0
 
     @property
     def finished(self) -> bool:
         return all(c.finished for c in self.completions)
+
+    @property
+    def awaits_prompt_logprobs(self) -> bool:
+        """Completion 0 will bring them with its first token: until then no completion is
+        reported, so every update a user sees carries them (a completion 0 that ends
+        without a token, aborted or failed, brings none)."""
+        return (self.wants_prompt_logprobs and self.prompt_logprobs is None
+                and not self.completions[0].finished)
 
 
 @dataclass
@@ -117,12 +129,15 @@ class ProcessedOutputs:
 
 
 def child_params(params: SamplingParams, index: int, max_tokens: int) -> SamplingParams:
-    """The engine-side params of completion `index`: n = 1, seed + index, capped lengths."""
+    """The engine-side params of completion `index`: n = 1, seed + index, capped lengths;
+    only completion 0 asks for the prompt logprobs (they are the prompt's, not its own)."""
     seed = params.seed if params.seed is None else params.seed + index
     if seed is not None and seed >= 2**63:  # wrap, keeping it a signed 64-bit integer
         seed -= 2**64
-    return msgspec.structs.replace(params, n=1, seed=seed, max_tokens=max_tokens,
-                                   min_tokens=min(params.min_tokens, max_tokens))
+    return msgspec.structs.replace(
+        params, n=1, seed=seed, max_tokens=max_tokens,
+        min_tokens=min(params.min_tokens, max_tokens),
+        prompt_logprobs=params.prompt_logprobs if index == 0 else None)
 
 
 def resume_params(params: SamplingParams, delivered: list[int]) -> SamplingParams | None:
@@ -137,8 +152,12 @@ def resume_params(params: SamplingParams, delivered: list[int]) -> SamplingParam
     left = params.max_tokens - len(delivered)
     if left <= 0:
         return None
+    # prompt logprobs come with the first token: once one was delivered they were too, and
+    # the new prompt's would cover the delivered tokens as well
+    prompt_logprobs = params.prompt_logprobs if not delivered else None
     return msgspec.structs.replace(params, max_tokens=left,
-                                   min_tokens=max(0, params.min_tokens - len(delivered)))
+                                   min_tokens=max(0, params.min_tokens - len(delivered)),
+                                   prompt_logprobs=prompt_logprobs)
 
 
 def lost_finish(params: SamplingParams, delivered: list[int],
@@ -190,7 +209,8 @@ class OutputProcessor:
             stop_buffer = max(len(s) for s in params.stop) - 1
         parent = _Parent(request_id, prompt, list(prompt_token_ids), [], final_only,
                          max(1, stream_interval), stop_buffer, arrival_time, priority,
-                         self.eos_token_id)
+                         self.eos_token_id,
+                         wants_prompt_logprobs=params.prompt_logprobs is not None)
         packed_prompt = pack_token_ids(prompt_token_ids)
         messages = []
         for i in range(params.n):
@@ -290,6 +310,11 @@ class OutputProcessor:
                 result.reqs_to_abort.append(comp.req_id)
             if self._should_report(parent, comp):
                 changed.setdefault(parent.request_id, {})[comp.index] = comp
+            if parent.wants_prompt_logprobs:  # held-back siblings may be due now
+                for other in parent.completions:
+                    if self._unsent(other) and (other.token_ids or other.finished) \
+                            and self._should_report(parent, other):
+                        changed.setdefault(parent.request_id, {})[other.index] = other
         for request_id, comps in changed.items():
             if request_id in result.refused:
                 continue
@@ -327,6 +352,8 @@ class OutputProcessor:
         """Apply one engine output to one completion; True if a stop string ended it."""
         new_ids = unpack_token_ids(out.new_token_ids).tolist()
         self._record_timing(comp, out, now, bool(new_ids))
+        if out.prompt_logprobs is not None and parent.prompt_logprobs is None:
+            parent.prompt_logprobs = [None, *self._convert_prompt_logprobs(out.prompt_logprobs)]
         stop_token_finish = out.finish_reason == FinishReason.STOP
         stopped_by_string = False
         for pos, token_id in enumerate(new_ids):
@@ -385,16 +412,28 @@ class OutputProcessor:
 
     def _convert_logprobs(self, tl: TokenLogprobs) -> dict[int, Logprob]:
         """Wire logprobs (sampled token first, then top alternatives by rank) to a dict."""
-        from array import array
-
-        ids = unpack_token_ids(tl.token_ids).tolist()
         values = array("f")
         values.frombytes(tl.logprobs)
+        return self._entry(unpack_token_ids(tl.token_ids).tolist(), values, tl.sampled_rank)
+
+    def _convert_prompt_logprobs(self, part: PromptLogprobs) -> list[dict[int, Logprob]]:
+        """Wire prompt logprobs to one dict per position (the prompt token first)."""
+        width = 1 + part.num_logprobs
+        ids = unpack_token_ids(part.token_ids).tolist()
+        values = array("f")
+        values.frombytes(part.logprobs)
+        ranks = unpack_token_ids(part.ranks).tolist()
+        return [self._entry(ids[i * width:(i + 1) * width],
+                            values[i * width:(i + 1) * width], rank)
+                for i, rank in enumerate(ranks)]
+
+    def _entry(self, ids, values, first_rank: int) -> dict[int, Logprob]:
+        """One position: the chosen token (rank `first_rank`), then alternatives 1, 2, ..."""
         entry: dict[int, Logprob] = {}
         for i, (tid, lp) in enumerate(zip(ids, values)):
-            rank = tl.sampled_rank if i == 0 else i
             if tid not in entry:
-                entry[tid] = Logprob(tid, float(lp), rank, self._token_text(tid))
+                entry[tid] = Logprob(tid, float(lp), first_rank if i == 0 else i,
+                                     self._token_text(tid))
         return entry
 
     def _token_text(self, token_id: int) -> str:
@@ -412,6 +451,8 @@ class OutputProcessor:
     def _should_report(self, parent: _Parent, comp: _Completion) -> bool:
         if parent.final_only:
             return parent.finished
+        if parent.awaits_prompt_logprobs:
+            return False
         if comp.finished or not comp.reported:
             return True
         return comp.num_unsent_tokens >= parent.stream_interval
@@ -428,7 +469,8 @@ class OutputProcessor:
             for comp in parent.completions:
                 self._children.pop(comp.req_id, None)
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
-                             outputs, finished, self._metrics(parent, now, finished))
+                             outputs, finished, self._metrics(parent, now, finished),
+                             parent.prompt_logprobs)
 
     def _snapshot(self, parent: _Parent, comp: _Completion) -> CompletionOutput:
         """The completion as reported now; advances what counts as already sent."""

@@ -103,3 +103,8 @@ class RequestOutput:
     finished: bool
     """True on the last update (all n completions finished)."""
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """With `SamplingParams.prompt_logprobs`: one entry per prompt token, None for the first
+    (nothing precedes it), then the prompt token's log-probability plus the top alternatives
+    (vLLM's shape); present from the update with the first generated token on. None when not
+    asked for."""

@@ -105,6 +105,10 @@ class SamplingParams(msgspec.Struct, **_STRUCT):
     """Leave special tokens out of the detokenized text."""
     include_stop_str_in_output: bool = False
     """Keep the matched stop string at the end of the text."""
+    prompt_logprobs: int | None = None
+    """Return, for every prompt position after the first, the log-probability of the prompt
+    token there plus this many top alternatives (vLLM's semantics). Such a request does not
+    read the prefix cache until they are computed (cached positions have no logits)."""
 
     def __post_init__(self) -> None:
         """ValueError naming the field for a value out of range, or one the worker cannot
@@ -137,6 +141,8 @@ class SamplingParams(msgspec.Struct, **_STRUCT):
                f"must be token ids in [0, {INT32_MAX}]")
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
                f"must be in [0, 20], got {self.logprobs}")
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+               "prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs}")
         _check(self.seed is None or -(2**63) <= self.seed < 2**63, "seed",
                "must fit in a signed 64-bit integer")
 
@@ -158,6 +164,15 @@ def is_valid_unicode(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def check_priority(priority: int, scheduling_policy: str) -> None:
+    """ValueError for a priority other than 0 under the fcfs policy (vLLM refuses it too:
+    the request would be scheduled as if it had none). Frontends check before sending; the
+    engine core checks again."""
+    if priority != 0 and scheduling_policy != "priority":
+        raise ValueError(f"priority {priority} needs --scheduling-policy priority; this engine "
+                         "schedules fcfs, where every request's priority must be 0")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,6 +250,46 @@ class TokenLogprobs(msgspec.Struct, **_STRUCT):
     sampled_rank: int = 1
 
 
+class PromptLogprobs(msgspec.Struct, **_STRUCT):
+    """Log-probabilities of the prompt tokens at positions [start, start + num_positions) of
+    one request, each from the model's distribution after the tokens before it.
+
+    Row i is position start + i: `token_ids` (packed int32) and `logprobs` (packed float32)
+    hold `1 + num_logprobs` entries per row, the prompt token first, then the top
+    alternatives, most likely first; `ranks` (packed int32) is the prompt token's rank in the
+    distribution (1 = the most likely). Position 0 has no distribution and never appears.
+    """
+
+    req_id: str
+    start: int
+    num_logprobs: int
+    token_ids: bytes
+    logprobs: bytes
+    ranks: bytes
+
+    @property
+    def num_positions(self) -> int:
+        return len(self.ranks) // 4
+
+
+def join_prompt_logprobs(parts: list[PromptLogprobs]) -> PromptLogprobs:
+    """Consecutive parts of one request (each starting where the previous ends) as one."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    return PromptLogprobs(first.req_id, first.start, first.num_logprobs,
+                          b"".join(p.token_ids for p in parts),
+                          b"".join(p.logprobs for p in parts), b"".join(p.ranks for p in parts))
+
+
+def drop_prompt_positions(part: PromptLogprobs, num_rows: int) -> PromptLogprobs:
+    """The part without its first `num_rows` positions."""
+    width = 4 * (1 + part.num_logprobs)
+    return PromptLogprobs(part.req_id, part.start + num_rows, part.num_logprobs,
+                          part.token_ids[num_rows * width:], part.logprobs[num_rows * width:],
+                          part.ranks[num_rows * 4:])
+
+
 class RequestOutput(msgspec.Struct, **_STRUCT):
     """What happened to one request in one step: only the new tokens (a delta)."""
 
@@ -250,6 +305,9 @@ class RequestOutput(msgspec.Struct, **_STRUCT):
     """With FinishReason.ERROR: the request itself was bad (a token id outside the vocabulary,
     a value a worker cannot hold) and never ran; `error` starts with the field's name. A
     client error: frontends raise ValueError / answer HTTP 400, not 500."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """On the first output with a token, when `sampling.prompt_logprobs` was set: every
+    prompt position from 1 on, in one piece (empty for a one-token prompt)."""
 
 
 class SchedulerStats(msgspec.Struct, **_STRUCT):
@@ -268,6 +326,9 @@ class SchedulerStats(msgspec.Struct, **_STRUCT):
     preempted_prefix_cache_queries: int = 0  # tokens looked up when preempted requests resume
     preempted_prefix_cache_hits: int = 0  # their hits (mostly their own blocks), kept apart
     num_worker_restarts: int = 0  # times the core replaced its workers after a failure
+    queued_prompt_tokens: int = 0
+    """Prompt tokens of unfinished requests that have no generated token yet (waiting, or in
+    prefill): what --max-num-queued-tokens limits."""
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", **_STRUCT):
@@ -296,6 +357,9 @@ class EngineInfo(msgspec.Struct, tag="info", **_STRUCT):
     heartbeat_interval: float = 1.0
     """Seconds between two Heartbeats of the frontend (a quarter of --frontend-timeout, at
     most 1 s), so that a short timeout still tolerates a late beat or two."""
+    scheduling_policy: str = "fcfs"
+    """fcfs or priority; under fcfs a request's priority must be 0."""
+    max_num_queued_tokens: int | None = None
 
 
 class EngineDead(msgspec.Struct, tag="dead", **_STRUCT):
@@ -431,6 +495,8 @@ class SampledTokens(msgspec.Struct, tag="sampled", **_STRUCT):
     end of the prompt samples nothing). `token_ids` is packed int32, one per listed request.
     `logprobs[i]` is set only for requests that asked for them. `failed`: requests of this
     step's plan that the workers refused (every rank refuses the same ones) and dropped.
+    `prompt_logprobs`: for each request that asked for them and computed prompt positions
+    this step (sampling or not), the positions whose distribution this step produced.
     """
 
     step_id: int
@@ -438,6 +504,7 @@ class SampledTokens(msgspec.Struct, tag="sampled", **_STRUCT):
     token_ids: bytes
     logprobs: list[TokenLogprobs | None] | None = None
     failed: list[RequestFailure] = []
+    prompt_logprobs: list[PromptLogprobs] = []
 
 
 class WorkerFailed(msgspec.Struct, tag="failed", **_STRUCT):

@@ -11,6 +11,12 @@ Flat batch layout of one step (plan order: new requests, then cached ones):
     positions      p..p+4                        nB           nC
     sampling?      only if p+5 == A's known tokens    yes      yes
     logits rows    [4 if sampling] + [5, 6]
+
+A request that asked for prompt logprobs also gets logits for its rows at prompt positions
+q < prompt_len - 1 (each predicts the prompt token at q + 1; the row at prompt_len - 1 is its
+sampling row), in slices of max_num_seqs rows so a long chunk never holds a full
+[num_tokens, vocab] tensor. Every chunk of a chunked prompt covers the positions it computes,
+so the positions 1 .. prompt_len - 1 each come once; the engine core keeps them in order.
 """
 
 from __future__ import annotations
@@ -18,13 +24,14 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from tidal.ipc.messages import (
     BatchPlan,
+    PromptLogprobs,
     RequestFailure,
     TokenLogprobs,
     WorkerConfig,
@@ -37,9 +44,15 @@ from tidal.workers.host_memory import commit_pages
 from tidal.workers.layers import kv_heads_per_rank
 from tidal.workers.models.llama import LlamaForCausalLM, ModelArgs
 from tidal.workers.persistent_batch import BadRequestData, PersistentBatch
-from tidal.workers.sampler import Sampler, SamplerOutput, SamplingBatch
+from tidal.workers.sampler import Sampler, SamplerOutput, SamplingBatch, token_logprobs
 
 logger = logging.getLogger(__name__)
+
+MIN_PROMPT_LOGITS_ROWS = 64
+"""Prompt positions whose full-vocabulary logits may exist at once, at least: the slice is
+max_num_seqs rows, as many as `profile_run` sends through the LM head and the sampler, so
+the CUDA memory profile covers it; small max_num_seqs get 64 rows (40 MB of float32 logits
+at a 150k vocabulary) rather than a step per few positions."""
 
 
 @dataclass
@@ -54,6 +67,17 @@ class StepInputs:
     sample_req_ids: list[str]
     num_tokens: int
     decode_only: bool  # every request schedules exactly one token
+    prompt_logprobs: "PromptLogprobRows | None" = None  # requests that want them, this step
+
+
+@dataclass
+class PromptLogprobRows:
+    """Which hidden rows give prompt logprobs this step, and for whom."""
+
+    hidden_rows: torch.Tensor  # [M] int64 rows of the step's hidden states
+    target_ids: torch.Tensor  # [M] int64: the prompt token each row predicts
+    segments: list[tuple[str, int, int, int]]  # (req_id, first position, count, top k)
+    max_top: int  # the largest top k among them
 
 
 @dataclass
@@ -64,6 +88,7 @@ class StepResult:
     token_ids: np.ndarray  # [len(req_ids)] int32
     logprobs: list[TokenLogprobs | None] | None
     failed: list[RequestFailure]  # new requests refused for their own data (not run)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)  # rank 0 only
 
 
 class ModelRunner:
@@ -145,14 +170,18 @@ class ModelRunner:
         if inputs is None:
             return StepResult([], np.zeros(0, np.int32), None, failed)
         hidden = self.run_model(inputs)
+        prompt_logprobs = []
+        if inputs.prompt_logprobs is not None:
+            prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_logprobs)
         if not inputs.sample_req_ids:
-            return StepResult([], np.zeros(0, np.int32), None, failed)
+            return StepResult([], np.zeros(0, np.int32), None, failed, prompt_logprobs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         out = self.sampler(logits, self.sampling_batch(inputs.sample_rows))
         token_ids = out.token_ids.cpu().numpy()
         self.batch.append_sampled(inputs.sample_rows, token_ids)
         return StepResult(inputs.sample_req_ids, token_ids.astype(np.int32),
-                          self._pack_logprobs(out, inputs.sample_rows), failed)
+                          self._pack_logprobs(out, inputs.sample_rows), failed,
+                          prompt_logprobs)
 
     @torch.inference_mode()
     def compute_logits_all(self, plan: BatchPlan) -> torch.Tensor:
@@ -235,7 +264,31 @@ class ModelRunner:
             sample_req_ids=[r for r, s in zip(req_ids, samples) if s],
             num_tokens=num_tokens,
             decode_only=bool((num_scheduled == 1).all()),
+            prompt_logprobs=self._prompt_logprob_rows(req_ids, rows, start, seq_lens,
+                                                      query_start_loc),
         )
+
+    def _prompt_logprob_rows(self, req_ids: list[str], rows: np.ndarray, start: np.ndarray,
+                             seq_lens: np.ndarray,
+                             query_start_loc: np.ndarray) -> PromptLogprobRows | None:
+        """Rows at prompt positions start .. min(seq_len, prompt_len - 1) - 1 of requests
+        that want prompt logprobs (None when there are none)."""
+        b = self.batch
+        top = b.num_prompt_logprobs[rows]
+        counts = np.where(top >= 0, np.minimum(seq_lens, b.prompt_len[rows] - 1) - start, 0)
+        wanted = np.nonzero(counts > 0)[0]
+        if not len(wanted):
+            return None
+        hidden_rows, targets, segments = [], [], []
+        for i in wanted:
+            n, first = int(counts[i]), int(start[i])
+            hidden_rows.append(query_start_loc[i] + np.arange(n))
+            targets.append(b.token_ids[rows[i], first + 1:first + 1 + n])
+            segments.append((req_ids[i], first + 1, n, int(top[i])))
+        return PromptLogprobRows(
+            hidden_rows=self._to_device(np.concatenate(hidden_rows), torch.int64),
+            target_ids=self._to_device(np.concatenate(targets), torch.int64),
+            segments=segments, max_top=int(top[wanted].max()))
 
     def attention_inputs(self, meta: AttentionMetadata) -> AttentionInputs:
         """The step's metadata with the backend's plan for it, prepared once for every
@@ -313,6 +366,34 @@ class ModelRunner:
                                         logprobs=lps[i, :k + 1].astype("<f4").tobytes(),
                                         sampled_rank=int(ranks[i])))
         return result
+
+    def _prompt_logprobs(self, hidden: torch.Tensor,
+                         plan: PromptLogprobRows) -> list[PromptLogprobs]:
+        """Log-softmax of the model's logits at the planned prompt rows: each prompt token's
+        logprob and rank, and the top alternatives. Every rank computes the logits (the LM
+        head gathers across ranks); rank 0 packs them."""
+        ids, values, ranks = [], [], []
+        rows_per_slice = max(MIN_PROMPT_LOGITS_ROWS, self.config.max_num_seqs)
+        for lo in range(0, len(plan.target_ids), rows_per_slice):
+            hi = lo + rows_per_slice
+            logits = self.model.compute_logits(hidden[plan.hidden_rows[lo:hi]])
+            logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+            chunk = token_logprobs(logprobs, plan.target_ids[lo:hi], plan.max_top)
+            ids.append(chunk[0].cpu())
+            values.append(chunk[1].cpu())
+            ranks.append(chunk[2].cpu())
+        if self.config.rank != 0:
+            return []
+        ids = torch.cat(ids).numpy().astype("<i4")
+        values = torch.cat(values).numpy().astype("<f4")
+        ranks = torch.cat(ranks).numpy().astype("<i4")
+        out, row = [], 0
+        for req_id, first, count, top in plan.segments:
+            rows = slice(row, row + count)
+            out.append(PromptLogprobs(req_id, first, top, ids[rows, :top + 1].tobytes(),
+                                      values[rows, :top + 1].tobytes(), ranks[rows].tobytes()))
+            row += count
+        return out
 
     # -- profiling -----------------------------------------------------------------------
 

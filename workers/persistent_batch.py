@@ -7,6 +7,7 @@ deltas for the rest (`CachedRequestData`), so the state lives here between steps
             block_table[r, :num_blocks[r]]      the request's KV blocks (append-only)
             num_computed[r]                     tokens already in the KV cache
             temperature[r], top_k[r], ...       sampling parameters
+            num_prompt_logprobs[r]              top alternatives per prompt position, -1 off
 
 The worker appends each token it samples to its row itself (`append_sampled`), so with async
 scheduling the "placeholder" the engine core schedules is simply that token.
@@ -58,6 +59,7 @@ class PersistentBatch:
         self.seed = np.zeros(n, dtype=np.int64)
         self.seeded = np.zeros(n, dtype=bool)
         self.num_logprobs = np.full(n, -1, dtype=np.int64)  # -1: no logprobs wanted
+        self.num_prompt_logprobs = np.full(n, -1, dtype=np.int64)  # -1: none wanted
         self.stop_ids: list[np.ndarray] = [np.zeros(0, np.int64)] * n  # EOS + stop_token_ids
 
     def __len__(self) -> int:
@@ -128,6 +130,7 @@ class PersistentBatch:
         self.seeded[row] = sp.seed is not None
         self.seed[row] = sp.seed if sp.seed is not None else 0
         self.num_logprobs[row] = -1 if sp.logprobs is None else sp.logprobs
+        self.num_prompt_logprobs[row] = -1 if sp.prompt_logprobs is None else sp.prompt_logprobs
         eos = getattr(req, "eos_token_id", None)
         stop = list(sp.stop_token_ids) + ([eos] if eos is not None else [])
         self.stop_ids[row] = np.asarray(stop, dtype=np.int64)
@@ -147,10 +150,11 @@ def _check_request_data(req: NewRequestData, tokens: np.ndarray, vocab_size: int
     if any(not 0 <= t <= INT32_MAX for t in req.sampling.stop_token_ids):
         raise BadRequestData(f"stop_token_ids of request {req.req_id!r} must be in "
                              f"[0, {INT32_MAX}]")
-    logprobs = req.sampling.logprobs
-    if logprobs is not None and logprobs > vocab_size:
-        raise BadRequestData(f"logprobs of request {req.req_id!r} must be at most the "
-                             f"vocabulary size {vocab_size}, got {logprobs}")
+    for field in ("logprobs", "prompt_logprobs"):
+        value = getattr(req.sampling, field)
+        if value is not None and value > vocab_size:
+            raise BadRequestData(f"{field} of request {req.req_id!r} must be at most the "
+                                 f"vocabulary size {vocab_size}, got {value}")
 
 
 def _check_new(req: NewRequestData, num_tokens: int, max_model_len: int,

@@ -209,15 +209,23 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
 
 
 def _fill_logprobs(out: SamplerOutput, raw_logprobs: torch.Tensor, num_logprobs: int) -> None:
-    sampled = out.token_ids.unsqueeze(1)
-    sampled_lp = raw_logprobs.gather(1, sampled)
-    out.sampled_ranks = (raw_logprobs > sampled_lp).sum(dim=1) + 1
-    if num_logprobs > 0:
-        top_lp, top_ids = raw_logprobs.topk(num_logprobs, dim=-1)
-        out.logprob_token_ids = torch.cat([sampled, top_ids], dim=1)
-        out.logprobs = torch.cat([sampled_lp, top_lp], dim=1)
-    else:
-        out.logprob_token_ids, out.logprobs = sampled, sampled_lp
+    out.logprob_token_ids, out.logprobs, out.sampled_ranks = token_logprobs(
+        raw_logprobs, out.token_ids, num_logprobs)
+
+
+def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
+                   num_top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, vocab] log-probabilities and one [N] token per row -> (ids, values, ranks): ids and
+    values [N, 1 + num_top], the given token first, then the `num_top` most likely; ranks
+    [N], the given token's rank in its row (1 = the most likely; ties share the best rank).
+    The sampler's logprobs and the prompt's use this one rule."""
+    chosen = token_ids.unsqueeze(1)
+    chosen_lp = logprobs.gather(1, chosen)
+    ranks = (logprobs > chosen_lp).sum(dim=1) + 1
+    if num_top <= 0:
+        return chosen, chosen_lp, ranks
+    top_lp, top_ids = logprobs.topk(num_top, dim=-1)
+    return torch.cat([chosen, top_ids], dim=1), torch.cat([chosen_lp, top_lp], dim=1), ranks
 
 
 # ---------------------------------------------------------------------------------------------

@@ -160,7 +160,8 @@ class Worker:
             return None
         return SampledTokens(step_id=plan.step_id, req_ids=result.req_ids,
                              token_ids=pack_token_ids(result.token_ids),
-                             logprobs=result.logprobs, failed=result.failed)
+                             logprobs=result.logprobs, failed=result.failed,
+                             prompt_logprobs=result.prompt_logprobs)
 
     def shutdown(self) -> None:
         """Release the KV cache and leave the process group."""

@@ -2,7 +2,8 @@
 
     protocol.py   pydantic request / response models (OpenAI field names plus vLLM's extras)
     errors.py     the OpenAI error body and the status every failure maps to
-    admission.py  `--max-num-queued-reqs`: whole-server admission control (HTTP 503)
+    admission.py  `--max-num-queued-reqs` / `--max-num-queued-tokens`: whole-server admission
+                  control (HTTP 503)
     metrics.py    Prometheus metrics under the `tidal:` prefix, whole-server with N processes
     serving.py    one request end to end: validation, admission, generation, disconnects
     completions.py  POST /v1/completions (JSON body or server-sent events)

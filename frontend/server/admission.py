@@ -1,21 +1,30 @@
-"""Admission control for `--max-num-queued-reqs`: reject with 503 before any work starts.
+"""Admission control for `--max-num-queued-reqs` and `--max-num-queued-tokens`: reject with
+503 before any work starts.
 
-The count is the whole server's, with any number of HTTP server processes:
+Two counts, each the whole server's, with any number of HTTP server processes:
 
-    unfinished = sum(slots) + others
+    unfinished requests = sum(request slots) + others
+    queued prompt tokens = sum(token slots) + other_tokens
 
-- `slots` is one integer per HTTP server process of this `tidal serve`, in shared memory
+- The slots are two integers per HTTP server process of this `tidal serve`, in shared memory
   (a `multiprocessing.RawArray` made by the parent before it starts the servers). Each process
-  writes only its own slot and reads all of them, so the sum is exact and immediate, without
-  locks: a request counts from the moment it is admitted until its response is over (finished,
-  failed or aborted), which covers its whole life in the engine core. A request with n
-  completions counts n, as the engine core runs n requests for it.
-- `others` is the engine core's running + waiting count that is not ours: requests of other
-  frontends attached to the same daemon (a Python `LLM`, another `tidal serve --engine`). It
-  comes from `AsyncLLM.get_stats()`, refreshed in the background (`refresh_loop`), as
+  writes only its own slots and reads all of them, so the sums are exact and immediate,
+  without locks. A request counts from the moment it is admitted until its response is over
+  (finished, failed or aborted), which covers its whole life in the engine core; a request
+  with n completions counts n, as the engine core runs n requests for it. Its prompt tokens
+  (n times, likewise) count until each completion's first token comes back: from then on
+  it decodes and its prompt no longer delays anyone's first token (vLLM's rule; a prefix-
+  cache hit is not subtracted, as the frontend cannot know it).
+- `others` / `other_tokens` are the engine core's counts that are not ours: requests of other
+  frontends attached to the same daemon (a Python `LLM`, another `tidal serve --engine`).
+  They come from `AsyncLLM.get_stats()`, refreshed in the background (`refresh_loop`), as
   max(0, core_count - our_count_at_that_moment). Since each of our requests counts from before
-  it reaches the core until after it leaves, that difference is 0 when we are the only
-  frontend: stale snapshots never make us reject our own traffic wrongly.
+  it reaches the core until after the core stops counting it, that difference is 0 when we
+  are the only frontend: stale snapshots never make us reject our own traffic wrongly.
+
+The token limit admits a request whose prompt alone is over it when no prompt tokens are
+queued (else a long prompt would get a 503 however often it is retried); vLLM admits while
+the queued tokens are under the limit, whatever the new prompt's size.
 
 Check and increment run in one synchronous step on the event loop, so within a process there
 is no race; across processes two requests admitted in the same microsecond may both pass (the
@@ -29,7 +38,7 @@ import logging
 import multiprocessing
 from typing import Awaitable, Callable
 
-from tidal.frontend.server.errors import QUEUE_FULL_MESSAGE, APIError
+from tidal.frontend.server.errors import QUEUE_FULL_MESSAGE, TOKENS_FULL_MESSAGE, APIError
 
 logger = logging.getLogger("tidal.serve")
 
@@ -38,44 +47,70 @@ STATS_REFRESH_SECONDS = 0.5
 
 
 def make_shared_slots(num_servers: int):
-    """One int64 slot per HTTP server process, in shared memory (pass to each child)."""
-    return multiprocessing.RawArray("q", num_servers)
+    """Two int64 slots per HTTP server process (requests, then prompt tokens), in shared
+    memory (pass to each child)."""
+    return multiprocessing.RawArray("q", 2 * num_servers)
 
 
 class Ticket:
-    """An admitted request's share of the count; `release()` once it is over (idempotent)."""
+    """An admitted request's share of the counts; `prefill_done()` as each completion's first
+    token arrives, `release()` once it is over (idempotent)."""
 
-    __slots__ = ("_controller", "num_reqs")
+    __slots__ = ("_controller", "num_reqs", "num_tokens")
 
-    def __init__(self, controller: "AdmissionController", num_reqs: int):
+    def __init__(self, controller: "AdmissionController", num_reqs: int, num_tokens: int):
         self._controller = controller
         self.num_reqs = num_reqs
+        self.num_tokens = num_tokens
+        """Prompt tokens still counted as queued."""
+
+    def prefill_done(self, num_tokens: int) -> None:
+        """One completion produced its first token: its `num_tokens` prompt tokens are no
+        longer queued."""
+        num_tokens = min(num_tokens, self.num_tokens)
+        if self._controller is not None and num_tokens > 0:
+            self._controller._add(0, -num_tokens)
+            self.num_tokens -= num_tokens
 
     def release(self) -> None:
         if self._controller is not None:
-            self._controller._add(-self.num_reqs)
+            self._controller._add(-self.num_reqs, -self.num_tokens)
             self._controller = None
+            self.num_tokens = 0
 
 
 class AdmissionController:
-    """Counts unfinished requests and enforces `limit` (None = unlimited, never rejects).
+    """Counts unfinished requests and their queued prompt tokens; enforces `limit` and
+    `token_limit` (None = unlimited, never rejects).
 
     `slots` is shared memory from `make_shared_slots` (several processes) or None (this
-    process alone); `slot` is this process's index in it.
+    process alone); `slot` is this process's index among the processes.
     """
 
     def __init__(self, limit: int | None, slots=None, slot: int = 0,
-                 on_reject: Callable[[], None] | None = None):
+                 on_reject: Callable[[str], None] | None = None,
+                 token_limit: int | None = None):
         if limit is not None and limit < 1:
             raise ValueError(f"max_num_queued_reqs must be at least 1, got {limit}")
+        if token_limit is not None and token_limit < 1:
+            raise ValueError(f"max_num_queued_tokens must be at least 1, got {token_limit}")
         self.limit = limit
-        self._slots = slots if slots is not None else [0]
+        self.token_limit = token_limit
+        self._slots = slots if slots is not None else [0, 0]
+        self._num_servers = len(self._slots) // 2
         self._slot = slot
         self._on_reject = on_reject
         self.others = 0  # the core's unfinished requests that are not ours (see module doc)
+        self.other_tokens = 0  # the core's queued prompt tokens that are not ours
 
-    def _add(self, delta: int) -> None:
-        self._slots[self._slot] += delta
+    @property
+    def limited(self) -> bool:
+        """Whether any limit is set (then `refresh_loop` should run)."""
+        return self.limit is not None or self.token_limit is not None
+
+    def _add(self, num_reqs: int, num_tokens: int) -> None:
+        self._slots[self._slot] += num_reqs
+        self._slots[self._num_servers + self._slot] += num_tokens
 
     def num_local(self) -> int:
         """Unfinished requests admitted by this process."""
@@ -83,33 +118,54 @@ class AdmissionController:
 
     def num_ours(self) -> int:
         """Unfinished requests admitted by every HTTP server process of this server."""
-        return int(sum(self._slots))
+        return int(sum(self._slots[:self._num_servers]))
+
+    def num_our_tokens(self) -> int:
+        """Queued prompt tokens of the requests every HTTP server process admitted."""
+        return int(sum(self._slots[self._num_servers:]))
 
     def num_unfinished(self) -> int:
         """The whole server's estimate: ours (exact) plus other frontends' (from the core)."""
         return self.num_ours() + self.others
 
-    def admit(self, num_reqs: int) -> Ticket:
-        """Admit `num_reqs` engine requests or raise a 503 APIError (nothing is counted)."""
-        if self.limit is not None and self.num_unfinished() + num_reqs > self.limit:
-            if self._on_reject is not None:
-                self._on_reject()
-            raise APIError(503, QUEUE_FULL_MESSAGE, err_type="Service Unavailable")
-        self._add(num_reqs)
-        return Ticket(self, num_reqs)
+    def num_queued_tokens(self) -> int:
+        """The whole server's queued prompt tokens: ours plus other frontends'."""
+        return self.num_our_tokens() + self.other_tokens
 
-    def note_core_count(self, core_unfinished: int, ours_before: int, ours_after: int) -> None:
-        """Update `others` from a core snapshot taken between two reads of our own count."""
+    def admit(self, num_reqs: int, num_tokens: int = 0) -> Ticket:
+        """Admit `num_reqs` engine requests holding `num_tokens` prompt tokens in all, or
+        raise a 503 APIError (nothing is counted)."""
+        if self.limit is not None and self.num_unfinished() + num_reqs > self.limit:
+            self._reject("max_num_queued_reqs", QUEUE_FULL_MESSAGE)
+        if self.token_limit is not None:
+            queued = self.num_queued_tokens()
+            if queued and queued + num_tokens > self.token_limit:
+                self._reject("max_num_queued_tokens", TOKENS_FULL_MESSAGE)
+        self._add(num_reqs, num_tokens)
+        return Ticket(self, num_reqs, num_tokens)
+
+    def _reject(self, reason: str, message: str):
+        if self._on_reject is not None:
+            self._on_reject(reason)
+        raise APIError(503, message, err_type="Service Unavailable")
+
+    def note_core_count(self, core_unfinished: int, ours_before: int, ours_after: int,
+                        core_tokens: int = 0, our_tokens_before: int = 0,
+                        our_tokens_after: int = 0) -> None:
+        """Update `others` and `other_tokens` from a core snapshot taken between two reads
+        of our own counts."""
         self.others = max(0, core_unfinished - max(ours_before, ours_after))
+        self.other_tokens = max(0, core_tokens - max(our_tokens_before, our_tokens_after))
 
     async def refresh_loop(self, get_stats: Callable[[], Awaitable]) -> None:
         """Keep `others` fresh while the server runs (only needed when a limit is set)."""
         while True:
             try:
-                before = self.num_ours()
+                before, tokens_before = self.num_ours(), self.num_our_tokens()
                 stats = await asyncio.wait_for(get_stats(), timeout=5.0)
                 self.note_core_count(stats.num_running + stats.num_waiting, before,
-                                     self.num_ours())
+                                     self.num_ours(), stats.queued_prompt_tokens,
+                                     tokens_before, self.num_our_tokens())
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the engine is slow or gone: keep the last value

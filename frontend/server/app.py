@@ -61,6 +61,8 @@ class ServerSettings:
     """When set, requests need `Authorization: Bearer <api_key>`."""
     max_num_queued_reqs: int | None = None
     """Admission limit; None = the engine's `--max-num-queued-reqs` (EngineInfo)."""
+    max_num_queued_tokens: int | None = None
+    """Admission limit; None = the engine's `--max-num-queued-tokens` (EngineInfo)."""
     admission_slots: Any = None
     """Shared per-process counters of unfinished requests (admission.make_shared_slots)."""
     server_index: int = 0
@@ -158,17 +160,19 @@ def _start_state(app: FastAPI, engine, settings: ServerSettings) -> list[asyncio
     names = settings.served_model_names or [engine.model_name]
     metrics = ServerMetrics(names[0])
     limit = settings.max_num_queued_reqs or info.max_num_queued_reqs
+    token_limit = settings.max_num_queued_tokens or info.max_num_queued_tokens
     admission = AdmissionController(limit, settings.admission_slots, settings.server_index,
-                                    on_reject=metrics.count_rejection)
+                                    on_reject=metrics.count_rejection, token_limit=token_limit)
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.serving = OpenAIServing(engine, names, admission, metrics)
     app.state.root = getattr(info, "model", None)
-    logger.info("HTTP server %d attached: serving %s (max_model_len %d%s)",
+    logger.info("HTTP server %d attached: serving %s (max_model_len %d%s%s)",
                 settings.server_index, ", ".join(names), info.max_model_len,
-                f", at most {limit} unfinished requests" if limit else "")
+                f", at most {limit} unfinished requests" if limit else "",
+                f", at most {token_limit} queued prompt tokens" if token_limit else "")
     tasks = []
-    if limit is not None:
+    if admission.limited:
         tasks.append(asyncio.ensure_future(admission.refresh_loop(engine.get_stats)))
     return tasks
 

@@ -1,7 +1,10 @@
 """POST /v1/completions: prompts (strings or token ids) in, `text_completion` out.
 
 Choice indices: prompt i, completion j -> index i * n + j (OpenAI's order). Usage counts each
-prompt once, however many completions it has.
+prompt once, however many completions it has. With `echo` the prompt's text leads each
+choice's text (a stream: its first chunk); with `echo` and `logprobs` also the prompt's tokens
+and their logprobs (computed by the engine, `SamplingParams.prompt_logprobs`) lead the
+completion's, the first token's logprob null, as OpenAI and vLLM answer.
 """
 
 from __future__ import annotations
@@ -33,9 +36,6 @@ def _check_supported(req: CompletionRequest) -> None:
         raise bad_request("best_of is not supported (only best_of == n)", "best_of")
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo together with logprobs (prompt logprobs) is not supported",
-                          "echo")
 
 
 async def create_completion(serving: OpenAIServing, req: CompletionRequest,
@@ -81,9 +81,14 @@ class _CompletionView:
         if self.req.logprobs is not None:
             choice["logprobs"], offset = R.completion_logprobs(
                 token_ids, logprobs, self.req.logprobs, offset, self.serving.tokenizer)
-        if self.req.return_token_ids:
-            choice["token_ids"] = list(token_ids)
         return choice, offset
+
+    def _echoed(self, job, token_ids, logprobs):
+        """Token ids and logprobs with the prompt's in front (echo with logprobs)."""
+        if not (self.req.echo and self.req.logprobs is not None):
+            return token_ids, logprobs
+        prompt_logprobs = job.prompt_logprobs or [None] * len(job.prompt_ids)
+        return [*job.prompt_ids, *token_ids], [*prompt_logprobs, *(logprobs or ())]
 
     def build(self, run: Run) -> dict:
         """The non-streaming body."""
@@ -94,7 +99,10 @@ class _CompletionView:
                 if c.finish_reason == "error":
                     raise self.serving.engine_error(c)
                 prefix = self._prompt_text(job) if self.req.echo else ""
-                choice, _ = self._choice(job, c, prefix + c.text, c.token_ids, c.logprobs, 0)
+                token_ids, logprobs = self._echoed(job, c.token_ids, c.logprobs)
+                choice, _ = self._choice(job, c, prefix + c.text, token_ids, logprobs, 0)
+                if self.req.return_token_ids:
+                    choice["token_ids"] = list(c.token_ids)
                 choices.append(choice)
         body = R.completion_response(self.id, self.created, self.model, choices,
                                      R.usage(run.num_prompt_tokens(),
@@ -125,11 +133,14 @@ class _CompletionView:
 
     def _chunk(self, job, c, offsets: dict[int, int]) -> dict:
         index = job.prompt_index * self.n + c.index
-        text = c.delta_text
+        text, token_ids, logprobs = c.delta_text, c.delta_token_ids, c.delta_logprobs
         if index not in offsets and self.req.echo:
             text = self._prompt_text(job) + text
-        choice, offsets[index] = self._choice(job, c, text, c.delta_token_ids,
-                                              c.delta_logprobs, offsets.get(index, 0))
+            token_ids, logprobs = self._echoed(job, token_ids, logprobs)
+        choice, offsets[index] = self._choice(job, c, text, token_ids, logprobs,
+                                              offsets.get(index, 0))
+        if self.req.return_token_ids:
+            choice["token_ids"] = list(c.delta_token_ids)
         chunk = R.completion_chunk(self.id, self.created, self.model, choice)
         if self.req.include_usage:
             chunk["usage"] = self._usage() if self.req.continuous_usage else None

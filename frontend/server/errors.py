@@ -6,7 +6,7 @@ Status mapping (as vLLM's server does it, §6.3 of the reference):
     missing or wrong API key                                         401 AuthenticationError
     unknown model, unknown route                                     404 NotFoundError
     wrong HTTP method                                                405 MethodNotAllowed
-    --max-num-queued-reqs reached, engine dead                       503 Service Unavailable
+    --max-num-queued-reqs / --max-num-queued-tokens reached, dead     503 Service Unavailable
     no engine core attached (it went away; we re-attach by ourselves) 503 + Retry-After
     a bug or an engine failure (never bad input)                     500 InternalServerError
 
@@ -32,6 +32,8 @@ RETRY_AFTER_S = 2
 
 QUEUE_FULL_MESSAGE = ("The engine is currently busy and cannot accept new requests. "
                       "Please try again later or on a different instance.")
+TOKENS_FULL_MESSAGE = ("The engine has reached its prefill token backlog limit. "
+                       "Please try again later or on a different instance.")
 
 _TYPES = {
     400: "BadRequestError",

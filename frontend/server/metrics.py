@@ -111,6 +111,7 @@ class ServerMetrics:
                          registry=self._registry)
 
     def count_rejection(self, reason: str = "max_num_queued_reqs") -> None:
+        """One 503 from admission control; `reason` is the limit's name."""
         self.rejections.labels(self.model_name, reason).inc()
 
     def observe_finished(self, metrics, finish_reason: str | None) -> None:

@@ -142,7 +142,8 @@ class CompletionRequest(SamplingRequest):
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     """Log-probabilities of the sampled token and this many top alternatives per position."""
     echo: bool = False
-    """Put the prompt in front of the completion text."""
+    """Put the prompt in front of the completion text (and, with `logprobs`, the prompt's
+    tokens and their logprobs in front of the completion's; the first has none: null)."""
     suffix: str | None = None
     """Not supported (rejected when set)."""
     best_of: int | None = None
@@ -150,7 +151,9 @@ class CompletionRequest(SamplingRequest):
 
     def to_sampling_params(self) -> SamplingParams:
         """SamplingParams for each prompt; ValueError names the bad field."""
-        return SamplingParams(**self.sampling_kwargs(self.max_tokens, self.logprobs))
+        prompt_logprobs = self.logprobs if self.echo else None
+        return SamplingParams(**self.sampling_kwargs(self.max_tokens, self.logprobs),
+                              prompt_logprobs=prompt_logprobs)
 
 
 class TextContent(OpenAIModel):
@@ -250,7 +253,8 @@ class UsageInfo(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """Legacy (completions) logprobs: parallel lists, one entry per generated token."""
+    """Legacy (completions) logprobs: parallel lists, one entry per generated token (with
+    `echo`, per prompt token first; the very first prompt token's logprob is null)."""
 
     text_offset: list[int] = []
     token_logprobs: list[float | None] = []

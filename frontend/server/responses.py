@@ -54,10 +54,19 @@ def completion_logprobs(token_ids, logprobs, num_top: int, offset: int, tokenize
     """Legacy completions logprobs for these positions, text offsets from `offset`.
 
     Returns (the logprobs dict, the offset after the last token). `top_logprobs` holds the
-    `num_top` most likely tokens plus the sampled one (so up to num_top + 1, as vLLM).
+    `num_top` most likely tokens plus the sampled one (so up to num_top + 1, as vLLM). An
+    entry that is None (the first prompt token, with echo) gives null logprobs.
     """
     out = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
     for token_id, entry in zip(token_ids, logprobs or ()):
+        if entry is None:
+            text = tokenizer.decode([token_id])
+            out["tokens"].append(text)
+            out["token_logprobs"].append(None)
+            out["text_offset"].append(offset)
+            out["top_logprobs"].append(None)
+            offset += len(text)
+            continue
         text, value = _sampled(entry, token_id, tokenizer)
         out["tokens"].append(text)
         out["token_logprobs"].append(value)

@@ -349,9 +349,10 @@ class _Supervisor:
 def _check_args(ns: argparse.Namespace) -> None:
     if ns.api_server_count < 1:
         raise ValueError(f"--api-server-count must be at least 1, got {ns.api_server_count}")
-    if ns.max_num_queued_reqs is not None and ns.max_num_queued_reqs < 1:
-        raise ValueError(f"--max-num-queued-reqs must be at least 1, got "
-                         f"{ns.max_num_queued_reqs}")
+    for flag in ("max_num_queued_reqs", "max_num_queued_tokens"):
+        value = getattr(ns, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
     if not 0 <= ns.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {ns.port}")
     for flag in ("timeout_keep_alive", "timeout_request_header", "timeout_request_body"):

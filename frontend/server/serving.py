@@ -33,6 +33,7 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from tidal.frontend.chat_template import RESERVED_TEMPLATE_KWARGS, has_chat_template, render_chat
 from tidal.frontend.server.admission import AdmissionController
 from tidal.frontend.server.errors import (
     APIError, bad_request, engine_unavailable, from_value_error, json_response,
@@ -41,6 +42,7 @@ from tidal.frontend.server.metrics import ServerMetrics
 from tidal.frontend.server.protocol import (
     MAX_N, ChatMessage, DetokenizeRequest, TokenizeRequest,
 )
+from tidal.ipc.messages import check_priority
 
 logger = logging.getLogger("tidal.serve")
 
@@ -48,15 +50,12 @@ TOKENIZER_THREADS = 4
 """Threads per HTTP process for tokenizing and chat templates (HF fast tokenizers release the
 GIL while they work, so a big prompt does not stop the event loop)."""
 
-_RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "add_generation_prompt",
-                             "continue_final_message", "return_dict", "return_tensors"}
-
 
 class _Job:
     """One engine request: one prompt and its n completions (latest output per completion)."""
 
     __slots__ = ("req_id", "prompt_index", "prompt_ids", "prompt_text", "gen", "finished",
-                 "final", "metrics")
+                 "final", "metrics", "prefilled", "prompt_logprobs")
 
     def __init__(self, req_id: str, prompt_index: int, prompt_ids: list[int],
                  prompt_text: str | None):
@@ -68,6 +67,8 @@ class _Job:
         self.finished = False
         self.final: dict = {}  # completion index -> latest CompletionOutput (cumulative)
         self.metrics = None
+        self.prefilled: set[int] = set()  # completions whose first token came back
+        self.prompt_logprobs = None  # with SamplingParams.prompt_logprobs, once they arrive
 
 
 class Run:
@@ -172,6 +173,7 @@ class OpenAIServing:
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
         self.vocab_size = _vocab_size(self.tokenizer, engine.engine_info)
+        self.scheduling_policy = engine.engine_info.scheduling_policy
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tidal-tokenize")
         self.stopping = False  # the server is shutting down: 503 from now on
 
@@ -267,18 +269,29 @@ class OpenAIServing:
               prefix: str) -> tuple[str, Run]:
         """Admit the request (503 if full) and create its engine jobs (not yet started)."""
         self.check_alive()
+        try:
+            check_priority(priority, self.scheduling_policy)
+        except ValueError as exc:
+            raise bad_request(str(exc), "priority") from None
         num_reqs = len(prompts) * params.n
         if num_reqs > MAX_N:
             raise bad_request(f"n times the number of prompts must be at most {MAX_N}, got "
                               f"{num_reqs}", "n")
-        ticket = self.admission.admit(num_reqs)
+        num_tokens = params.n * sum(len(ids) for ids, _ in prompts)
+        ticket = self.admission.admit(num_reqs, num_tokens)
         response_id = f"{prefix}-{uuid.uuid4().hex}"
         jobs = [_Job(f"{response_id}-{i}", i, ids, text) for i, (ids, text) in enumerate(prompts)]
         return response_id, Run(self, jobs, params, priority, ticket)
 
-    def _note(self, job: _Job, out) -> None:
+    def _note(self, run: Run, job: _Job, out) -> None:
+        if out.prompt_logprobs is not None:
+            job.prompt_logprobs = out.prompt_logprobs
         for completion in out.outputs:
             job.final[completion.index] = completion
+            if completion.index not in job.prefilled and (completion.token_ids
+                                                          or completion.finished):
+                job.prefilled.add(completion.index)
+                run.ticket.prefill_done(len(job.prompt_ids))
         if out.finished and not job.finished:
             job.finished = True
             job.metrics = out.metrics
@@ -289,7 +302,7 @@ class OpenAIServing:
         job.gen = self.engine.generate(job.prompt_ids, run.params, job.req_id,
                                        priority=run.priority)
         async for out in job.gen:
-            self._note(job, out)
+            self._note(run, job, out)
             yield job, out
 
     async def events(self, run: Run) -> AsyncIterator:
@@ -356,8 +369,7 @@ class OpenAIServing:
                     template_kwargs: dict | None = None) -> list[int]:
         """The conversation through the tokenizer's chat template, as token ids (blocking:
         call it through `off_loop`)."""
-        tokenizer = self.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
+        if not has_chat_template(self.tokenizer):
             raise bad_request("This model has no chat template; use /v1/completions.",
                               "messages")
         conversation = []
@@ -367,16 +379,15 @@ class OpenAIServing:
                 item["name"] = message.name
             conversation.append(item)
         extra = {k: v for k, v in (template_kwargs or {}).items()
-                 if k not in _RESERVED_TEMPLATE_KWARGS}
+                 if k not in RESERVED_TEMPLATE_KWARGS}
         try:
-            text = tokenizer.apply_chat_template(
-                conversation, tokenize=False, continue_final_message=continue_final_message,
+            _, token_ids = render_chat(
+                self.tokenizer, conversation, continue_final_message=continue_final_message,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
-                **extra)
-            return tokenizer.encode(text, add_special_tokens=False)
-        except Exception as exc:  # template errors come from the conversation given
-            raise bad_request(f"The chat template failed on these messages: {exc}",
-                              "messages") from None
+                chat_template_kwargs=extra)
+        except ValueError as exc:
+            raise bad_request(str(exc), "messages") from None
+        return token_ids
 
     # ---------------------------------------------------------------- tokenize endpoints
 

@@ -10,11 +10,16 @@ deterministic function of the whole token sequence.
 
 from __future__ import annotations
 
+from array import array
+
+import numpy as np
+
 from tidal.engine_core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tidal.engine_core.request import Request
 from tidal.engine_core.scheduler import Scheduler
 from tidal.ipc.messages import (
-    BatchPlan, RequestFailure, SampledTokens, SamplingParams, pack_token_ids, unpack_token_ids,
+    BatchPlan, PromptLogprobs, RequestFailure, SampledTokens, SamplingParams, pack_token_ids,
+    unpack_token_ids,
 )
 
 VOCAB = 1000
@@ -26,6 +31,21 @@ def fake_model(tokens: list[int], vocab: int = VOCAB) -> int:
     for t in tokens:
         h = (h * 1_000_003 + t + 1) & 0xFFFFFFFF
     return (h >> 7) % vocab
+
+
+def fake_prompt_logprob(position: int, token: int) -> float:
+    """The fake worker's log-probability of the prompt token at `position`."""
+    return -position - token / 1000
+
+
+def unpack_prompt_logprobs(part: PromptLogprobs) -> list[tuple[int, int, float]]:
+    """(position, prompt token, its logprob) per row of a PromptLogprobs."""
+    width = 1 + part.num_logprobs
+    ids = unpack_token_ids(part.token_ids)
+    values = array("f")
+    values.frombytes(part.logprobs)
+    return [(part.start + i, ids[i * width], values[i * width])
+            for i in range(part.num_positions)]
 
 
 def make_config(*, block_size: int = 16, max_num_seqs: int | None = None,
@@ -52,12 +72,13 @@ def make_scheduler(*, num_blocks: int = 10_000, max_model_len: int = 4096,
 def make_request(req_id, prompt, *, max_tokens: int | None = 16, min_tokens: int = 0,
                  eos: int | None = None, stop_token_ids=(), ignore_eos: bool = False,
                  priority: int = 0, arrival_time: float = 0.0, client_id: str = "c0",
-                 cache_salt: str | None = None) -> Request:
+                 cache_salt: str | None = None, prompt_logprobs: int | None = None) -> Request:
     """`prompt` is a list of token ids, or an int n meaning [id-derived token] * n."""
     if isinstance(prompt, int):
         prompt = [hash_free_token(req_id)] * prompt
     sampling = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens,
-                              stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+                              stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
+                              prompt_logprobs=prompt_logprobs)
     return Request(str(req_id), prompt, sampling, client_id=client_id, eos_token_id=eos,
                    priority=priority, arrival_time=arrival_time, cache_salt=cache_salt)
 
@@ -68,11 +89,14 @@ def hash_free_token(req_id) -> int:
 
 
 class _WorkerRequest:
-    __slots__ = ("tokens", "table")
+    __slots__ = ("tokens", "table", "prompt_len", "prompt_logprobs")
 
-    def __init__(self, tokens: list[int], table: list[int]) -> None:
+    def __init__(self, tokens: list[int], table: list[int], prompt_len: int = 0,
+                 prompt_logprobs: int | None = None) -> None:
         self.tokens = tokens
         self.table = table
+        self.prompt_len = prompt_len
+        self.prompt_logprobs = prompt_logprobs
 
 
 class FakeWorker:
@@ -105,7 +129,10 @@ class FakeWorker:
                 num_skipped += new.num_scheduled_tokens
                 continue
             assert new.req_id not in self.batch, f"{new.req_id} sent twice as new"
-            state = _WorkerRequest(unpack_token_ids(new.token_ids).tolist(), list(new.block_ids))
+            if new.sampling.prompt_logprobs is not None:
+                assert new.num_computed_tokens == 0, "prompt logprobs over a prefix-cache hit"
+            state = _WorkerRequest(unpack_token_ids(new.token_ids).tolist(), list(new.block_ids),
+                                   new.prompt_len, new.sampling.prompt_logprobs)
             self.batch[new.req_id] = state
             work.append((new.req_id, state, new.num_computed_tokens, new.num_scheduled_tokens))
         for cached in plan.cached_requests:
@@ -120,6 +147,8 @@ class FakeWorker:
         for req_id, state, start, num in work:  # pass 1: write the step's KV
             self._write_kv(state, start, start + num)
             self.num_scheduled[req_id] = self.num_scheduled.get(req_id, 0) + num
+        prompt_logprobs = [part for req_id, state, start, num in work
+                           if (part := self._prompt_logprobs(req_id, state, start, num))]
         req_ids, token_ids = [], []
         for req_id, state, start, num in work:  # pass 2: attention + sampling
             if start + num == len(state.tokens):
@@ -128,7 +157,26 @@ class FakeWorker:
                 state.tokens.append(token)
                 req_ids.append(req_id)
                 token_ids.append(token)
-        return SampledTokens(plan.step_id, req_ids, pack_token_ids(token_ids), failed=failed)
+        return SampledTokens(plan.step_id, req_ids, pack_token_ids(token_ids), failed=failed,
+                             prompt_logprobs=prompt_logprobs)
+
+    @staticmethod
+    def _prompt_logprobs(req_id: str, state: _WorkerRequest, start: int,
+                         num: int) -> PromptLogprobs | None:
+        """As the real worker: positions start+1 .. min(start+num, prompt_len-1) of a request
+        that wants them (each row's alternatives are the prompt token plus 1, 2, ...)."""
+        k = state.prompt_logprobs
+        end = min(start + num, state.prompt_len - 1)
+        if k is None or end <= start:
+            return None
+        ids, values, ranks = [], [], []
+        for pos in range(start + 1, end + 1):
+            token = state.tokens[pos]
+            ids += [token] + [token + j for j in range(1, k + 1)]
+            values += [fake_prompt_logprob(pos, token)] + [-0.5 * j for j in range(1, k + 1)]
+            ranks.append(1 + token % 3)
+        return PromptLogprobs(req_id, start + 1, k, pack_token_ids(ids),
+                              np.asarray(values, "<f4").tobytes(), pack_token_ids(ranks))
 
     def _write_kv(self, state: _WorkerRequest, start: int, end: int) -> None:
         assert 0 <= start < end <= len(state.tokens), (start, end, len(state.tokens))

@@ -42,6 +42,19 @@ def test_check_request_accepts_the_edges():
     check_request(_request(eos=2**40, ignore_eos=True), VOCAB)  # EOS ignored: never sent on
     with pytest.raises(ValueError, match="^logprobs "):
         check_request(_request(logprobs=20), 10)
+    with pytest.raises(ValueError, match="^prompt_logprobs "):
+        check_request(_request(prompt_logprobs=20), 10)
+    with pytest.raises(ValueError, match=r"^prompt_logprobs must be in \[0, 20\]"):
+        SamplingParams(prompt_logprobs=21)
+
+
+def test_priority_needs_the_priority_policy():
+    """As vLLM: under fcfs a priority other than 0 is refused (it would be ignored)."""
+    request = Request("r", [5, 6], SamplingParams(), priority=-2)
+    with pytest.raises(ValueError, match=r"^priority -2 needs --scheduling-policy priority"):
+        check_request(request, VOCAB)
+    check_request(request, VOCAB, "priority")
+    check_request(Request("r", [5, 6], SamplingParams(), priority=0), VOCAB, "fcfs")
 
 
 def test_prompt_bytes_that_are_not_int32():

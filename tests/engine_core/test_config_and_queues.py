@@ -64,7 +64,8 @@ def test_flags_round_trip_through_argv():
         "some/model", "--max-model-len", "1024", "--block-size", "32", "--no-enable-prefix-caching",
         "--kv-cache-memory", "2GiB", "--max-num-seqs", "8", "--max-num-batched-tokens", "1024",
         "--no-enable-chunked-prefill", "--scheduling-policy", "priority", "--no-async-scheduling",
-        "--max-num-queued-reqs", "100", "--stream-interval", "4", "-tp", "2", "--device", "cpu",
+        "--max-num-queued-reqs", "100", "--max-num-queued-tokens", "32K", "--stream-interval",
+        "4", "-tp", "2", "--device", "cpu",
         "--attention-backend", "torch", "--enforce-eager", "--dtype", "half",
         "--num-gpu-blocks-override", "64", "--served-model-name", "tiny"])
     config = config_from_args(ns)
@@ -72,9 +73,22 @@ def test_flags_round_trip_through_argv():
     assert config.scheduler.scheduling_policy == "priority"
     assert not config.scheduler.async_scheduling and config.parallel.tensor_parallel_size == 2
     assert config.cache.num_kv_blocks_override == 64
+    assert config.scheduler.max_num_queued_tokens == 32 * 1024
     assert config_from_args(_parser().parse_args(config_to_argv(config))) == config
     default = EngineConfig(ModelConfig("m"))
     assert config_from_args(_parser().parse_args(config_to_argv(default))) == default
+
+
+@pytest.mark.parametrize("text,value", [("8192", 8192), ("32k", 32_000), ("32K", 32_768),
+                                        ("1.5m", 1_500_000), ("2M", 2 * 2**20)])
+def test_max_num_queued_tokens_takes_vllm_counts(text, value):
+    assert _parser().parse_args(["--max-num-queued-tokens", text]).max_num_queued_tokens == value
+
+
+@pytest.mark.parametrize("text", ["abc", "1x", "", "k", "1.5K", "-3"])
+def test_max_num_queued_tokens_refuses_what_is_not_a_count(text):
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--max-num-queued-tokens", text])
 
 
 def test_model_flag_errors():

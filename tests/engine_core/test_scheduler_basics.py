@@ -363,3 +363,21 @@ def test_no_admission_in_a_preempting_step_and_head_of_line_blocking():
     plan, _ = step(sched, worker)
     assert scheduled_tokens(plan) == {"a": 1} and not plan.preempted_req_ids
     assert [r.req_id for r in sched.waiting] == ["b", "c"]
+
+
+def test_stats_count_queued_prompt_tokens_until_the_first_token():
+    """`queued_prompt_tokens` (what --max-num-queued-tokens limits across frontends): prompt
+    tokens of unfinished requests without a generated token. Budget 16: a (20 tokens) takes
+    two steps of prefill, b (10) is admitted in the second; both sample there."""
+    sched = make_scheduler(max_num_batched_tokens=16, max_num_seqs=4)
+    worker = FakeWorker(16)
+    sched.add(make_request("a", 20, max_tokens=4))
+    sched.add(make_request("b", 10, max_tokens=4))
+    sched.add(make_request("c", 7, max_tokens=4))
+    assert sched.stats().queued_prompt_tokens == 37
+    step(sched, worker)  # a: 16 of 20, nothing sampled
+    assert sched.stats().queued_prompt_tokens == 37
+    sched.abort(["c"])
+    assert sched.stats().queued_prompt_tokens == 30
+    step(sched, worker)  # a: last 4 and b: all 10; both sample
+    assert sched.stats().queued_prompt_tokens == 0

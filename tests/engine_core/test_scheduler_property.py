@@ -2,19 +2,25 @@
 
 Random: arrivals over time, prompt and output lengths, tiny to large block pools, shared
 prefixes, both policies, chunked prefill on/off, prefix caching on/off, async scheduling (0-2
-plans in flight), random aborts, EOS / stop tokens / min_tokens. After every step: the token
-budget and max_num_seqs hold, every block is free or owned with the right reference count,
-each request is in exactly one queue (`check_invariants()`); the fake worker checks that every
-position's KV holds the right token before it samples. At the end: every request that was not
-aborted produced exactly the tokens of an unconstrained run, every request got exactly one
-final output (its last), and no block leaked.
+plans in flight), random aborts, EOS / stop tokens / min_tokens, prompt logprobs. After every
+step: the token budget and max_num_seqs hold, every block is free or owned with the right
+reference count, each request is in exactly one queue (`check_invariants()`); the fake worker
+checks that every
+position's KV holds the right token before it samples, and that no request asking for prompt
+logprobs starts from a prefix-cache hit. At the end: every request that was not aborted
+produced exactly the tokens of an unconstrained run, every request got exactly one final
+output (its last), prompt logprobs came once with the first token and cover the prompt, and
+no block leaked.
 """
 
 import logging
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sched_utils import FakeWorker, fake_model, make_request, make_scheduler, reference_tokens
+from sched_utils import (
+    FakeWorker, fake_model, fake_prompt_logprob, make_request, make_scheduler, reference_tokens,
+    unpack_prompt_logprobs,
+)
 
 from tidal.ipc.messages import FinishReason, unpack_token_ids
 
@@ -56,7 +62,8 @@ def workloads(draw):
             eos=EOS, ignore_eos=draw(st.booleans()),
             stop_token_ids=draw(st.lists(st.integers(1, VOCAB - 1), max_size=1)),
             priority=draw(st.integers(0, 3)), arrival=draw(st.integers(0, 8)),
-            abort_at=draw(st.one_of(st.none(), st.none(), st.integers(0, 40)))))
+            abort_at=draw(st.one_of(st.none(), st.none(), st.integers(0, 40))),
+            prompt_logprobs=draw(st.sampled_from([None, None, 0, 2]))))
     depth = draw(st.sampled_from([0, 1, 2]))  # plans in flight beyond the one just made
     return config, requests, depth
 
@@ -84,7 +91,7 @@ def _run(config, requests, depth):
                 spec["req_id"], spec["prompt"], max_tokens=spec["max_tokens"],
                 min_tokens=spec["min_tokens"], eos=spec["eos"], ignore_eos=spec["ignore_eos"],
                 stop_token_ids=spec["stop_token_ids"], priority=spec["priority"],
-                arrival_time=float(t)))
+                arrival_time=float(t), prompt_logprobs=spec["prompt_logprobs"]))
         for spec in requests:
             if spec["abort_at"] == t and spec["req_id"] in sched.requests:
                 aborted.add(spec["req_id"])
@@ -123,6 +130,7 @@ def test_random_workloads(workload):
         finals = [o for o in outs if o.finish_reason is not None]
         assert len(finals) == 1 and outs[-1] is finals[0], spec["req_id"]
         tokens = [t for o in outs for t in unpack_token_ids(o.new_token_ids)]
+        _check_prompt_logprobs(spec, outs)
         if finals[0].finish_reason == FinishReason.ABORT:
             assert spec["req_id"] in aborted
             continue
@@ -135,3 +143,22 @@ def test_random_workloads(workload):
     assert not sched.requests and not sched.kv_cache_manager.req_blocks
     assert pool.num_free_blocks == config["num_blocks"] - 1
     assert all(b.ref_cnt == 0 for b in pool.blocks)
+
+
+def _check_prompt_logprobs(spec, outs):
+    """Prompt logprobs come once, on the first output with a token, covering positions
+    1 .. len(prompt) - 1 in order, whatever chunking, preemption or async scheduling did."""
+    carrying = [o for o in outs if o.prompt_logprobs is not None]
+    first_token = next((o for o in outs if o.new_token_ids), None)
+    if spec["prompt_logprobs"] is None or first_token is None:
+        assert not carrying, spec
+        return
+    assert carrying == [first_token], spec
+    part = first_token.prompt_logprobs
+    assert part.num_logprobs == spec["prompt_logprobs"]
+    prompt = spec["prompt"]
+    expected = [(pos, prompt[pos], fake_prompt_logprob(pos, prompt[pos]))
+                for pos in range(1, len(prompt))]
+    got = unpack_prompt_logprobs(part)
+    assert [(p, t) for p, t, _ in got] == [(p, t) for p, t, _ in expected], spec
+    assert all(abs(a[2] - b[2]) < 1e-3 for a, b in zip(got, expected))

@@ -88,3 +88,35 @@ def test_a_daemon_that_cannot_start_is_reported_with_its_output(tmp_path):
 
     with pytest.raises(RuntimeError, match="config.json"):
         asyncio.run(go())
+
+
+def test_chat_template_rendering_and_its_errors(tiny_llama):
+    """The shared renderer of LLM.chat and the HTTP server: text parts are joined, the text
+    is tokenized without special tokens, a tokenizer without a template needs one given,
+    and every malformed message or failing template is a ValueError naming the field."""
+    from transformers import AutoTokenizer
+
+    from tidal.frontend.chat_template import normalize_conversation, render_chat
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    conv = normalize_conversation([{"role": "user", "content": [
+        {"type": "text", "text": "Hello"}, {"type": "text", "text": " world"}]}])
+    assert conv == [{"role": "user", "content": "Hello world"}]
+    text, ids = render_chat(tok, conv)
+    assert text == "<|user|>\nHello world\n<|assistant|>\n"
+    assert ids == tok.encode(text, add_special_tokens=False)
+    assert render_chat(tok, conv, add_generation_prompt=False)[0] == "<|user|>\nHello world\n"
+    for bad, where in [([], "messages must"), ([{"content": "x"}], "messages[0] must"),
+                       ([{"role": "user", "content": 3}], "messages[0].content must"),
+                       ([{"role": "user", "content": [{"type": "text"}]}],
+                        "messages[0].content must")]:
+        with pytest.raises(ValueError) as info:
+            normalize_conversation(bad)
+        assert str(info.value).startswith(where)
+    with pytest.raises(ValueError, match="^messages: the chat template failed"):
+        render_chat(tok, conv, chat_template="{{ raise_exception('no system role') }}")
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="^chat_template is required"):
+        render_chat(tok, conv)
+    assert render_chat(tok, conv, chat_template="{{ messages[0]['content'] }}")[0] == \
+        "Hello world"

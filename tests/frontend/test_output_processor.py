@@ -11,6 +11,7 @@ from tidal.frontend.engine_client import encode_prompt, read_eos_token_ids
 from tidal.frontend.output_processor import OutputProcessor, find_stop_string
 from tidal.ipc.messages import (
     FinishReason,
+    PromptLogprobs,
     RequestOutput as EngineOut,
     SamplingParams,
     TokenLogprobs,
@@ -344,3 +345,28 @@ def test_logprobs_are_converted_with_ranks_and_text(tok):
     assert first[7].rank == 2 and first[7].decoded_token == tok.decode([7])
     assert second[ids[1]].rank == 3 and second[8].rank == 1 and second[9].rank == 2
     assert comp.cumulative_logprob == pytest.approx(-0.5 - 3.0)
+
+
+def test_prompt_logprobs_come_from_completion_zero_and_stay(tok):
+    """n=2 streaming: only completion 0 asks the engine for the prompt's logprobs; they
+    arrive with its first token as [None, {prompt token + alternatives}, ...]. Completion 1's
+    token, come first, is held back until then, so every update carries them."""
+    proc = OutputProcessor(tok)
+    msgs = add(proc, SamplingParams(n=2, max_tokens=2, prompt_logprobs=1),
+               prompt_ids=(5, 6, 7))
+    assert [m.sampling.prompt_logprobs for m in msgs] == [1, None]
+    part = PromptLogprobs("0_eng-r", 1, 1, pack_token_ids([6, 9, 7, 7]),
+                          array("f", [-2.0, -0.5, -0.25, -0.25]).tobytes(),
+                          pack_token_ids([4, 1]))
+    assert proc.process_outputs([out("1_eng-r", [11])]).request_outputs == []  # held
+    (second,) = proc.process_outputs([out("0_eng-r", [12], prompt_logprobs=part)]
+                                     ).request_outputs
+    assert [(c.index, c.token_ids) for c in second.outputs] == [(0, [12]), (1, [11])]
+    assert second.prompt_logprobs[0] is None and len(second.prompt_logprobs) == 3
+    pos1, pos2 = second.prompt_logprobs[1:]
+    assert pos1[6].rank == 4 and pos1[6].logprob == -2.0 and pos1[9].rank == 1
+    assert pos1[6].decoded_token == tok.decode([6])
+    assert list(pos2) == [7] and pos2[7].rank == 1  # the prompt token is the top one
+    (third,) = proc.process_outputs([out("1_eng-r", [13], FinishReason.LENGTH)]
+                                    ).request_outputs
+    assert third.prompt_logprobs is second.prompt_logprobs

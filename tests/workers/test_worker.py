@@ -102,12 +102,16 @@ def test_a_bad_new_request_fails_alone_and_the_worker_goes_on(tiny_llama):
     script.add("good", list(range(3, 20)))
     script.add("bad-token", [5, 600, 7])  # the tiny vocabulary has 512 ids
     script.add("bad-eos", [5, 6], eos_token_id=2**40)
+    script.add("bad-plp", [5, 6], SamplingParams(max_tokens=2, prompt_logprobs=20))
     plan = script.plan()
+    plan.new_requests[-1].sampling.prompt_logprobs = 600  # past the 512-token vocabulary, as
+    # only a vocabulary under 20 would let through a decoded plan
     sampled = worker.execute(plan)
     assert sampled.req_ids == ["good"]
     failed = {f.req_id: f.error for f in sampled.failed}
     assert failed["bad-token"].startswith("token_ids") and "600" in failed["bad-token"]
     assert failed["bad-eos"].startswith("eos_token_id")
+    assert failed["bad-plp"].startswith("prompt_logprobs") and "600" in failed["bad-plp"]
     assert len(worker.runner.batch) == 1
     for req_id in failed:
         del script.requests[req_id]

@@ -22,11 +22,14 @@ class FakeEngine:
 
     def __init__(self, tokenizer, max_model_len: int = 64, token_delay: float = 0.0,
                  max_num_queued_reqs: int | None = None, fail_with: str | None = None,
-                 refuse_with: str | None = None):
+                 refuse_with: str | None = None, scheduling_policy: str = "fcfs",
+                 max_num_queued_tokens: int | None = None):
         self.tokenizer = tokenizer
         self.model_name = "fake-model"
         self.engine_info = SimpleNamespace(model="/models/fake", max_model_len=max_model_len,
                                            max_num_queued_reqs=max_num_queued_reqs,
+                                           max_num_queued_tokens=max_num_queued_tokens,
+                                           scheduling_policy=scheduling_policy,
                                            stream_interval=1)
         self.token_delay = token_delay
         self.fail_with = fail_with
@@ -57,12 +60,16 @@ class FakeEngine:
     def _token(self, prompt_ids, index: int, step: int) -> int:
         return self._plain[(prompt_ids[-1] + index + step) % len(self._plain)]
 
-    def _logprobs(self, token_id: int, num_top: int) -> dict:
-        entry = {token_id: Logprob(token_id, -0.25, 1, self.tokenizer.decode([token_id]))}
-        for rank in range(2, num_top + 2):
-            alt = self._plain[(token_id + rank) % len(self._plain)]
+    def _logprobs(self, token_id: int, num_top: int, rank: int = 1) -> dict:
+        """The token at `rank`, then `num_top` alternatives at the other ranks from 1."""
+        entry = {token_id: Logprob(token_id, -0.25 * rank, rank,
+                                   self.tokenizer.decode([token_id]))}
+        alt_ranks = [r for r in range(1, num_top + 2) if r != rank][:num_top]
+        for alt_rank in alt_ranks:
+            alt = self._plain[(token_id + alt_rank) % len(self._plain)]
             if alt not in entry:
-                entry[alt] = Logprob(alt, -1.0 * rank, rank, self.tokenizer.decode([alt]))
+                entry[alt] = Logprob(alt, -1.0 * alt_rank, alt_rank,
+                                     self.tokenizer.decode([alt]))
         return entry
 
     async def generate(self, prompt, params, request_id=None, *, priority=0,
@@ -79,6 +86,10 @@ class FakeEngine:
             raise ValueError(self.refuse_with)
         tokens = {j: [] for j in range(params.n)}
         lps = {j: [] for j in range(params.n)}
+        prompt_lps = None
+        if params.prompt_logprobs is not None:  # the prompt token at rank 2, as a fake
+            prompt_lps = [None] + [self._logprobs(t, params.prompt_logprobs, rank=2)
+                                   for t in prompt_ids[1:]]
         try:
             for step in range(params.max_tokens or 8):
                 await asyncio.sleep(self.token_delay)
@@ -90,7 +101,7 @@ class FakeEngine:
                 done = step + 1 == (params.max_tokens or 8)
                 self._time(metrics, done)
                 yield RequestOutput(request_id, None, prompt_ids, outs, done,
-                                    metrics if done else None)
+                                    metrics if done else None, prompt_lps)
         except (asyncio.CancelledError, GeneratorExit):
             self.aborted.append(request_id)
             raise

@@ -14,12 +14,12 @@ from tidal.frontend.server.errors import QUEUE_FULL_MESSAGE, APIError
 
 def test_controller_counts_and_releases():
     rejected = []
-    ctl = AdmissionController(2, on_reject=lambda: rejected.append(1))
+    ctl = AdmissionController(2, on_reject=rejected.append)
     a, b = ctl.admit(1), ctl.admit(1)
     with pytest.raises(APIError) as info:
         ctl.admit(1)
     assert info.value.status == 503 and info.value.body()["error"]["message"] == QUEUE_FULL_MESSAGE
-    assert rejected == [1] and ctl.num_unfinished() == 2
+    assert rejected == ["max_num_queued_reqs"] and ctl.num_unfinished() == 2
     a.release()
     a.release()  # idempotent
     c = ctl.admit(1)
@@ -47,6 +47,51 @@ def test_controller_sums_processes_and_other_frontends():
     lone.note_core_count(core_unfinished=1, ours_before=1, ours_after=2)
     assert lone.others == 0  # never negative, never counts our own twice
     assert AdmissionController(None).admit(10**6).num_reqs == 10**6  # no limit
+
+
+def test_controller_counts_queued_prompt_tokens_until_the_first_token():
+    rejected = []
+    ctl = AdmissionController(None, token_limit=100, on_reject=rejected.append)
+    a = ctl.admit(2, 60)  # n=2 over a 30-token prompt
+    with pytest.raises(APIError) as info:
+        ctl.admit(1, 41)  # 60 + 41 > 100
+    assert info.value.status == 503
+    assert info.value.body()["error"]["message"].startswith(
+        "The engine has reached its prefill token backlog limit.")
+    assert rejected == ["max_num_queued_tokens"] and ctl.num_queued_tokens() == 60
+    b = ctl.admit(1, 40)  # exactly at the limit
+    a.prefill_done(30)  # completion 0 of `a` has its first token
+    assert ctl.num_queued_tokens() == 70 and ctl.num_unfinished() == 3
+    c = ctl.admit(1, 30)
+    a.prefill_done(30), a.prefill_done(30)  # more than it holds: no effect past its share
+    assert ctl.num_queued_tokens() == 70
+    a.release(), b.release(), c.release()
+    assert ctl.num_queued_tokens() == 0 and ctl.num_unfinished() == 0
+    # a prompt over the limit on its own is admitted when nothing is queued, not before
+    big = ctl.admit(1, 500)
+    with pytest.raises(APIError):
+        ctl.admit(1, 1)
+    big.release()
+    # tokens of other frontends, from the core's snapshot, count too
+    ctl.note_core_count(1, 0, 0, core_tokens=95, our_tokens_before=0, our_tokens_after=0)
+    assert ctl.other_tokens == 95
+    with pytest.raises(APIError):
+        ctl.admit(1, 6)
+    ctl.admit(1, 5)
+
+
+def test_shared_slots_sum_tokens_over_processes():
+    slots = make_shared_slots(2)
+    first = AdmissionController(5, slots, 0, token_limit=50)
+    second = AdmissionController(5, slots, 1, token_limit=50)
+    first.admit(1, 30)
+    ticket = second.admit(1, 20)
+    assert first.num_ours() == second.num_ours() == 2
+    assert first.num_queued_tokens() == second.num_queued_tokens() == 50
+    with pytest.raises(APIError):
+        first.admit(1, 1)
+    ticket.prefill_done(20)
+    assert first.num_queued_tokens() == 30 and first.num_ours() == 2
 
 
 @pytest.fixture
@@ -84,6 +129,40 @@ def test_burst_gets_the_expected_mix_of_200_and_503(slow_engine):
         assert app.state.serving.admission.num_ours() == 0
 
     asyncio.run(_with_app(slow_engine, ServerSettings(max_num_queued_reqs=2), body))
+
+
+def test_token_limit_gets_503_and_frees_at_the_first_token(tokenizer):
+    """--max-num-queued-tokens: prompts of 20 tokens against a limit of 50. While two requests
+    wait for their first token a third gets 503 (counted under its reason); once the first
+    tokens are back (the requests still decode) the next one is admitted. The limit comes
+    from the engine (EngineInfo), as --max-num-queued-tokens sets it."""
+    engine = FakeEngine(tokenizer, token_delay=0.3, max_num_queued_tokens=50)
+    prompt = list(range(30, 50))
+
+    async def body(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            running = [asyncio.ensure_future(client.post(
+                "/v1/completions", json={"prompt": prompt, "max_tokens": 3})) for _ in range(2)]
+            await asyncio.sleep(0.1)  # both admitted, neither has its first token (0.3 s)
+            assert app.state.serving.admission.num_our_tokens() == 40
+            third = await client.post("/v1/completions", json={"prompt": prompt,
+                                                                "max_tokens": 1})
+            assert third.status_code == 503, third.text
+            assert "prefill token backlog" in third.json()["error"]["message"]
+            await asyncio.sleep(0.4)  # first tokens are back; the two still decode
+            assert app.state.serving.admission.num_our_tokens() == 0
+            assert app.state.serving.admission.num_ours() == 2
+            fourth = await client.post("/v1/completions", json={"prompt": prompt,
+                                                                 "max_tokens": 1})
+            assert fourth.status_code == 200, fourth.text
+            assert all(r.status_code == 200 for r in await asyncio.gather(*running))
+            metrics = (await client.get("/metrics")).text
+            assert 'reason="max_num_queued_tokens"} 1.0' in metrics
+        assert app.state.serving.admission.num_ours() == 0
+        assert app.state.serving.admission.num_our_tokens() == 0
+
+    asyncio.run(_with_app(engine, ServerSettings(), body))
 
 
 def _scope(path: str) -> dict:

@@ -73,13 +73,15 @@ def test_completion_prompt_list_and_token_ids(client, engine):
     assert engine.tokenizer.decode(choice["token_ids"]) == choice["text"]
 
 
-def test_completion_sampling_params_reach_the_engine(client, engine):
-    r = client.post("/v1/completions", json={
-        "prompt": "hi", "max_tokens": 4, "temperature": 0.5, "top_p": 0.9, "top_k": 7,
-        "min_p": 0.1, "seed": 3, "stop": "xyz", "stop_token_ids": [1], "ignore_eos": True,
-        "min_tokens": 2, "presence_penalty": 0.5, "frequency_penalty": -0.5,
-        "repetition_penalty": 1.2, "priority": -3, "include_stop_str_in_output": True,
-        "skip_special_tokens": False, "user": "u1", "some_unknown_field": 1})
+def test_completion_sampling_params_reach_the_engine(tokenizer):
+    engine = FakeEngine(tokenizer, scheduling_policy="priority")
+    with make_client(engine) as client:
+        r = client.post("/v1/completions", json={
+            "prompt": "hi", "max_tokens": 4, "temperature": 0.5, "top_p": 0.9, "top_k": 7,
+            "min_p": 0.1, "seed": 3, "stop": "xyz", "stop_token_ids": [1], "ignore_eos": True,
+            "min_tokens": 2, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+            "repetition_penalty": 1.2, "priority": -3, "include_stop_str_in_output": True,
+            "skip_special_tokens": False, "user": "u1", "some_unknown_field": 1})
     assert r.status_code == 200, r.text
     (_, params, priority), = engine.generated.values()
     assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.5, 0.9, 7, 0.1)
@@ -88,6 +90,54 @@ def test_completion_sampling_params_reach_the_engine(client, engine):
     assert params.include_stop_str_in_output and not params.skip_special_tokens
     assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.5)
     assert priority == -3
+
+
+def test_completion_echo_with_logprobs_leads_with_the_prompt(client, engine):
+    """OpenAI / vLLM: echo + logprobs gives the prompt's tokens and logprobs, then the
+    completion's; the first prompt token has null logprob and top_logprobs; offsets run over
+    the whole text. The engine is asked for prompt logprobs with the same top count."""
+    prompt = [30, 31, 32]
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "echo": True,
+                                             "logprobs": 1, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    (_, params, _), = engine.generated.values()
+    assert params.prompt_logprobs == 1 and params.logprobs == 1
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    tok = engine.tokenizer
+    assert lp["tokens"] == [tok.decode([t]) for t in prompt + choice["token_ids"]]
+    assert lp["token_logprobs"][:3] == [None, -0.5, -0.5]  # the fake's prompt entries
+    assert lp["token_logprobs"][3:] == [-0.25, -0.25]
+    assert lp["top_logprobs"][0] is None and len(lp["top_logprobs"][1]) == 2
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(5)]
+    assert choice["text"] == "".join(lp["tokens"])
+    assert len(choice["token_ids"]) == 2  # return_token_ids: the completion's own ids
+
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "echo": True,
+                                             "logprobs": 0, "stream": True})
+    chunks = [e for e in sse_events(r.text) if e != "[DONE]"]
+    first, second = (c["choices"][0]["logprobs"] for c in chunks)
+    assert first["token_logprobs"][:3] == [None, -0.5, -0.5] and len(first["tokens"]) == 4
+    assert second["text_offset"][0] == sum(len(t) for t in first["tokens"])
+    assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
+
+
+@pytest.mark.parametrize("path,payload", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                              "stream": True}),
+])
+def test_priority_under_fcfs_is_a_400(client, engine, path, payload):
+    """As vLLM: a priority other than 0 needs --scheduling-policy priority; a 400 naming the
+    field, before admission (a stream gets a real status too), and nothing reaches the
+    engine. Priority 0 is everyone's default and passes."""
+    r = client.post(path, json={**payload, "priority": 1})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "priority" and "--scheduling-policy priority" in error["message"]
+    assert not engine.generated
+    assert client.app.state.serving.admission.num_ours() == 0
+    assert client.post(path, json={**payload, "priority": 0}).status_code == 200
 
 
 def test_completion_echo_and_logprobs(client):

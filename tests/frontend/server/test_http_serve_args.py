@@ -29,6 +29,7 @@ def test_defaults_and_engine_flags_coexist():
 @pytest.mark.parametrize("argv,word", [
     (["--api-server-count", "0"], "api-server-count"),
     (["--max-num-queued-reqs", "0"], "max-num-queued-reqs"),
+    (["--max-num-queued-tokens", "0"], "max-num-queued-tokens"),
     (["--port", "70000"], "port"),
     (["--frontend-timeout", "0"], "frontend-timeout"),
     (["--engine", "ipc:///tmp/x.sock", "--frontend-timeout", "3"], "tidal core"),
