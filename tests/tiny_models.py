@@ -1,7 +1,9 @@
 """Tiny Hugging Face model folders for tests: random weights from a fixed seed, and a
 byte-level BPE tokenizer trained offline on a built-in corpus. Nothing is downloaded.
 
-    make_tiny_model(path, arch="llama" | "qwen2" | "qwen3", **config_overrides) -> path
+    make_tiny_model(path, arch="llama" | "qwen2" | "qwen3", dtype="float32",
+                    **config_overrides) -> path
+    make_tiny_gguf(model_dir, path, qtype="F32" | "Q8_0" | ..., arch=None) -> path
 
 Each folder is a normal HF folder (config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json, generation_config.json) that transformers' Auto classes load.
@@ -68,8 +70,10 @@ _ARCH_DEFAULTS = {
 }
 
 
-def make_tiny_model(path: str, arch: str = "llama", seed: int = 0, **overrides) -> str:
-    """Build a random-weight model folder at `path` (created) and return the path."""
+def make_tiny_model(path: str, arch: str = "llama", seed: int = 0, dtype: str = "float32",
+                    **overrides) -> str:
+    """Build a random-weight model folder at `path` (created) and return the path. The
+    weights are drawn in float32 and saved in `dtype` (config.json says which)."""
     import torch
     import transformers
 
@@ -107,7 +111,7 @@ def make_tiny_model(path: str, arch: str = "llama", seed: int = 0, **overrides) 
                 if name.endswith("bias"):
                     p.normal_(0.0, 0.2)
     model.generation_config.do_sample = False
-    model.save_pretrained(path, safe_serialization=True)
+    model.to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
     return path
 
 
