@@ -15,7 +15,7 @@ of config, tokenizer and weights (its reader builds one numpy view per vocabular
 each rank, the frontend and the core would each pay seconds to a minute at every start; a
 folder is converted once per file and later starts are a hash and a safetensors mmap (README,
 "GGUF models", has the numbers). The cost is disk: the weights are stored de-quantized, in
-float32, about 8x a 4-bit file.
+float32 (SmolLM2-135M in Q4_1: 538 MB from a 98 MB file).
 
 Everything goes through transformers' own GGUF support (`from_pretrained(gguf_file=...)`,
 which reads the file with the `gguf` package and de-quantizes each tensor with it, in
