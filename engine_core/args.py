@@ -70,12 +70,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def _add_model_args(g) -> None:
     g.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
-                   help="local Hugging Face model folder (same as --model; default in "
-                        "tidal serve/core/generate: the bundled demo model)")
-    g.add_argument("--model", default=None, help="local Hugging Face model folder")
+                   help="local Hugging Face model folder or .gguf file (same as --model; "
+                        "default in tidal serve/core/generate: the bundled demo model)")
+    g.add_argument("--model", default=None,
+                   help="local Hugging Face model folder or .gguf file (converted once into "
+                        "$TIDAL_CACHE_DIR, default ~/.cache/tidal)")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
     g.add_argument("--dtype", type=_dtype, default="auto",
-                   help="auto, half/float16, bfloat16, float/float32, float64 (default: auto)")
+                   help="auto, half/float16, bfloat16, float/float32, float64 (default: auto: "
+                        "the checkpoint's; on the CPU float16 computes in float32, and "
+                        "bfloat16 too unless the CPU has AVX512_BF16 or AMX)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length, prompt + output (default: the model's config.json)")
     g.add_argument("--seed", type=int, default=_default(ModelConfig, "seed"),

@@ -26,6 +26,11 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "numba", "torch", "triton", "reference")  # = tidal.kernels.BACKENDS
 
 
+def is_gguf(model: str) -> bool:
+    """Whether `model` names a GGUF file (by its suffix) rather than a model folder."""
+    return model.lower().endswith(".gguf")
+
+
 def _require(ok: bool, name: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{name} {message}")
@@ -36,12 +41,14 @@ class ModelConfig:
     """Which model to serve and how to load it."""
 
     model: str
-    """A local Hugging Face model folder (config.json, tokenizer files, safetensors)."""
+    """A local Hugging Face model folder (config.json, tokenizer files, safetensors), or a
+    GGUF file (`*.gguf`), which the engine core converts once into a cached folder
+    (`engine_core/model_files.py`)."""
     tokenizer: str | None = None
-    """Tokenizer folder; None means the model folder."""
+    """Tokenizer folder; None means the model folder (for a GGUF file: the converted one)."""
     dtype: str = "auto"
     """Weight and activation dtype: auto (the worker picks from the checkpoint's dtype and the
-    device), float32, bfloat16, float16 or float64."""
+    device; a GGUF file's is float32), float32, bfloat16, float16 or float64."""
     max_model_len: int | None = None
     """Context length (prompt + generated tokens); None means the model's own, read from
     config.json (`max_position_embeddings` and friends). May not exceed the model's."""
@@ -52,7 +59,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _require(isinstance(self.model, str) and self.model != "", "model",
-                 "must be a non-empty path to a model folder")
+                 "must be a non-empty path to a model folder or a GGUF file")
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         _require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
                  f"must be at least 1, got {self.max_model_len}")
@@ -61,8 +68,11 @@ class ModelConfig:
                  "served_model_name", "must not be empty")
 
     @property
-    def tokenizer_path(self) -> str:
-        """Where the tokenizer lives."""
+    def tokenizer_path(self) -> str | None:
+        """Where the tokenizer lives; None when only the engine core can say (a GGUF file:
+        its converted folder, sent in `EngineInfo.tokenizer`)."""
+        if self.tokenizer is None and is_gguf(self.model):
+            return None
         return self.tokenizer or self.model
 
     @property
@@ -210,13 +220,15 @@ class EngineConfig:
         if self.model.max_model_len is not None:
             check_lengths(self, self.model.max_model_len)
 
-    def worker_config(self, rank: int, max_model_len: int, dist_init_method: str) -> WorkerConfig:
-        """What rank `rank` needs to build itself (sent once at start-up)."""
+    def worker_config(self, rank: int, max_model_len: int, dist_init_method: str,
+                      model_dir: str | None = None) -> WorkerConfig:
+        """What rank `rank` needs to build itself (sent once at start-up); `model_dir` is
+        the folder to load (`model_files.model_folder`; None: `model.model`)."""
         affinity = parse_cpu_affinity(self.parallel.cpu_affinity,
                                       self.parallel.tensor_parallel_size)
         cores = affinity[rank] if affinity is not None else None
         return WorkerConfig(
-            model=self.model.model,
+            model=model_dir or self.model.model,
             dtype=self.model.dtype,
             block_size=self.cache.block_size,
             max_model_len=max_model_len,
@@ -295,15 +307,17 @@ def read_model_max_len(model_dir: str) -> int:
     return max_len
 
 
-def resolve_max_model_len(config: EngineConfig) -> int:
-    """`--max-model-len` if given (ValueError if above the model's), else the model's own."""
-    model_len = read_model_max_len(config.model.model)
+def resolve_max_model_len(config: EngineConfig, model_dir: str | None = None) -> int:
+    """`--max-model-len` if given (ValueError if above the model's), else the model's own,
+    from `model_dir` (the folder to load; None: `config.model.model`)."""
+    model_dir = model_dir or config.model.model
+    model_len = read_model_max_len(model_dir)
     override = config.model.max_model_len
     if override is None:
         max_model_len = model_len
     elif override > model_len:
         raise ValueError(f"max_model_len ({override}) exceeds the model's context length "
-                         f"({model_len}) from {config.model.model}/config.json")
+                         f"({model_len}) from {model_dir}/config.json")
     else:
         max_model_len = override
     check_lengths(config, max_model_len)

@@ -8,7 +8,8 @@ pool and the executor in one process that serves any number of frontends.
 Life of the process:
 1. bind the frontend ROUTER (`--listen`, default `default_engine_address()`), so an address
    that is taken fails at once; frontends may connect and say Hello right away;
-2. start one worker per TP rank, wait for every WorkerReady, InitKVCache(min blocks);
+2. a GGUF model file: convert it into a cached Hugging Face folder (`model_files.py`), once
+   per file; start one worker per TP rank, wait for every WorkerReady, InitKVCache(min blocks);
 3. answer each Hello with EngineInfo, then loop over steps (see `EngineCoreDaemon._step`);
    a request that is bad in itself (a token id outside the vocabulary, an AddRequest that
    does not decode) is refused to its sender alone (`RequestOutput.refused`), never reaches
@@ -53,12 +54,13 @@ from dataclasses import dataclass
 import zmq
 
 from tidal.engine_core.args import add_engine_args, config_from_args
-from tidal.engine_core.config import EngineConfig, resolve_max_model_len
+from tidal.engine_core.config import EngineConfig, is_gguf, resolve_max_model_len
 from tidal.engine_core.executor import (
     Executor,
     WorkerError,
     WorkerFacts,
 )
+from tidal.engine_core.model_files import model_folder
 from tidal.engine_core.request import Request, check_request
 from tidal.engine_core.scheduler import Scheduler
 from tidal.ipc.lifeline import watch_parent
@@ -135,6 +137,7 @@ class EngineCoreDaemon:
         self.num_worker_restarts = 0
         self.sock = self.auth = self.executor = self.scheduler = self.info = None
         self.vocab_size = 0  # the model's, reported by the workers at start-up
+        self.model_dir = config.model.model  # the folder loaded (a GGUF file's: converted)
         self._wake_r, self._wake_w = socket.socketpair()
         self._last_log = time.monotonic()
         self._last_logged_stats = None
@@ -157,15 +160,21 @@ class EngineCoreDaemon:
             logger.info("engine core stopped (exit code %d)", code)
 
     def _start(self) -> int | None:
-        """Bind, start the workers, build the scheduler. An exit code on failure, else None."""
+        """Bind, convert a GGUF model, start the workers, build the scheduler. An exit code
+        on failure, else None."""
         try:
-            max_model_len = resolve_max_model_len(self.config)
+            if not is_gguf(self.config.model.model):  # a bad folder fails before binding
+                resolve_max_model_len(self.config)
             self.sock, self.auth = bind_engine_socket(self.ctx, self.listen, self.key_file)
         except (ValueError, OSError) as e:
             logger.error("cannot start: %s", e)
             return EXIT_BAD_START
         logger.info("engine core listening on %s (model %s)", self.listen, self.config.model.model)
         try:
+            # a GGUF file becomes a cached folder (minutes the first time, a hash later)
+            self.model_dir = model_folder(self.config.model.model,
+                                          lambda: self.stop_reason is not None, self.log_level)
+            max_model_len = resolve_max_model_len(self.config, self.model_dir)
             facts = self._start_workers(max_model_len)
             self.scheduler = Scheduler(self.config, facts.num_kv_blocks, facts.max_model_len)
         except InterruptedError:
@@ -185,19 +194,20 @@ class EngineCoreDaemon:
         WorkerError if a rank fails to start; InterruptedError on a stop signal."""
         self.executor = Executor(self.config, max_model_len, self.ctx,
                                  step_timeout=self.config.parallel.worker_timeout,
-                                 log_level=self.log_level)
+                                 log_level=self.log_level,
+                                 model_dir=self.model_dir)
         self._idle_poller = None  # it polls the executor's process fds
         return self.executor.start(lambda: self.stop_reason is not None)
 
     def _engine_info(self, num_blocks: int, max_model_len: int) -> EngineInfo:
         c = self.config
         return EngineInfo(
-            model=c.model.model, max_model_len=max_model_len, num_kv_blocks=num_blocks,
+            model=self.model_dir, max_model_len=max_model_len, num_kv_blocks=num_blocks,
             block_size=c.cache.block_size, max_num_seqs=c.scheduler.max_num_seqs,
             max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
             stream_interval=c.scheduler.stream_interval,
             max_num_queued_reqs=c.scheduler.max_num_queued_reqs,
-            served_model_name=c.model.name, tokenizer=c.model.tokenizer_path,
+            served_model_name=c.model.name, tokenizer=c.model.tokenizer or self.model_dir,
             vocab_size=self.vocab_size, scheduling_policy=c.scheduler.scheduling_policy,
             max_num_queued_tokens=c.scheduler.max_num_queued_tokens,
             heartbeat_interval=heartbeat_interval(self.frontend_timeout))

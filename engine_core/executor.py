@@ -94,9 +94,10 @@ class Executor:
     def __init__(self, config: EngineConfig, max_model_len: int, ctx: zmq.Context | None = None,
                  *, step_timeout: float = DEFAULT_STEP_TIMEOUT_S,
                  startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S,
-                 log_level: str = "INFO") -> None:
+                 log_level: str = "INFO", model_dir: str | None = None) -> None:
         self.config = config
         self.max_model_len = max_model_len
+        self.model_dir = model_dir  # the folder the ranks load (None: config.model.model)
         self.step_timeout = step_timeout
         self.startup_timeout = startup_timeout
         self.log_level = log_level
@@ -154,7 +155,8 @@ class Executor:
         sock.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(plan_address)
-        worker_config = self.config.worker_config(rank, self.max_model_len, dist_init_method)
+        worker_config = self.config.worker_config(rank, self.max_model_len, dist_init_method,
+                                                  self.model_dir)
         lifeline = lifeline_fd()  # the rank dies with this process (ipc/lifeline.py)
         cmd = [sys.executable, "-m", "tidal.workers.proc",
                "--config", encode_worker_config(worker_config),

@@ -9,7 +9,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
-from tiny_models import make_tiny_model  # noqa: E402
+from tiny_models import make_tiny_gguf, make_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -40,3 +40,28 @@ def tiny_qwen2(tiny_model_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_qwen3(tiny_model_factory) -> str:
     return tiny_model_factory("qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_factory(tiny_llama, tmp_path_factory):
+    """Write (once per session and arguments) the tiny Llama as a GGUF file; returns its path."""
+    cache: dict = {}
+
+    def build(qtype: str = "F32", arch: str = "llama") -> str:
+        if (qtype, arch) not in cache:
+            folder = tmp_path_factory.mktemp(f"gguf-{qtype}-{arch}")
+            cache[qtype, arch] = make_tiny_gguf(tiny_llama, str(folder / f"tiny-{qtype}.gguf"),
+                                                qtype, arch)
+        return cache[qtype, arch]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def gguf_cache_dir(tmp_path_factory):
+    """TIDAL_CACHE_DIR for GGUF conversions from here on (daemons started later inherit it),
+    so tests never write into the user's cache."""
+    path = str(tmp_path_factory.mktemp("tidal-cache"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TIDAL_CACHE_DIR", path)
+        yield path

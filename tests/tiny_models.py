@@ -1,7 +1,9 @@
 """Tiny Hugging Face model folders for tests: random weights from a fixed seed, and a
 byte-level BPE tokenizer trained offline on a built-in corpus. Nothing is downloaded.
 
-    make_tiny_model(path, arch="llama" | "qwen2" | "qwen3", **config_overrides) -> path
+    make_tiny_model(path, arch="llama" | "qwen2" | "qwen3", dtype="float32",
+                    **config_overrides) -> path
+    make_tiny_gguf(model_dir, path, qtype="F32" | "Q8_0" | ..., arch=None) -> path
 
 Each folder is a normal HF folder (config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json, generation_config.json) that transformers' Auto classes load.
@@ -68,8 +70,10 @@ _ARCH_DEFAULTS = {
 }
 
 
-def make_tiny_model(path: str, arch: str = "llama", seed: int = 0, **overrides) -> str:
-    """Build a random-weight model folder at `path` (created) and return the path."""
+def make_tiny_model(path: str, arch: str = "llama", seed: int = 0, dtype: str = "float32",
+                    **overrides) -> str:
+    """Build a random-weight model folder at `path` (created) and return the path. The
+    weights are drawn in float32 and saved in `dtype` (config.json says which)."""
     import torch
     import transformers
 
@@ -107,7 +111,7 @@ def make_tiny_model(path: str, arch: str = "llama", seed: int = 0, **overrides) 
                 if name.endswith("bias"):
                     p.normal_(0.0, 0.2)
     model.generation_config.do_sample = False
-    model.save_pretrained(path, safe_serialization=True)
+    model.to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
     return path
 
 
@@ -115,3 +119,72 @@ def _token_id(path: str, token: str) -> int:
     with open(os.path.join(path, "tokenizer.json")) as f:
         vocab = json.load(f)["model"]["vocab"]
     return vocab[token]
+
+
+def make_tiny_gguf(model_dir: str, path: str, qtype: str = "F32", arch: str = "llama") -> str:
+    """Write the tiny Llama folder `model_dir` as a GGUF file at `path` and return the path.
+
+    The layout is llama.cpp's (its converter is not a package; the `gguf` package writes the
+    file): metadata under `<arch>.`, the byte-level BPE tokenizer as `tokenizer.ggml.*` (model
+    "gpt2") with the chat template, q/k rows permuted into llama.cpp's rotary order, and
+    every 2-D weight quantized by the `gguf` package to `qtype` (F32 keeps float32; Q8_0,
+    Q4_1...). `arch` only renames the architecture, to test refusals.
+    """
+    import gguf
+    from safetensors.numpy import load_file
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    layers = config["num_hidden_layers"]
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_name("tiny")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    writer.add_rope_dimension_count(config["hidden_size"] // heads)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    _add_gguf_tokenizer(writer, model_dir, config["eos_token_id"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, layers)
+    quantized = getattr(gguf.GGMLQuantizationType, qtype)
+    for name, weight in load_file(os.path.join(model_dir, "model.safetensors")).items():
+        base, suffix = name.rsplit(".", 1)
+        weight = weight.astype("float32")
+        if base.endswith(("q_proj", "k_proj")):
+            n = heads if base.endswith("q_proj") else kv_heads
+            weight = weight.reshape(n, 2, weight.shape[0] // n // 2, *weight.shape[1:]) \
+                .swapaxes(1, 2).reshape(weight.shape)
+        gguf_name = f"{names.get_name(base)}.{suffix}"
+        if weight.ndim == 2 and qtype != "F32":
+            writer.add_tensor(gguf_name, gguf.quants.quantize(weight, quantized),
+                              raw_dtype=quantized)
+        else:
+            writer.add_tensor(gguf_name, weight)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _add_gguf_tokenizer(writer, model_dir: str, eos_id: int) -> None:
+    with open(os.path.join(model_dir, "tokenizer.json")) as f:
+        tokenizer = json.load(f)
+    vocab = tokenizer["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    special = {t["content"] for t in tokenizer["added_tokens"] if t["special"]}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in special else 1 for t in tokens])  # 3: control
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(eos_id)
+    writer.add_eos_token_id(eos_id)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)

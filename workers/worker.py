@@ -49,6 +49,10 @@ class Worker:
         self.args = parse_model_args(self.hf_config)
         self.args.check_max_model_len(config.max_model_len)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
+        if config.dtype == "auto" and DTYPES.get(checkpoint_dtype(self.hf_config)) != self.dtype:
+            logger.info("rank %d: the checkpoint is %s; computing in %s on %s (--dtype "
+                        "overrides)", self.rank, checkpoint_dtype(self.hf_config), self.dtype,
+                        self.device)
         self.runner: ModelRunner | None = None
         self.num_kv_blocks = 0
         self.load_seconds = 0.0
@@ -201,15 +205,35 @@ def _pick_device(config: WorkerConfig) -> torch.device:
 
 
 def resolve_dtype(name: str, hf_config: dict, device: torch.device) -> torch.dtype:
-    """`auto` takes the checkpoint's dtype (float16 becomes float32 on CPU, where half
-    matmuls are slow); otherwise the named dtype."""
+    """The named dtype; `auto` takes the checkpoint's, except on the CPU:
+
+    - float16 computes in float32: x86 CPUs have no float16 matrix units torch uses (no
+      AMX-FP16 here; torch's float16 GEMM measured no faster than float32), and float16
+      weights convert to float32 exactly, so the results are float32's;
+    - bfloat16 stays bfloat16 where the CPU multiplies it natively (AVX512_BF16 or AMX:
+      GEMMs of 16 rows and more 2.3-7x faster than float32 on AMX, prefill 3-4x; README,
+      "Data types"), else float32, since emulated bfloat16 is slower than float32.
+    """
     if name != "auto":
         return DTYPES[name]
-    ckpt = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
-    dtype = DTYPES.get(str(ckpt).replace("torch.", ""), torch.float32)
+    dtype = DTYPES.get(checkpoint_dtype(hf_config), torch.float32)
     if device.type == "cpu" and dtype == torch.float16:
         return torch.float32
+    if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_native_bf16():
+        return torch.float32
     return dtype
+
+
+def checkpoint_dtype(hf_config: dict) -> str:
+    """The dtype config.json names (`torch_dtype`, or transformers 5's `dtype`), float32 if none."""
+    ckpt = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
+    return str(ckpt).replace("torch.", "")
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether torch finds bfloat16 instructions on this CPU (AVX512_BF16 or AMX tiles)."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # torch.cpu, x86 only
+    return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
 
 
 @contextlib.contextmanager

@@ -159,3 +159,51 @@ class AsyncPlanScript(PlanScript):
             if plan is None:
                 break
         return {req_id: req.output_ids for req_id, req in self.done.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# logits against transformers
+
+
+def prompt_ids(seed: int = 0, n: int = 100) -> list[int]:
+    """`n` token ids in [3, 512) (the tiny models' vocabulary), fixed by `seed`."""
+    import torch
+
+    return torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def hf_logits(path: str, dtype: str, tokens: list[int]):
+    """transformers' logits for every position of `tokens`, the model loaded in `dtype`."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0]
+
+
+def rel_err(ours, ref) -> float:
+    """max |ours - ref| / max |ref|, in ref's dtype."""
+    return ((ours.to(ref.dtype) - ref).abs().max() / ref.abs().max()).item()
+
+
+def loaded_worker(path: str, dtype: str, **overrides):
+    """A CPU Worker on `path`, loaded, its KV cache allocated."""
+    from tidal.workers.worker import Worker
+
+    worker = Worker(worker_config(path, dtype=dtype, **overrides))
+    worker.load()
+    worker.init_kv_cache(worker.determine_num_kv_blocks())
+    return worker
+
+
+def chunked_logits(worker, tokens: list[int], chunk: int, req_id: str, **add):
+    """Logits of every scheduled token, the prompt fed `chunk` tokens per step."""
+    import torch
+
+    script = PlanScript(first_block=add.pop("first_block", 1))
+    script.add(req_id, tokens, **add)
+    parts = []
+    while script.requests[req_id].num_computed < len(tokens):
+        parts.append(worker.runner.compute_logits_all(script.plan(chunk)))
+    return torch.cat(parts)

@@ -1,0 +1,228 @@
+"""GGUF files: de-quantized once into a cached Hugging Face folder that everything else loads.
+
+    python -m tidal.workers.gguf FILE.gguf [--cache-dir DIR]
+        prints one JSON line on stdout: {"folder": PATH} or {"error": MESSAGE} (exit 2)
+
+The engine core runs this before it reads the context length or starts a worker
+(`tidal.engine_core.model_files`), since it does not import torch. The folder is
+`<cache>/gguf-v1/<file stem>-<sha256 of the file, 16 hex digits>/` with config.json,
+generation_config.json, the tokenizer (tokenizer.json, tokenizer_config.json, the chat
+template) and model.safetensors in float32; the cache is `$TIDAL_CACHE_DIR`, else
+`$XDG_CACHE_HOME/tidal`, else `~/.cache/tidal`.
+
+Why a folder, not the GGUF in every place: transformers parses the whole GGUF again for each
+of config, tokenizer and weights (its reader builds one numpy view per vocabulary entry), so
+each rank, the frontend and the core would each pay seconds to a minute at every start; a
+folder is converted once per file and later starts are a hash and a safetensors mmap (README,
+"GGUF models", has the numbers). The cost is disk: the weights are stored de-quantized, in
+float32 (SmolLM2-135M in Q4_1: 538 MB from a 98 MB file).
+
+Everything goes through transformers' own GGUF support (`from_pretrained(gguf_file=...)`,
+which reads the file with the `gguf` package and de-quantizes each tensor with it, in
+float32); nothing here parses GGUF. Only architectures the workers implement are converted;
+any other is a ValueError naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+
+logger = logging.getLogger(__name__)
+
+MARKER = "tidal_gguf.json"
+"""Written last into a converted folder: where it came from (also: the folder is complete)."""
+FORMAT_VERSION = 1
+"""Part of the cache path (`gguf-v1`): raise it when the conversion changes what it writes."""
+
+# transformers model_type (= the GGUF's general.architecture for these) -> the class the
+# workers implement (tidal.workers.models.llama.ARCHITECTURES)
+SUPPORTED = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def cache_root() -> str:
+    """Where converted models live: $TIDAL_CACHE_DIR, $XDG_CACHE_HOME/tidal or ~/.cache/tidal."""
+    if os.environ.get("TIDAL_CACHE_DIR"):
+        return os.environ["TIDAL_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tidal")
+
+
+def file_sha256(path: str) -> str:
+    """The file's sha256 (hex)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def gguf_folder(path: str, root: str | None = None) -> str:
+    """The converted folder of GGUF file `path`, converting it first if the cache lacks it.
+
+    ValueError (naming the file) if it is missing, unreadable, or of an architecture the
+    workers do not implement. Two processes converting the same file at once both succeed;
+    one folder is kept.
+    """
+    if not os.path.isfile(path):
+        raise ValueError(f"model {path!r}: no such GGUF file")
+    t0 = time.perf_counter()
+    digest = file_sha256(path)
+    stem = os.path.splitext(os.path.basename(path))[0]
+    folder = os.path.join(root or cache_root(), f"gguf-v{FORMAT_VERSION}",
+                          f"{stem}-{digest[:16]}")
+    if os.path.isfile(os.path.join(folder, MARKER)):
+        logger.info("GGUF %s: using %s (hashed in %.1f s)", path, folder,
+                    time.perf_counter() - t0)
+        return folder
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    partial = tempfile.mkdtemp(prefix=f".{stem}-partial-", dir=os.path.dirname(folder))
+    try:
+        seconds = convert(path, partial)
+        _write_marker(partial, path, digest, seconds)
+        try:
+            os.rename(partial, folder)
+        except OSError:  # another process finished the same file first: keep its folder
+            if not os.path.isfile(os.path.join(folder, MARKER)):
+                raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    logger.info("GGUF %s: converted into %s in %.1f s", path, folder, time.perf_counter() - t0)
+    return folder
+
+
+def convert(path: str, out: str) -> dict[str, float]:
+    """De-quantize GGUF file `path` into HF folder `out` (existing, empty) through
+    transformers; seconds per phase. ValueError naming the file or its architecture."""
+    import torch
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    folder, name = os.path.split(os.path.abspath(path))
+    seconds: dict[str, float] = {}
+    t = time.perf_counter()
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder, gguf_file=name)
+    except (ValueError, KeyError, OSError) as e:  # "GGUF model with architecture X is not ..."
+        raise ValueError(f"cannot read GGUF file {path!r}: {e}") from e
+    arch = SUPPORTED.get(config.model_type)
+    if arch is None:
+        raise ValueError(f"GGUF file {path!r}: architecture {config.model_type!r} is not "
+                         f"supported; tidal runs {', '.join(SUPPORTED)} (the Llama family)")
+    seconds["config"] = _lap(t)
+    t = time.perf_counter()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    seconds["tokenizer"] = _lap(t)
+    t = time.perf_counter()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, config=config, dtype=torch.float32, **_dequantize_all())
+    packed = [n for n, p in model.state_dict().items() if not p.is_floating_point()]
+    if packed:
+        raise ValueError(f"GGUF file {path!r}: transformers kept tensors packed "
+                         f"({', '.join(packed[:3])}...) instead of de-quantizing them")
+    seconds["weights"] = _lap(t)
+    t = time.perf_counter()
+    _save(model, arch, tokenizer, out)
+    seconds["save"] = _lap(t)
+    logger.info("GGUF %s (%s): config %.1f s, tokenizer %.1f s, de-quantized weights %.1f s, "
+                "saved %.1f s", path, arch, seconds["config"], seconds["tokenizer"],
+                seconds["weights"], seconds["save"])
+    return seconds
+
+
+def _dequantize_all() -> dict:
+    """from_pretrained's argument for plain float weights: transformers 5.2x keeps supported
+    architectures packed when the `kernels` package is installed, unless told otherwise
+    (older versions have no GgufConfig and always de-quantize)."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
+
+
+def _save(model, arch: str, tokenizer, out: str) -> None:
+    """A plain float32 folder: transformers marks a model loaded from GGUF as quantized and
+    refuses to `save_pretrained` it, so the parts are written one by one."""
+    from safetensors.torch import save_file
+
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights written are plain float32
+    config.architectures = [arch]
+    config.dtype = "float32"
+    config.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)  # the same storage as the embedding
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+
+
+def _write_marker(out: str, path: str, digest: str, seconds: dict) -> None:
+    import gguf
+    import transformers
+
+    marker = {"format_version": FORMAT_VERSION, "source": os.path.abspath(path),
+              "sha256": digest, "bytes": os.path.getsize(path),
+              "transformers": transformers.__version__,
+              "gguf": getattr(gguf, "__version__", None) or _dist_version("gguf"),
+              "seconds": seconds}
+    with open(os.path.join(out, MARKER), "w", encoding="utf-8") as f:
+        json.dump(marker, f, indent=1)
+
+
+def _dist_version(name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def _lap(t: float) -> float:
+    return round(time.perf_counter() - t, 2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="convert a GGUF file into tidal's cache "
+                                                 "(run by the engine core)")
+    parser.add_argument("file", help="the .gguf file")
+    parser.add_argument("--cache-dir", default=None, help="default: " + cache_root())
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' per-tensor bar, \r by \r in logs
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s [tidal gguf] %(name)s: %(message)s")
+    # SIGTERM (the engine core stopping during start-up) unwinds, removing a partial folder
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        result = {"folder": gguf_folder(args.file, args.cache_dir)}
+    except ValueError as e:
+        result = {"error": str(e)}
+    except ImportError as e:  # transformers needs gguf and accelerate for GGUF files
+        result = {"error": f"reading GGUF files needs the gguf and accelerate packages: {e}"}
+    except Exception as e:  # noqa: BLE001 - a quantization transformers lacks, a full disk...
+        logger.exception("converting %s failed", args.file)
+        result = {"error": f"cannot convert GGUF file {args.file!r}: {type(e).__name__}: {e}"}
+    print(json.dumps(result), flush=True)
+    return 2 if "error" in result else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
