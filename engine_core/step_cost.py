@@ -27,6 +27,8 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
+from tidal.engine_core.config import EngineConfig
+from tidal.engine_core.cpu_threads import parse_cpu_affinity, worker_threads
 from tidal.ipc.messages import BatchPlan
 
 FEATURES = ("prefill_tokens", "decode_reqs", "decode_context_tokens", "prefill_attention_pairs")
@@ -169,3 +171,23 @@ def profile_path(key: dict, directory: str | None = None) -> str:
     name = os.path.basename(key["model"].rstrip(os.sep)) or "model"
     filename = f"{name}-{key['dtype']}-{key['threads']}t-{digest}.json"
     return os.path.join(directory or os.path.join(cache_dir(), "step-cost"), filename)
+
+
+def config_profile_key(config: EngineConfig) -> dict:
+    """`profile_key` of the workers this config starts (rank 0's thread count)."""
+    p = config.parallel
+    affinity = parse_cpu_affinity(p.cpu_affinity, p.tensor_parallel_size)
+    threads = worker_threads(p.cpu_threads, affinity[0] if affinity else None,
+                             p.tensor_parallel_size, dict(os.environ))
+    return profile_key(config.model.model, config.model.dtype, p.device, p.tensor_parallel_size,
+                       threads, p.attention_backend)
+
+
+def find_profile(config: EngineConfig) -> str | None:
+    """The step cost model for this config: `--step-cost-model` if given, else the cached
+    profile `tidal tune profile` wrote for the same model, dtype, device, TP, threads and
+    attention backend, else None."""
+    if config.scheduler.step_cost_model:
+        return config.scheduler.step_cost_model
+    path = profile_path(config_profile_key(config))
+    return path if os.path.exists(path) else None
