@@ -191,3 +191,14 @@ def find_profile(config: EngineConfig) -> str | None:
         return config.scheduler.step_cost_model
     path = profile_path(config_profile_key(config))
     return path if os.path.exists(path) else None
+
+
+def required_profile(config: EngineConfig) -> str:
+    """`find_profile`, or ValueError saying how to make one (for --max-queue-delay)."""
+    path = find_profile(config)
+    if path is None:
+        raise ValueError(
+            "max_queue_delay needs a step cost model for this model and machine settings: run "
+            f"`tidal tune profile {config.model.model}` with the same engine flags first "
+            "(about a minute), or pass --step-cost-model FILE")
+    return path

@@ -268,6 +268,11 @@ class SchedulerStats(msgspec.Struct, **_STRUCT):
     preempted_prefix_cache_queries: int = 0  # tokens looked up when preempted requests resume
     preempted_prefix_cache_hits: int = 0  # their hits (mostly their own blocks), kept apart
     num_worker_restarts: int = 0  # times the core replaced its workers after a failure
+    # --max-queue-delay: a new request's estimated seconds to its first token are
+    # est_queue_delay_s + its prompt tokens * est_s_per_prompt_token (engine_core/queue_estimate.py)
+    est_queue_delay_s: float = 0.0
+    est_s_per_prompt_token: float = 0.0
+    est_s_per_queued_request: float = 0.0
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", **_STRUCT):
@@ -293,6 +298,9 @@ class EngineInfo(msgspec.Struct, tag="info", **_STRUCT):
     tokenizer: str | None = None
     vocab_size: int = 0
     """Prompt token ids must be in [0, vocab_size): the model's, as the workers found it."""
+    max_queue_delay: float | None = None
+    """Seconds: frontends answer 503 when a new request's estimated time to first token (from
+    `SchedulerStats.est_*`) exceeds it; None = off."""
 
 
 class EngineDead(msgspec.Struct, tag="dead", **_STRUCT):

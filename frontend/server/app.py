@@ -58,6 +58,8 @@ class ServerSettings:
     """When set, requests need `Authorization: Bearer <api_key>`."""
     max_num_queued_reqs: int | None = None
     """Admission limit; None = the engine's `--max-num-queued-reqs` (EngineInfo)."""
+    max_queue_delay: float | None = None
+    """Seconds of estimated wait before a 503; None = the engine's `--max-queue-delay`."""
     admission_slots: Any = None
     """Shared per-process counters of unfinished requests (admission.make_shared_slots)."""
     server_index: int = 0
@@ -141,17 +143,19 @@ def _start_state(app: FastAPI, engine, settings: ServerSettings) -> list[asyncio
     names = settings.served_model_names or [engine.model_name]
     metrics = ServerMetrics(names[0])
     limit = settings.max_num_queued_reqs or info.max_num_queued_reqs
+    delay = settings.max_queue_delay or getattr(info, "max_queue_delay", None)
     admission = AdmissionController(limit, settings.admission_slots, settings.server_index,
-                                    on_reject=metrics.count_rejection)
+                                    on_reject=metrics.count_rejection, max_queue_delay=delay)
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.serving = OpenAIServing(engine, names, admission, metrics)
     app.state.root = getattr(info, "model", None)
-    logger.info("HTTP server %d attached: serving %s (max_model_len %d%s)",
+    logger.info("HTTP server %d attached: serving %s (max_model_len %d%s%s)",
                 settings.server_index, ", ".join(names), info.max_model_len,
-                f", at most {limit} unfinished requests" if limit else "")
+                f", at most {limit} unfinished requests" if limit else "",
+                f", 503 beyond an estimated {delay:g} s wait" if delay else "")
     tasks = []
-    if limit is not None:
+    if limit is not None or delay is not None:
         tasks.append(asyncio.ensure_future(admission.refresh_loop(engine.get_stats)))
     return tasks
 

@@ -202,6 +202,10 @@ class _Supervisor:
 
         apply_demo_model_default(self.ns)  # no MODEL: the bundled demo model, "tidal-demo"
         config = config_from_args(self.ns)  # ValueError names the flag
+        if config.scheduler.max_queue_delay is not None:
+            from tidal.engine_core.step_cost import required_profile
+
+            required_profile(config)  # refused at once, not after the daemon starts
         self.daemon = DaemonProcess(config, echo=True)
         return self.daemon.address, config.model.tokenizer_path, self.daemon.pid
 

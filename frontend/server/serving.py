@@ -228,7 +228,7 @@ class OpenAIServing:
         if num_reqs > MAX_N:
             raise bad_request(f"n times the number of prompts must be at most {MAX_N}, got "
                               f"{num_reqs}", "n")
-        ticket = self.admission.admit(num_reqs)
+        ticket = self.admission.admit(num_reqs, params.n * sum(len(ids) for ids, _ in prompts))
         response_id = f"{prefix}-{uuid.uuid4().hex}"
         jobs = [_Job(f"{response_id}-{i}", i, ids, text) for i, (ids, text) in enumerate(prompts)]
         return response_id, Run(self, jobs, params, priority, ticket)
