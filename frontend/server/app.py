@@ -64,6 +64,8 @@ class ServerSettings:
     """Shared per-process counters of unfinished requests (admission.make_shared_slots)."""
     server_index: int = 0
     """This process's index among the `--api-server-count` processes (its slot)."""
+    record_trace: tuple[str, bytes] | None = None
+    """(trace file, hash key) from `tidal.tune.trace.start_recording` (--record-trace)."""
 
 
 class APIKeyMiddleware:
@@ -126,6 +128,8 @@ def build_app(engine_factory: Callable[[], Awaitable[Any]],
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await engine.close()
+            if app.state.serving.recorder is not None:
+                app.state.serving.recorder.close()
 
     app = FastAPI(title="tidal", version=tidal.__version__, lifespan=lifespan)
     install_error_handlers(app)
@@ -148,7 +152,12 @@ def _start_state(app: FastAPI, engine, settings: ServerSettings) -> list[asyncio
                                     on_reject=metrics.count_rejection, max_queue_delay=delay)
     app.state.engine = engine
     app.state.metrics = metrics
-    app.state.serving = OpenAIServing(engine, names, admission, metrics)
+    recorder = None
+    if settings.record_trace is not None:
+        from tidal.tune.trace import TraceRecorder
+
+        recorder = TraceRecorder(*settings.record_trace)
+    app.state.serving = OpenAIServing(engine, names, admission, metrics, recorder)
     app.state.root = getattr(info, "model", None)
     logger.info("HTTP server %d attached: serving %s (max_model_len %d%s%s)",
                 settings.server_index, ", ".join(names), info.max_model_len,

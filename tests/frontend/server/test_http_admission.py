@@ -236,3 +236,41 @@ def test_queue_delay_burst_every_request_gets_an_answer(tokenizer, monkeypatch):
         assert app.state.serving.admission.num_ours() == 0
 
     asyncio.run(_with_app(engine, ServerSettings(max_queue_delay=1.0), body))
+
+
+# -- --record-trace ------------------------------------------------------------------------------
+
+
+def test_record_trace_writes_one_line_per_completion(tokenizer, tmp_path):
+    """Two requests, one with n=2: three trace lines with the prompt's length and hashes, the
+    output length and why it ended; a client that leaves is recorded as an abort. No text."""
+    from tidal.tune.trace import read_trace, start_recording
+
+    path = str(tmp_path / "trace.jsonl")
+    settings = ServerSettings(record_trace=(path, start_recording(path)))
+    engine = FakeEngine(tokenizer, token_delay=0.01, max_model_len=256)
+    prompt = "the quick brown fox jumps over the lazy dog " * 4
+
+    async def body(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            one = await client.post("/v1/completions", json={
+                "prompt": prompt, "max_tokens": 3, "priority": 0})
+            two = await client.post("/v1/completions", json={
+                "prompt": prompt, "max_tokens": 5, "n": 2, "stream": True})
+            assert one.status_code == two.status_code == 200
+        await _call_and_disconnect(app, "/v1/completions",
+                                   {"prompt": "x", "max_tokens": 50, "stream": True}, 2)
+
+    asyncio.run(_with_app(engine, settings, body))
+    text = open(path).read()
+    assert "quick" not in text and "fox" not in text
+    requests = read_trace(path).requests
+    prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
+    full = [r for r in requests if r.prompt_len == prompt_len]
+    assert sorted(r.output_len for r in full) == [3, 5, 5]
+    assert all(r.finish_reason == "length" for r in full)
+    assert len(full[0].prefix_hashes) == prompt_len // 16 > 0
+    assert all(r.prefix_hashes == full[0].prefix_hashes for r in full)
+    (aborted,) = [r for r in requests if r.prompt_len != prompt_len]
+    assert aborted.finish_reason == "abort" and 0 < aborted.output_len < 50
