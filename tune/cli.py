@@ -201,7 +201,6 @@ def _trace(ns: argparse.Namespace, config: EngineConfig):
     from tidal.frontend.bench.cli import dataset_config_from_args
     from tidal.frontend.bench.datasets import load_tokenizer
 
-    ns.sharegpt_max_total_len = min(ns.sharegpt_max_total_len, resolve_max_model_len(config))
     dataset = dataset_config_from_args(ns)
     tokenizer = load_tokenizer(config.model.tokenizer_path) if dataset.name == "jsonl" else None
     return trace_from_dataset(dataset, rate, ns.burstiness, ns.seed, tokenizer), rate

@@ -88,12 +88,29 @@ class SimResult:
             "max_num_waiting": max(self.timeline.get("num_waiting") or [0]),
             "max_num_running": max(self.timeline.get("num_running") or [0]),
             "max_kv_cache_usage": max(self.timeline.get("kv_cache_usage") or [0.0]),
+            **self._backlog(),
         }
         summary.update(latency_stats(ttft, "ttft", percentiles))
         summary.update(latency_stats(tpot, "tpot", percentiles))
         summary.update(latency_stats(self.itl, "itl", percentiles))
         summary.update(latency_stats(e2el, "e2el", percentiles))
         return summary
+
+
+    def _backlog(self) -> dict:
+        """Mean requests in the system (arrived, unfinished) seen by the arrivals of the second
+        quarter and of the last quarter of the trace, and whether it kept up: the later at
+        most 1.5 times the earlier plus 2 (a backlog that grows through the trace is an
+        overload that a longer trace would turn into unbounded latency)."""
+        n = len(self.arrival)
+        if n < 8:
+            return {"backlog_q2": 0.0, "backlog_q4": 0.0, "keeps_up": True}
+        finish = np.sort(np.where(np.isnan(self.finish), np.inf, self.finish))
+        index = np.arange(n)
+        in_system = index + 1 - np.searchsorted(finish, self.arrival, side="right")
+        q2 = float(in_system[n // 4:n // 2].mean())
+        q4 = float(in_system[3 * n // 4:].mean())
+        return {"backlog_q2": q2, "backlog_q4": q4, "keeps_up": q4 <= 1.5 * q2 + 2}
 
 
 class Simulator:

@@ -8,7 +8,7 @@ from tidal.engine_core.config import CacheConfig, EngineConfig, ModelConfig, Sch
 from tidal.engine_core.step_cost import FEATURES, StepCostModel
 from tidal.tune.profile import fit_cost_model
 from tidal.tune.trace import Trace, TraceRequest
-from tidal.tune.tuner import SLO, format_table, parse_seconds, search, settings_grid
+from tidal.tune.tuner import SLO, Setting, format_table, parse_seconds, search, settings_grid
 
 BASE = EngineConfig(model=ModelConfig("unused"), cache=CacheConfig(block_size=16),
                     scheduler=SchedulerConfig(async_scheduling=False))
@@ -103,3 +103,21 @@ def test_cost_model_json_round_trip(tmp_path):
     (tmp_path / "bad.json").write_text('{"format": "other"}')
     with pytest.raises(ValueError, match="bad.json"):
         StepCostModel.load(str(tmp_path / "bad.json"))
+
+
+def test_a_backlog_growing_through_the_trace_does_not_meet_the_slo():
+    """A step costs 1 ms per decode, a request runs 10 steps: D running requests take D ms a
+    step and finish at D / (10 D ms) = 100 req/s whatever D is. At 50 req/s the batch stays
+    small; at 150 it grows through all 200 arrivals (and drains after them), yet with no
+    queue (256 slots) TTFT and ITL stay far inside loose limits: only the backlog test
+    tells the overload apart."""
+    from tidal.tune.simulator import simulate
+
+    config = Setting(256, 4096, 1000).engine_config(BASE)
+    cost = StepCostModel(0.0, per_decode_req_s=0.001, per_prefill_token_s=1e-5)
+    slo = SLO(ttft_p99_s=10.0, itl_p99_s=1.0)
+    for rate, keeps_up in ((50.0, True), (150.0, False)):
+        summary = simulate(config, 1000, 256, cost, regular_trace(rate, 200)).summary()
+        assert summary["p99_itl_ms"] < 1000 and summary["p99_ttft_ms"] < 10_000
+        assert summary["keeps_up"] is keeps_up, summary
+        assert slo.met(summary, 200) is keeps_up
