@@ -224,7 +224,9 @@ def run_profile(ns: argparse.Namespace) -> int:
     model, path = profile(config, ns.duration, ns.seed, ns.output, ns.max_decode_reqs,
                           ns.max_prefill_tokens)
     info = model.info
-    print(f"measured {info['num_shapes']} step shapes in {time.monotonic() - start:.0f} s on "
+    steps = sum(s.get("num_steps", 1) for s in info.get("samples", []))
+    print(f"measured {info['num_shapes']} step shapes ({steps} steps) in "
+          f"{time.monotonic() - start:.0f} s on "
           f"{info['device']} ({info['dtype']}, {info['threads']} threads, "
           f"{info['attention_backend']} attention)")
     print(format_fit(model))

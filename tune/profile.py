@@ -8,10 +8,14 @@
     save the best to the cache folder
 
 A shape is (D decode requests of C context tokens each, one prefill chunk of P tokens after S
-tokens already cached). The D decodes enter the worker's persistent batch in an unmeasured
-step (claimed as cached, so they cost no prefill), then `REPEATS` measured steps each run them
-as cached requests (one token each) together with a fresh P-token prefill request; the median
-is the shape's time. Step time is the worker's `execute` in-process: inputs, forward, LM head,
+tokens already cached). A visit brings the D decodes into the worker's persistent batch in an
+unmeasured step (claimed as cached, so they cost no prefill), then `REPEATS` measured steps run
+them as cached requests (one token each) together with a fresh P-token prefill request. Up to
+`MAX_SHAPES` shapes are drawn in the first half of the time and all are visited again in turn
+until it is up; a shape's time is the median of all its measured steps. Load from other
+processes comes in bursts longer than a visit, so visits spread over the whole run see the
+machine as it is, neither one lucky moment nor one burst (the least and the median differed
+by up to 2x on the shared machine this was written on; the file keeps both). Step time is the worker's `execute` in-process: inputs, forward, LM head,
 sampling (greedy).
 
 Candidate formulas, each least squares on relative residuals (a 5 ms step counts as much as a
@@ -50,8 +54,10 @@ from tidal.engine_core.step_cost import (
 
 logger = logging.getLogger("tidal.tune")
 
-REPEATS = 5
-"""Measured steps per shape (their median is kept)."""
+REPEATS = 2
+"""Measured steps per visit of a shape."""
+MIN_SHAPES, MAX_SHAPES = 12, 60
+"""Shapes measured (at least, at most)."""
 CANDIDATES = {
     "tokens": ("prefill_tokens+decode_reqs",),
     "by kind": ("prefill_tokens", "decode_reqs"),
@@ -238,66 +244,107 @@ class _Shapes:
                 return d, c, p, s
 
 
-def measure(worker, duration_s: float, seed: int) -> list[dict]:
-    """Time random step shapes for about `duration_s` seconds (see the module docstring)."""
-    from tidal.ipc.messages import (BatchPlan, CachedRequestData, NewRequestData,
-                                    SamplingParams, pack_token_ids)
+class _ShapeRunner:
+    """Runs one visit of a shape on the worker: an unmeasured step that brings its decodes
+    into the persistent batch (and drops the previous visit's requests), then `REPEATS`
+    measured steps."""
 
-    config = worker.config
-    shapes = _Shapes(config, worker.num_kv_blocks, seed)
-    vocab = min(worker.args.vocab_size, 1000)
-    rng = random.Random(seed + 1)
-    sampling = SamplingParams(temperature=0.0, max_tokens=10**6, ignore_eos=True)
-    step_id = 0
-    pending_finished: list[str] = []
-    samples = []
-    deadline = time.perf_counter() + duration_s
-    num_shapes = 0
-    while time.perf_counter() < deadline or num_shapes < 3:
-        num_shapes += 1
-        d, c, p, s = shapes.draw()
-        next_block = 1
-        decodes = []
-        for i in range(d):
-            n = shapes.blocks_for(c + REPEATS + 2)
-            blocks = list(range(next_block, next_block + n))
-            next_block += n
-            tokens = [rng.randrange(3, vocab) for _ in range(c + 1)]
-            decodes.append(NewRequestData(f"s{num_shapes}d{i}", pack_token_ids(tokens), c + 1,
-                                          blocks, c, 1, sampling))
-        prefill_blocks = list(range(next_block, next_block + shapes.blocks_for(s + p)))
-        step_id += 1
-        worker.execute(BatchPlan(step_id, new_requests=decodes,
-                                 finished_req_ids=pending_finished,
-                                 total_num_scheduled_tokens=d))
-        pending_finished = [r.req_id for r in decodes]
+    def __init__(self, worker, shapes: _Shapes, seed: int) -> None:
+        from tidal.ipc.messages import SamplingParams
+
+        self.worker = worker
+        self.shapes = shapes
+        self.vocab = min(worker.args.vocab_size, 1000)
+        self.rng = random.Random(seed + 1)
+        self.sampling = SamplingParams(temperature=0.0, max_tokens=10**6, ignore_eos=True)
+        self.step_id = 0
+        self.visit = 0
+        self.pending_finished: list[str] = []
+
+    def _tokens(self, n: int) -> bytes:
+        from tidal.ipc.messages import pack_token_ids
+
+        return pack_token_ids([self.rng.randrange(3, self.vocab) for _ in range(n)])
+
+    def _execute(self, plan) -> float:
+        start = time.perf_counter()
+        self.worker.execute(plan)
+        return time.perf_counter() - start
+
+    def run(self, shape: tuple[int, int, int, int]) -> tuple[list[float], tuple]:
+        """(seconds of each measured step, the step's features)."""
+        from tidal.ipc.messages import BatchPlan, CachedRequestData, NewRequestData
+
+        d, c, p, s = shape
+        self.visit += 1
+        tag = f"v{self.visit}"
+        blocks_each = self.shapes.blocks_for(c + REPEATS + 2)
+        decodes = [NewRequestData(f"{tag}d{i}", self._tokens(c + 1), c + 1,
+                                  list(range(1 + i * blocks_each, 1 + (i + 1) * blocks_each)),
+                                  c, 1, self.sampling) for i in range(d)]
+        first = 1 + d * blocks_each
+        prefill_blocks = list(range(first, first + self.shapes.blocks_for(s + p)))
+        self.step_id += 1
+        self.worker.execute(BatchPlan(self.step_id, new_requests=decodes,
+                                      finished_req_ids=self.pending_finished,
+                                      total_num_scheduled_tokens=d))
+        self.pending_finished = [r.req_id for r in decodes]
         times, features = [], None
         for rep in range(REPEATS):
             new = []
             if p:
-                tokens = [rng.randrange(3, vocab) for _ in range(s + p)]
-                req_id = f"s{num_shapes}p{rep}"
-                new.append(NewRequestData(req_id, pack_token_ids(tokens), s + p,
-                                          prefill_blocks, s, p, sampling))
+                new.append(NewRequestData(f"{tag}p{rep}", self._tokens(s + p), s + p,
+                                          prefill_blocks, s, p, self.sampling))
             cached = [CachedRequestData(r.req_id, [], c + 1 + rep, 1) for r in decodes]
-            step_id += 1
-            plan = BatchPlan(step_id, new_requests=new, cached_requests=cached,
-                             finished_req_ids=[f"s{num_shapes}p{rep - 1}"] if p and rep else [],
+            self.step_id += 1
+            plan = BatchPlan(self.step_id, new_requests=new, cached_requests=cached,
+                             finished_req_ids=[f"{tag}p{rep - 1}"] if p and rep else [],
                              total_num_scheduled_tokens=d + p)
-            start = time.perf_counter()
-            worker.execute(plan)
-            times.append(time.perf_counter() - start)
-            features = plan_features(plan)
-            if p:
-                last = req_id
+            times.append(self._execute(plan))
+            features = features or plan_features(plan)
         if p:
-            pending_finished.append(last)
-        if num_shapes > 3:  # the first shapes warm the worker up
-            samples.append(dict(zip(FEATURES, features), seconds=statistics.median(times),
-                                shape=[d, c, p, s]))
-    step_id += 1
-    worker.execute(BatchPlan(step_id, finished_req_ids=pending_finished))
-    return samples
+            self.pending_finished.append(f"{tag}p{REPEATS - 1}")
+        return times, features
+
+    def finish(self) -> None:
+        from tidal.ipc.messages import BatchPlan
+
+        self.step_id += 1
+        self.worker.execute(BatchPlan(self.step_id, finished_req_ids=self.pending_finished))
+
+
+def measure(worker, duration_s: float, seed: int) -> list[dict]:
+    """Time step shapes for about `duration_s` seconds; one sample per shape.
+
+    Shapes are drawn during the first half of the time (at most `MAX_SHAPES`), then visited
+    again in turn until the time is up; a shape's time is the median of all its measured
+    steps (see the module docstring)."""
+    runner = _ShapeRunner(worker, _Shapes(worker.config, worker.num_kv_blocks, seed), seed)
+    for _ in range(3):  # warm-up: first runs of each code path
+        runner.run(runner.shapes.draw())
+    shapes: list[tuple] = []
+    times: list[list[float]] = []
+    features: list[tuple] = []
+    start = time.perf_counter()
+    turn = 0
+    while True:
+        elapsed = time.perf_counter() - start
+        if elapsed >= duration_s and len(shapes) >= MIN_SHAPES:
+            break
+        if len(shapes) < MAX_SHAPES and (elapsed < duration_s / 2 or len(shapes) < MIN_SHAPES):
+            shapes.append(runner.shapes.draw())
+            times.append([])
+            features.append(())
+            i = len(shapes) - 1
+        else:
+            i = turn % len(shapes)
+            turn += 1
+        step_times, features[i] = runner.run(shapes[i])
+        times[i] += step_times
+    runner.finish()
+    return [dict(zip(FEATURES, f), seconds=statistics.median(t), min_seconds=min(t),
+                 num_steps=len(t), shape=list(shape))
+            for shape, t, f in zip(shapes, times, features)]
 
 
 def _child_main(argv: list[str] | None = None) -> int:
