@@ -7,10 +7,10 @@
     fit the formulas (least squares) ◄─ JSON ── (features, seconds) per shape
     save the best to the cache folder
 
-A shape is (D decode requests of C context tokens each, one prefill chunk of P tokens after S
+A shape is (D decode requests of C context tokens each, M prefill chunks of P tokens after S
 tokens already cached). A visit brings the D decodes into the worker's persistent batch in an
 unmeasured step (claimed as cached, so they cost no prefill), then `REPEATS` measured steps run
-them as cached requests (one token each) together with a fresh P-token prefill request. Up to
+them as cached requests (one token each) together with M fresh P-token prefill requests. Up to
 `MAX_SHAPES` shapes are drawn in the first half of the time and all are visited again in turn
 until it is up; a shape's time is the median of all its measured steps. Load from other
 processes comes in bursts longer than a visit, so visits spread over the whole run see the
@@ -213,6 +213,8 @@ class _Shapes:
 
     DECODES = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
     PREFILLS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+    CHUNKS = (1, 1, 2, 4, 8)
+    """Prefill chunks (requests) in one step: several reach budgets past max_model_len."""
 
     def __init__(self, config, num_blocks: int, seed: int) -> None:
         self.rng = random.Random(seed)
@@ -226,22 +228,24 @@ class _Shapes:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    def draw(self) -> tuple[int, int, int, int]:
-        """(decodes, their context, prefill tokens, prefill offset) that fit."""
+    def draw(self) -> tuple[int, int, int, int, int]:
+        """(decodes, their context, prefill tokens per chunk, prefill offset, prefill chunks)
+        that fit the step budget, max_num_seqs, the context length and the KV cache."""
         while True:
             d = self.rng.choice(self.decodes)
-            prefills = [p for p in self.PREFILLS if p + d <= self.max_tokens
-                        and p < self.max_len]
-            p = self.rng.choice(prefills)
-            if (d == 0 and p == 0) or d + (p > 0) > self.max_seqs:
+            m = self.rng.choice(self.CHUNKS)
+            p = self.rng.choice([p for p in self.PREFILLS if p < self.max_len])
+            if p == 0:
+                m = 0
+            if (d == 0 and p == 0) or d + m > self.max_seqs or d + m * p > self.max_tokens:
                 continue
             c = int(round(2 ** self.rng.uniform(4, np.log2(max(self.max_len - REPEATS - 2,
                                                                   17)))))
             s = 0 if p == 0 or self.rng.random() < 0.5 else self.rng.randrange(
                 0, max(1, self.max_len - p))
-            need = d * self.blocks_for(c + REPEATS + 2) + self.blocks_for(s + p)
+            need = d * self.blocks_for(c + REPEATS + 2) + m * self.blocks_for(s + p)
             if need <= self.num_blocks:
-                return d, c, p, s
+                return d, c, p, s, m
 
 
 class _ShapeRunner:
@@ -271,39 +275,37 @@ class _ShapeRunner:
         self.worker.execute(plan)
         return time.perf_counter() - start
 
-    def run(self, shape: tuple[int, int, int, int]) -> tuple[list[float], tuple]:
+    def run(self, shape: tuple[int, int, int, int, int]) -> tuple[list[float], tuple]:
         """(seconds of each measured step, the step's features)."""
         from tidal.ipc.messages import BatchPlan, CachedRequestData, NewRequestData
 
-        d, c, p, s = shape
+        d, c, p, s, m = shape
         self.visit += 1
         tag = f"v{self.visit}"
         blocks_each = self.shapes.blocks_for(c + REPEATS + 2)
         decodes = [NewRequestData(f"{tag}d{i}", self._tokens(c + 1), c + 1,
                                   list(range(1 + i * blocks_each, 1 + (i + 1) * blocks_each)),
                                   c, 1, self.sampling) for i in range(d)]
-        first = 1 + d * blocks_each
-        prefill_blocks = list(range(first, first + self.shapes.blocks_for(s + p)))
+        first, prefill_each = 1 + d * blocks_each, self.shapes.blocks_for(s + p)
+        prefill_blocks = [list(range(first + j * prefill_each, first + (j + 1) * prefill_each))
+                          for j in range(m)]
         self.step_id += 1
         self.worker.execute(BatchPlan(self.step_id, new_requests=decodes,
                                       finished_req_ids=self.pending_finished,
                                       total_num_scheduled_tokens=d))
         self.pending_finished = [r.req_id for r in decodes]
-        times, features = [], None
+        times, features, previous = [], None, []
         for rep in range(REPEATS):
-            new = []
-            if p:
-                new.append(NewRequestData(f"{tag}p{rep}", self._tokens(s + p), s + p,
-                                          prefill_blocks, s, p, self.sampling))
+            new = [NewRequestData(f"{tag}p{rep}.{j}", self._tokens(s + p), s + p,
+                                  prefill_blocks[j], s, p, self.sampling) for j in range(m)]
             cached = [CachedRequestData(r.req_id, [], c + 1 + rep, 1) for r in decodes]
             self.step_id += 1
             plan = BatchPlan(self.step_id, new_requests=new, cached_requests=cached,
-                             finished_req_ids=[f"{tag}p{rep - 1}"] if p and rep else [],
-                             total_num_scheduled_tokens=d + p)
+                             finished_req_ids=previous, total_num_scheduled_tokens=d + m * p)
             times.append(self._execute(plan))
             features = features or plan_features(plan)
-        if p:
-            self.pending_finished.append(f"{tag}p{REPEATS - 1}")
+            previous = [r.req_id for r in new]
+        self.pending_finished += previous
         return times, features
 
     def finish(self) -> None:

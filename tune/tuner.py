@@ -280,8 +280,28 @@ def format_table(evaluations: list[Evaluation], base_rate: float, slo: SLO,
     if any(e.capped for e in meeting[:top]):
         lines.append(f"+: still within the SLO at {MAX_MULTIPLIER:g}x the requested rate "
                      "(the search stops there)")
+    lines += _by_kv_cache(evaluations)
     lines += ["", f"Best: tidal serve MODEL {meeting[0].setting.flags()}"]
     return "\n".join(lines)
+
+
+def _by_kv_cache(evaluations: list[Evaluation]) -> list[str]:
+    """One line per KV cache size searched (when more than one): how many settings meet the
+    SLO and the best of them."""
+    sizes = sorted({e.setting.num_kv_blocks for e in evaluations})
+    if len(sizes) < 2:
+        return []
+    lines = ["", f"{'KV cache':>12} {'meet':>7}  best sustainable rate"]
+    for blocks in sizes:
+        group = [e for e in evaluations if e.setting.num_kv_blocks == blocks]
+        meeting = [e for e in group if e.meets]
+        best = (f"{meeting[0].max_rate:.3g} req/s ({meeting[0].setting.flags()})"
+                if meeting else "-")
+        worst_preempt = max(e.summary["num_preemptions"] for e in group)
+        note = f"; up to {worst_preempt} preemptions" if not meeting and worst_preempt else ""
+        lines.append(f"{group[0].setting.kv_label():>12} {len(meeting):>3}/{len(group):<3}  "
+                     f"{best}{note}")
+    return lines
 
 
 def evaluations_to_json(evaluations: list[Evaluation]) -> list[dict]:
