@@ -1,7 +1,8 @@
 """The figure of a `tidal tune` run (matplotlib, Agg backend: no display needed).
 
 Top: p99 TTFT and p99 ITL against the request rate for the best settings (every rate the
-search simulated), with the SLO limits and the requested rate. Bottom: the best setting at its
+search simulated; an x where the setting misses the SLO or falls behind), with the SLO limits
+and the requested rate. Bottom: the best setting at its
 highest sustainable rate over time: running and waiting requests, KV-cache usage.
 """
 
@@ -35,15 +36,19 @@ def plot_tune(evaluations: list[Evaluation], base_rate: float, slo: SLO, path: s
                                               ("p99_itl_ms", slo.itl_p99_s, "p99 ITL"))):
         ax = fig.add_subplot(grid[0, col])
         for e in shown:
-            ax.plot([p["rate"] for p in e.curve], [p[key] for p in e.curve], marker="o",
-                    markersize=3, label=_label(e))
+            line, = ax.plot([p["rate"] for p in e.curve], [p[key] for p in e.curve],
+                            marker="o", markersize=3, label=_label(e))
+            misses = [p for p in e.curve if not p["meets"]]
+            ax.scatter([p["rate"] for p in misses], [p[key] for p in misses], marker="x",
+                       s=40, color=line.get_color())
         if limit is not None:
             ax.axhline(limit * 1e3, color="tab:red", linestyle="--", label="SLO")
         ax.axvline(base_rate, color="gray", linestyle=":", label=f"requested {base_rate:g} req/s")
         ax.set_yscale("log")
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel(f"{name} (ms)")
-        ax.set_title(f"{name} against request rate (simulated)", fontsize=10)
+        ax.set_title(f"{name} against request rate (simulated; x: misses the SLO or falls "
+                     "behind)", fontsize=9)
         ax.legend(fontsize=7)
     ax = fig.add_subplot(grid[1, :])
     if best_run is not None and best_run.timeline.get("time"):
