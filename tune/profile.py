@@ -15,8 +15,8 @@ them as cached requests (one token each) together with M fresh P-token prefill r
 until it is up; a shape's time is the median of all its measured steps. Load from other
 processes comes in bursts longer than a visit, so visits spread over the whole run see the
 machine as it is, neither one lucky moment nor one burst (the least and the median differed
-by up to 2x on the shared machine this was written on; the file keeps both). Step time is the worker's `execute` in-process: inputs, forward, LM head,
-sampling (greedy).
+by up to 2x on the shared machine this was written on; the file keeps both). Step time is
+the worker's `execute` in-process: inputs, forward, LM head, sampling (greedy).
 
 Candidate formulas, each least squares on relative residuals (a 5 ms step counts as much as a
 500 ms one) with coefficients kept non-negative (a term that would fit negative is dropped):

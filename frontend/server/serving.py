@@ -252,7 +252,8 @@ class OpenAIServing:
 
     def record(self, job: _Job, reason: str | None = None) -> None:
         """One trace line per completion of a job that ended (--record-trace): arrival,
-        prompt length and hashes, output length; never text."""
+        prompt length and hashes, output length; never text. A request aborted before its
+        first token has no completion yet and leaves no line."""
         if self.recorder is None:
             return
         for completion in job.final.values():
