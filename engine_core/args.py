@@ -131,6 +131,13 @@ def _add_scheduler_args(g) -> None:
     g.add_argument("--long-prefill-token-threshold", type=int,
                    default=_default(SchedulerConfig, "long_prefill_token_threshold"),
                    help="most prompt tokens per request per step, 0 = no cap (default: 0)")
+    g.add_argument("--max-queue-delay", type=float, default=None, metavar="SECONDS",
+                   help="answer 503 with Retry-After at once when a new request's estimated "
+                        "time to first token exceeds this (needs a step cost model: run "
+                        "`tidal tune profile` first; default: off)")
+    g.add_argument("--step-cost-model", default=None, metavar="PATH",
+                   help="step cost model JSON for --max-queue-delay (default: the profile "
+                        "`tidal tune profile` cached for this model and machine settings)")
 
 
 def _add_parallel_args(g) -> None:
@@ -187,7 +194,9 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
                                   max_num_queued_reqs=ns.max_num_queued_reqs,
                                   max_num_queued_tokens=ns.max_num_queued_tokens,
                                   stream_interval=ns.stream_interval,
-                                  long_prefill_token_threshold=ns.long_prefill_token_threshold),
+                                  long_prefill_token_threshold=ns.long_prefill_token_threshold,
+                                  max_queue_delay=ns.max_queue_delay,
+                                  step_cost_model=ns.step_cost_model),
         parallel=ParallelConfig(tensor_parallel_size=ns.tensor_parallel_size,
                                 device=ns.device, attention_backend=ns.attention_backend,
                                 enforce_eager=ns.enforce_eager,
@@ -218,6 +227,8 @@ def config_to_argv(config: EngineConfig) -> list[str]:
              "--long-prefill-token-threshold", str(s.long_prefill_token_threshold)]
     _opt(argv, "--max-num-queued-reqs", s.max_num_queued_reqs)
     _opt(argv, "--max-num-queued-tokens", s.max_num_queued_tokens)
+    _opt(argv, "--max-queue-delay", None if s.max_queue_delay is None else repr(s.max_queue_delay))
+    _opt(argv, "--step-cost-model", s.step_cost_model)
     argv += ["--tensor-parallel-size", str(p.tensor_parallel_size), "--device", p.device,
              "--attention-backend", p.attention_backend,
              "--worker-timeout", repr(p.worker_timeout),

@@ -137,6 +137,13 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     """Most prompt tokens one request may compute in one step (0 = no cap); ignored while
     only one request exists."""
+    max_queue_delay: float | None = None
+    """Seconds: a frontend answers a new request 503 at once when its estimated time to
+    first token (the work queued ahead of it, through the step cost model) exceeds this;
+    None = off. Needs a step cost model (`tidal tune profile`)."""
+    step_cost_model: str | None = None
+    """The step cost model file for `max_queue_delay`; None means the profile `tidal tune
+    profile` cached for this model, dtype, device, TP size, threads and attention backend."""
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs",
@@ -155,6 +162,9 @@ class SchedulerConfig:
                  f"must be at least 1, got {self.stream_interval}")
         _require(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold",
                  f"must be non-negative, got {self.long_prefill_token_threshold}")
+        _require(self.max_queue_delay is None or 0 < self.max_queue_delay < float("inf"),
+                 "max_queue_delay", f"must be a positive number of seconds, got "
+                 f"{self.max_queue_delay}")
 
 
 @dataclass(frozen=True)

@@ -61,9 +61,11 @@ from tidal.engine_core.executor import (
     WorkerFacts,
 )
 from tidal.engine_core.model_files import model_folder
+from tidal.engine_core.queue_estimate import QueueDelayEstimator
 from tidal.engine_core.request import Request, check_request
 from tidal.engine_core.scheduler import Scheduler
 from tidal.ipc.lifeline import watch_parent
+from tidal.engine_core.step_cost import StepCostModel, required_profile
 from tidal.ipc.messages import (
     Abort,
     AddRequest,
@@ -136,6 +138,7 @@ class EngineCoreDaemon:
         self.stop_reason: str | None = None
         self.num_worker_restarts = 0
         self.sock = self.auth = self.executor = self.scheduler = self.info = None
+        self.queue_estimator: QueueDelayEstimator | None = None  # with --max-queue-delay
         self.vocab_size = 0  # the model's, reported by the workers at start-up
         self.model_dir = config.model.model  # the folder loaded (a GGUF file's: converted)
         self._wake_r, self._wake_w = socket.socketpair()
@@ -165,6 +168,7 @@ class EngineCoreDaemon:
         try:
             if not is_gguf(self.config.model.model):  # a bad folder fails before binding
                 resolve_max_model_len(self.config)
+            self.queue_estimator = _queue_estimator(self.config)
             self.sock, self.auth = bind_engine_socket(self.ctx, self.listen, self.key_file)
         except (ValueError, OSError) as e:
             logger.error("cannot start: %s", e)
@@ -210,7 +214,8 @@ class EngineCoreDaemon:
             served_model_name=c.model.name, tokenizer=c.model.tokenizer or self.model_dir,
             vocab_size=self.vocab_size, scheduling_policy=c.scheduler.scheduling_policy,
             max_num_queued_tokens=c.scheduler.max_num_queued_tokens,
-            heartbeat_interval=heartbeat_interval(self.frontend_timeout))
+            heartbeat_interval=heartbeat_interval(self.frontend_timeout),
+            max_queue_delay=c.scheduler.max_queue_delay)
 
     def _serve(self) -> int:
         logger.info("engine core ready: %d KV blocks, async scheduling %s",
@@ -275,9 +280,15 @@ class EngineCoreDaemon:
             return
 
     def _stats(self):
-        """The scheduler's snapshot, with the restarts this core made."""
+        """The scheduler's snapshot, with the restarts this core made and, with
+        --max-queue-delay, the estimate of a new request's wait."""
         stats = self.scheduler.stats()
         stats.num_worker_restarts = self.num_worker_restarts
+        if self.queue_estimator is not None:
+            est = self.queue_estimator.estimate(self.scheduler, time.monotonic())
+            stats.est_queue_delay_s = est.queue_delay_s
+            stats.est_s_per_prompt_token = est.s_per_prompt_token
+            stats.est_s_per_queued_request = est.s_per_queued_request
         return stats
 
     def _fail_everything(self, reason: str) -> None:
@@ -536,6 +547,19 @@ class EngineCoreDaemon:
             "Prefix cache hit rate: %.1f%%, Preemptions: %d", prompt / elapsed, gen / elapsed,
             stats.num_running, stats.num_waiting, 100 * stats.kv_cache_usage, 100 * hit_rate,
             stats.num_preemptions)
+
+
+def _queue_estimator(config: EngineConfig) -> QueueDelayEstimator | None:
+    """With --max-queue-delay, the estimator over the step cost model; ValueError when there
+    is no cost model (the flag is refused rather than guessed: a step time is a property of
+    the machine and model that no built-in constant gets right)."""
+    if config.scheduler.max_queue_delay is None:
+        return None
+    path = required_profile(config)
+    model = StepCostModel.load(path)
+    logger.info("--max-queue-delay %gs: step cost model %s (%s)",
+                config.scheduler.max_queue_delay, path, model.formula())
+    return QueueDelayEstimator(model)
 
 
 def _client_id(identity: bytes) -> str:

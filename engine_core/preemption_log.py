@@ -76,4 +76,6 @@ class PreemptionLog:
                         f"{sched.max_num_batched_tokens}, e.g. to {fewer_tokens})")
         tips.append(f"increase --tensor-parallel-size (now {tp}, e.g. to {tp * 2}) to spread "
                     f"the KV cache over more devices")
-        return "To avoid it: " + "; or ".join(tips)
+        return ("To avoid it: " + "; or ".join(tips) + ". `tidal tune` picks these settings for "
+                "your traffic by simulating this scheduler on a request trace (record one with "
+                "`tidal serve --record-trace FILE`)")

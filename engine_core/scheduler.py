@@ -108,6 +108,8 @@ class Scheduler:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.num_steps = 0
+        self.num_finished = 0
+        """Requests finished for any reason (the queue estimate's finish rate)."""
 
     @property
     def block_pool(self) -> BlockPool:
@@ -179,6 +181,7 @@ class Scheduler:
         """Mark finished, free blocks, tell the workers; the caller unlinks the queues."""
         request.status = status
         del self.requests[request.req_id]
+        self.num_finished += 1
         self.kv_cache_manager.free(request)
         if request.in_worker:
             self._finished_req_ids.append(request.req_id)

@@ -4,6 +4,7 @@
     tidal serve [MODEL] [engine flags] [server flags]    the OpenAI-compatible HTTP server
     tidal generate "PROMPT" [--model MODEL | --engine ADDRESS] [sampling flags]
     tidal bench ...                                      benchmarks
+    tidal tune [profile | simulate] ...                  pick settings by simulation
 
 Each subcommand's module exports `add_*_args(parser)` and `run_*(ns) -> int`. Only the chosen
 subcommand's module is imported, so `tidal core` starts without loading the HTTP server (or
@@ -30,6 +31,11 @@ _SUBCOMMANDS: dict[str, tuple[str, tuple[str, ...], str, str]] = {
     "bench": ("tidal.frontend.bench.cli", ("add_bench_args",), "run_bench",
               "benchmarks (throughput, serving)"),
 }
+_SELF_PARSING: dict[str, tuple[str, str]] = {
+    "tune": ("tidal.tune.cli:main", "pick --max-num-seqs, --max-num-batched-tokens, KV memory "
+             "and more by simulating the scheduler (tidal tune --help)"),
+}
+"""Subcommands that parse their own arguments: name -> (main(argv), one-line help)."""
 
 
 def _resolve(module: str, name: str):
@@ -47,12 +53,16 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
         if name == command:
             for adder in adders:
                 _resolve(module, adder)(p)
+    for name, (_, help_text) in _SELF_PARSING.items():
+        sub.add_parser(name, help=help_text, add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `tidal` console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _SELF_PARSING:
+        return int(_resolve("", _SELF_PARSING[argv[0]][0])(argv[1:]) or 0)
     command = argv[0] if argv and argv[0] in _SUBCOMMANDS else None
     try:
         parser = build_parser(command)

@@ -329,6 +329,11 @@ class SchedulerStats(msgspec.Struct, **_STRUCT):
     queued_prompt_tokens: int = 0
     """Prompt tokens of unfinished requests that have no generated token yet (waiting, or in
     prefill): what --max-num-queued-tokens limits."""
+    # --max-queue-delay: a new request's estimated seconds to its first token are
+    # est_queue_delay_s + its prompt tokens * est_s_per_prompt_token (engine_core/queue_estimate.py)
+    est_queue_delay_s: float = 0.0
+    est_s_per_prompt_token: float = 0.0
+    est_s_per_queued_request: float = 0.0
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", **_STRUCT):
@@ -360,6 +365,9 @@ class EngineInfo(msgspec.Struct, tag="info", **_STRUCT):
     scheduling_policy: str = "fcfs"
     """fcfs or priority; under fcfs a request's priority must be 0."""
     max_num_queued_tokens: int | None = None
+    max_queue_delay: float | None = None
+    """Seconds: frontends answer 503 when a new request's estimated time to first token (from
+    `SchedulerStats.est_*`) exceeds it; None = off."""
 
 
 class EngineDead(msgspec.Struct, tag="dead", **_STRUCT):

@@ -55,7 +55,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                                   "workers, engine core and HTTP processes"))
 
 
-def _add_dataset_args(p: argparse.ArgumentParser, with_seed: bool) -> None:
+def add_dataset_args(p: argparse.ArgumentParser, with_seed: bool) -> None:
+    """The workload flags (dataset, lengths, prefixes; `--seed` when `with_seed`)."""
     g = p.add_argument_group("workload")
     g.add_argument("--dataset-name", "--dataset", choices=DATASET_NAMES, default="random",
                    help="random, sharegpt-like, shared-prefix or jsonl (default: random)")
@@ -121,7 +122,7 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--plot", default=None, metavar="FILE.png", help="draw the figure here")
     g.add_argument("--save-detailed", action="store_true",
                    help="include every request's measurements in the JSON")
-    _add_dataset_args(p, with_seed=True)
+    add_dataset_args(p, with_seed=True)
     _add_result_args(p)
 
 
@@ -135,7 +136,7 @@ def _add_offline_args(p: argparse.ArgumentParser, with_dataset: bool) -> None:
     p.add_argument("--random-weights-dir", default=os.path.expanduser("~/.cache/tidal/bench"),
                    help="where --random-weights models are kept")
     if with_dataset:
-        _add_dataset_args(p, with_seed=False)
+        add_dataset_args(p, with_seed=False)
     _add_result_args(p)
 
 

@@ -1,5 +1,5 @@
-"""Admission control for `--max-num-queued-reqs` and `--max-num-queued-tokens`: reject with
-503 before any work starts.
+"""Admission control for `--max-num-queued-reqs`, `--max-num-queued-tokens` and
+`--max-queue-delay`: reject with 503 before any work starts.
 
 Two counts, each the whole server's, with any number of HTTP server processes:
 
@@ -26,6 +26,17 @@ The token limit admits a request whose prompt alone is over it when no prompt to
 queued (else a long prompt would get a 503 however often it is retried); vLLM admits while
 the queued tokens are under the limit, whatever the new prompt's size.
 
+`--max-queue-delay`: the engine core estimates the wait from the work it has queued
+(`engine_core/queue_estimate.py`, through the step cost model) and reports it in each stats
+snapshot; here the new request's own prompt is added, and what this process admitted since
+the snapshot's query was sent (other processes' admissions show in the next snapshot):
+
+    wait = est_queue_delay_s + (prompt + admitted since) tokens * est_s_per_prompt_token
+           + (admitted since) requests * est_s_per_queued_request
+
+Above the limit the answer is 503 with `Retry-After: ceil(wait - limit)` (at least 1 s): the
+queue drains about a second of work per second.
+
 Check and increment run in one synchronous step on the event loop, so within a process there
 is no race; across processes two requests admitted in the same microsecond may both pass (the
 same lock-free trade-off vLLM's admission_control.py makes).
@@ -35,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import multiprocessing
 from typing import Awaitable, Callable
 
@@ -44,6 +56,8 @@ logger = logging.getLogger("tidal.serve")
 
 STATS_REFRESH_SECONDS = 0.5
 """How often each server process refreshes the core's count of other frontends' requests."""
+DELAY_REFRESH_SECONDS = 0.25
+"""How often it refreshes the core's queue estimate under --max-queue-delay."""
 
 
 def make_shared_slots(num_servers: int):
@@ -80,33 +94,44 @@ class Ticket:
 
 
 class AdmissionController:
-    """Counts unfinished requests and their queued prompt tokens; enforces `limit` and
-    `token_limit` (None = unlimited, never rejects).
+    """Counts unfinished requests and their queued prompt tokens; enforces `limit`,
+    `token_limit` and `max_queue_delay` (seconds; None = off, never rejects).
 
     `slots` is shared memory from `make_shared_slots` (several processes) or None (this
-    process alone); `slot` is this process's index among the processes.
+    process alone); `slot` is this process's index among the processes. `on_reject(reason)`
+    is called for each 503 (max_num_queued_reqs, max_num_queued_tokens or max_queue_delay).
     """
 
     def __init__(self, limit: int | None, slots=None, slot: int = 0,
                  on_reject: Callable[[str], None] | None = None,
-                 token_limit: int | None = None):
+                 token_limit: int | None = None, max_queue_delay: float | None = None):
         if limit is not None and limit < 1:
             raise ValueError(f"max_num_queued_reqs must be at least 1, got {limit}")
         if token_limit is not None and token_limit < 1:
             raise ValueError(f"max_num_queued_tokens must be at least 1, got {token_limit}")
+        if max_queue_delay is not None and not max_queue_delay > 0:
+            raise ValueError(f"max_queue_delay must be positive, got {max_queue_delay}")
         self.limit = limit
         self.token_limit = token_limit
+        self.max_queue_delay = max_queue_delay
         self._slots = slots if slots is not None else [0, 0]
         self._num_servers = len(self._slots) // 2
         self._slot = slot
         self._on_reject = on_reject
         self.others = 0  # the core's unfinished requests that are not ours (see module doc)
         self.other_tokens = 0  # the core's queued prompt tokens that are not ours
+        self._estimate = (0.0, 0.0, 0.0)
+        """The core's (queue delay s, s per prompt token, s per queued request)."""
+        self._admitted = [0, 0]
+        """Prompt tokens and requests this process ever admitted."""
+        self._mark = (0, 0)
+        """`_admitted` when the query of the snapshot in `_estimate` was sent."""
 
     @property
     def limited(self) -> bool:
         """Whether any limit is set (then `refresh_loop` should run)."""
-        return self.limit is not None or self.token_limit is not None
+        return (self.limit is not None or self.token_limit is not None
+                or self.max_queue_delay is not None)
 
     def _add(self, num_reqs: int, num_tokens: int) -> None:
         self._slots[self._slot] += num_reqs
@@ -132,6 +157,13 @@ class AdmissionController:
         """The whole server's queued prompt tokens: ours plus other frontends'."""
         return self.num_our_tokens() + self.other_tokens
 
+    def estimated_wait(self, num_prompt_tokens: int) -> float:
+        """Seconds a new request with this many prompt tokens would wait for its first token
+        (see the module docstring; 0 before the first snapshot)."""
+        delay, per_token, per_request = self._estimate
+        tokens = self._admitted[0] - self._mark[0] + num_prompt_tokens
+        return delay + tokens * per_token + (self._admitted[1] - self._mark[1]) * per_request
+
     def admit(self, num_reqs: int, num_tokens: int = 0) -> Ticket:
         """Admit `num_reqs` engine requests holding `num_tokens` prompt tokens in all, or
         raise a 503 APIError (nothing is counted)."""
@@ -141,13 +173,24 @@ class AdmissionController:
             queued = self.num_queued_tokens()
             if queued and queued + num_tokens > self.token_limit:
                 self._reject("max_num_queued_tokens", TOKENS_FULL_MESSAGE)
+        if self.max_queue_delay is not None:
+            wait = self.estimated_wait(num_tokens)
+            if wait > self.max_queue_delay:
+                retry = max(1, math.ceil(wait - self.max_queue_delay))
+                self._reject("max_queue_delay",
+                             f"The engine is busy: a new request would wait about {wait:.1f} s "
+                             f"for its first token, more than the server's limit of "
+                             f"{self.max_queue_delay:g} s. Please retry after {retry} s or on "
+                             "a different instance.", {"Retry-After": str(retry)})
         self._add(num_reqs, num_tokens)
+        self._admitted[0] += num_tokens
+        self._admitted[1] += num_reqs
         return Ticket(self, num_reqs, num_tokens)
 
-    def _reject(self, reason: str, message: str):
+    def _reject(self, reason: str, message: str, headers: dict[str, str] | None = None):
         if self._on_reject is not None:
             self._on_reject(reason)
-        raise APIError(503, message, err_type="Service Unavailable")
+        raise APIError(503, message, err_type="Service Unavailable", headers=headers)
 
     def note_core_count(self, core_unfinished: int, ours_before: int, ours_after: int,
                         core_tokens: int = 0, our_tokens_before: int = 0,
@@ -157,17 +200,29 @@ class AdmissionController:
         self.others = max(0, core_unfinished - max(ours_before, ours_after))
         self.other_tokens = max(0, core_tokens - max(our_tokens_before, our_tokens_after))
 
+    def note_core_estimate(self, stats, mark: tuple[int, int]) -> None:
+        """Take the core's queue estimate from a snapshot whose query was sent when
+        `_admitted` was `mark`."""
+        self._estimate = (stats.est_queue_delay_s, stats.est_s_per_prompt_token,
+                          stats.est_s_per_queued_request)
+        self._mark = mark
+
     async def refresh_loop(self, get_stats: Callable[[], Awaitable]) -> None:
-        """Keep `others` fresh while the server runs (only needed when a limit is set)."""
+        """Keep `others`, `other_tokens` and the queue estimate fresh while the server runs
+        (only needed when a limit is set)."""
+        interval = (DELAY_REFRESH_SECONDS if self.max_queue_delay is not None
+                    else STATS_REFRESH_SECONDS)
         while True:
             try:
                 before, tokens_before = self.num_ours(), self.num_our_tokens()
+                mark = (self._admitted[0], self._admitted[1])
                 stats = await asyncio.wait_for(get_stats(), timeout=5.0)
                 self.note_core_count(stats.num_running + stats.num_waiting, before,
                                      self.num_ours(), stats.queued_prompt_tokens,
                                      tokens_before, self.num_our_tokens())
+                self.note_core_estimate(stats, mark)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the engine is slow or gone: keep the last value
                 logger.debug("admission: stats refresh failed: %s", exc)
-            await asyncio.sleep(STATS_REFRESH_SECONDS)
+            await asyncio.sleep(interval)

@@ -63,10 +63,14 @@ class ServerSettings:
     """Admission limit; None = the engine's `--max-num-queued-reqs` (EngineInfo)."""
     max_num_queued_tokens: int | None = None
     """Admission limit; None = the engine's `--max-num-queued-tokens` (EngineInfo)."""
+    max_queue_delay: float | None = None
+    """Seconds of estimated wait before a 503; None = the engine's `--max-queue-delay`."""
     admission_slots: Any = None
     """Shared per-process counters of unfinished requests (admission.make_shared_slots)."""
     server_index: int = 0
     """This process's index among the `--api-server-count` processes (its slot)."""
+    record_trace: tuple[str, bytes] | None = None
+    """(trace file, hash key) from `tidal.tune.trace.start_recording` (--record-trace)."""
 
 
 class APIKeyMiddleware:
@@ -143,6 +147,8 @@ def build_app(engine_factory: Callable[[], Awaitable[Any]],
             await asyncio.gather(*tasks, return_exceptions=True)
             app.state.serving.close()
             await engine.close()
+            if app.state.serving.recorder is not None:
+                app.state.serving.recorder.close()
 
     app = FastAPI(title="tidal", version=tidal.__version__, lifespan=lifespan)
     install_error_handlers(app)
@@ -161,16 +167,24 @@ def _start_state(app: FastAPI, engine, settings: ServerSettings) -> list[asyncio
     metrics = ServerMetrics(names[0])
     limit = settings.max_num_queued_reqs or info.max_num_queued_reqs
     token_limit = settings.max_num_queued_tokens or info.max_num_queued_tokens
+    delay = settings.max_queue_delay or info.max_queue_delay
     admission = AdmissionController(limit, settings.admission_slots, settings.server_index,
-                                    on_reject=metrics.count_rejection, token_limit=token_limit)
+                                    on_reject=metrics.count_rejection, token_limit=token_limit,
+                                    max_queue_delay=delay)
     app.state.engine = engine
     app.state.metrics = metrics
-    app.state.serving = OpenAIServing(engine, names, admission, metrics)
+    recorder = None
+    if settings.record_trace is not None:
+        from tidal.tune.trace import TraceRecorder
+
+        recorder = TraceRecorder(*settings.record_trace)
+    app.state.serving = OpenAIServing(engine, names, admission, metrics, recorder)
     app.state.root = getattr(info, "model", None)
     logger.info("HTTP server %d attached: serving %s (max_model_len %d%s%s)",
                 settings.server_index, ", ".join(names), info.max_model_len,
                 f", at most {limit} unfinished requests" if limit else "",
-                f", at most {token_limit} queued prompt tokens" if token_limit else "")
+                f", at most {token_limit} queued prompt tokens" if token_limit else "",
+                f", 503 beyond an estimated {delay:g} s wait" if delay else "")
     tasks = []
     if admission.limited:
         tasks.append(asyncio.ensure_future(admission.refresh_loop(engine.get_stats)))

@@ -8,6 +8,7 @@ Status mapping (as vLLM's server does it, §6.3 of the reference):
     wrong HTTP method                                                405 MethodNotAllowed
     --max-num-queued-reqs / --max-num-queued-tokens reached, dead     503 Service Unavailable
     no engine core attached (it went away; we re-attach by ourselves) 503 + Retry-After
+    --max-queue-delay: estimated wait too long                       503 + Retry-After
     a bug or an engine failure (never bad input)                     500 InternalServerError
 
 `param` names the offending request field when there is one. A `ValueError` raised by
@@ -53,13 +54,14 @@ class APIError(Exception):
     """An error with its HTTP status and OpenAI error fields."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 err_type: str | None = None, headers: dict | None = None):
+                 err_type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.err_type = err_type or _TYPES.get(status) or HTTPStatus(status).phrase
         self.headers = headers
+        """Extra response headers (Retry-After on a 503 of --max-queue-delay)."""
 
     def body(self) -> dict:
         """The JSON body, `{"error": {...}}`."""

@@ -3,6 +3,7 @@
     tidal serve [MODEL] [engine flags] [--host H] [--port P] [--api-server-count N]
                 [--api-key K] [--timeout-keep-alive S] [--timeout-request-header S]
                 [--timeout-request-body S]        (read timeouts: server/timeouts.py)
+                [--record-trace FILE]             (a request trace for `tidal tune`)
     tidal serve --engine ADDRESS [--engine-key-file F] [server flags]   (attach, start no daemon)
 
 Without MODEL (or --model) it serves the bundled demo model (tidal.frontend.demo) under the
@@ -120,6 +121,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="close a connection whose request head has not arrived this many "
                    "seconds after it opened, or after its first byte following a keep-alive "
                    f"idle (default: {DEFAULT_TIMEOUT_REQUEST_HEADER_S:g})")
+    g.add_argument("--record-trace", default=None, metavar="FILE",
+                   help="write one JSON line per finished request to FILE: arrival time, "
+                        "prompt and output length, keyed prefix-block hashes (never text); "
+                        "a trace for `tidal tune --trace FILE`")
     g.add_argument("--timeout-request-body", type=float, metavar="S",
                    default=DEFAULT_TIMEOUT_REQUEST_BODY_S,
                    help="answer 408 and close when a request body has not arrived this many "
@@ -142,6 +147,7 @@ class ServerSpec:
     timeout_request_header: float = DEFAULT_TIMEOUT_REQUEST_HEADER_S
     timeout_request_body: float = DEFAULT_TIMEOUT_REQUEST_BODY_S
     engine_restart_timeout: float = DEFAULT_ENGINE_RESTART_TIMEOUT_S
+    record_trace: tuple[str, bytes] | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,7 +195,8 @@ def serve_one(index: int, spec: ServerSpec, sock: socket.socket, slots) -> int:
 
     _setup_logging(index)
     settings = ServerSettings(served_model_names=spec.served_model_names,
-                              api_key=spec.api_key, admission_slots=slots, server_index=index)
+                              api_key=spec.api_key, admission_slots=slots, server_index=index,
+                              record_trace=spec.record_trace)
     app = build_app(lambda: _attach_engine(spec), settings)
     http = timed_http_protocol(spec.timeout_request_header, spec.timeout_request_body)
     config = uvicorn.Config(app, loop="uvloop", http=http, lifespan="on",
@@ -250,6 +257,10 @@ class _Supervisor:
 
         apply_demo_model_default(self.ns)  # no MODEL: the bundled demo model, "tidal-demo"
         config = config_from_args(self.ns)  # ValueError names the flag
+        if config.scheduler.max_queue_delay is not None:
+            from tidal.engine_core.step_cost import required_profile
+
+            required_profile(config)  # refused at once, not after the daemon starts
         extra = [] if self.ns.frontend_timeout is None else [
             "--frontend-timeout", str(self.ns.frontend_timeout)]
         self.daemon = DaemonProcess(config, echo=True, extra_args=extra)
@@ -372,6 +383,20 @@ def _check_args(ns: argparse.Namespace) -> None:
             raise ValueError(f"--frontend-timeout must be positive, got {ns.frontend_timeout}")
 
 
+def _start_recording(path: str | None) -> tuple[str, bytes] | None:
+    """--record-trace: the file (created with its header) and the recording's hash key."""
+    if not path:
+        return None
+    from tidal.tune.trace import start_recording
+
+    try:
+        key = start_recording(path)
+    except OSError as exc:
+        raise ValueError(f"--record-trace {path}: {exc}") from None
+    logger.info("recording a request trace to %s", path)
+    return path, key
+
+
 def run_serve(ns: argparse.Namespace) -> int:
     """`tidal serve`: run until SIGTERM / SIGINT; the exit status."""
     _setup_logging(None)
@@ -385,13 +410,14 @@ def run_serve(ns: argparse.Namespace) -> int:
     previous = {sig: signal.signal(sig, lambda *_: sup.stop_event.set())
                 for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
+        record_trace = _start_recording(ns.record_trace)  # a bad path fails before the daemon
         address, tokenizer, daemon_pid = sup.start_engine()
         spec = ServerSpec(address, ns.engine_key_file, tokenizer,
                           [ns.served_model_name] if ns.served_model_name else None,
                           ns.api_key, daemon_pid, ns.uvicorn_log_level,
                           not ns.disable_uvicorn_access_log, ns.timeout_keep_alive,
                           ns.timeout_request_header, ns.timeout_request_body,
-                          ns.engine_restart_timeout)
+                          ns.engine_restart_timeout, record_trace)
         sup.start_servers(spec, sock)
         host, port = sock.getsockname()[:2]
         logger.info("listening on http://%s:%d; starting %d HTTP server process(es) for the "

@@ -55,10 +55,11 @@ class _Job:
     """One engine request: one prompt and its n completions (latest output per completion)."""
 
     __slots__ = ("req_id", "prompt_index", "prompt_ids", "prompt_text", "gen", "finished",
-                 "final", "metrics", "prefilled", "prompt_logprobs")
+                 "final", "metrics", "prefilled", "prompt_logprobs", "arrival_time",
+                 "priority")
 
     def __init__(self, req_id: str, prompt_index: int, prompt_ids: list[int],
-                 prompt_text: str | None):
+                 prompt_text: str | None, arrival_time: float = 0.0, priority: int = 0):
         self.req_id = req_id
         self.prompt_index = prompt_index
         self.prompt_ids = prompt_ids
@@ -69,6 +70,8 @@ class _Job:
         self.metrics = None
         self.prefilled: set[int] = set()  # completions whose first token came back
         self.prompt_logprobs = None  # with SamplingParams.prompt_logprobs, once they arrive
+        self.arrival_time = arrival_time  # time.time() at admission (for --record-trace)
+        self.priority = priority
 
 
 class Run:
@@ -100,6 +103,7 @@ class Run:
                 await _close_iterator(job.gen)
                 if not job.finished and job.gen is not None:
                     self.serving.metrics.observe_finished(None, "abort")
+                    self.serving.record(job, "abort")
                     try:
                         await engine.abort(job.req_id)
                     except Exception as exc:  # the engine is gone: nothing left to free
@@ -166,11 +170,13 @@ class OpenAIServing:
     """The OpenAI endpoints of one server process, on top of one AsyncLLM."""
 
     def __init__(self, engine, served_names: list[str], admission: AdmissionController,
-                 metrics: ServerMetrics):
+                 metrics: ServerMetrics, recorder=None):
         self.engine = engine
         self.served_names = served_names
         self.admission = admission
         self.metrics = metrics
+        self.recorder = recorder
+        """A `tidal.tune.trace.TraceRecorder` (--record-trace), or None."""
         self.tokenizer = engine.tokenizer
         self.vocab_size = _vocab_size(self.tokenizer, engine.engine_info)
         self.scheduling_policy = engine.engine_info.scheduling_policy
@@ -280,7 +286,9 @@ class OpenAIServing:
         num_tokens = params.n * sum(len(ids) for ids, _ in prompts)
         ticket = self.admission.admit(num_reqs, num_tokens)
         response_id = f"{prefix}-{uuid.uuid4().hex}"
-        jobs = [_Job(f"{response_id}-{i}", i, ids, text) for i, (ids, text) in enumerate(prompts)]
+        arrival = time.time()
+        jobs = [_Job(f"{response_id}-{i}", i, ids, text, arrival, priority)
+                for i, (ids, text) in enumerate(prompts)]
         return response_id, Run(self, jobs, params, priority, ticket)
 
     def _note(self, run: Run, job: _Job, out) -> None:
@@ -297,6 +305,21 @@ class OpenAIServing:
             job.metrics = out.metrics
             reasons = [c.finish_reason for c in job.final.values()]
             self.metrics.observe_finished(out.metrics, reasons[0] if reasons else None)
+            self.record(job)
+
+    def record(self, job: _Job, reason: str | None = None) -> None:
+        """One trace line per completion of a job that ended (--record-trace): arrival,
+        prompt length and hashes, output length; never text. A request aborted before its
+        first token has no completion yet and leaves no line."""
+        if self.recorder is None:
+            return
+        for completion in job.final.values():
+            try:
+                self.recorder.record(job.arrival_time, job.prompt_ids,
+                                     len(completion.token_ids), job.priority,
+                                     reason or completion.finish_reason)
+            except OSError as exc:  # a full disk must not fail the request
+                logger.warning("--record-trace: cannot write: %s", exc)
 
     async def _one(self, run: Run, job: _Job):
         job.gen = self.engine.generate(job.prompt_ids, run.params, job.req_id,

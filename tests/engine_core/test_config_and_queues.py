@@ -34,6 +34,7 @@ def test_defaults_are_vllms():
     (lambda: CacheConfig(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
     (lambda: SchedulerConfig(scheduling_policy="lifo"), "scheduling_policy"),
     (lambda: SchedulerConfig(stream_interval=0), "stream_interval"),
+    (lambda: SchedulerConfig(max_queue_delay=0.0), "max_queue_delay"),
     (lambda: ModelConfig("m", dtype="int8"), "dtype"),
     (lambda: ModelConfig(""), "model"),
     (lambda: ParallelConfig(tensor_parallel_size=0), "tensor_parallel_size"),
@@ -67,8 +68,11 @@ def test_flags_round_trip_through_argv():
         "--max-num-queued-reqs", "100", "--max-num-queued-tokens", "32K", "--stream-interval",
         "4", "-tp", "2", "--device", "cpu",
         "--attention-backend", "torch", "--enforce-eager", "--dtype", "half",
-        "--num-gpu-blocks-override", "64", "--served-model-name", "tiny"])
+        "--num-gpu-blocks-override", "64", "--served-model-name", "tiny",
+        "--max-queue-delay", "1.5", "--step-cost-model", "/tmp/cost.json"])
     config = config_from_args(ns)
+    assert config.scheduler.max_queue_delay == 1.5
+    assert config.scheduler.step_cost_model == "/tmp/cost.json"
     assert config.cache.kv_cache_memory == 2 * 2**30 and config.model.dtype == "float16"
     assert config.scheduler.scheduling_policy == "priority"
     assert not config.scheduler.async_scheduling and config.parallel.tensor_parallel_size == 2

@@ -230,3 +230,126 @@ def test_non_streaming_disconnect_aborts_and_releases(slow_engine):
         assert app.state.serving.admission.num_ours() == 0
 
     asyncio.run(_with_app(slow_engine, ServerSettings(max_num_queued_reqs=4), body))
+
+
+# -- --max-queue-delay ---------------------------------------------------------------------------
+
+
+def _estimate(delay=0.0, per_token=0.0, per_request=0.0):
+    from tidal.ipc.messages import SchedulerStats
+
+    return SchedulerStats(est_queue_delay_s=delay, est_s_per_prompt_token=per_token,
+                          est_s_per_queued_request=per_request)
+
+
+def test_controller_adds_the_prompt_and_what_it_admitted_since_the_snapshot():
+    """The core says 0.5 s of queue and 1 ms per prompt token: a 400-token prompt would wait
+    0.9 s (admitted, limit 1 s); a 200-token one after it 0.5 + 0.6 = 1.1 s: a 503 with
+    Retry-After 1 (rounded up from 0.1 s). A fresh snapshot (taken after both were sent)
+    counts the first in the core's own figure and resets what is added here."""
+    rejected = []
+    ctl = AdmissionController(None, on_reject=rejected.append, max_queue_delay=1.0)
+    assert ctl.estimated_wait(10**6) == 0.0  # no snapshot yet: nothing to go on
+    ctl.note_core_estimate(_estimate(0.5, 0.001), mark=(0, 0))
+    assert ctl.estimated_wait(400) == pytest.approx(0.9)
+    ctl.admit(1, 400)
+    with pytest.raises(APIError) as info:
+        ctl.admit(1, 200)
+    err = info.value
+    assert err.status == 503 and err.headers == {"Retry-After": "1"}
+    assert "wait about 1.1 s" in err.message and "limit of 1 s" in err.message
+    assert rejected == ["max_queue_delay"] and ctl.num_ours() == 1
+    ctl.note_core_estimate(_estimate(0.7, 0.001), mark=(400, 1))
+    assert ctl.estimated_wait(200) == pytest.approx(0.9)
+    ctl.admit(1, 200)
+
+
+def test_queue_delay_503_comes_at_once_with_retry_after(tokenizer, monkeypatch):
+    """An estimate of 3 s against a 1 s limit: the request is answered 503 with
+    Retry-After: 2 before it reaches the engine."""
+    import tidal.frontend.server.admission as admission
+
+    monkeypatch.setattr(admission, "DELAY_REFRESH_SECONDS", 100.0)
+    engine = FakeEngine(tokenizer, token_delay=0.05)
+    engine.stats = _estimate(3.0)
+
+    async def body(app):
+        await asyncio.sleep(0.05)  # the first stats refresh
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4})
+            assert r.status_code == 503 and r.headers["retry-after"] == "2"
+            assert r.json()["error"]["type"] == "Service Unavailable"
+            assert "3.0 s" in r.json()["error"]["message"]
+            metrics = (await client.get("/metrics")).text
+            assert ('tidal:admission_rejections_total{model_name="fake-model",'
+                    'reason="max_queue_delay"} 1.0') in metrics
+        assert not engine.generated
+
+    asyncio.run(_with_app(engine, ServerSettings(max_queue_delay=1.0), body))
+
+
+def test_queue_delay_burst_every_request_gets_an_answer(tokenizer, monkeypatch):
+    """0.3 s of queue, 0.4 s per request admitted since the snapshot, limit 1 s: of six at
+    once the first two are admitted (0.3, 0.7 s); each of the other four would wait 1.1 s
+    (a rejected request adds nothing) and gets 503 with Retry-After 1; the admitted two run
+    to the end."""
+    import tidal.frontend.server.admission as admission
+
+    monkeypatch.setattr(admission, "DELAY_REFRESH_SECONDS", 100.0)
+    engine = FakeEngine(tokenizer, token_delay=0.02)
+    engine.stats = _estimate(0.3, 0.0, 0.4)
+
+    async def body(app):
+        await asyncio.sleep(0.05)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            reqs = [client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4,
+                                                         "stream": i % 2 == 0})
+                    for i in range(6)]
+            results = await asyncio.wait_for(asyncio.gather(*reqs), 10)
+        assert [r.status_code for r in results] == [200, 200, 503, 503, 503, 503]
+        assert [r.headers.get("retry-after") for r in results] == [None, None] + ["1"] * 4
+        assert "data: [DONE]" in results[0].text
+        assert results[1].json()["usage"]["completion_tokens"] == 4
+        assert app.state.serving.admission.num_ours() == 0
+
+    asyncio.run(_with_app(engine, ServerSettings(max_queue_delay=1.0), body))
+
+
+# -- --record-trace ------------------------------------------------------------------------------
+
+
+def test_record_trace_writes_one_line_per_completion(tokenizer, tmp_path):
+    """Two requests, one with n=2: three trace lines with the prompt's length and hashes, the
+    output length and why it ended; a client that leaves is recorded as an abort. No text."""
+    from tidal.tune.trace import read_trace, start_recording
+
+    path = str(tmp_path / "trace.jsonl")
+    settings = ServerSettings(record_trace=(path, start_recording(path)))
+    engine = FakeEngine(tokenizer, token_delay=0.01, max_model_len=256)
+    prompt = "the quick brown fox jumps over the lazy dog " * 4
+
+    async def body(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            one = await client.post("/v1/completions", json={
+                "prompt": prompt, "max_tokens": 3, "priority": 0})
+            two = await client.post("/v1/completions", json={
+                "prompt": prompt, "max_tokens": 5, "n": 2, "stream": True})
+            assert one.status_code == two.status_code == 200
+        await _call_and_disconnect(app, "/v1/completions",
+                                   {"prompt": "x", "max_tokens": 50, "stream": True}, 2)
+
+    asyncio.run(_with_app(engine, settings, body))
+    text = open(path).read()
+    assert "quick" not in text and "fox" not in text
+    requests = read_trace(path).requests
+    prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
+    full = [r for r in requests if r.prompt_len == prompt_len]
+    assert sorted(r.output_len for r in full) == [3, 5, 5]
+    assert all(r.finish_reason == "length" for r in full)
+    assert len(full[0].prefix_hashes) == prompt_len // 16 > 0
+    assert all(r.prefix_hashes == full[0].prefix_hashes for r in full)
+    (aborted,) = [r for r in requests if r.prompt_len != prompt_len]
+    assert aborted.finish_reason == "abort" and 0 < aborted.output_len < 50

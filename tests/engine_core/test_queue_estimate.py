@@ -1,0 +1,92 @@
+"""The engine core's estimate of a new request's wait (--max-queue-delay), on the real
+Scheduler with a fabricated step cost model: t = 10 ms + 1 ms per prompt token + 2 ms per
+decode. Arithmetic in each docstring."""
+
+import pytest
+from sched_utils import FakeWorker, make_request, make_scheduler, step
+
+from tidal.engine_core.queue_estimate import QueueDelayEstimator
+from tidal.engine_core.step_cost import StepCostModel
+
+COST = StepCostModel(0.010, per_prefill_token_s=0.001, per_decode_req_s=0.002)
+
+
+def test_prompt_tokens_queued_ahead():
+    """Three waiting 100-token prompts, nothing running, budget 1000: a step holds 1000 prompt
+    tokens and takes 10 + 1000 ms, so each prompt token costs 1.01 ms: 300 of them 303 ms."""
+    sched = make_scheduler(max_num_batched_tokens=1000, max_num_seqs=4)
+    for i in range(3):
+        sched.add(make_request(i, 100))
+    est = QueueDelayEstimator(COST).estimate(sched, now=0.0)
+    assert est.s_per_prompt_token == pytest.approx(0.00101)
+    assert est.queue_delay_s == pytest.approx(0.303)
+    assert est.s_per_queued_request == 0.0
+
+
+def test_running_decodes_share_each_step():
+    """After one step the three decode (context 101 each) and a 50-token prompt waits: a step
+    holds 997 prompt tokens beside 3 decodes, 10 + 997 + 6 = 1013 ms; the step in flight is
+    10 + 6 = 16 ms; so 16 ms + 50 * 1013/997 ms."""
+    sched = make_scheduler(max_num_batched_tokens=1000, max_num_seqs=4)
+    worker = FakeWorker(16)
+    for i in range(3):
+        sched.add(make_request(i, 100, max_tokens=50))
+    step(sched, worker)
+    sched.add(make_request("late", 50))
+    est = QueueDelayEstimator(COST).estimate(sched, now=0.0)
+    assert est.s_per_prompt_token == pytest.approx(1.013 / 997)
+    assert est.queue_delay_s == pytest.approx(0.016 + 50 * 1.013 / 997)
+
+
+def test_waiting_for_a_free_slot_at_the_measured_finish_rate():
+    """max_num_seqs 1, one request running, three waiting: a new one waits for 4 finishes.
+    Two finishes in the last 4 s: 0.5 per second, so 2 s each, 8 s in all (more than the
+    token work, so it is the estimate)."""
+    sched = make_scheduler(max_num_batched_tokens=1000, max_num_seqs=1)
+    worker = FakeWorker(16)
+    sched.add(make_request("run", 10, max_tokens=1000))
+    step(sched, worker)
+    for i in range(3):
+        sched.add(make_request(i, 10))
+    estimator = QueueDelayEstimator(COST)
+    assert estimator.estimate(sched, now=0.0).s_per_queued_request == 0.0  # no finish seen
+    sched.num_finished += 2
+    est = estimator.estimate(sched, now=4.0)
+    assert est.s_per_queued_request == pytest.approx(2.0)
+    assert est.queue_delay_s == pytest.approx(8.0)
+
+
+def test_finish_rate_forgets_old_samples():
+    estimator = QueueDelayEstimator(COST, window_s=10.0)
+    assert estimator.finish_rate(0, 0.0) == 0.0
+    assert estimator.finish_rate(10, 5.0) == pytest.approx(2.0)
+    assert estimator.finish_rate(10, 12.0) == pytest.approx(10 / 12)
+    assert estimator.finish_rate(12, 20.0) == pytest.approx(2 / 15)  # since t=5
+
+
+def _config(model: str, **scheduler):
+    from tidal.engine_core.config import EngineConfig, ModelConfig, SchedulerConfig
+
+    return EngineConfig(model=ModelConfig(model), scheduler=SchedulerConfig(**scheduler))
+
+
+def test_the_flag_is_refused_without_a_step_cost_model(tiny_llama, tmp_path, monkeypatch):
+    """No profile cached for this model and machine: the engine core does not start (exit 2)
+    and says how to make one; with the file `tidal tune profile` would write, it starts the
+    estimator; an explicit --step-cost-model wins."""
+    from tidal.engine_core.daemon import EXIT_BAD_START, EngineCoreDaemon, _queue_estimator
+    from tidal.engine_core.step_cost import config_profile_key, profile_path
+
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
+    config = _config(tiny_llama, max_queue_delay=2.0)
+    with pytest.raises(ValueError, match="tidal tune profile"):
+        _queue_estimator(config)
+    daemon = EngineCoreDaemon(config, f"ipc://{tmp_path}/core.sock")
+    assert daemon.run() == EXIT_BAD_START
+    COST.save(profile_path(config_profile_key(config)))
+    assert _queue_estimator(config).cost_model == COST
+    other = StepCostModel(0.5)
+    other.save(str(tmp_path / "mine.json"))
+    mine = _config(tiny_llama, max_queue_delay=2.0, step_cost_model=str(tmp_path / "mine.json"))
+    assert _queue_estimator(mine).cost_model == other
+    assert _queue_estimator(_config(tiny_llama)) is None  # the flag is off

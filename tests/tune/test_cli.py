@@ -1,0 +1,72 @@
+"""`tidal tune` end to end on the bundled demo model's config (no model is loaded: the step
+cost model is fabricated)."""
+
+import json
+import os
+
+import pytest
+
+from tidal.engine_core.step_cost import StepCostModel
+from tidal.frontend.cli import main as tidal_main
+
+
+@pytest.fixture
+def cost_file(tmp_path):
+    path = str(tmp_path / "cost.json")
+    StepCostModel(0.005, 2e-5, 5e-4, 1e-7, info={"kv_block_bytes": 65536, "block_size": 16,
+                                                  "num_kv_blocks": 4096}).save(path)
+    return path
+
+
+WORKLOAD = ["--dataset", "random", "--num-prompts", "40", "--input-len", "128",
+            "--output-len", "16"]
+
+
+def test_simulate_prints_the_bench_report(cost_file, tmp_path, capsys):
+    result = str(tmp_path / "sim.json")
+    rc = tidal_main(["tune", "simulate", "--step-cost-model", cost_file, "--kv-cache-memory",
+                     "64MiB", *WORKLOAD, "--request-rate", "5", "--result-file", result])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "Simulated Serving Result" in out and "P99 TTFT (ms):" in out
+    assert "1024 KV blocks" in out  # 64 MiB / 64 KiB per block
+    summary = json.load(open(result))["summary"]
+    assert summary["completed"] == 40 and summary["total_output_tokens"] == 40 * 16
+
+
+def test_search_prints_the_table_and_draws_the_plot(cost_file, tmp_path, capsys):
+    plot, result = str(tmp_path / "tune.png"), str(tmp_path / "tune.json")
+    rc = tidal_main(["tune", "--step-cost-model", cost_file, *WORKLOAD, "--request-rate", "5",
+                     "--slo-ttft-p99", "1s", "--slo-itl-p99", "200ms",
+                     "--max-num-seqs-grid", "8,32", "--max-num-batched-tokens-grid", "256",
+                     "--kv-cache-memory-grid", "64MiB", "--chunked-prefill-grid", "on",
+                     "--plot", plot, "--result-file", result])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "settings meet TTFT p99 <= 1s and ITL p99 <= 200ms at 5 req/s" in out
+    assert "Best: tidal serve MODEL --max-num-seqs" in out
+    assert os.path.getsize(plot) > 10_000
+    settings = json.load(open(result))["settings"]
+    assert len(settings) == 2 and all(s["max_rate"] >= 5 for s in settings if s["meets"])
+
+
+def test_a_missing_profile_says_how_to_make_one(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
+    rc = tidal_main(["tune", "simulate", *WORKLOAD])
+    assert rc == 2
+    assert "run `tidal tune profile`" in capsys.readouterr().err
+
+
+def test_a_recorded_trace_is_rescaled_to_the_requested_rate(cost_file, tmp_path, capsys):
+    from tidal.tune.trace import Trace, TraceRequest, trace_header, write_trace
+
+    path = str(tmp_path / "t.jsonl")
+    write_trace(path, Trace([TraceRequest(10.0 + i, 64, 8) for i in range(11)],
+                            trace_header("test", clock="epoch")))
+    rc = tidal_main(["tune", "simulate", "--step-cost-model", cost_file,
+                     "--num-gpu-blocks-override", "512", "--trace", path, "--request-rate", "2",
+                     "--result-file", str(tmp_path / "r.json")])
+    assert rc == 0, capsys.readouterr()
+    summary = json.load(open(tmp_path / "r.json"))["summary"]
+    assert summary["completed"] == 11
+    assert 5.0 <= summary["duration_s"] < 6.0  # 10 gaps of 0.5 s, then the last request
