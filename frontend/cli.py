@@ -32,7 +32,7 @@ _SUBCOMMANDS: dict[str, tuple[str, tuple[str, ...], str, str]] = {
               "benchmarks (throughput, serving)"),
 }
 _SELF_PARSING: dict[str, tuple[str, str]] = {
-    "tune": ("tidal.tune.cli:main", "pick --max-num-seqs, --max-num-batched-tokens, KV memory "
+    "tune": ("tidal.frontend.tune.cli:main", "pick --max-num-seqs, --max-num-batched-tokens, KV memory "
              "and more by simulating the scheduler (tidal tune --help)"),
 }
 """Subcommands that parse their own arguments: name -> (main(argv), one-line help)."""

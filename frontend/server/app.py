@@ -70,7 +70,7 @@ class ServerSettings:
     server_index: int = 0
     """This process's index among the `--api-server-count` processes (its slot)."""
     record_trace: tuple[str, bytes] | None = None
-    """(trace file, hash key) from `tidal.tune.trace.start_recording` (--record-trace)."""
+    """(trace file, hash key) from `tidal.frontend.tune.trace.start_recording` (--record-trace)."""
 
 
 class APIKeyMiddleware:
@@ -175,7 +175,7 @@ def _start_state(app: FastAPI, engine, settings: ServerSettings) -> list[asyncio
     app.state.metrics = metrics
     recorder = None
     if settings.record_trace is not None:
-        from tidal.tune.trace import TraceRecorder
+        from tidal.frontend.tune.trace import TraceRecorder
 
         recorder = TraceRecorder(*settings.record_trace)
     app.state.serving = OpenAIServing(engine, names, admission, metrics, recorder)

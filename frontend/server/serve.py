@@ -387,7 +387,7 @@ def _start_recording(path: str | None) -> tuple[str, bytes] | None:
     """--record-trace: the file (created with its header) and the recording's hash key."""
     if not path:
         return None
-    from tidal.tune.trace import start_recording
+    from tidal.frontend.tune.trace import start_recording
 
     try:
         key = start_recording(path)

@@ -6,7 +6,7 @@ import pytest
 
 from tidal.frontend.bench.datasets import DatasetConfig, build_dataset
 from tidal.frontend.bench.serve import arrival_gaps
-from tidal.tune.trace import (
+from tidal.frontend.tune.trace import (
     Trace, TraceRecorder, TraceRequest, block_hashes, read_trace, start_recording,
     trace_from_dataset, trace_header, write_trace,
 )

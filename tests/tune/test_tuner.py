@@ -6,9 +6,9 @@ import pytest
 
 from tidal.engine_core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tidal.engine_core.step_cost import FEATURES, StepCostModel
-from tidal.tune.profile import fit_cost_model
-from tidal.tune.trace import Trace, TraceRequest
-from tidal.tune.tuner import SLO, Setting, format_table, parse_seconds, search, settings_grid
+from tidal.frontend.tune.profile import fit_cost_model
+from tidal.frontend.tune.trace import Trace, TraceRequest
+from tidal.frontend.tune.tuner import SLO, Setting, format_table, parse_seconds, search, settings_grid
 
 BASE = EngineConfig(model=ModelConfig("unused"), cache=CacheConfig(block_size=16),
                     scheduler=SchedulerConfig(async_scheduling=False))
@@ -111,7 +111,7 @@ def test_a_backlog_growing_through_the_trace_does_not_meet_the_slo():
     small; at 150 it grows through all 200 arrivals (and drains after them), yet with no
     queue (256 slots) TTFT and ITL stay far inside loose limits: only the backlog test
     tells the overload apart."""
-    from tidal.tune.simulator import simulate
+    from tidal.frontend.tune.simulator import simulate
 
     config = Setting(256, 4096, 1000).engine_config(BASE)
     cost = StepCostModel(0.0, per_decode_req_s=0.001, per_prefill_token_s=1e-5)

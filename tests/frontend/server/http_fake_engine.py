@@ -23,12 +23,14 @@ class FakeEngine:
     def __init__(self, tokenizer, max_model_len: int = 64, token_delay: float = 0.0,
                  max_num_queued_reqs: int | None = None, fail_with: str | None = None,
                  refuse_with: str | None = None, scheduling_policy: str = "fcfs",
-                 max_num_queued_tokens: int | None = None):
+                 max_num_queued_tokens: int | None = None,
+                 max_queue_delay: float | None = None):
         self.tokenizer = tokenizer
         self.model_name = "fake-model"
         self.engine_info = SimpleNamespace(model="/models/fake", max_model_len=max_model_len,
                                            max_num_queued_reqs=max_num_queued_reqs,
                                            max_num_queued_tokens=max_num_queued_tokens,
+                                           max_queue_delay=max_queue_delay,
                                            scheduling_policy=scheduling_policy,
                                            stream_interval=1)
         self.token_delay = token_delay

@@ -1,6 +1,6 @@
 """`tidal tune profile MODEL [engine flags]`: measure worker steps, fit the step cost model.
 
-    parent (no torch)                          child: python -m tidal.tune.profile (rank 0)
+    parent (no torch)                          child: python -m tidal.frontend.tune.profile (rank 0)
     engine flags -> WorkerConfig  ── spawn ──► Worker(config): load, KV cache, then for about
     (the environment a serving worker gets:    --duration seconds run random step shapes fed
     OMP threads, wait policy, core mask)       as BatchPlans and time each `execute`
@@ -52,7 +52,7 @@ from tidal.engine_core.step_cost import (
     FEATURES, StepCostModel, config_profile_key, plan_features, profile_path,
 )
 
-logger = logging.getLogger("tidal.tune")
+logger = logging.getLogger("tidal.frontend.tune")
 
 REPEATS = 2
 """Measured steps per visit of a shape."""
@@ -104,7 +104,7 @@ def _run_child(worker_config, duration_s: float, seed: int) -> tuple[list[dict],
            if worker_config.cpu_threads else dict(os.environ))
     with tempfile.TemporaryDirectory(prefix="tidal-profile-") as tmp:
         out = os.path.join(tmp, "samples.json")
-        cmd = [sys.executable, "-m", "tidal.tune.profile", "--config",
+        cmd = [sys.executable, "-m", "tidal.frontend.tune.profile", "--config",
                encode_worker_config(worker_config), "--duration", str(duration_s),
                "--seed", str(seed), "--output", out]
         done = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL)

@@ -37,7 +37,7 @@ from tidal.engine_core.request import Request
 from tidal.engine_core.scheduler import Scheduler
 from tidal.engine_core.step_cost import StepCostModel
 from tidal.ipc.messages import BatchPlan, SampledTokens, SamplingParams, pack_token_ids
-from tidal.tune.trace import Trace
+from tidal.frontend.tune.trace import Trace
 
 _TOKEN = pack_token_ids([1])
 """The token every simulated step samples."""

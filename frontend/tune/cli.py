@@ -180,7 +180,7 @@ def num_kv_blocks(config: EngineConfig, cost: StepCostModel,
 
 def _trace(ns: argparse.Namespace, config: EngineConfig):
     """(trace, its request rate)."""
-    from tidal.tune.trace import read_trace, trace_from_dataset
+    from tidal.frontend.tune.trace import read_trace, trace_from_dataset
 
     rate = ns.request_rate
     if rate is not None and not rate > 0:
@@ -217,7 +217,7 @@ def _write_json(path: str | None, document: dict) -> None:
 
 
 def run_profile(ns: argparse.Namespace) -> int:
-    from tidal.tune.profile import format_fit, profile
+    from tidal.frontend.tune.profile import format_fit, profile
 
     config = _config(ns)
     start = time.monotonic()
@@ -239,7 +239,7 @@ def run_profile(ns: argparse.Namespace) -> int:
 
 def run_simulate(ns: argparse.Namespace) -> int:
     from tidal.frontend.bench.metrics import format_report
-    from tidal.tune.simulator import simulate
+    from tidal.frontend.tune.simulator import simulate
 
     config = _config(ns)
     cost, cost_path = _cost_model(config)
@@ -258,8 +258,8 @@ def run_simulate(ns: argparse.Namespace) -> int:
           f"{summary['max_num_running']}, peak KV cache usage "
           f"{100 * summary['max_kv_cache_usage']:.0f}%; cost model {cost_path}")
     if ns.plot:
-        from tidal.tune.plot import plot_tune
-        from tidal.tune.tuner import SLO, Evaluation, Setting
+        from tidal.frontend.tune.plot import plot_tune
+        from tidal.frontend.tune.tuner import SLO, Evaluation, Setting
 
         s = config.scheduler
         setting = Setting(s.max_num_seqs, s.max_num_batched_tokens, blocks,
@@ -295,8 +295,8 @@ def _choices(text: str, allowed: dict, name: str) -> list:
 
 
 def run_search(ns: argparse.Namespace) -> int:
-    from tidal.tune.simulator import simulate
-    from tidal.tune.tuner import (
+    from tidal.frontend.tune.simulator import simulate
+    from tidal.frontend.tune.tuner import (
         SLO, evaluations_to_json, format_table, parse_seconds, search, settings_grid,
     )
 
@@ -342,7 +342,7 @@ def run_search(ns: argparse.Namespace) -> int:
     print()
     print(format_table(evaluations, rate, slo, ns.top))
     if ns.plot:
-        from tidal.tune.plot import plot_tune
+        from tidal.frontend.tune.plot import plot_tune
 
         best = evaluations[0]
         best_rate = best.max_rate or rate

@@ -30,8 +30,8 @@ from typing import Callable, Iterable
 
 from tidal.engine_core.config import EngineConfig, check_lengths
 from tidal.engine_core.step_cost import StepCostModel
-from tidal.tune.simulator import simulate
-from tidal.tune.trace import Trace
+from tidal.frontend.tune.simulator import simulate
+from tidal.frontend.tune.trace import Trace
 
 MAX_MULTIPLIER = 64.0
 RATE_PRECISION = 1.05
