@@ -54,10 +54,13 @@ def test_max_model_len_is_read_from_the_converted_folder(tiny_llama):
 
 
 @pytest.mark.timeout(60)
-def test_a_stop_while_converting_ends_the_converter(tiny_gguf_factory, gguf_cache_dir,
-                                                    monkeypatch):
+def test_a_stop_while_converting_ends_the_converter(tiny_gguf_factory, tmp_path, monkeypatch):
     """The engine core stopped during start-up: the converter gets SIGTERM, leaves no
-    partial folder, and model_folder raises InterruptedError."""
+    partial folder, and model_folder raises InterruptedError. A cache of its own: with the
+    session's, an earlier test's conversion would answer at once (a cache hit) and leave
+    nothing to stop; a real conversion imports torch and transformers, seconds longer than
+    the first 0.5 s poll that asks to stop."""
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
     path = tiny_gguf_factory("Q8_0")
     started = []
 
@@ -67,12 +70,11 @@ def test_a_stop_while_converting_ends_the_converter(tiny_gguf_factory, gguf_cach
             started.append(self)
 
     monkeypatch.setattr("tidal.engine_core.model_files.subprocess.Popen", Recorded)
-    polls = []
     with pytest.raises(InterruptedError):
-        model_folder(path, lambda: polls.append(1) or len(polls) >= 2)
+        model_folder(path, lambda: True)
     assert len(started) == 1 and started[0].returncode is not None  # waited for
-    versions = os.path.join(gguf_cache_dir, "gguf-v1")
-    assert not os.path.isdir(versions) or os.listdir(versions) == []
+    versions = tmp_path / "gguf-v1"
+    assert not versions.is_dir() or list(versions.iterdir()) == []
 
 
 def test_the_converter_runs_without_torch_until_it_converts(tmp_path):
