@@ -70,6 +70,7 @@ class ChaosConfig:
     bad_body_fraction: float = 0.05
     api_server_count: int = 2
     worker_timeout_s: float = 3.0
+    kv_cache_memory: str = "256MiB"  # the server's --kv-cache-memory (see add_chaos_args)
     request_timeout_s: float = 120.0
     seed: int = 0
     serve_args: list[str] = field(default_factory=list)
@@ -180,7 +181,7 @@ def start_server(cfg: ChaosConfig, port: int, log_path: str) -> subprocess.Popen
     cmd += ["--port", str(port), "--api-server-count", str(cfg.api_server_count),
             "--max-worker-restarts", "1000000", "--max-engine-restarts", "1000000",
             "--worker-timeout", str(cfg.worker_timeout_s),
-            *cfg.serve_args]
+            "--kv-cache-memory", cfg.kv_cache_memory, *cfg.serve_args]
     return subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)
 
@@ -490,6 +491,10 @@ def add_chaos_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-server-count", type=int, default=2, help="HTTP processes (2)")
     p.add_argument("--worker-timeout", type=float, default=3.0,
                    help="the server's --worker-timeout: a stopped worker is replaced after it")
+    p.add_argument("--kv-cache-memory", default="256MiB",
+                   help="the server's --kv-cache-memory (256MiB): a worker makes its whole CPU "
+                        "KV cache resident at start-up, and with 4 GiB that takes longer than a "
+                        "short --worker-timeout allows a fresh worker's first steps")
     p.add_argument("--request-timeout", type=float, default=120.0,
                    help="seconds a request may take before it counts as lost (120)")
     p.add_argument("--seed", type=int, default=0, help="traffic and fault seed (0)")
@@ -508,6 +513,6 @@ def chaos_config_from_args(ns: argparse.Namespace) -> ChaosConfig:
                        fault_interval_s=ns.fault_interval, faults=faults,
                        calm_fraction=ns.calm, max_tokens=ns.max_tokens,
                        api_server_count=ns.api_server_count,
-                       worker_timeout_s=ns.worker_timeout,
+                       worker_timeout_s=ns.worker_timeout, kv_cache_memory=ns.kv_cache_memory,
                        request_timeout_s=ns.request_timeout, seed=ns.seed,
                        serve_args=ns.serve_args.split())

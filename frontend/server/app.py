@@ -180,7 +180,7 @@ def _start_state(app: FastAPI, engine, settings: ServerSettings) -> list[asyncio
         recorder = TraceRecorder(*settings.record_trace)
     app.state.serving = OpenAIServing(engine, names, admission, metrics, recorder)
     app.state.root = getattr(info, "model", None)
-    logger.info("HTTP server %d attached: serving %s (max_model_len %d%s%s)",
+    logger.info("HTTP server %d attached: serving %s (max_model_len %d%s%s%s)",
                 settings.server_index, ", ".join(names), info.max_model_len,
                 f", at most {limit} unfinished requests" if limit else "",
                 f", at most {token_limit} queued prompt tokens" if token_limit else "",

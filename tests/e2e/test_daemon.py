@@ -162,7 +162,7 @@ class Client:
     def _beat(self) -> None:
         now = time.monotonic()
         for client in Client._open:
-            if client.heartbeat and now - client._last_heartbeat > 0.4:
+            if client.heartbeat and not client.sock.closed and now - client._last_heartbeat > 0.4:
                 client.send(Heartbeat(client.client_id))
                 client._last_heartbeat = now
 
@@ -744,6 +744,9 @@ def test_sigterm_during_start_up(tiny_llama, tmp_path, zctx):
             time.sleep(0.05)
         workers = d.workers()
         assert workers
+        # the client's connection (zmq reconnects every 100 ms until the socket exists) and
+        # its Hello must reach the daemon first; loading a worker takes longer than this
+        time.sleep(0.5)
         d.proc.send_signal(signal.SIGTERM)
         assert d.wait(timeout=15) == 0, d.log_text()
         # Stopped mid start-up (or, on a fast machine, just after): EngineDead either way.

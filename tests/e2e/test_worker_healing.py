@@ -133,3 +133,29 @@ def test_hung_rank_of_two_is_replaced_after_the_worker_timeout(tiny_llama, tmp_p
         client.close()
     finally:
         d.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_killed_rank_of_two_is_replaced_and_streams_finish_with_fault_free_tokens(
+        tiny_llama, tmp_path, zctx, prompts):
+    """TP=2: SIGKILL rank 1 mid-stream (rank 0 then waits in a collective that will never
+    complete): the core sees the death at once, replaces both ranks, and every request ends
+    with the fault-free tokens, greedy and seeded."""
+    d = Daemon(tiny_llama, str(tmp_path / "core.log"), "--tensor-parallel-size", "2")
+    try:
+        client = Client(zctx, d.address, "tp2-kill")
+        client.hello()
+        ids = _submit(client, "clean", prompts)
+        client.wait_finished(ids, timeout=120)
+        clean = _outputs(client, ids, "clean")
+        first = d.workers()
+        healed = _run_with_fault(client, d, "kill", prompts,
+                                 lambda pids: os.kill(pids[1], signal.SIGKILL))
+        assert healed == clean, d.log_text()
+        assert client.stats().num_worker_restarts == 1
+        assert "was killed by signal 9: replacing the workers (restart 1" in d.log_text()
+        assert not any(_alive(pid) for pid in first) and len(d.workers()) == 2
+        client.close()
+    finally:
+        d.stop()
