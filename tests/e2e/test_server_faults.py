@@ -20,12 +20,12 @@ import json
 import os
 import signal
 import threading
-import time
 
 import httpx
 import pytest
 
 from live_server import ENGINE_FLAGS, LiveServer, Proc
+from process_tree import wait_for as wait_until
 
 pytestmark = pytest.mark.slow  # live server subprocesses (still run by CI)
 
@@ -80,16 +80,6 @@ def group_gone(pgid: int) -> bool:
     except ProcessLookupError:
         return True
     return False
-
-
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 class Stream(threading.Thread):

@@ -54,6 +54,13 @@ def _outputs(client: Client, ids: list[str], prefix: str) -> dict[str, tuple]:
     return {rid[len(prefix):]: (client.tokens[rid], client.finish[rid]) for rid in ids}
 
 
+def _fault_free(client: Client, prompts, timeout: float) -> dict[str, tuple]:
+    """The requests run once with no fault: what every faulty run must reproduce."""
+    ids = _submit(client, "clean", prompts)
+    client.wait_finished(ids, timeout=timeout)
+    return _outputs(client, ids, "clean")
+
+
 def _run_with_fault(client: Client, d: Daemon, prefix: str, prompts, fault) -> dict:
     """Submit the requests, apply `fault(worker pids)` once all are streaming, wait."""
     ids = _submit(client, prefix, prompts)
@@ -74,9 +81,7 @@ def test_killed_worker_is_replaced_and_streams_finish_with_fault_free_tokens(
     try:
         client = Client(zctx, d.address, "healing")
         client.hello()
-        ids = _submit(client, "clean", prompts)
-        client.wait_finished(ids, timeout=60)
-        clean = _outputs(client, ids, "clean")
+        clean = _fault_free(client, prompts, timeout=60)
         assert all(f == FinishReason.LENGTH for _, f in clean.values())
 
         first = d.workers()
@@ -113,9 +118,7 @@ def test_hung_rank_of_two_is_replaced_after_the_worker_timeout(tiny_llama, tmp_p
     try:
         client = Client(zctx, d.address, "tp2-healing")
         client.hello()
-        ids = _submit(client, "clean", prompts)
-        client.wait_finished(ids, timeout=120)
-        clean = _outputs(client, ids, "clean")
+        clean = _fault_free(client, prompts, timeout=120)
         stopped = []
 
         def stop_rank_1(pids):
@@ -146,9 +149,7 @@ def test_killed_rank_of_two_is_replaced_and_streams_finish_with_fault_free_token
     try:
         client = Client(zctx, d.address, "tp2-kill")
         client.hello()
-        ids = _submit(client, "clean", prompts)
-        client.wait_finished(ids, timeout=120)
-        clean = _outputs(client, ids, "clean")
+        clean = _fault_free(client, prompts, timeout=120)
         first = d.workers()
         healed = _run_with_fault(client, d, "kill", prompts,
                                  lambda pids: os.kill(pids[1], signal.SIGKILL))
