@@ -19,11 +19,20 @@ Loads MODEL_DIR into an in-process `Worker` (no daemon, no sockets) and measures
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
 
-import torch
+from tidal.engine_core.cpu_threads import WAIT_POLICY
+
+# the worker process gets this wait policy from the executor (engine_core/cpu_threads.py); the
+# in-process Worker here must have it too, set before torch loads OpenMP: with OpenMP's default
+# spinning, torch's and numba's thread pools fought each other and a decode step measured 7x
+# slower on a loaded machine (8.0 s against 1.2 s, SmolLM2 batch 32, 2026-12-01)
+os.environ.setdefault("OMP_WAIT_POLICY", WAIT_POLICY)
+
+import torch  # noqa: E402
 
 from tidal.ipc.messages import (BatchPlan, CachedRequestData, NewRequestData, SamplingParams,
                                 WorkerConfig, pack_token_ids)
