@@ -15,6 +15,13 @@ From a few hundred rows up (prefill chunks) oneDNN was slower on some shapes (a 
 [576, 960] product: 3.2 ms against 2.3 ms), so rows above `SMALL_BATCH_ROWS` keep `F.linear`
 and the layer keeps both copies of its weight (twice the weight memory, on the CPU only).
 Results equal `F.linear`'s up to float32 rounding (a different summation order).
+
+`add` and `mul` fold the elementwise op that follows a projection in a decoder layer (the
+residual add after o_proj and down_proj, `silu(gate) * up` in the MLP) into the GEMM as a
+oneDNN binary post-op: the product is combined with `other` in the kernel's own output pass
+instead of a second torch op that allocates, forks the OpenMP pool once more and reads both
+tensors back. The post-op is applied to the finished float32 product, so `add`/`mul` equal
+`self(x) + other` / `self(x) * other` bit for bit (checked in tests/kernels/test_cpu_gemm.py).
 """
 
 from __future__ import annotations
@@ -47,9 +54,32 @@ class SmallBatchGemm:
                                                                  SMALL_BATCH_ROWS)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        rows = _rows(x)
         if not 0 < rows <= SMALL_BATCH_ROWS:
             return F.linear(x, self.weight)
         x2 = x.reshape(rows, x.shape[-1]).contiguous()
         y = torch.ops.mkldnn._linear_pointwise(x2, self.reordered, None, "none", [], "")
         return y.view(*x.shape[:-1], y.shape[-1])
+
+    def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """`x @ weight.T + other` (other: the output's shape), the add fused into the GEMM."""
+        return self._binary(x, other, "add")
+
+    def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """`x @ weight.T * other` (other: the output's shape), the product fused into the GEMM."""
+        return self._binary(x, other, "mul")
+
+    def _binary(self, x: torch.Tensor, other: torch.Tensor, op: str) -> torch.Tensor:
+        rows = _rows(x)
+        if not 0 < rows <= SMALL_BATCH_ROWS:
+            y = F.linear(x, self.weight)
+            return y + other if op == "add" else y * other
+        x2 = x.reshape(rows, x.shape[-1]).contiguous()
+        other2 = other.reshape(rows, other.shape[-1]).contiguous()
+        y = torch.ops.mkldnn._linear_pointwise.binary(x2, other2, self.reordered, None, op)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def _rows(x: torch.Tensor) -> int:
+    """Rows of `x` seen as a matrix of its last dimension (0 when that dimension is empty)."""
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0

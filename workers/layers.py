@@ -88,6 +88,12 @@ class GemmLayer(nn.Module):
             return self.cpu_gemm(x)
         return F.linear(x, self.weight)
 
+    def matmul_add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """x W^T + other, the add fused into the CPU GEMM when it runs (bit-identical)."""
+        if self.cpu_gemm is not None:
+            return self.cpu_gemm.add(x, other)
+        return F.linear(x, self.weight) + other
+
 
 class ColumnParallelLinear(GemmLayer):
     """y = x W^T + b with W split by output rows; the output stays sharded."""
@@ -127,6 +133,32 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         if self.bias is not None:
             self.bias.weight_loader = self.load_shard
             self.bias.shard_ids = shard_ids
+
+    shard_gemms: list[SmallBatchGemm] | None = None
+
+    def use_cpu_gemm(self) -> bool:
+        """One CPU GEMM per shard instead of one for the whole weight, so `silu_and_mul` can
+        fuse the product into the second GEMM (the shards' rows of the same weight tensor)."""
+        if not small_batch_gemm_available(self.weight):
+            return False
+        rows = [size // self.tp.size for size in self.output_sizes]
+        self.shard_gemms = [SmallBatchGemm(w) for w in self.weight.detach().split(rows)]
+        return True
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shard_gemms is not None:
+            return torch.cat([gemm(x) for gemm in self.shard_gemms], dim=-1)
+        return F.linear(x, self.weight)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for the two shards (gate, up) of this projection of x, as the MLP
+        needs it: [..., 2 * local size] -> [..., local size]. With the CPU GEMM the product
+        is a post-op of the up GEMM, equal bit for bit to the unfused `F.silu(gate) * up`."""
+        if self.shard_gemms is not None and self.bias is None and len(self.shard_gemms) == 2:
+            gate_gemm, up_gemm = self.shard_gemms
+            return up_gemm.mul(x, F.silu(gate_gemm(x), inplace=True))
+        gate, up = self(x).chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def load_shard(self, param: nn.Parameter, loaded: Any, shard_id: int) -> None:
         full_rows = self.output_sizes[shard_id]
@@ -205,9 +237,14 @@ class RowParallelLinear(GemmLayer):
         _check_shape(param, loaded, tuple(param.shape))
         _copy(param, loaded[:])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ b) (+ residual): a decoder layer's residual add is fused into the GEMM
+        where nothing comes between them (one rank, no bias)."""
+        if residual is not None and self.tp.size == 1 and self.bias is None:
+            return self.matmul_add(x, residual)
         y = self.tp.all_reduce(self.matmul(x))
-        return y if self.bias is None else y + self.bias
+        y = y if self.bias is None else y + self.bias
+        return y if residual is None else residual + y
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,3 +31,13 @@ def test_only_float32_cpu_weights_qualify():
     assert not small_batch_gemm_available(torch.randn(4, 4, dtype=torch.float64))
     with pytest.raises(ValueError, match="oneDNN"):
         SmallBatchGemm(torch.randn(4, 4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("rows", [1, 13, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1])
+def test_fused_add_and_mul_equal_the_separate_op_bit_for_bit(rows):
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 40, generator=gen)
+    x, other = torch.randn(rows, 40, generator=gen), torch.randn(rows, 96, generator=gen)
+    gemm = SmallBatchGemm(weight)
+    assert torch.equal(gemm.add(x, other), gemm(x) + other)
+    assert torch.equal(gemm.mul(x, other), gemm(x) * other)

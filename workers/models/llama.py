@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tidal.kernels import AttentionBackend
@@ -189,7 +188,8 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d ** -0.5, backend)
 
     def forward(self, rope: RopeTables, x: torch.Tensor, kv_cache: KVCache,
-                attn_inputs: AttentionInputs) -> torch.Tensor:
+                attn_inputs: AttentionInputs, residual: torch.Tensor) -> torch.Tensor:
+        """residual + attention(x) (the add fused into o_proj where it can be)."""
         num_tokens, d = x.shape[0], self.head_dim
         num_heads, num_kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x)  # [tokens, (heads + 2 kv_heads) * d]: q heads | k heads | v heads
@@ -200,7 +200,7 @@ class LlamaAttention(nn.Module):
                            dim=1)
         qk = RotaryEmbedding.apply(qk, rope)  # q and k heads side by side: one rotation
         q, k = qk[:, :num_heads].contiguous(), qk[:, num_heads:]
-        return self.o_proj(self.attn(q, k, v, kv_cache, attn_inputs))
+        return self.o_proj(self.attn(q, k, v, kv_cache, attn_inputs), residual)
 
 
 class LlamaMLP(nn.Module):
@@ -211,9 +211,9 @@ class LlamaMLP(nn.Module):
                                                        args.mlp_bias, tp)
         self.down_proj = RowParallelLinear(inter, args.hidden_size, args.mlp_bias, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + mlp(x)."""
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x), residual)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -226,8 +226,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, rope: RopeTables, x: torch.Tensor, kv_cache: KVCache,
                 attn_inputs: AttentionInputs) -> torch.Tensor:
-        h = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, attn_inputs)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = self.self_attn(rope, self.input_layernorm(x), kv_cache, attn_inputs, residual=x)
+        return self.mlp(self.post_attention_layernorm(h), residual=h)
 
 
 class LlamaModel(nn.Module):
