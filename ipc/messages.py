@@ -334,6 +334,9 @@ class SchedulerStats(msgspec.Struct, **_STRUCT):
     est_queue_delay_s: float = 0.0
     est_s_per_prompt_token: float = 0.0
     est_s_per_queued_request: float = 0.0
+    cores: list[SchedulerStats] = []
+    """With data parallelism (the router's answer): each engine core's own snapshot, in core
+    order; the fields above are then the whole server's. Empty from a single core."""
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", **_STRUCT):
