@@ -31,9 +31,10 @@ from tidal.ipc.messages import SchedulerStats
 
 WAITING_WEIGHT = 4
 """Score of a waiting request, in running requests."""
-PREFIX_SLACK = WAITING_WEIGHT
+PREFIX_SLACK = 4 * WAITING_WEIGHT
 """A core holding the prompt's prefix wins unless its score exceeds the least by more than
-this: one waiting request's worth."""
+this: four waiting requests' worth, so that a burst sharing a system prompt mostly lands
+where it is cached, and a longer queue there spills over."""
 MAX_REMEMBERED_BLOCKS = 1 << 16
 """Block hashes the router remembers (16 bytes plus a dict entry each: a few MB)."""
 

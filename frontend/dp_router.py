@@ -489,23 +489,24 @@ class Router:
         for core in self.cores:
             if core.dead_for_good or core.daemon.alive():
                 continue
-            cause = core.daemon.failure_message(f"engine core {core.index} exited")
             moved = self._move_requests_off(core.index)
+            what = f"engine core {core.index} exited; {moved} of its requests continue on " \
+                   "the other cores"
             if core.num_restarts >= MAX_CORE_RESTARTS:
-                logger.error("%s; restarted %d times already: not again (%d requests moved "
-                             "to the other cores)", cause, core.num_restarts, moved)
+                logger.error("%s", core.daemon.failure_message(
+                    f"{what}; it was restarted {core.num_restarts} times already: not again"))
                 core.dead_for_good, core.info = True, None
                 core.daemon.stop()
                 continue
             core.num_restarts += 1
-            logger.warning("%s; starting it again (restart %d of %d); %d of its requests "
-                           "continue on the other cores", cause, core.num_restarts,
-                           MAX_CORE_RESTARTS, moved)
+            logger.warning("%s", core.daemon.failure_message(
+                f"{what}; starting it again (restart {core.num_restarts} of "
+                f"{MAX_CORE_RESTARTS})"))
             core.daemon.stop()  # whatever is left of its process group
             core.sock.close(linger=0)
-            restarts = core.num_restarts
-            self.cores[core.index] = self._connect(core.index, core.daemon.respawn())
-            self.cores[core.index].num_restarts = restarts
+            restarted = self._connect(core.index, core.daemon.respawn())
+            restarted.num_restarts = core.num_restarts
+            self.cores[core.index] = restarted
 
     def _move_requests_off(self, index: int) -> int:
         """The dead core's requests continue elsewhere (see the module docstring)."""
