@@ -57,6 +57,7 @@ import zmq
 from tidal.engine_core.args import config_from_args
 from tidal.engine_core.config import EngineConfig
 from tidal.engine_core.cpu_threads import available_cpus
+from tidal.engine_core.model_files import model_folder
 from tidal.frontend.dp_placement import Placement, merge_stats
 from tidal.frontend.launcher import DaemonProcess
 from tidal.frontend.output_processor import lost_finish, resume_params
@@ -160,6 +161,7 @@ class Router:
         self._stats_round_started = 0.0
         self._last_poll = 0.0
         self._latest_stats: dict[int, SchedulerStats] = {}  # core -> its last answer
+        self._poller: zmq.Poller | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -194,7 +196,17 @@ class Router:
             return EXIT_BAD_START
         logger.info("data-parallel router listening on %s: starting %d engine cores",
                     self.listen, self.num_cores)
-        child = core_config(self.config)
+        try:  # a GGUF file is converted once here, not by every core at once
+            folder = model_folder(self.config.model.model, lambda: self.stop_reason is not None,
+                                  self.log_level)
+        except InterruptedError:
+            return EXIT_OK
+        except ValueError as e:
+            logger.error("cannot start: %s", e)
+            self._broadcast(EngineDead(f"engine core failed to start: {e}"),
+                            self._pending_hellos())
+            return EXIT_BAD_START
+        child = core_config(self.config, folder)
         extra = ["--log-level", self.log_level]
         for index in range(self.num_cores):
             daemon = DaemonProcess(child, address=new_private_address(f"core{index}"),
@@ -222,10 +234,16 @@ class Router:
                     self.info.num_kv_blocks)
         return None
 
+    def _pending_hellos(self) -> set[str]:
+        """Every frontend that knocked during start-up (their Hellos are still queued)."""
+        self._drain(self.sock, self._on_frontend_frames)
+        return self.waiting_hellos
+
     def _connect(self, index: int, daemon: DaemonProcess) -> _Core:
         client_id = f"router-{os.getpid()}-{index}"
         sock = connect_frontend_socket(self.ctx, daemon.address, client_id)
         core = _Core(index, daemon, sock, client_id)
+        self._poller = None
         self._hello(core)
         return core
 
@@ -275,11 +293,12 @@ class Router:
 
     def _poll_once(self) -> None:
         """Handle what arrived within `_POLL_MS`, then the timers."""
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        for core in self.cores:
-            poller.register(core.sock, zmq.POLLIN)
-        events = dict(poller.poll(_POLL_MS))
+        if self._poller is None:  # rebuilt when a core's socket changes
+            self._poller = zmq.Poller()
+            self._poller.register(self.sock, zmq.POLLIN)
+            for core in self.cores:
+                self._poller.register(core.sock, zmq.POLLIN)
+        events = dict(self._poller.poll(_POLL_MS))
         if self.sock in events:
             self._drain(self.sock, self._on_frontend_frames)
         for core in self.cores:
@@ -581,16 +600,20 @@ class Router:
 # pieces without IO
 
 
-def core_config(config: EngineConfig) -> EngineConfig:
-    """One core's config: data parallelism 1, and on the CPU, unless threads were given
+def core_config(config: EngineConfig, model_dir: str | None = None) -> EngineConfig:
+    """One core's config: data parallelism 1; the model from `model_dir` (a GGUF file's
+    converted folder) under the name users know; and on the CPU, unless threads were given
     (--cpu-threads, OMP_NUM_THREADS, --cpu-affinity), an equal share of the cores per core's
     ranks, so that N cores do not each run a thread per CPU core."""
-    p = config.parallel
+    p, m = config.parallel, config.model
     threads = p.cpu_threads
     if threads is None and p.cpu_affinity is None and "OMP_NUM_THREADS" not in os.environ:
         threads = max(1, available_cpus() // (p.data_parallel_size * p.tensor_parallel_size))
+    if model_dir is not None and model_dir != m.model:
+        m = dataclasses.replace(m, model=model_dir, served_model_name=m.name)
     return dataclasses.replace(
-        config, parallel=dataclasses.replace(p, data_parallel_size=1, cpu_threads=threads))
+        config, model=m,
+        parallel=dataclasses.replace(p, data_parallel_size=1, cpu_threads=threads))
 
 
 def resume_request(add: AddRequest, generated: bytes) -> AddRequest | None:

@@ -158,3 +158,6 @@ def test_each_core_gets_a_share_of_the_cpu_threads(monkeypatch):
     given = EngineConfig(ModelConfig("m"), parallel=ParallelConfig(data_parallel_size=2,
                                                                    cpu_threads=3))
     assert core_config(given).parallel.cpu_threads == 3
+    gguf = EngineConfig(ModelConfig("/m/x.gguf"), parallel=ParallelConfig(data_parallel_size=2))
+    converted = core_config(gguf, "/cache/x-123").model  # converted once, by the router
+    assert (converted.model, converted.name) == ("/cache/x-123", "/m/x.gguf")
