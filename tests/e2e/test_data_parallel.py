@@ -3,6 +3,8 @@ data_parallel_size=2)` → router → two engine cores → a worker each.
 
 - Greedy tokens equal transformers' with DP=2, async scheduling on, and both cores serve; a
   second pass of prompts sharing a prefix goes where that prefix is cached.
+- Two frontends at once each get their own outputs; a third, SIGKILLed, has its requests
+  dropped (blocks freed) within the frontend timeout.
 - The same with a tiny KV cache on each core (preemptions) and async scheduling off.
 - One core SIGKILLed mid-generation: its requests continue on the other core (the router moves
   them; the frontend never notices), a request sent meanwhile is served, the outputs equal a
@@ -13,11 +15,15 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 
 import pytest
 from process_tree import children, wait_for
 from test_llm import (  # noqa: F401 - the shared prompts and transformers' reference
+    _DOOMED_FRONTEND,
+    FRONTEND_TIMEOUT_S,
     GREEDY,
     SMALL_KV,
     STARTUP_TIMEOUT_S,
@@ -26,22 +32,35 @@ from test_llm import (  # noqa: F401 - the shared prompts and transformers' refe
     reference,
 )
 
-from tidal.frontend.llm import LLM
+from tidal.frontend.launcher import DaemonProcess
+from tidal.frontend.llm import LLM, engine_config_from_kwargs
 from tidal.ipc.messages import SamplingParams
 
 BLOCK = 16
 
 
 @pytest.fixture(scope="module")
-def dp_llm(tiny_llama, reference):  # noqa: F811 - the fixture imported above
-    with LLM(tiny_llama, data_parallel_size=2, kv_cache_memory=SMALL_KV,
-             startup_timeout=STARTUP_TIMEOUT_S) as llm:
+def router(tiny_llama, reference):  # noqa: F811 - the fixture imported above
+    """`tidal core -dp 2` (a router and two cores), with a short frontend timeout."""
+    config = engine_config_from_kwargs(tiny_llama, kv_cache_memory=SMALL_KV,
+                                       data_parallel_size=2)
+    d = DaemonProcess(config, echo=False,
+                      extra_args=["--frontend-timeout", str(FRONTEND_TIMEOUT_S)])
+    yield d
+    code = d.stop(timeout=30)
+    assert code == 0, d.failure_message("the router did not stop cleanly")
+
+
+@pytest.fixture(scope="module")
+def dp_llm(router):
+    with LLM(engine=router.address, startup_timeout=STARTUP_TIMEOUT_S) as llm:
         yield llm
 
 
 @pytest.mark.timeout(240)
-def test_dp2_greedy_equals_transformers_and_both_cores_serve(dp_llm, prompts, reference):  # noqa: F811
-    assert len(children(dp_llm.daemon_pid)) == 2  # the router's two engine cores
+def test_dp2_greedy_equals_transformers_and_both_cores_serve(router, dp_llm, prompts,  # noqa: F811
+                                                             reference):  # noqa: F811
+    assert len(children(router.pid)) == 2  # the router's two engine cores
     outputs = dp_llm.generate(prompts, GREEDY, use_tqdm=False)
     assert_greedy_equal(outputs, reference)
     stats = dp_llm.get_stats()
@@ -54,6 +73,48 @@ def test_dp2_greedy_equals_transformers_and_both_cores_serve(dp_llm, prompts, re
     assert_greedy_equal(again, reference[-4:])
     after = dp_llm.get_stats()
     assert after.prefix_cache_hits - stats.prefix_cache_hits >= len(shared) * 2 * BLOCK
+
+
+@pytest.mark.timeout(180)
+def test_frontends_get_their_own_outputs_and_a_killed_ones_requests_are_dropped(
+        router, dp_llm, prompts, reference, tmp_path):  # noqa: F811
+    """Through the router as through one core: two frontends generating at once (the same
+    request ids on purpose) each get exactly their own outputs, while a third, SIGKILLed
+    mid-generation, has its requests aborted in the cores within the frontend timeout."""
+    script = tmp_path / "doomed.py"
+    script.write_text(_DOOMED_FRONTEND)
+    doomed = subprocess.Popen([sys.executable, str(script), router.address],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    other = LLM(engine=router.address, startup_timeout=STARTUP_TIMEOUT_S)
+    try:
+        assert doomed.stdout.readline().strip() == "GENERATING"
+        assert dp_llm.get_stats().num_running >= 4
+        os.kill(doomed.pid, signal.SIGKILL)
+        results = {}
+        halves = {"a": list(range(0, 16, 2)), "b": list(range(1, 16, 2))}
+        threads = [threading.Thread(target=lambda n=n, f=f: results.setdefault(
+            n, f.generate([prompts[i] for i in halves[n]], GREEDY, use_tqdm=False)))
+            for n, f in (("a", dp_llm), ("b", other))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        for name, frontend in (("a", dp_llm), ("b", other)):
+            assert_greedy_equal(results[name], [reference[i] for i in halves[name]])
+            assert frontend._llm._processor.num_unknown_outputs == 0
+
+        def pool_free():
+            s = dp_llm.get_stats()
+            return s.num_running == 0 and s.num_waiting == 0 and s.kv_cache_usage == 0.0
+
+        wait_for(pool_free, FRONTEND_TIMEOUT_S + 10, "the killed frontend's blocks")
+        wait_for(lambda: "silent for" in router.stderr_tail(400), 5,
+                 "the router's log line about the silent frontend")
+    finally:
+        other.close()
+        if doomed.poll() is None:
+            doomed.kill()
+        doomed.wait(timeout=10)
 
 
 @pytest.mark.timeout(300)
@@ -70,13 +131,13 @@ def test_dp2_tiny_kv_cache_preempts_async_off(tiny_llama, prompts, reference):  
 
 
 @pytest.mark.timeout(240)
-def test_a_killed_core_takes_down_only_itself(dp_llm):
+def test_a_killed_core_takes_down_only_itself(router, dp_llm):
     long = [SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True),
             SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=200, ignore_eos=True)]
     params = long * 2
     work = [[5, 6, 7], [9, 10, 11, 12], [13, 14], [15, 16, 17]]
     expected = dp_llm.generate(work, params, use_tqdm=False)
-    cores = children(dp_llm.daemon_pid)
+    cores = children(router.pid)
     result = {}
     before = dp_llm._llm.num_generated_tokens
     runner = threading.Thread(
@@ -92,7 +153,7 @@ def test_a_killed_core_takes_down_only_itself(dp_llm):
         assert got.outputs[0].finish_reason == "length"
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
     assert dp_llm._llm.num_engine_restarts == 0 and dp_llm._llm.num_resubmitted == 0
-    restarted = wait_for(lambda: len(set(children(dp_llm.daemon_pid)) - {cores[0]}) == 2, 120,
+    restarted = wait_for(lambda: len(set(children(router.pid)) - {cores[0]}) == 2, 120,
                          "the router to start the core again")
     assert restarted
     served = dp_llm.generate(work[:2], long, use_tqdm=False)
