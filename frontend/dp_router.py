@@ -21,8 +21,8 @@ affinity) → the frame goes to that core as is. The core's outputs come back in
 `EngineOutputs` per step; the router splits them by the frontend that sent each request and
 keeps each unfinished request's generated tokens. `Abort` goes to the cores holding the
 sender's own requests. `StatsQuery` is answered with `merge_stats` of a fresh round of
-queries to every live core (also run every `STATS_POLL_S` while requests are in flight: the
-placement's load).
+queries to every live core (also run every `STATS_POLL_S` while requests are in flight, and
+once after the last one ends: the placement's load).
 
 A core that dies (its process exits) takes down only itself: its requests are resubmitted to
 the live cores under the same request ids, as the frontends' own healing does (prompt plus the
@@ -162,6 +162,8 @@ class Router:
         self._last_poll = 0.0
         self._latest_stats: dict[int, SchedulerStats] = {}  # core -> its last answer
         self._poller: zmq.Poller | None = None
+        # the cores' load may differ from their last reports: requests came or went since
+        self._load_changed = False
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -327,7 +329,7 @@ class Router:
         self._expire_silent_frontends(now)
         if self._stats_round and now - self._stats_round_started > STATS_ROUND_TIMEOUT_S:
             self._finish_stats_round()
-        if self.routed and not self._stats_round and now - self._last_poll > STATS_POLL_S:
+        if self._load_changed and not self._stats_round and now - self._last_poll > STATS_POLL_S:
             self._start_stats_round()
 
     # -- frontends -----------------------------------------------------------------------------
@@ -391,6 +393,7 @@ class Router:
             return
         request = _Routed(client_id, None, msg, bytearray())
         self.routed[msg.req_id] = request
+        self._load_changed = True
         self._place(request, frame)
 
     def _place(self, request: _Routed, frame: bytes | None = None) -> None:
@@ -499,6 +502,7 @@ class Router:
             request.generated += out.new_token_ids
             if out.finish_reason is not None:
                 del self.routed[out.req_id]
+                self._load_changed = True
             by_client.setdefault(request.client_id, []).append(out)
         for client_id, outputs in by_client.items():
             self._send(client_id, EngineOutputs(outputs, timestamp=msg.timestamp))
@@ -555,6 +559,7 @@ class Router:
         self._stats_waiters, self._stats_next = self._stats_next, set()
         now = time.monotonic()
         self._last_poll = self._stats_round_started = now
+        self._load_changed = bool(self.routed)  # one more round after the last one finished
         self._stats_round = {c.index for c in self.cores if c.info is not None}
         for index in self._stats_round:
             self.placement.query_sent(index)

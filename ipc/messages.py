@@ -195,7 +195,7 @@ class Hello(msgspec.Struct, tag="hello", **_STRUCT):
     """First message of a frontend on its socket: who it is."""
 
     client_id: str
-    kind: str = "python"  # "python" or "http"
+    kind: str = "python"  # "python", "http", or "router" (the data-parallel router)
     pid: int = 0
 
 
