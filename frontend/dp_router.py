@@ -130,6 +130,7 @@ class _Routed:
     core: int | None  # None: waiting for a live core
     add: AddRequest
     generated: bytearray  # packed token ids delivered so far
+    aborted: bool = False  # the Abort went to its core: not to be moved if that core dies
 
 
 class Router:
@@ -419,6 +420,7 @@ class Router:
                 out = RequestOutput(req_id, b"", FinishReason.ABORT)
                 self._send(client_id, EngineOutputs([out], timestamp=time.time()))
             else:
+                request.aborted = True
                 by_core.setdefault(request.core, []).append(req_id)
         for core, ids in by_core.items():
             self.cores[core].sock.send(encode(Abort(ids)))
@@ -539,11 +541,12 @@ class Router:
         for req_id, request in list(self.routed.items()):
             if request.core != index:
                 continue
-            resumed = resume_request(request.add, request.generated)
-            if resumed is None:
+            resumed = None if request.aborted else resume_request(request.add, request.generated)
+            if resumed is None:  # aborted (its answer died with the core), or all delivered
                 del self.routed[req_id]
-                self._send(request.client_id, EngineOutputs(
-                    [lost_output(request.add, request.generated)], timestamp=time.time()))
+                final = RequestOutput(req_id, b"", FinishReason.ABORT) if request.aborted \
+                    else lost_output(request.add, request.generated)
+                self._send(request.client_id, EngineOutputs([final], timestamp=time.time()))
                 continue
             request.add, request.generated = resumed, bytearray()
             self._place(request)
