@@ -211,9 +211,19 @@ class Router:
             return EXIT_BAD_START
         child = core_config(self.config, folder)
         extra = ["--log-level", self.log_level]
+        try:
+            gpus = visible_gpus(os.environ)
+            gpu_sets = core_gpu_sets(self.config, gpus)
+        except ValueError as e:
+            logger.error("cannot start: %s", e)
+            self._broadcast(EngineDead(f"engine core failed to start: {e}"),
+                            self._pending_hellos())
+            return EXIT_BAD_START
         for index in range(self.num_cores):
+            env = None if gpu_sets is None else {**os.environ,
+                                                 "CUDA_VISIBLE_DEVICES": gpu_sets[index]}
             daemon = DaemonProcess(child, address=new_private_address(f"core{index}"),
-                                   extra_args=extra)
+                                   extra_args=extra, env=env)
             self.cores.append(self._connect(index, daemon))
         while self.stop_reason is None and any(c.info is None for c in self.cores):
             self._poll_once()
@@ -622,6 +632,33 @@ def core_config(config: EngineConfig, model_dir: str | None = None) -> EngineCon
     return dataclasses.replace(
         config, model=m,
         parallel=dataclasses.replace(p, data_parallel_size=1, cpu_threads=threads))
+
+
+def visible_gpus(env: dict[str, str]) -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (without torch:
+    that variable when set, else one per NVIDIA GPU the driver lists)."""
+    if "CUDA_VISIBLE_DEVICES" in env:
+        return [d.strip() for d in env["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
+    try:
+        return [str(i) for i in range(len(os.listdir("/proc/driver/nvidia/gpus")))]
+    except OSError:
+        return []
+
+
+def core_gpu_sets(config: EngineConfig, gpus: list[str]) -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES for each core: `tensor_parallel_size` GPUs of its own (core k
+    gets the k-th group), since each core sizes its KV cache from a GPU's whole memory. None
+    on the CPU (`--device cpu`, or `auto` with no GPU). ValueError naming
+    data_parallel_size when there are fewer GPUs than cores × ranks."""
+    p = config.parallel
+    if p.device == "cpu" or (p.device == "auto" and not gpus):
+        return None
+    per_core, needed = p.tensor_parallel_size, p.tensor_parallel_size * p.data_parallel_size
+    if len(gpus) < needed:
+        raise ValueError(f"data_parallel_size {p.data_parallel_size} x tensor_parallel_size "
+                         f"{per_core} needs {needed} GPUs, one per rank of every engine core; "
+                         f"{len(gpus)} are visible")
+    return [",".join(gpus[k * per_core:(k + 1) * per_core]) for k in range(p.data_parallel_size)]
 
 
 def resume_request(add: AddRequest, generated: bytes) -> AddRequest | None:

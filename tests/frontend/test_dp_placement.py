@@ -1,13 +1,22 @@
 """The data-parallel router's decisions, without processes (issue 14, part 3):
 least load, prefix affinity and its limit, a dead core's prefixes forgotten, the whole
-server's statistics from the cores', `/metrics` per core, and a request moved off a dead core.
+server's statistics from the cores', `/metrics` per core, a request moved off a dead core,
+and each core's share of the CPU threads and GPUs.
 """
 
 from __future__ import annotations
 
+import pytest
+
 from tidal.engine_core.config import EngineConfig, ModelConfig, ParallelConfig
 from tidal.frontend.dp_placement import PREFIX_SLACK, WAITING_WEIGHT, Placement, merge_stats
-from tidal.frontend.dp_router import core_config, lost_output, resume_request
+from tidal.frontend.dp_router import (
+    core_config,
+    core_gpu_sets,
+    lost_output,
+    resume_request,
+    visible_gpus,
+)
 from tidal.frontend.server.metrics import ServerMetrics
 from tidal.ipc.messages import (
     AddRequest,
@@ -161,3 +170,18 @@ def test_each_core_gets_a_share_of_the_cpu_threads(monkeypatch):
     gguf = EngineConfig(ModelConfig("/m/x.gguf"), parallel=ParallelConfig(data_parallel_size=2))
     converted = core_config(gguf, "/cache/x-123").model  # converted once, by the router
     assert (converted.model, converted.name) == ("/cache/x-123", "/m/x.gguf")
+
+
+def test_each_core_gets_gpus_of_its_own_and_too_few_are_refused():
+    dp2_tp2 = EngineConfig(ModelConfig("m"), parallel=ParallelConfig(data_parallel_size=2,
+                                                                     tensor_parallel_size=2))
+    assert core_gpu_sets(dp2_tp2, ["0", "1", "2", "3", "4"]) == ["0,1", "2,3"]
+    assert core_gpu_sets(dp2_tp2, []) is None  # device auto without a GPU: the CPU
+    with pytest.raises(ValueError, match="data_parallel_size 2 x tensor_parallel_size 2 "
+                                         "needs 4 GPUs"):
+        core_gpu_sets(dp2_tp2, ["0", "1"])
+    cpu = EngineConfig(ModelConfig("m"), parallel=ParallelConfig(data_parallel_size=2,
+                                                                 device="cpu"))
+    assert core_gpu_sets(cpu, ["0"]) is None
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "3, 5"}) == ["3", "5"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
