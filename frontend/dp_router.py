@@ -199,32 +199,34 @@ class Router:
             return EXIT_BAD_START
         logger.info("data-parallel router listening on %s: starting %d engine cores",
                     self.listen, self.num_cores)
-        try:  # a GGUF file is converted once here, not by every core at once
-            folder = model_folder(self.config.model.model, lambda: self.stop_reason is not None,
-                                  self.log_level)
+        try:
+            self._start_cores()
         except InterruptedError:
             return EXIT_OK
-        except ValueError as e:
+        except ValueError as e:  # a GGUF file that does not convert, too few GPUs
             logger.error("cannot start: %s", e)
             self._broadcast(EngineDead(f"engine core failed to start: {e}"),
                             self._pending_hellos())
             return EXIT_BAD_START
+        return self._wait_for_cores()
+
+    def _start_cores(self) -> None:
+        """Convert a GGUF file (once here, not by every core at once), then start each core
+        on threads or GPUs of its own. ValueError; InterruptedError on a stop signal."""
+        folder = model_folder(self.config.model.model, lambda: self.stop_reason is not None,
+                              self.log_level)
         child = core_config(self.config, folder)
-        extra = ["--log-level", self.log_level]
-        try:
-            gpus = visible_gpus(os.environ)
-            gpu_sets = core_gpu_sets(self.config, gpus)
-        except ValueError as e:
-            logger.error("cannot start: %s", e)
-            self._broadcast(EngineDead(f"engine core failed to start: {e}"),
-                            self._pending_hellos())
-            return EXIT_BAD_START
+        gpu_sets = core_gpu_sets(self.config, visible_gpus(os.environ))
         for index in range(self.num_cores):
             env = None if gpu_sets is None else {**os.environ,
                                                  "CUDA_VISIBLE_DEVICES": gpu_sets[index]}
             daemon = DaemonProcess(child, address=new_private_address(f"core{index}"),
-                                   extra_args=extra, env=env)
+                                   extra_args=["--log-level", self.log_level], env=env)
             self.cores.append(self._connect(index, daemon))
+
+    def _wait_for_cores(self) -> int | None:
+        """Until every core answers Hello; then answer the frontends that knocked meanwhile.
+        An exit code when a core fails to start or a stop signal comes first."""
         while self.stop_reason is None and any(c.info is None for c in self.cores):
             self._poll_once()
             failed = next((c for c in self.cores if not c.daemon.alive()), None)
