@@ -173,6 +173,10 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     """Worker processes (ranks); each holds 1/N of every layer's heads and KV cache."""
+    data_parallel_size: int = 1
+    """Engine cores, each with its own scheduler, KV block pool and `tensor_parallel_size`
+    workers, behind one request router that every frontend attaches to
+    (`frontend/dp_router.py`); 1: a single engine core, no router."""
     device: str = "auto"
     """auto (cuda when available, else cpu), cpu or cuda."""
     attention_backend: str = "auto"
@@ -207,6 +211,8 @@ class ParallelConfig:
         parse_cpu_affinity(self.cpu_affinity, self.tensor_parallel_size)  # ValueError if bad
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size",
                  f"must be at least 1, got {self.tensor_parallel_size}")
+        _require(self.data_parallel_size >= 1, "data_parallel_size",
+                 f"must be at least 1, got {self.data_parallel_size}")
         _require(self.device in DEVICES, "device",
                  f"must be one of {DEVICES}, got {self.device!r}")
         _require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",

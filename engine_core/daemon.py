@@ -638,6 +638,8 @@ def run_daemon_from_args(ns: argparse.Namespace) -> int:
         return EXIT_OK
     try:
         config = config_from_args(ns)
+        if config.parallel.data_parallel_size > 1:  # the router starts N daemons of DP 1
+            raise ValueError("data_parallel_size > 1 is served by `tidal core` (the router)")
         return run_daemon(config, ns.listen, ns.engine_key_file, ns.frontend_timeout,
                           ns.log_level)
     except ValueError as e:

@@ -88,6 +88,10 @@ def run_core(ns: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"tidal core: {e}", file=sys.stderr)
         return 2
+    if ns.data_parallel_size > 1 and not ns.generate_key_file:
+        from tidal.frontend.dp_router import run_router_from_args
+
+        return run_router_from_args(ns)  # N engine cores behind one router
     return run_daemon_from_args(ns)
 
 

@@ -39,18 +39,21 @@ class DaemonProcess:
     """A private `tidal core` subprocess listening on a fresh private address."""
 
     def __init__(self, config: EngineConfig, *, address: str | None = None,
-                 echo: bool = True, extra_args: list[str] | None = None):
+                 echo: bool = True, extra_args: list[str] | None = None,
+                 env: dict[str, str] | None = None):
+        """`env`: the daemon's environment (None: this process's)."""
         self.config = config
         self.address = address or new_private_address()
         self._lines: collections.deque[str] = collections.deque(maxlen=_NUM_KEPT_LINES)
         self._echo = echo
         self._extra_args = list(extra_args or [])
+        self._env = env
         lifeline = lifeline_fd()
         argv = [sys.executable, "-m", "tidal.frontend.cli", "core", *config_to_argv(config),
                 "--listen", self.address, "--lifeline-fd", str(lifeline), *(extra_args or [])]
         self.proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            start_new_session=True, pass_fds=(lifeline,))
+            start_new_session=True, pass_fds=(lifeline,), env=env)
         self._reader = threading.Thread(target=self._read_stderr, name="tidal-core-stderr",
                                         daemon=True)
         self._reader.start()
@@ -107,7 +110,7 @@ class DaemonProcess:
         The new daemon gets a lifeline of its own (`ipc/lifeline.py`): it dies with this
         process, whichever thread starts it."""
         return DaemonProcess(self.config, address=self.address, echo=self._echo,
-                             extra_args=self._extra_args)
+                             extra_args=self._extra_args, env=self._env)
 
     def _read_stderr(self) -> None:
         stream = self.proc.stderr

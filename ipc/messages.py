@@ -195,7 +195,7 @@ class Hello(msgspec.Struct, tag="hello", **_STRUCT):
     """First message of a frontend on its socket: who it is."""
 
     client_id: str
-    kind: str = "python"  # "python" or "http"
+    kind: str = "python"  # "python", "http", or "router" (the data-parallel router)
     pid: int = 0
 
 
@@ -334,6 +334,9 @@ class SchedulerStats(msgspec.Struct, **_STRUCT):
     est_queue_delay_s: float = 0.0
     est_s_per_prompt_token: float = 0.0
     est_s_per_queued_request: float = 0.0
+    cores: list[SchedulerStats] = []
+    """With data parallelism (the router's answer): each engine core's own snapshot, in core
+    order; the fields above are then the whole server's. Empty from a single core."""
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", **_STRUCT):

@@ -24,6 +24,11 @@ def alive(pid: int) -> bool:
     return stat is not None and stat[0] != "Z"
 
 
+def children(pid: int) -> list[int]:
+    """The living processes whose parent is `pid`."""
+    return [p for p in descendants(pid) if (stat := _stat(p)) is not None and stat[1] == pid]
+
+
 def descendants(pid: int) -> list[int]:
     """Every living process below `pid` (children, their children, ...)."""
     children: dict[int, list[int]] = {}

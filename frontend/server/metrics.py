@@ -6,6 +6,8 @@ Two sources, so that the numbers are the whole server's with any `--api-server-c
   prefix-cache queries / hits, prompt / generation tokens) are already whole-server in the
   engine core. Each scrape asks the core (`AsyncLLM.get_stats()`) and renders them from that
   one snapshot; they are never counted per process, so N processes cannot multiply them.
+  With data parallelism the router's snapshot holds each engine core's too: every such metric
+  then has an `engine` label, "0" .. "N-1" per core and "total" for the whole server.
 - Per-request numbers (TTFT, inter-token latency, end-to-end latency, queue time, finished
   requests by reason, admission rejections) are observed by the process that served the
   request. With one process they live in a private registry. With several, the parent sets
@@ -71,13 +73,22 @@ class _CoreStatsCollector:
 
     def collect(self) -> Iterable:
         for name, (doc, field) in _CORE_GAUGES.items():
-            family = GaugeMetricFamily(self._prefix + name, doc, labels=["model_name"])
-            family.add_metric([self._model], float(getattr(self._stats, field)))
-            yield family
+            yield self._family(GaugeMetricFamily, name, doc, field)
         for name, (doc, field) in _CORE_COUNTERS.items():
-            family = CounterMetricFamily(self._prefix + name, doc, labels=["model_name"])
+            yield self._family(CounterMetricFamily, name, doc, field)
+
+    def _family(self, kind, name: str, doc: str, field: str):
+        """One metric: with data parallelism (`stats.cores`) one series per engine core,
+        labelled engine="0", "1", ..., plus the whole server's, engine="total"."""
+        if not self._stats.cores:
+            family = kind(self._prefix + name, doc, labels=["model_name"])
             family.add_metric([self._model], float(getattr(self._stats, field)))
-            yield family
+            return family
+        family = kind(self._prefix + name, doc, labels=["model_name", "engine"])
+        for index, core in enumerate(self._stats.cores):
+            family.add_metric([self._model, str(index)], float(getattr(core, field)))
+        family.add_metric([self._model, "total"], float(getattr(self._stats, field)))
+        return family
 
 
 class ServerMetrics:

@@ -1,0 +1,713 @@
+"""The data-parallel request router: `tidal core MODEL -dp N` (and so `tidal serve -dp N`,
+`LLM(..., data_parallel_size=N)`) runs this process in place of one engine core.
+
+    frontends ──(the frontend protocol, unchanged)──► router ──► engine core 0 ──► workers
+                                                             └─► engine core 1 ──► workers
+
+Design. To every frontend the router is an engine core: it binds `--listen`, answers Hello
+with an `EngineInfo` (core 0's, KV blocks and sequence slots summed over the cores), and
+speaks exactly the messages of `ipc/messages.py`, so `tidal serve`, `--api-server-count`,
+`LLM`, `AsyncLLM` and their healing work unchanged, and one router places the requests of all
+of them, with one memory of which core holds which prefix. To each core the router is one
+frontend (a DEALER per core, client id `router-<pid>-<core>`) that heartbeats. Each core is a
+private daemon of the router's (`launcher.DaemonProcess`: own process group, lifeline) with
+its own workers and KV pool, on a private address. vLLM puts the choice in every frontend's
+client and has a coordinator process gather the load; here one process does both, which
+costs one hop (outputs are decoded and re-encoded here, a few microseconds per step) and
+buys a single prefix memory and frontends that know nothing of DP.
+
+A request. `AddRequest` → `dp_placement.Placement` picks a live core (least load, prefix
+affinity) → the frame goes to that core as is. The core's outputs come back in one
+`EngineOutputs` per step; the router splits them by the frontend that sent each request and
+keeps each unfinished request's generated tokens. `Abort` goes to the cores holding the
+sender's own requests. `StatsQuery` is answered with `merge_stats` of a fresh round of
+queries to every live core (also run every `STATS_POLL_S` while requests are in flight, and
+once after the last one ends: the placement's load).
+
+A core that dies (its process exits) takes down only itself: its requests are resubmitted to
+the live cores under the same request ids, as the frontends' own healing does (prompt plus the
+tokens already delivered, `max_tokens` / `min_tokens` reduced, the same seed: greedy and
+seeded outputs equal a fault-free run's), so their streams pause and go on. Meanwhile the core
+is started again (at most `MAX_CORE_RESTARTS` times), and takes requests once it answers.
+With no live core the requests wait for one; when every core is dead for good, every request
+ends with an error, the frontends get `EngineDead` and the router exits 1, and a frontend that
+started it starts it again. A core that ends requests itself (a worker failure past its
+`--max-worker-restarts`, SIGTERM) sends their ERROR outputs first: those are forwarded.
+
+Frontends silent past `--frontend-timeout` are dropped as the daemon drops them (ERROR for
+their requests, aborted in the cores, then `Detached`); a frame from an unknown frontend is
+answered `Detached`. SIGTERM / SIGINT: every unfinished request ends with an error,
+`EngineDead` to the frontends, the cores are stopped, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from tidal.engine_core.args import config_from_args
+from tidal.engine_core.config import EngineConfig
+from tidal.engine_core.cpu_threads import available_cpus
+from tidal.engine_core.model_files import model_folder
+from tidal.frontend.dp_placement import Placement, merge_stats
+from tidal.frontend.launcher import DaemonProcess
+from tidal.frontend.output_processor import lost_finish, resume_params
+from tidal.ipc.lifeline import watch_parent
+from tidal.ipc.messages import (
+    Abort,
+    AddRequest,
+    Detached,
+    EngineDead,
+    EngineInfo,
+    EngineOutputs,
+    FinishReason,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    RequestOutput,
+    SchedulerStats,
+    StatsQuery,
+    pack_token_ids,
+    unpack_token_ids,
+)
+from tidal.ipc.transport import (
+    DEFAULT_FRONTEND_TIMEOUT_S,
+    CoreToFrontendDecoder,
+    FrontendDecoder,
+    bind_engine_socket,
+    connect_frontend_socket,
+    default_engine_address,
+    encode,
+    heartbeat_interval,
+    ipc_path,
+    new_private_address,
+)
+
+logger = logging.getLogger("tidal.router")
+
+EXIT_OK, EXIT_CORES_FAILED, EXIT_BAD_START = 0, 1, 2
+MAX_CORE_RESTARTS = 3
+"""How many times the router starts one dead engine core again."""
+STATS_POLL_S = 0.25
+"""Seconds between two load queries to the cores while requests are in flight."""
+STATS_ROUND_TIMEOUT_S = 2.0
+"""A stats round waits this long for a busy core, then answers with the others."""
+HELLO_RETRY_S = 1.0
+"""A core that has not answered Hello (starting, restarting) is asked again this often."""
+_POLL_MS = 100  # longest wait: housekeeping (timeouts, heartbeats, core exits) runs this often
+_LIFELINE_GRACE_S = 30.0  # the router stops its cores in order; SIGKILLed past this
+
+
+@dataclass
+class _Core:
+    """One engine core the router started, and its connection."""
+
+    index: int
+    daemon: DaemonProcess
+    sock: zmq.Socket
+    client_id: str
+    info: EngineInfo | None = None  # None until it answers Hello (starting or restarting)
+    last_hello: float = 0.0
+    last_beat: float = 0.0
+    num_restarts: int = 0
+    dead_for_good: bool = False
+
+
+@dataclass
+class _Routed:
+    """An unfinished request: whose it is, where it runs, how to send it again."""
+
+    client_id: str
+    core: int | None  # None: waiting for a live core
+    add: AddRequest
+    generated: bytearray  # packed token ids delivered so far
+    aborted: bool = False  # the Abort went to its core: not to be moved if that core dies
+
+
+class Router:
+    """N engine cores behind one frontend socket; `run()` returns the exit code."""
+
+    def __init__(self, config: EngineConfig, listen: str, key_file: str | None = None,
+                 frontend_timeout: float = DEFAULT_FRONTEND_TIMEOUT_S,
+                 log_level: str = "INFO") -> None:
+        self.config = config
+        self.listen = listen
+        self.key_file = key_file
+        self.frontend_timeout = frontend_timeout
+        self.log_level = log_level
+        self.num_cores = config.parallel.data_parallel_size
+        self.ctx = zmq.Context()
+        self.frontend_decoder = FrontendDecoder()
+        self.core_decoder = CoreToFrontendDecoder()
+        self.placement = Placement(self.num_cores, config.cache.block_size)
+        self.cores: list[_Core] = []
+        self.frontends: dict[str, float] = {}  # client_id -> last seen (monotonic)
+        self.waiting_hellos: set[str] = set()  # answered once every core is ready
+        self.routed: dict[str, _Routed] = {}  # req_id -> request
+        self.info: EngineInfo | None = None
+        self.stop_reason: str | None = None
+        self.sock = self.auth = None
+        self._stats_waiters: set[str] = set()  # client ids the running round answers
+        self._stats_next: set[str] = set()  # asked during a round: answered by the next one
+        self._stats_round: set[int] = set()  # cores whose answer the round still waits for
+        self._stats_round_started = 0.0
+        self._last_poll = 0.0
+        self._latest_stats: dict[int, SchedulerStats] = {}  # core -> its last answer
+        self._poller: zmq.Poller | None = None
+        # the cores' load may differ from their last reports: requests came or went since
+        self._load_changed = False
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def run(self) -> int:
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        code = EXIT_CORES_FAILED
+        try:
+            code = self._start()
+            if code is None:
+                code = self._serve()
+            return code
+        except Exception as e:  # noqa: BLE001 - a bug must still reach the frontends
+            logger.exception("router failed")
+            self._fail_everything(f"the data-parallel router failed: {type(e).__name__}: {e}")
+            return EXIT_CORES_FAILED
+        finally:
+            self._close()
+            for s, handler in old.items():
+                signal.signal(s, handler)
+            logger.info("router stopped (exit code %d)", code)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.stop_reason is None:
+            self.stop_reason = signal.Signals(signum).name
+
+    def _start(self) -> int | None:
+        """Bind, start every core, wait until each answers Hello. An exit code on failure."""
+        try:
+            self.sock, self.auth = bind_engine_socket(self.ctx, self.listen, self.key_file)
+        except (ValueError, OSError) as e:
+            logger.error("cannot start: %s", e)
+            return EXIT_BAD_START
+        logger.info("data-parallel router listening on %s: starting %d engine cores",
+                    self.listen, self.num_cores)
+        try:
+            self._start_cores()
+        except InterruptedError:
+            return EXIT_OK
+        except ValueError as e:  # a GGUF file that does not convert, too few GPUs
+            logger.error("cannot start: %s", e)
+            self._broadcast(EngineDead(f"engine core failed to start: {e}"),
+                            self._pending_hellos())
+            return EXIT_BAD_START
+        return self._wait_for_cores()
+
+    def _start_cores(self) -> None:
+        """Convert a GGUF file (once here, not by every core at once), then start each core
+        on threads or GPUs of its own. ValueError; InterruptedError on a stop signal."""
+        folder = model_folder(self.config.model.model, lambda: self.stop_reason is not None,
+                              self.log_level)
+        child = core_config(self.config, folder)
+        gpu_sets = core_gpu_sets(self.config, visible_gpus(os.environ))
+        for index in range(self.num_cores):
+            env = None if gpu_sets is None else {**os.environ,
+                                                 "CUDA_VISIBLE_DEVICES": gpu_sets[index]}
+            daemon = DaemonProcess(child, address=new_private_address(f"core{index}"),
+                                   extra_args=["--log-level", self.log_level], env=env)
+            self.cores.append(self._connect(index, daemon))
+
+    def _wait_for_cores(self) -> int | None:
+        """Until every core answers Hello; then answer the frontends that knocked meanwhile.
+        An exit code when a core fails to start or a stop signal comes first."""
+        while self.stop_reason is None and any(c.info is None for c in self.cores):
+            self._poll_once()
+            failed = next((c for c in self.cores if not c.daemon.alive()), None)
+            if failed is not None:
+                reason = failed.daemon.failure_message(f"engine core {failed.index} failed "
+                                                       "to start")
+                logger.error("%s", reason)
+                self._broadcast(EngineDead(reason), self.waiting_hellos)
+                return EXIT_BAD_START
+        if self.stop_reason is not None:
+            self._broadcast(EngineDead(f"stopped during start-up ({self.stop_reason})"),
+                            self.waiting_hellos)
+            return EXIT_OK
+        self.info = self._merged_info()
+        for client_id in self.waiting_hellos:
+            self.frontends[client_id] = time.monotonic()
+            self._send(client_id, self.info)
+        self.waiting_hellos.clear()
+        logger.info("router ready: %d engine cores, %d KV blocks in all", self.num_cores,
+                    self.info.num_kv_blocks)
+        return None
+
+    def _pending_hellos(self) -> set[str]:
+        """Every frontend that knocked during start-up (their Hellos are still queued)."""
+        self._drain(self.sock, self._on_frontend_frames)
+        return self.waiting_hellos
+
+    def _connect(self, index: int, daemon: DaemonProcess) -> _Core:
+        client_id = f"router-{os.getpid()}-{index}"
+        sock = connect_frontend_socket(self.ctx, daemon.address, client_id)
+        core = _Core(index, daemon, sock, client_id)
+        self._poller = None
+        self._hello(core)
+        return core
+
+    def _hello(self, core: _Core) -> None:
+        core.last_hello = time.monotonic()
+        core.sock.send(encode(Hello(core.client_id, "router", os.getpid())))
+
+    def _merged_info(self) -> EngineInfo:
+        infos = [c.info for c in self.cores]
+        return msgspec.structs.replace(
+            infos[0], num_kv_blocks=sum(i.num_kv_blocks for i in infos),
+            max_num_seqs=sum(i.max_num_seqs for i in infos),
+            max_model_len=min(i.max_model_len for i in infos),
+            heartbeat_interval=heartbeat_interval(self.frontend_timeout))
+
+    def _serve(self) -> int:
+        while self.stop_reason is None:
+            self._poll_once()
+            self._watch_cores()
+            if self._all_dead_for_good():
+                reason = "every engine core died more often than it may be restarted " \
+                         f"({MAX_CORE_RESTARTS} restarts each)"
+                logger.error("%s; failing every unfinished request", reason)
+                self._fail_everything(reason)
+                return EXIT_CORES_FAILED
+        logger.info("stopping (%s): failing unfinished requests, stopping the cores",
+                    self.stop_reason)
+        self._fail_everything(f"engine core shut down ({self.stop_reason})")
+        return EXIT_OK
+
+    def _close(self) -> None:
+        for core in self.cores:
+            core.daemon.proc.send_signal(signal.SIGTERM)  # all stop at once, then wait
+        for core in self.cores:
+            core.daemon.stop()
+            core.sock.close(linger=0)
+        if self.sock is not None:
+            self.sock.close()  # linger: queued EngineDead / outputs still go out
+            path = ipc_path(self.listen)
+            if path is not None and os.path.exists(path):
+                os.unlink(path)
+        if self.auth is not None:
+            self.auth.stop()
+        self.ctx.term()
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def _poll_once(self) -> None:
+        """Handle what arrived within `_POLL_MS`, then the timers."""
+        if self._poller is None:  # rebuilt when a core's socket changes
+            self._poller = zmq.Poller()
+            self._poller.register(self.sock, zmq.POLLIN)
+            for core in self.cores:
+                self._poller.register(core.sock, zmq.POLLIN)
+        events = dict(self._poller.poll(_POLL_MS))
+        if self.sock in events:
+            self._drain(self.sock, self._on_frontend_frames)
+        for core in self.cores:
+            if core.sock in events:
+                self._drain(core.sock, lambda frames, c=core: self._on_core_frames(c, frames))
+        self._housekeeping(time.monotonic())
+
+    def _drain(self, sock: zmq.Socket, handle) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            handle(frames)
+
+    def _housekeeping(self, now: float) -> None:
+        for core in self.cores:
+            if core.info is None and not core.dead_for_good \
+                    and now - core.last_hello > HELLO_RETRY_S:
+                self._hello(core)
+            elif core.info is not None and now - core.last_beat > core.info.heartbeat_interval:
+                core.last_beat = now
+                core.sock.send(encode(Heartbeat(core.client_id)))
+        if self.info is None:
+            return
+        self._expire_silent_frontends(now)
+        if self._stats_round and now - self._stats_round_started > STATS_ROUND_TIMEOUT_S:
+            self._finish_stats_round()
+        if self._load_changed and not self._stats_round and now - self._last_poll > STATS_POLL_S:
+            self._start_stats_round()
+
+    # -- frontends -----------------------------------------------------------------------------
+
+    def _on_frontend_frames(self, frames: list[bytes]) -> None:
+        client_id = frames[0].decode("utf-8", "surrogateescape")
+        if len(frames) != 2:
+            self.frontend_decoder.drop(f"{len(frames) - 1} frames where one was expected",
+                                       client_id)
+            return
+        msg = self.frontend_decoder.decode(frames[1], sender=client_id)
+        if msg is None:
+            refusal = self.frontend_decoder.undecodable_request(frames[1])
+            if refusal is not None:
+                self._refuse(client_id, *refusal)
+            return
+        if self.info is None:  # starting: Hellos are answered once every core is ready
+            if isinstance(msg, Hello):
+                self.waiting_hellos.add(client_id)
+            return
+        if client_id not in self.frontends:
+            if not isinstance(msg, Hello):
+                self._refuse_unknown(client_id, msg)
+                return
+            logger.info("frontend %r attached", client_id)
+        self.frontends[client_id] = time.monotonic()
+        if isinstance(msg, AddRequest):
+            self._add_request(client_id, msg, frames[1])
+        elif isinstance(msg, Abort):
+            self._abort(client_id, msg.req_ids)
+        elif isinstance(msg, Hello):
+            self._send(client_id, self.info)
+        elif isinstance(msg, StatsQuery):
+            # a round already running may have asked before this frontend's last outputs
+            # left their core: answer from a round that starts now
+            self._stats_next.add(client_id)
+            if not self._stats_round:
+                self._start_stats_round()
+        elif isinstance(msg, Goodbye):
+            num = self._forget_client(client_id)
+            logger.info("frontend %r detached (%d unfinished requests aborted)", client_id, num)
+
+    def _refuse_unknown(self, client_id: str, msg) -> None:
+        if isinstance(msg, Goodbye):
+            return
+        reason = (f"the engine core does not know frontend {client_id!r} (it was dropped, or "
+                  "the engine core restarted): say Hello")
+        if isinstance(msg, AddRequest):
+            error = RequestOutput(msg.req_id, b"", FinishReason.ERROR, error=reason)
+            self._send(client_id, EngineOutputs([error], timestamp=time.time()))
+        self._send(client_id, Detached(reason))
+
+    def _refuse(self, client_id: str, req_id: str, error: str) -> None:
+        logger.warning("request %r from %r refused: %s", req_id, client_id, error)
+        out = RequestOutput(req_id, b"", FinishReason.ERROR, error=error, refused=True)
+        self._send(client_id, EngineOutputs([out], timestamp=time.time()))
+
+    def _add_request(self, client_id: str, msg: AddRequest, frame: bytes) -> None:
+        if msg.req_id in self.routed:
+            self._refuse(client_id, msg.req_id, f"req_id {msg.req_id!r} is already in flight")
+            return
+        request = _Routed(client_id, None, msg, bytearray())
+        self.routed[msg.req_id] = request
+        self._load_changed = True
+        self._place(request, frame)
+
+    def _place(self, request: _Routed, frame: bytes | None = None) -> None:
+        """Send the request to the core the placement picks; with no live core it waits."""
+        try:
+            prompt = unpack_token_ids(request.add.prompt_token_ids)
+        except ValueError:  # not whole int32s: any core refuses it, naming the field
+            prompt = []
+        core = self.placement.place(prompt, request.add.cache_salt)
+        request.core = core
+        if core is not None:
+            self.cores[core].sock.send(frame if frame is not None else encode(request.add))
+
+    def _abort(self, client_id: str, req_ids: list[str]) -> None:
+        """Abort the sender's own requests among `req_ids` (others are ignored)."""
+        by_core: dict[int, list[str]] = {}
+        for req_id in req_ids:
+            request = self.routed.get(req_id)
+            if request is None or request.client_id != client_id:
+                continue
+            if request.core is None:  # never reached a core: the router answers
+                del self.routed[req_id]
+                out = RequestOutput(req_id, b"", FinishReason.ABORT)
+                self._send(client_id, EngineOutputs([out], timestamp=time.time()))
+            else:
+                request.aborted = True
+                by_core.setdefault(request.core, []).append(req_id)
+        for core, ids in by_core.items():
+            self.cores[core].sock.send(encode(Abort(ids)))
+
+    def _forget_client(self, client_id: str) -> int:
+        """Abort every request of the frontend in the cores and forget them and it."""
+        own = [rid for rid, r in self.routed.items() if r.client_id == client_id]
+        by_core: dict[int, list[str]] = {}
+        for req_id in own:
+            request = self.routed.pop(req_id)
+            if request.core is not None:
+                by_core.setdefault(request.core, []).append(req_id)
+        for core, ids in by_core.items():
+            self.cores[core].sock.send(encode(Abort(ids)))
+        self.frontends.pop(client_id, None)
+        self._stats_waiters.discard(client_id)
+        self._stats_next.discard(client_id)
+        return len(own)
+
+    def _expire_silent_frontends(self, now: float) -> None:
+        for client_id, last_seen in list(self.frontends.items()):
+            silent = now - last_seen
+            if silent <= self.frontend_timeout:
+                continue
+            reason = (f"frontend {client_id!r} was silent for {silent:.1f} s (--frontend-timeout "
+                      f"{self.frontend_timeout:g} s): the engine core dropped its requests")
+            outputs = [RequestOutput(rid, b"", FinishReason.ERROR, error=reason)
+                       for rid, r in self.routed.items() if r.client_id == client_id]
+            self._forget_client(client_id)
+            if outputs:
+                self._send(client_id, EngineOutputs(outputs, timestamp=time.time()))
+            self._send(client_id, Detached(reason))
+            logger.warning("%s (%d unfinished)", reason, len(outputs))
+
+    def _send(self, client_id: str, msg) -> None:
+        self.sock.send_multipart([client_id.encode("utf-8", "surrogateescape"), encode(msg)],
+                                 copy=False)
+
+    def _broadcast(self, msg, client_ids) -> None:
+        for client_id in list(client_ids):
+            self._send(client_id, msg)
+
+    # -- cores ---------------------------------------------------------------------------------
+
+    def _on_core_frames(self, core: _Core, frames: list[bytes]) -> None:
+        if len(frames) != 1:
+            self.core_decoder.drop(f"{len(frames)}-part message", core.client_id)
+            return
+        msg = self.core_decoder.decode(frames[0], sender=f"engine core {core.index}")
+        if isinstance(msg, EngineOutputs):
+            self._on_outputs(core, msg)
+        elif isinstance(msg, EngineInfo):
+            self._on_core_info(core, msg)
+        elif isinstance(msg, Detached):
+            # the core dropped the router (silent past its --frontend-timeout); it failed our
+            # requests there first (forwarded): say Hello again
+            logger.warning("engine core %d dropped the router: %s", core.index, msg.reason)
+            core.info = None
+            self.placement.mark_dead(core.index)
+        elif isinstance(msg, EngineDead):
+            logger.warning("engine core %d is going away: %s", core.index, msg.reason)
+
+    def _on_core_info(self, core: _Core, info: EngineInfo) -> None:
+        if core.info is not None:
+            return  # a second answer to a repeated Hello
+        core.info, core.last_beat = info, time.monotonic()
+        self.placement.mark_live(core.index)
+        if self.info is not None:
+            logger.info("engine core %d is serving again", core.index)
+        for request in [r for r in self.routed.values() if r.core is None]:
+            self._place(request)
+
+    def _on_outputs(self, core: _Core, msg: EngineOutputs) -> None:
+        if msg.stats is not None and core.index in self._stats_round:
+            self._on_core_stats(core, msg.stats)
+        by_client: dict[str, list[RequestOutput]] = {}
+        for out in msg.outputs:
+            request = self.routed.get(out.req_id)
+            if request is None or request.core != core.index:
+                continue  # aborted, or a late output of a core the request left
+            request.generated += out.new_token_ids
+            if out.finish_reason is not None:
+                del self.routed[out.req_id]
+                self._load_changed = True
+            by_client.setdefault(request.client_id, []).append(out)
+        for client_id, outputs in by_client.items():
+            self._send(client_id, EngineOutputs(outputs, timestamp=msg.timestamp))
+
+    def _watch_cores(self) -> None:
+        """A core whose process exited: move its requests, start it again."""
+        for core in self.cores:
+            if core.dead_for_good or core.daemon.alive():
+                continue
+            moved = self._move_requests_off(core.index)
+            what = f"engine core {core.index} exited; {moved} of its requests continue on " \
+                   "the other cores"
+            if core.num_restarts >= MAX_CORE_RESTARTS:
+                logger.error("%s", core.daemon.failure_message(
+                    f"{what}; it was restarted {core.num_restarts} times already: not again"))
+                core.dead_for_good, core.info = True, None
+                core.daemon.stop()
+                continue
+            core.num_restarts += 1
+            logger.warning("%s", core.daemon.failure_message(
+                f"{what}; starting it again (restart {core.num_restarts} of "
+                f"{MAX_CORE_RESTARTS})"))
+            core.daemon.stop()  # whatever is left of its process group
+            core.sock.close(linger=0)
+            restarted = self._connect(core.index, core.daemon.respawn())
+            restarted.num_restarts = core.num_restarts
+            self.cores[core.index] = restarted
+
+    def _move_requests_off(self, index: int) -> int:
+        """The dead core's requests continue elsewhere (see the module docstring)."""
+        self.placement.mark_dead(index)
+        self._stats_round.discard(index)
+        moved = 0
+        for req_id, request in list(self.routed.items()):
+            if request.core != index:
+                continue
+            resumed = None if request.aborted else resume_request(request.add, request.generated)
+            if resumed is None:  # aborted (its answer died with the core), or all delivered
+                del self.routed[req_id]
+                final = RequestOutput(req_id, b"", FinishReason.ABORT) if request.aborted \
+                    else lost_output(request.add, request.generated)
+                self._send(request.client_id, EngineOutputs([final], timestamp=time.time()))
+                continue
+            request.add, request.generated = resumed, bytearray()
+            self._place(request)
+            moved += 1
+        return moved
+
+    def _all_dead_for_good(self) -> bool:
+        return all(c.dead_for_good for c in self.cores)
+
+    # -- statistics ----------------------------------------------------------------------------
+
+    def _start_stats_round(self) -> None:
+        self._stats_waiters, self._stats_next = self._stats_next, set()
+        now = time.monotonic()
+        self._last_poll = self._stats_round_started = now
+        self._load_changed = bool(self.routed)  # one more round after the last one finished
+        self._stats_round = {c.index for c in self.cores if c.info is not None}
+        for index in self._stats_round:
+            self.placement.query_sent(index)
+            core = self.cores[index]
+            core.sock.send(encode(StatsQuery(core.client_id)))
+        if not self._stats_round:
+            self._finish_stats_round()
+
+    def _on_core_stats(self, core: _Core, stats: SchedulerStats) -> None:
+        self._latest_stats[core.index] = stats
+        self.placement.report(core.index, stats)
+        self._stats_round.discard(core.index)
+        if not self._stats_round:
+            self._finish_stats_round()
+
+    def _finish_stats_round(self) -> None:
+        self._stats_round = set()
+        if self._stats_waiters:
+            total = merge_stats([self._latest_stats.get(i) or SchedulerStats()
+                                 for i in range(self.num_cores)])
+            msg = EngineOutputs(outputs=[], stats=total, timestamp=time.time())
+            self._broadcast(msg, self._stats_waiters)
+            self._stats_waiters.clear()
+        if self._stats_next:
+            self._start_stats_round()
+
+    # -- the end -------------------------------------------------------------------------------
+
+    def _fail_everything(self, reason: str) -> None:
+        if self.sock is None:
+            return
+        by_client: dict[str, list[RequestOutput]] = {}
+        for req_id, request in self.routed.items():
+            by_client.setdefault(request.client_id, []).append(
+                RequestOutput(req_id, b"", FinishReason.ERROR, error=reason))
+        self.routed.clear()
+        for client_id, outputs in by_client.items():
+            self._send(client_id, EngineOutputs(outputs, timestamp=time.time()))
+        self._broadcast(EngineDead(reason), set(self.frontends) | self.waiting_hellos)
+
+
+# ---------------------------------------------------------------------------------------------
+# pieces without IO
+
+
+def core_config(config: EngineConfig, model_dir: str | None = None) -> EngineConfig:
+    """One core's config: data parallelism 1; the model from `model_dir` (a GGUF file's
+    converted folder) under the name users know; and on the CPU, unless threads were given
+    (--cpu-threads, OMP_NUM_THREADS, --cpu-affinity), an equal share of the cores per core's
+    ranks, so that N cores do not each run a thread per CPU core."""
+    p, m = config.parallel, config.model
+    threads = p.cpu_threads
+    if threads is None and p.cpu_affinity is None and "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, available_cpus() // (p.data_parallel_size * p.tensor_parallel_size))
+    if model_dir is not None and model_dir != m.model:
+        m = dataclasses.replace(m, model=model_dir, served_model_name=m.name)
+    return dataclasses.replace(
+        config, model=m,
+        parallel=dataclasses.replace(p, data_parallel_size=1, cpu_threads=threads))
+
+
+def visible_gpus(env: dict[str, str]) -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (without torch:
+    that variable when set, else one per NVIDIA GPU the driver lists)."""
+    if "CUDA_VISIBLE_DEVICES" in env:
+        return [d.strip() for d in env["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
+    try:
+        return [str(i) for i in range(len(os.listdir("/proc/driver/nvidia/gpus")))]
+    except OSError:
+        return []
+
+
+def core_gpu_sets(config: EngineConfig, gpus: list[str]) -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES for each core: `tensor_parallel_size` GPUs of its own (core k
+    gets the k-th group), since each core sizes its KV cache from a GPU's whole memory. None
+    on the CPU (`--device cpu`, or `auto` with no GPU). ValueError naming
+    data_parallel_size when there are fewer GPUs than cores × ranks."""
+    p = config.parallel
+    if p.device == "cpu" or (p.device == "auto" and not gpus):
+        return None
+    per_core, needed = p.tensor_parallel_size, p.tensor_parallel_size * p.data_parallel_size
+    if len(gpus) < needed:
+        raise ValueError(f"data_parallel_size {p.data_parallel_size} x tensor_parallel_size "
+                         f"{per_core} needs {needed} GPUs, one per rank of every engine core; "
+                         f"{len(gpus)} are visible")
+    return [",".join(gpus[k * per_core:(k + 1) * per_core]) for k in range(p.data_parallel_size)]
+
+
+def resume_request(add: AddRequest, generated: bytes) -> AddRequest | None:
+    """The request that continues `add` after its `generated` tokens (packed) on another
+    core: prompt plus those tokens, the same id, seed and stops (`resume_params`). None when
+    it has nothing left to generate (its final output was lost with the core)."""
+    delivered = unpack_token_ids(bytes(generated)).tolist()
+    if not delivered:
+        return add
+    params = add.sampling
+    if params.max_tokens is None:  # up to the context length: no count to reduce
+        params = msgspec.structs.replace(
+            params, min_tokens=max(0, params.min_tokens - len(delivered)), prompt_logprobs=None)
+    else:
+        params = resume_params(params, delivered)
+        if params is None:
+            return None
+    prompt = pack_token_ids(unpack_token_ids(add.prompt_token_ids).tolist() + delivered)
+    return msgspec.structs.replace(add, prompt_token_ids=prompt, sampling=params)
+
+
+def lost_output(add: AddRequest, generated: bytes) -> RequestOutput:
+    """The final output of a request whose every token was delivered but whose finish was
+    lost with its core."""
+    delivered = unpack_token_ids(bytes(generated)).tolist()
+    reason, stop = lost_finish(add.sampling, delivered, add.eos_token_id)
+    return RequestOutput(add.req_id, b"", FinishReason[reason.upper()], stop_reason=stop)
+
+
+# ---------------------------------------------------------------------------------------------
+# entry point
+
+
+def run_router_from_args(ns: argparse.Namespace) -> int:
+    """`tidal core -dp N`: the router and its cores, from the daemon's flags; the exit code."""
+    logging.basicConfig(level=ns.log_level,
+                        format="%(asctime)s %(levelname)s [tidal router] %(message)s")
+    if ns.lifeline_fd is not None:  # a private router: stop with the frontend that owns it
+        watch_parent(ns.lifeline_fd, _LIFELINE_GRACE_S, what="data-parallel router")
+    try:
+        config = config_from_args(ns)
+    except ValueError as e:
+        logger.error("%s", e)
+        return EXIT_BAD_START
+    listen = ns.listen or default_engine_address()
+    return Router(config, listen, ns.engine_key_file, ns.frontend_timeout, ns.log_level).run()
+
+
+if __name__ == "__main__":  # pragma: no cover - `tidal core -dp N` is the way in
+    sys.exit("run `tidal core MODEL --data-parallel-size N`")
