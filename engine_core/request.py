@@ -65,7 +65,7 @@ class Request:
         "arrival_time", "arrival_seq", "cache_salt", "status", "stop_reason", "block_hashes",
         "num_cached_tokens", "num_preemptions", "discard_before_step", "in_worker",
         "first_output_sent", "error", "add_time", "queue_time", "prompt_logprob_parts",
-        "next_prompt_logprob",
+        "next_prompt_logprob", "num_resumed_tokens",
     )
 
     def __init__(
@@ -79,6 +79,7 @@ class Request:
         priority: int = 0,
         arrival_time: float = 0.0,
         cache_salt: str | None = None,
+        num_resumed_tokens: int = 0,
     ) -> None:
         self.req_id = req_id
         """Unique within the engine core (frontends make it so)."""
@@ -132,6 +133,9 @@ class Request:
         carries them (then None: nothing more is wanted)."""
         self.next_prompt_logprob = 1
         """The first prompt position whose logprobs have not arrived yet."""
+        self.num_resumed_tokens = num_resumed_tokens
+        """The prompt's last tokens that an earlier core generated (penalties count them as
+        output; see AddRequest)."""
 
     @classmethod
     def from_add(cls, msg: AddRequest, client_id: str) -> Request:
@@ -149,6 +153,7 @@ class Request:
             priority=msg.priority,
             arrival_time=msg.arrival_time,
             cache_salt=msg.cache_salt,
+            num_resumed_tokens=msg.num_resumed_tokens,
         )
 
     @property
@@ -211,6 +216,9 @@ def check_request(request: Request, vocab_size: int, scheduling_policy: str = "f
         if value is not None and value > vocab_size:
             raise ValueError(f"{field} must be at most the vocabulary size {vocab_size}, got "
                              f"{value}")
+    if not 0 <= request.num_resumed_tokens < request.num_prompt_tokens:
+        raise ValueError(f"num_resumed_tokens must be in [0, {request.num_prompt_tokens}) (the "
+                         f"prompt's own tokens come first), got {request.num_resumed_tokens}")
     check_priority(request.priority, scheduling_policy)
     if not math.isfinite(request.arrival_time):
         raise ValueError(f"arrival_time must be a finite number, got {request.arrival_time}")

@@ -391,7 +391,8 @@ class Scheduler:
                 new_reqs.append(NewRequestData(
                     request.req_id, pack_token_ids(request.all_token_ids),
                     request.num_prompt_tokens, kv.get_block_ids(request.req_id), start,
-                    num_new, request.sampling, request.eos_token_id))
+                    num_new, request.sampling, request.eos_token_id,
+                    request.num_resumed_tokens))
         self.prompt_tokens += num_prompt_tokens
         if total:
             self.num_steps += 1

@@ -679,7 +679,8 @@ def resume_request(add: AddRequest, generated: bytes) -> AddRequest | None:
         if params is None:
             return None
     prompt = pack_token_ids(unpack_token_ids(add.prompt_token_ids).tolist() + delivered)
-    return msgspec.structs.replace(add, prompt_token_ids=prompt, sampling=params)
+    return msgspec.structs.replace(add, prompt_token_ids=prompt, sampling=params,
+                                   num_resumed_tokens=add.num_resumed_tokens + len(delivered))
 
 
 def lost_output(add: AddRequest, generated: bytes) -> RequestOutput:

@@ -146,8 +146,8 @@ def resume_params(params: SamplingParams, delivered: list[int]) -> SamplingParam
     all else (seed, stops, penalties) unchanged. None when nothing is left to generate.
 
     A seeded request draws the same numbers: the worker hashes (seed, absolute position),
-    and the positions are the same. (Presence and frequency penalties count output tokens
-    only; after a resubmission the delivered ones count as prompt.)
+    and the positions are the same. Penalties stay the same because the AddRequest says how
+    many of its prompt's tokens were generated (`num_resumed_tokens`).
     """
     left = params.max_tokens - len(delivered)
     if left <= 0:
@@ -282,7 +282,8 @@ class OutputProcessor:
                 self._children[comp.req_id] = (parent, comp)
                 prompt = pack_token_ids(parent.prompt_token_ids + comp.token_ids)
                 messages.append(AddRequest(comp.req_id, prompt, params, parent.eos_token_id,
-                                           parent.priority, parent.arrival_time))
+                                           parent.priority, parent.arrival_time,
+                                           num_resumed_tokens=len(comp.token_ids)))
             if done_here and (parent.finished or not parent.final_only):
                 finished.append(self._make_output(parent, done_here, time.time()))
         return messages, finished

@@ -221,6 +221,10 @@ class AddRequest(msgspec.Struct, tag="add", **_STRUCT):
     priority: int = 0
     arrival_time: float = 0.0
     cache_salt: str | None = None
+    num_resumed_tokens: int = 0
+    """The prompt's last N tokens were generated for this completion by an engine core that
+    was lost (a frontend's or router's resubmission): presence and frequency penalties count
+    them as output, as the first core did."""
 
 
 class Abort(msgspec.Struct, tag="abort", **_STRUCT):
@@ -434,6 +438,8 @@ class NewRequestData(msgspec.Struct, **_STRUCT):
     sampling: SamplingParams
     eos_token_id: int | None = None
     """The model's EOS token: masked while fewer than `sampling.min_tokens` are generated."""
+    num_resumed_tokens: int = 0
+    """The last N of the `prompt_len` tokens count as output for penalties (see AddRequest)."""
 
 
 class CachedRequestData(msgspec.Struct, **_STRUCT):

@@ -327,10 +327,13 @@ class ModelRunner:
             batch.presence_penalty = dev(b.presence_penalty[rows], torch.float32)
             batch.frequency_penalty = dev(b.frequency_penalty[rows], torch.float32)
             batch.repetition_penalty = dev(b.repetition_penalty[rows], torch.float32)
-            batch.output_token_ids = dev(_gather_tokens(b, rows, b.prompt_len[rows], out_lens),
+            # a resubmitted request's resumed prompt tail counts as output, as it did on
+            # the core that generated it
+            starts = b.output_start[rows]
+            batch.output_token_ids = dev(_gather_tokens(b, rows, starts, b.num_tokens[rows] - starts),
                                          torch.int64)
-            batch.prompt_token_ids = dev(_gather_tokens(b, rows, np.zeros_like(rows),
-                                                        b.prompt_len[rows]), torch.int64)
+            batch.prompt_token_ids = dev(_gather_tokens(b, rows, np.zeros_like(rows), starts),
+                                         torch.int64)
         self._add_min_tokens(batch, rows, out_lens)
         wanted = b.num_logprobs[rows]
         if (wanted >= 0).any():

@@ -42,6 +42,9 @@ class PersistentBatch:
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.prompt_len = np.zeros(max_num_reqs, dtype=np.int64)
+        self.output_start = np.zeros(max_num_reqs, dtype=np.int64)
+        """Where the tokens that penalties count as output begin: prompt_len, less the
+        prompt's resumed tokens (NewRequestData.num_resumed_tokens)."""
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
@@ -86,6 +89,7 @@ class PersistentBatch:
         self.token_ids[row, :len(tokens)] = tokens
         self.num_tokens[row] = len(tokens)
         self.prompt_len[row] = req.prompt_len
+        self.output_start[row] = req.prompt_len - req.num_resumed_tokens
         self.num_computed[row] = req.num_computed_tokens
         self.num_blocks[row] = 0
         self._append_blocks(row, req.block_ids, req.req_id)
@@ -162,6 +166,9 @@ def _check_new(req: NewRequestData, num_tokens: int, max_model_len: int,
     if num_tokens > max_model_len:
         raise ValueError(f"request {req.req_id!r} has {num_tokens} tokens, more than "
                          f"max_model_len={max_model_len}")
+    if not 0 <= req.num_resumed_tokens < max(req.prompt_len, 1):
+        raise ValueError(f"request {req.req_id!r}: num_resumed_tokens="
+                         f"{req.num_resumed_tokens} must be in [0, prompt_len={req.prompt_len})")
     if req.num_computed_tokens + req.num_scheduled_tokens > num_tokens:
         raise ValueError(f"request {req.req_id!r}: num_computed_tokens="
                          f"{req.num_computed_tokens} + num_scheduled_tokens="

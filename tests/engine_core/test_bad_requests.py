@@ -15,9 +15,10 @@ from tidal.ipc.messages import (
 VOCAB = 512
 
 
-def _request(prompt=(5, 6, 7), eos=None, arrival_time=0.0, **sampling) -> Request:
+def _request(prompt=(5, 6, 7), eos=None, arrival_time=0.0, num_resumed_tokens=0,
+             **sampling) -> Request:
     return Request("r", list(prompt), SamplingParams(**sampling), eos_token_id=eos,
-                   arrival_time=arrival_time)
+                   arrival_time=arrival_time, num_resumed_tokens=num_resumed_tokens)
 
 
 @pytest.mark.parametrize("request_kwargs,field,words", [
@@ -28,6 +29,8 @@ def _request(prompt=(5, 6, 7), eos=None, arrival_time=0.0, **sampling) -> Reques
     (dict(eos=-1), "eos_token_id", "-1"),
     (dict(n=3), "n", "got 3"),
     (dict(arrival_time=float("nan")), "arrival_time", "nan"),
+    (dict(num_resumed_tokens=3), "num_resumed_tokens", "[0, 3)"),  # no prompt of its own
+    (dict(num_resumed_tokens=-1), "num_resumed_tokens", "-1"),
 ])
 def test_check_request_names_the_field(request_kwargs, field, words):
     with pytest.raises(ValueError) as info:

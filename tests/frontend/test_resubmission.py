@@ -61,6 +61,7 @@ def test_resubmission_continues_prompt_seed_and_text(tok):
     (msg,) = messages
     assert msg.req_id != "eng-r"
     assert unpack_token_ids(msg.prompt_token_ids).tolist() == PROMPT + ids[:2]
+    assert msg.num_resumed_tokens == 2  # penalties count them as output, as before
     assert (msg.sampling.max_tokens, msg.sampling.min_tokens) == (len(ids) - 2, 1)
     assert msg.sampling.seed == sent.sampling.seed == 42
     assert (msg.priority, msg.arrival_time, msg.eos_token_id) == \

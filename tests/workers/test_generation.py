@@ -1,6 +1,7 @@
 """Issue 3, item 2: greedy generation through Worker.execute with scripted plans equals
 transformers' generate() token for token, 8 prompts of mixed length in one batch."""
 
+import msgspec
 import pytest
 import torch
 import transformers
@@ -97,3 +98,25 @@ def test_async_scheduling_equals_sync(hf_greedy, llama_worker, chunk):
         script.add(f"a{i}", prompt, _greedy(), eos_token_id=EOS)
     outputs = script.run(llama_worker, chunk=chunk)
     assert [outputs[f"a{i}"] for i in range(len(LENGTHS))] == hf_greedy
+
+
+def test_resumed_tokens_count_as_output_for_penalties(llama_worker):
+    """A resubmitted request (prompt = the original prompt + what a lost engine core had
+    generated, `num_resumed_tokens` saying how many) goes on exactly as the original did:
+    presence and frequency penalties see the resumed tokens as output, not prompt."""
+    prompt = _prompts()[5]
+    # seeded sampling draws by (seed, position), so the continuation is reproducible, and at
+    # temperature 1 the penalties move the draws (greedy on this peaked tiny model they do not)
+    sampling = SamplingParams(temperature=1.0, seed=3, max_tokens=12, frequency_penalty=2.0,
+                              presence_penalty=2.0)
+    script = PlanScript()
+    script.add("whole", prompt, sampling)
+    whole = script.run(llama_worker)["whole"]
+
+    rest = msgspec.structs.replace(sampling, max_tokens=6)
+    script = PlanScript(first_block=40)
+    script.add("resumed", prompt + whole[:6], rest, num_resumed_tokens=6)
+    script.add("as_prompt", prompt + whole[:6], rest)
+    out = script.run(llama_worker)
+    assert out["resumed"] == whole[6:]
+    assert out["as_prompt"] != whole[6:]  # the penalties matter here: as prompt, they differ

@@ -36,6 +36,7 @@ class ScriptedRequest:
     new_block_ids: list[int] = field(default_factory=list)
     seen: bool = False
     eos_token_id: int | None = None
+    num_resumed_tokens: int = 0
 
     @property
     def output_ids(self) -> list[int]:
@@ -55,10 +56,11 @@ class PlanScript:
 
     def add(self, req_id: str, prompt: list[int], sampling: SamplingParams | None = None,
             num_computed: int = 0, block_ids: list[int] | None = None,
-            eos_token_id: int | None = None) -> ScriptedRequest:
+            eos_token_id: int | None = None, num_resumed_tokens: int = 0) -> ScriptedRequest:
         req = ScriptedRequest(req_id, list(prompt), len(prompt),
                               sampling or SamplingParams(temperature=0.0, max_tokens=8),
-                              list(block_ids or []), num_computed, eos_token_id=eos_token_id)
+                              list(block_ids or []), num_computed, eos_token_id=eos_token_id,
+                              num_resumed_tokens=num_resumed_tokens)
         self.requests[req_id] = req
         return req
 
@@ -79,7 +81,8 @@ class PlanScript:
                 new.append(NewRequestData(
                     req.req_id, pack_token_ids(req.token_ids), req.prompt_len,
                     list(req.block_ids), req.num_computed, n, req.sampling,
-                    eos_token_id=req.eos_token_id))
+                    eos_token_id=req.eos_token_id,
+                    num_resumed_tokens=req.num_resumed_tokens))
                 req.seen = True
             else:
                 cached.append(CachedRequestData(req.req_id, list(req.new_block_ids),
