@@ -62,6 +62,7 @@ logger = logging.getLogger(__name__)
 ACTOR_NAMESPACE = "tidal"
 """Ray namespace of the rank actors, named `tidal-<core pid>-<hex>-rank<r>`."""
 _ACTOR_CALL_TIMEOUT_S = 120.0  # an actor's start-up (a Python process on its node) and calls
+_DEATH_NOTICE_S = 2.0  # a rank's failure waits this long for Ray to report a peer's death
 
 
 class _RankHost:
@@ -236,23 +237,51 @@ class RayExecutor(Executor):
 
     def check_alive(self) -> None:
         """Raise WorkerError if any rank's process has exited or its actor died."""
+        endings = self._endings(timeout=0)
+        if endings:
+            raise WorkerError(endings[0][0])
+
+    def _endings(self, timeout: float) -> list[tuple[str, bool]]:
+        """How each rank that ended did (`_ending`), kills first, once every rank has ended
+        or `timeout` s have passed."""
         started = [r for r in self.ranks if r.done is not None]
         if not started:
-            return
+            return []
         ended, _ = self._ray.wait([r.done for r in started], num_returns=len(started),
-                                  timeout=0)
-        if ended:
-            r = next(r for r in started if r.done == ended[0])
-            raise WorkerError(self._how_it_ended(r))
+                                  timeout=timeout)
+        endings = [self._ending(r) for r in started if r.done in ended]
+        return sorted(endings, key=lambda ending: not ending[1])  # a kill before its echo
 
-    def _how_it_ended(self, r: _RayRank) -> str:
+    def _receive(self, timeout: float):
+        try:
+            return super()._receive(timeout)
+        except WorkerError as failure:
+            raise WorkerError(self._with_root_cause(str(failure))) from None
+
+    def _with_root_cause(self, failure: str) -> str:
+        """`failure` led by the death that caused it, if Ray reports one soon.
+
+        A rank whose peer died fails in its next collective (gloo: "Connection closed by
+        peer") and says so at once, while Ray's notice of the peer's death (its actor killed,
+        its node lost) comes a moment later. Waiting up to `_DEATH_NOTICE_S` for it (on the
+        failure path only) lets the error name the actor that died, not the rank that
+        noticed."""
+        endings = self._endings(timeout=_DEATH_NOTICE_S)
+        if endings and endings[0][1] and endings[0][0] not in failure:
+            return f"{endings[0][0]}; then {failure}"
+        return failure
+
+    def _ending(self, r: _RayRank) -> tuple[str, bool]:
+        """How rank `r` ended (its `done` is ready), and whether it was killed (its actor
+        died, or a signal) rather than exiting by itself."""
         who = f"worker rank {r.rank} (pid {r.pid} on node {r.node_ip})"
         try:
             code = self._ray.get(r.done, timeout=0)
         except self._ray.exceptions.RayError as e:
-            return f"{who}: its Ray actor died ({_first_line(e)})"
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        return f"{who} {how}"
+            return f"{who}: its Ray actor died ({_first_line(e)})", True
+        if code < 0:
+            return f"{who} was killed by signal {-code}", True
+        return f"{who} exited with code {code}", False
 
     def wait_fds(self) -> list[int]:
         """None: an actor has no file descriptor here (the daemon polls `check_alive`)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 
 import pytest
 
@@ -27,7 +28,6 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from test_daemon import Client, Daemon, _alive  # noqa: E402
 from test_llm import assert_greedy_equal, hf_greedy, wait_until  # noqa: E402
-from test_worker_healing import _fault_free, _outputs, _submit  # noqa: E402
 from tidal.engine_core.ray_executor import ACTOR_NAMESPACE  # noqa: E402
 from tidal.frontend.llm import LLM  # noqa: E402
 from tidal.ipc.messages import EngineDead, FinishReason, SamplingParams  # noqa: E402
@@ -35,6 +35,7 @@ from tidal.ipc.messages import EngineDead, FinishReason, SamplingParams  # noqa:
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 MAX_TOKENS = 10
+FAULT_MAX_TOKENS = 60  # streams long enough that a kill after 3 tokens lands mid-stream
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 RAY = dict(tensor_parallel_size=2, distributed_executor_backend="ray", startup_timeout=180)
 
@@ -142,6 +143,33 @@ def test_tp2_across_two_nodes_sync_scheduling_greedy_equals_transformers(
 # 2. a killed actor: healed once, then final, and nothing left behind
 
 
+def submit(client: Client, prefix: str, prompts) -> list[str]:
+    """Each prompt twice, greedy and seeded at temperature 1; their request ids."""
+    ids = []
+    for i, p in enumerate(prompts):
+        client.add(f"{prefix}-g{i}", p, max_tokens=FAULT_MAX_TOKENS, ignore_eos=True)
+        client.add(f"{prefix}-s{i}", p, max_tokens=FAULT_MAX_TOKENS, ignore_eos=True,
+                   temperature=1.0, seed=1000 + i)
+        ids += [f"{prefix}-g{i}", f"{prefix}-s{i}"]
+    return ids
+
+
+def run(client: Client, prefix: str, prompts, fault=None) -> dict[str, tuple]:
+    """Submit, apply `fault()` once every stream has 3 tokens (none finished), wait for all;
+    (tokens, finish reason) by request id without the prefix."""
+    ids = submit(client, prefix, prompts)
+    if fault is not None:
+        client.recv_until(lambda m: all(len(client.tokens[r]) >= 3 for r in ids), 60)
+        assert all(len(client.tokens[r]) < FAULT_MAX_TOKENS for r in ids), "finished too soon"
+        fault()
+    client.wait_finished(ids, timeout=120)
+    return {r[len(prefix):]: (client.tokens[r], client.finish[r]) for r in ids}
+
+
+def kill_actor(name: str) -> None:
+    ray.kill(ray.get_actor(name, namespace=ACTOR_NAMESPACE))
+
+
 @pytest.mark.timeout(300)
 def test_killed_actor_is_replaced_then_final_with_a_clear_error_and_no_orphans(
         cluster, tiny_llama, tmp_path, prompts):
@@ -151,27 +179,22 @@ def test_killed_actor_is_replaced_then_final_with_a_clear_error_and_no_orphans(
     try:
         client = Client(ctx, d.address, "ray-healing")
         client.hello(timeout=180)
-        short = prompts[:3]
-        clean = _fault_free(client, short, timeout=120)
+        clean = run(client, "clean", prompts[:3])
 
         first = core_actors(d.proc.pid)
-        ids = _submit(client, "kill", short)
-        client.recv_until(lambda m: all(len(client.tokens[r]) >= 3 for r in ids), 60)
-        ray.kill(ray.get_actor(first[1], namespace=ACTOR_NAMESPACE))
-        client.wait_finished(ids, timeout=120)
-        assert _outputs(client, ids, "kill") == clean, d.log_text()
+        assert run(client, "kill", prompts[:3], lambda: kill_actor(first[1])) == clean, \
+            d.log_text()
         assert client.stats().num_worker_restarts == 1
-        assert "replacing the workers (restart 1 of at most 1" in d.log_text()
+        assert re.search(r"worker rank 1 \(pid \d+ on node [\d.]+\): its Ray actor died "
+                         r".*replacing the workers \(restart 1 of at most 1", d.log_text())
         second = core_actors(d.proc.pid)
         assert len(second) == 2 and not set(second) & set(first)
 
-        ids = _submit(client, "final", short)
-        client.recv_until(lambda m: all(client.tokens[r] for r in ids), 60)
-        ray.kill(ray.get_actor(second[0], namespace=ACTOR_NAMESPACE))
-        client.wait_finished(ids, timeout=60)
-        assert {client.finish[r] for r in ids} == {FinishReason.ERROR}
-        assert all("worker rank" in client.errors[r] and "--max-worker-restarts"
-                   in client.errors[r] for r in ids), client.errors
+        final = run(client, "final", prompts[:3], lambda: kill_actor(second[0]))
+        assert {finish for _, finish in final.values()} == {FinishReason.ERROR}
+        errors = {client.errors[f"final{r}"] for r in final}
+        assert all("worker rank 0" in e and "its Ray actor died" in e
+                   and "--max-worker-restarts" in e for e in errors), errors
         client.recv_until(lambda m: isinstance(m, EngineDead), 10)
         assert d.wait(timeout=30) != 0
         wait_until(lambda: not core_actors(d.proc.pid), 20, "the rank actors to go")
