@@ -30,8 +30,11 @@ signal 9`), an actor that dies (`... its Ray actor died`), or rank 0 silent past
 timeout (a lost node's rank also stops answering). There is no file descriptor to poll for
 an actor, so `wait_fds` is empty: the idle daemon calls `check_alive` at least once a second.
 
-The ZeroMQ sockets are plain TCP, unauthenticated, like Ray's own traffic: run the cluster on
-a private network (Ray's advice too).
+The core's TCP sockets are ZeroMQ CURVE servers with a key pair made for each executor; a
+ZAP handler admits only the ranks' client key, which reaches them through Ray (the actor
+call's arguments) and their environment (`ipc/transport.py`, WORKER_KEYS_ENV), never a
+command line. Anyone else who connects gets nothing and can inject nothing. Ray's own
+traffic, which carries those keys, is as private as the cluster's network (or Ray's TLS).
 """
 
 from __future__ import annotations
@@ -55,7 +58,15 @@ from tidal.engine_core.cpu_threads import worker_env
 from tidal.engine_core.executor import Executor, WorkerError
 from tidal.ipc.lifeline import lifeline_fd
 from tidal.ipc.messages import Shutdown
-from tidal.ipc.transport import encode, encode_worker_config
+from tidal.ipc.transport import (
+    WORKER_KEYS_ENV,
+    curve_bind,
+    curve_server,
+    encode,
+    encode_worker_config,
+    new_keys,
+    worker_keys_env,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -84,14 +95,14 @@ class _RankHost:
             s.bind(("", 0))
             return s.getsockname()[1]
 
-    def start(self, worker_args: list[str], threads: int) -> int:
-        """Start `python -m tidal.workers.proc worker_args...` with `threads` OpenMP threads,
-        tied to this actor's lifetime; returns its pid."""
+    def start(self, worker_args: list[str], threads: int, keys: str) -> int:
+        """Start `python -m tidal.workers.proc worker_args...` with `threads` OpenMP threads
+        and the CURVE `keys` (WORKER_KEYS_ENV), tied to this actor's lifetime; its pid."""
         lifeline = lifeline_fd()
         cmd = [sys.executable, "-m", "tidal.workers.proc", *worker_args,
                "--lifeline-fd", str(lifeline)]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True,
-                                     env=worker_env(dict(os.environ), threads),
+        env = {**worker_env(dict(os.environ), threads), WORKER_KEYS_ENV: keys}
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True, env=env,
                                      pass_fds=(lifeline,))
         return self.proc.pid
 
@@ -138,12 +149,20 @@ class RayExecutor(Executor):
         self._placement = None
         self._hosts: list = []
         self._name = f"tidal-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        super().__init__(config, max_model_len, ctx, **options)
+        self.keys = new_keys()
+        self._auth = None  # the ZAP authenticator of our context, started at the first bind
+        # A context of our own (`ctx` is not used): one ZAP authenticator per context, and
+        # the daemon's may hold its frontend socket's (--engine-key-file).
+        super().__init__(config, max_model_len, None, **options)
 
     # -- start-up (Executor.start calls _spawn_ranks, then waits for every WorkerReady) --------
 
     def _bind(self, sock: zmq.Socket, tag: str) -> str:
-        """Bind on this node's IP (reachable from the other nodes), a port of the kernel's."""
+        """Bind on this node's IP (reachable from the other nodes), a port of the kernel's,
+        as a CURVE server that admits only our ranks' key (fresh for each executor)."""
+        if self._auth is None:
+            self._auth = curve_server(self.ctx, self.keys)
+        curve_bind(sock, self.keys)
         sock.bind(f"tcp://{self.node_ip}:*")
         return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
@@ -219,7 +238,8 @@ class RayExecutor(Executor):
             device=device, cpu_threads=self.threads, cpu_cores=None)
         args = ["--config", encode_worker_config(config), "--plan-address", plan_address,
                 "--result-address", self.result_address, "--log-level", self.log_level]
-        r.pid = self._call(host.start.remote(args, self.threads), f"start rank {rank}")
+        r.pid = self._call(host.start.remote(args, self.threads, worker_keys_env(self.keys)),
+                           f"start rank {rank}")
         r.done = host.wait.remote()
         logger.debug("started worker rank %d as pid %d on Ray node %s", rank, r.pid, node_ip)
 
@@ -318,6 +338,12 @@ class RayExecutor(Executor):
         self._closed = True
         self._release()
         self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        if self._auth is not None:  # before the context terminates: it holds a socket there
+            self._auth.stop()
+            self._auth = None
+        super()._close_sockets()
 
     def _release(self) -> None:
         from ray.util.placement_group import remove_placement_group
