@@ -78,7 +78,7 @@ _DEATH_NOTICE_S = 2.0  # a rank's failure waits this long for Ray to report a pe
 
 class _RankHost:
     """A Ray actor (made remote by `_host_class`) that starts one rank's worker process on
-    its node and waits for it. Imports nothing heavier than the standard library."""
+    its node and waits for it (its node imports this module: tidal, never torch)."""
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
@@ -168,7 +168,7 @@ class RayExecutor(Executor):
 
     def _spawn_ranks(self, stop_requested) -> None:
         bundle, device = self._bundle()
-        self._placement = self._reserve(bundle, stop_requested)
+        self._reserve(bundle, stop_requested)
         num_ranks = self.config.parallel.tensor_parallel_size
         self._hosts = [self._new_host(rank, bundle) for rank in range(num_ranks)]
         ips = self._call([h.node_ip.remote() for h in self._hosts], "report its node")
@@ -190,9 +190,10 @@ class RayExecutor(Executor):
             return {"GPU": 1.0}, "cuda"
         return {"CPU": float(self.threads)}, "cpu"
 
-    def _reserve(self, bundle: dict[str, float], stop_requested):
-        """A ready placement group of one `bundle` per rank (ranks packed onto as few nodes
-        as fit them). WorkerError at once when the cluster's nodes cannot hold them all."""
+    def _reserve(self, bundle: dict[str, float], stop_requested) -> None:
+        """Reserve a placement group of one `bundle` per rank (packed onto as few nodes as
+        hold them) and wait until it is ready. WorkerError at once when the cluster's nodes
+        cannot hold them all; `kill()` frees it whatever happens here."""
         from ray.util.placement_group import placement_group
 
         num_ranks = self.config.parallel.tensor_parallel_size
@@ -202,18 +203,15 @@ class RayExecutor(Executor):
                 f"the Ray cluster can hold {fits} of the {num_ranks} rank(s) of {bundle} "
                 f"each (cluster resources: {self._ray.cluster_resources()}); add nodes "
                 "(`ray start --address ...`) or lower --tensor-parallel-size")
-        pg = placement_group([dict(bundle) for _ in range(num_ranks)], strategy="PACK",
-                             name=self._name)
+        self._placement = placement_group([dict(bundle) for _ in range(num_ranks)],
+                                          strategy="PACK", name=self._name)
         deadline = time.monotonic() + self.startup_timeout
-        while not self._ray.wait([pg.ready()], timeout=0.2)[0]:
+        while not self._ray.wait([self._placement.ready()], timeout=0.2)[0]:
             if stop_requested():
-                self._placement = pg  # released by kill()
                 raise InterruptedError("stop requested during start-up")
             if time.monotonic() > deadline:
-                self._placement = pg
                 raise WorkerError(f"Ray did not reserve {num_ranks} bundle(s) of {bundle} "
                                   f"within {self.startup_timeout:.0f} s")
-        return pg
 
     def _new_host(self, rank: int, bundle: dict[str, float]):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

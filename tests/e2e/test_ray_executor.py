@@ -204,3 +204,11 @@ def test_killed_actor_is_replaced_then_final_with_a_clear_error_and_no_orphans(
     finally:
         d.stop()
         ctx.destroy(linger=0)
+
+
+@pytest.mark.timeout(120)
+def test_more_ranks_than_the_cluster_holds_is_refused_at_once(cluster, tiny_llama):
+    """-tp 4 on two one-CPU nodes: the engine core does not wait for room that will never
+    come; start-up fails saying what the cluster has."""
+    with pytest.raises(RuntimeError, match=r"can hold 2 of the 4 rank\(s\) of \{'CPU': 1.0\}"):
+        LLM(tiny_llama, **{**RAY, "tensor_parallel_size": 4})
