@@ -74,6 +74,7 @@ ACTOR_NAMESPACE = "tidal"
 """Ray namespace of the rank actors, named `tidal-<core pid>-<hex>-rank<r>`."""
 _ACTOR_CALL_TIMEOUT_S = 120.0  # an actor's start-up (a Python process on its node) and calls
 _DEATH_NOTICE_S = 2.0  # a rank's failure waits this long for Ray to report a peer's death
+_KILL_WAIT_S = 10.0  # most seconds `kill` waits for Ray to confirm its actors are dead
 
 
 class _RankHost:
@@ -351,6 +352,12 @@ class RayExecutor(Executor):
                 self._ray.kill(host, no_restart=True)
             except Exception as e:  # noqa: BLE001 - already dead, or the cluster is gone
                 logger.debug("ray.kill of a rank actor: %s", e)
+        # Wait for the deaths (each `done` then resolves) before freeing the bundles: a
+        # replacement placement group asked for while they still hold their CPUs fails,
+        # and Ray retries it with a growing back-off (45 s measured here, against 3 s).
+        done = [r.done for r in self.ranks if r.done is not None]
+        if done:
+            self._ray.wait(done, num_returns=len(done), timeout=_KILL_WAIT_S)
         if self._placement is not None:
             try:
                 remove_placement_group(self._placement)
@@ -407,5 +414,8 @@ def _bundles_that_fit(nodes: list[dict], bundle: dict[str, float]) -> int:
 
 
 def _first_line(error: Exception) -> str:
-    lines = [line for line in str(error).strip().splitlines() if line.strip()]
-    return lines[0] if lines else type(error).__name__
+    """The line of a Ray error that says why: Ray's "The actor is dead because ..." (killed
+    by `ray.kill`, its node has died, ...) when present, else its first line."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    why = [line for line in lines if line.startswith("The actor is dead because")]
+    return (why or lines or [type(error).__name__])[0]

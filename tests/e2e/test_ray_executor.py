@@ -6,8 +6,9 @@ two rank bundles on different nodes).
    forces preemptions, and with async scheduling off.
 2. A rank's actor killed mid-stream: the core replaces both ranks (new actors, a new
    placement group) and every stream ends with a fault-free run's tokens, greedy and seeded;
-   killed again past --max-worker-restarts: every request ends with an error that says why,
-   the core exits non-zero, and no actor, placement group or worker process is left.
+   then the second node removed mid-stream, past --max-worker-restarts: every request ends
+   with an error that names the dead actor, the core exits non-zero, and no actor,
+   placement group or worker process is left (the node is added back for later tests).
 
 One cluster for the module (about 8 s to start on a 2-core machine). Skipped without ray
 (`pip install -e ".[ray]"`); deselect with `-m "not ray"`.
@@ -171,9 +172,10 @@ def kill_actor(name: str) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_killed_actor_is_replaced_then_final_with_a_clear_error_and_no_orphans(
+def test_killed_actor_is_replaced_then_a_lost_node_is_final_with_a_clear_error_no_orphans(
         cluster, tiny_llama, tmp_path, prompts):
     ctx = zmq.Context()
+    second_node = cluster.list_all_nodes()[1]
     d = Daemon(tiny_llama, str(tmp_path / "core.log"), "--tensor-parallel-size", "2",
                "--distributed-executor-backend", "ray", "--max-worker-restarts", "1")
     try:
@@ -186,24 +188,31 @@ def test_killed_actor_is_replaced_then_final_with_a_clear_error_and_no_orphans(
             d.log_text()
         assert client.stats().num_worker_restarts == 1
         assert re.search(r"worker rank 1 \(pid \d+ on node [\d.]+\): its Ray actor died "
+                         r"\(The actor is dead because it was killed by `ray.kill`.\)"
                          r".*replacing the workers \(restart 1 of at most 1", d.log_text())
         second = core_actors(d.proc.pid)
         assert len(second) == 2 and not set(second) & set(first)
 
-        final = run(client, "final", prompts[:3], lambda: kill_actor(second[0]))
+        workers = cluster_worker_pids(cluster)
+        assert len(workers) == 2
+        final = run(client, "final", prompts[:3], lambda: cluster.remove_node(second_node))
         assert {finish for _, finish in final.values()} == {FinishReason.ERROR}
         errors = {client.errors[f"final{r}"] for r in final}
-        assert all("worker rank 0" in e and "its Ray actor died" in e
-                   and "--max-worker-restarts" in e for e in errors), errors
+        dead = r"worker rank \d \(pid \d+ on node [\d.]+\): its Ray actor died \("
+        assert all(re.search(dead, e) and "--max-worker-restarts" in e for e in errors), errors
         client.recv_until(lambda m: isinstance(m, EngineDead), 10)
         assert d.wait(timeout=30) != 0
         wait_until(lambda: not core_actors(d.proc.pid), 20, "the rank actors to go")
         assert all(pg["state"] == "REMOVED" for pg in core_placement(d.proc.pid))
-        wait_until(lambda: not cluster_worker_pids(cluster), 20, "the worker processes to exit")
+        wait_until(lambda: not any(_alive(pid) for pid in workers), 20,
+                   "the worker processes to exit")
         client.close()
     finally:
         d.stop()
         ctx.destroy(linger=0)
+        if second_node not in cluster.list_all_nodes():
+            cluster.add_node(num_cpus=1, object_store_memory=80 << 20)
+            cluster.wait_for_nodes()
 
 
 @pytest.mark.timeout(120)
