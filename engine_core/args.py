@@ -12,8 +12,8 @@ import dataclasses
 import re
 
 from tidal.engine_core.config import (
-    ATTENTION_BACKENDS, DEVICES, SCHEDULING_POLICIES, CacheConfig, EngineConfig, ModelConfig,
-    ParallelConfig, SchedulerConfig,
+    ATTENTION_BACKENDS, DEVICES, EXECUTOR_BACKENDS, SCHEDULING_POLICIES, CacheConfig,
+    EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
 )
 
 _DTYPE_ALIASES = {
@@ -171,6 +171,11 @@ def _add_parallel_args(g) -> None:
     g.add_argument("--cpu-affinity", default=None,
                    help="cores per worker rank, like VLLM_CPU_OMP_THREADS_BIND: 0-3, or "
                         "0-3|4-7 for two ranks (default: not pinned)")
+    g.add_argument("--distributed-executor-backend", choices=EXECUTOR_BACKENDS,
+                   default=_default(ParallelConfig, "distributed_executor_backend"),
+                   help="mp: one worker process per rank on this machine; ray: one Ray actor "
+                        "per rank on the Ray cluster (RAY_ADDRESS, or `ray start` on this "
+                        "machine), across machines (default: mp)")
 
 
 def config_from_args(ns: argparse.Namespace) -> EngineConfig:
@@ -207,7 +212,8 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
                                 enforce_eager=ns.enforce_eager,
                                 cpu_threads=ns.cpu_threads, cpu_affinity=ns.cpu_affinity,
                                 worker_timeout=ns.worker_timeout,
-                                max_worker_restarts=ns.max_worker_restarts),
+                                max_worker_restarts=ns.max_worker_restarts,
+                                distributed_executor_backend=ns.distributed_executor_backend),
     )
 
 
@@ -238,7 +244,8 @@ def config_to_argv(config: EngineConfig) -> list[str]:
              "--data-parallel-size", str(p.data_parallel_size), "--device", p.device,
              "--attention-backend", p.attention_backend,
              "--worker-timeout", repr(p.worker_timeout),
-             "--max-worker-restarts", str(p.max_worker_restarts)]
+             "--max-worker-restarts", str(p.max_worker_restarts),
+             "--distributed-executor-backend", p.distributed_executor_backend]
     if p.enforce_eager:
         argv.append("--enforce-eager")
     _opt(argv, "--cpu-threads", p.cpu_threads)

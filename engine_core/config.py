@@ -24,6 +24,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "numba", "torch", "triton", "reference")  # = tidal.kernels.BACKENDS
+EXECUTOR_BACKENDS = ("mp", "ray")
 
 
 def is_gguf(model: str) -> bool:
@@ -200,6 +201,13 @@ class ParallelConfig:
     past --worker-timeout (every running request is then recomputed from its tokens, so
     clients see a pause, not an error). Past it, or at 0, a worker failure fails every
     unfinished request and the core exits."""
+    distributed_executor_backend: str = "mp"
+    """mp: one worker process per rank on this machine (`engine_core/executor.py`). ray: one
+    Ray actor per rank, placed on the Ray cluster this process joins (RAY_ADDRESS, else the
+    one `ray start` began on this machine, else a new local one), across machines; each
+    rank reserves one GPU on GPU hosts, `cpu_threads` CPUs (default 1) on CPU hosts
+    (`engine_core/ray_executor.py`). The model folder must exist at the same path on every
+    node."""
 
     def __post_init__(self) -> None:
         _require(self.worker_timeout > 0, "worker_timeout",
@@ -217,6 +225,13 @@ class ParallelConfig:
                  f"must be one of {DEVICES}, got {self.device!r}")
         _require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
                  f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        _require(self.distributed_executor_backend in EXECUTOR_BACKENDS,
+                 "distributed_executor_backend",
+                 f"must be one of {EXECUTOR_BACKENDS}, got {self.distributed_executor_backend!r}")
+        _require(self.distributed_executor_backend != "ray"
+                 or parse_cpu_affinity(self.cpu_affinity, self.tensor_parallel_size) is None,
+                 "cpu_affinity", "cannot be used with distributed_executor_backend=ray (core "
+                 "numbers differ between machines; Ray places each rank)")
 
 
 @dataclass(frozen=True)

@@ -56,9 +56,9 @@ import zmq
 from tidal.engine_core.args import add_engine_args, config_from_args
 from tidal.engine_core.config import EngineConfig, is_gguf, resolve_max_model_len
 from tidal.engine_core.executor import (
-    Executor,
     WorkerError,
     WorkerFacts,
+    make_executor,
 )
 from tidal.engine_core.model_files import model_folder
 from tidal.engine_core.queue_estimate import QueueDelayEstimator
@@ -196,10 +196,10 @@ class EngineCoreDaemon:
     def _start_workers(self, max_model_len: int) -> WorkerFacts:
         """A fresh executor with every rank loaded, and what the ranks found.
         WorkerError if a rank fails to start; InterruptedError on a stop signal."""
-        self.executor = Executor(self.config, max_model_len, self.ctx,
-                                 step_timeout=self.config.parallel.worker_timeout,
-                                 log_level=self.log_level,
-                                 model_dir=self.model_dir)
+        self.executor = make_executor(self.config, max_model_len, self.ctx,
+                                      step_timeout=self.config.parallel.worker_timeout,
+                                      log_level=self.log_level,
+                                      model_dir=self.model_dir)
         self._idle_poller = None  # it polls the executor's process fds
         return self.executor.start(lambda: self.stop_reason is not None)
 

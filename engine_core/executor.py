@@ -105,10 +105,9 @@ class Executor:
         self.ctx = ctx or zmq.Context()
         self.decoder = WorkerToCoreDecoder()
         self.ranks: list[_Rank] = []
-        self.result_address = new_private_address("results")
         self.result_sock = self.ctx.socket(zmq.PULL)
         self.result_sock.setsockopt(zmq.RCVHWM, 0)
-        self.result_sock.bind(self.result_address)
+        self.result_address = self._bind(self.result_sock, "results")
         # step_id of each submitted plan whose SampledTokens have not come back yet, in order
         self._pending: deque[int] = deque()
         self._waiting_since = 0.0  # when rank 0 became busy with the oldest pending step
@@ -124,9 +123,7 @@ class Executor:
         Raises WorkerError when a rank fails, exits, reports no vocabulary or the start-up
         timeout passes, and InterruptedError when `stop_requested()` turns true while waiting.
         """
-        dist_init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
-        for rank in range(self.config.parallel.tensor_parallel_size):
-            self.ranks.append(self._spawn(rank, dist_init_method))
+        self._spawn_ranks(stop_requested)
         self._poller = zmq.Poller()  # results + every rank's pidfd, built once
         self._poller.register(self.result_sock, zmq.POLLIN)
         for r in self.ranks:
@@ -148,13 +145,28 @@ class Executor:
                     self.config.cache.block_size, max_model_len)
         return WorkerFacts(num_blocks, max_model_len, vocab_size)
 
-    def _spawn(self, rank: int, dist_init_method: str) -> _Rank:
-        plan_address = new_private_address(f"plan{rank}")
+    def _bind(self, sock: zmq.Socket, tag: str) -> str:
+        """Bind `sock` where the ranks can reach it; its address (here: private ipc)."""
+        address = new_private_address(tag)
+        sock.bind(address)
+        return address
+
+    def _spawn_ranks(self, stop_requested) -> None:
+        """Start every rank (appended to `self.ranks`); they report WorkerReady later."""
+        dist_init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
+        for rank in range(self.config.parallel.tensor_parallel_size):
+            self.ranks.append(self._spawn(rank, dist_init_method))
+
+    def _plan_socket(self, rank: int) -> tuple[zmq.Socket, str]:
+        """A bound PUSH socket for rank `rank`'s plans, and its address."""
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(plan_address)
+        return sock, self._bind(sock, f"plan{rank}")
+
+    def _spawn(self, rank: int, dist_init_method: str) -> _Rank:
+        sock, plan_address = self._plan_socket(rank)
         worker_config = self.config.worker_config(rank, self.max_model_len, dist_init_method,
                                                   self.model_dir)
         lifeline = lifeline_fd()  # the rank dies with this process (ipc/lifeline.py)
@@ -327,6 +339,18 @@ class Executor:
         _unlink(self.result_address)
         if self._own_ctx:
             self.ctx.term()
+
+
+def make_executor(config: EngineConfig, max_model_len: int, ctx: zmq.Context | None = None,
+                  **options) -> Executor:
+    """The executor `config.parallel.distributed_executor_backend` names: `Executor` (mp) or
+    `RayExecutor` (ray; imported only then, so ray stays optional). `options` are
+    `Executor`'s keyword arguments."""
+    if config.parallel.distributed_executor_backend == "ray":
+        from tidal.engine_core.ray_executor import RayExecutor
+
+        return RayExecutor(config, max_model_len, ctx, **options)
+    return Executor(config, max_model_len, ctx, **options)
 
 
 def _unlink(address: str) -> None:

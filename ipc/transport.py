@@ -395,6 +395,58 @@ def read_key_file(path: str) -> EngineKeys:
     return EngineKeys(**values)
 
 
+def new_keys() -> EngineKeys:
+    """A fresh server and client CURVE key pair, in memory only (the engine core's TCP
+    sockets to ranks on other machines, `engine_core/ray_executor.py`)."""
+    server_public, server_secret = zmq.curve_keypair()
+    client_public, client_secret = zmq.curve_keypair()
+    return EngineKeys(server_public, server_secret, client_public, client_secret)
+
+
+WORKER_KEYS_ENV = "TIDAL_WORKER_CURVE_KEYS"
+"""Environment variable that gives a worker process its CURVE keys: the server's public key,
+then the client's public and secret keys, Z85, space separated. The environment, not argv:
+other users can read a command line, not another user's environment."""
+
+
+def worker_keys_env(keys: EngineKeys) -> str:
+    """The value of WORKER_KEYS_ENV for `keys` (the server's secret key stays out)."""
+    return b" ".join([keys.server_public, keys.client_public, keys.client_secret]).decode()
+
+
+def worker_keys_from_env(environ) -> EngineKeys | None:
+    """The keys in `environ[WORKER_KEYS_ENV]` (without the server's secret), or None."""
+    text = environ.get(WORKER_KEYS_ENV)
+    if not text:
+        return None
+    parts = text.encode("ascii").split()
+    if len(parts) != 3 or any(len(p) != 40 for p in parts):
+        raise ValueError(f"{WORKER_KEYS_ENV} must hold three 40-character Z85 keys")
+    server_public, client_public, client_secret = parts
+    return EngineKeys(server_public, b"", client_public, client_secret)
+
+
+def curve_server(ctx: zmq.Context, keys: EngineKeys):
+    """Start the ZAP authenticator of `ctx` admitting only `keys.client_public`; returns it
+    (stop it before terminating `ctx`). Then make each socket bound in `ctx` a server with
+    `curve_bind`. One authenticator per context."""
+    return _start_authenticator(ctx, keys)
+
+
+def curve_bind(sock: zmq.Socket, keys: EngineKeys) -> None:
+    """Make `sock` (not bound yet) a CURVE server with `keys`."""
+    sock.curve_secretkey = keys.server_secret
+    sock.curve_publickey = keys.server_public
+    sock.curve_server = True
+
+
+def curve_connect(sock: zmq.Socket, keys: EngineKeys) -> None:
+    """Make `sock` (not connected yet) a CURVE client of the server `keys` names."""
+    sock.curve_secretkey = keys.client_secret
+    sock.curve_publickey = keys.client_public
+    sock.curve_serverkey = keys.server_public
+
+
 class _AllowedKeys:
     """ZAP credentials provider: admits exactly the given client public keys (Z85)."""
 

@@ -38,7 +38,13 @@ from tidal.ipc.messages import (
     WorkerConfig,
     WorkerFailed,
 )
-from tidal.ipc.transport import CoreToWorkerDecoder, decode_worker_config, encode
+from tidal.ipc.transport import (
+    CoreToWorkerDecoder,
+    curve_connect,
+    decode_worker_config,
+    encode,
+    worker_keys_from_env,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -48,13 +54,18 @@ class WorkerProcess:
     def __init__(self, config: WorkerConfig, plan_address: str, result_address: str) -> None:
         self.config = config
         self.ctx = zmq.Context()
+        # Over TCP to another machine (the Ray executor) the core's sockets are CURVE servers.
+        keys = worker_keys_from_env(os.environ)
         # Plans first: the core starts sending only after every rank has said ready.
         self.plan_sock = self.ctx.socket(zmq.PULL)
         self.plan_sock.setsockopt(zmq.RCVHWM, 0)
-        self.plan_sock.connect(plan_address)
         self.result_sock = self.ctx.socket(zmq.PUSH)
         self.result_sock.setsockopt(zmq.SNDHWM, 0)
         self.result_sock.setsockopt(zmq.LINGER, 2000)
+        if keys is not None:
+            curve_connect(self.plan_sock, keys)
+            curve_connect(self.result_sock, keys)
+        self.plan_sock.connect(plan_address)
         self.result_sock.connect(result_address)
         self.decoder = CoreToWorkerDecoder()
         self.worker = None

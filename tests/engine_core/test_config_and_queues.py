@@ -39,6 +39,9 @@ def test_defaults_are_vllms():
     (lambda: ModelConfig(""), "model"),
     (lambda: ParallelConfig(tensor_parallel_size=0), "tensor_parallel_size"),
     (lambda: ParallelConfig(attention_backend="flash"), "attention_backend"),
+    (lambda: ParallelConfig(distributed_executor_backend="mpi"), "distributed_executor_backend"),
+    (lambda: ParallelConfig(tensor_parallel_size=2, cpu_affinity="0|1",
+                            distributed_executor_backend="ray"), "cpu_affinity"),
     (lambda: EngineConfig(ModelConfig("m", max_model_len=4096),
                           scheduler=SchedulerConfig(enable_chunked_prefill=False)),
      "max_num_batched_tokens"),
@@ -69,8 +72,10 @@ def test_flags_round_trip_through_argv():
         "4", "-tp", "2", "--device", "cpu",
         "--attention-backend", "torch", "--enforce-eager", "--dtype", "half",
         "--num-gpu-blocks-override", "64", "--served-model-name", "tiny",
-        "--max-queue-delay", "1.5", "--step-cost-model", "/tmp/cost.json"])
+        "--max-queue-delay", "1.5", "--step-cost-model", "/tmp/cost.json",
+        "--distributed-executor-backend", "ray"])
     config = config_from_args(ns)
+    assert config.parallel.distributed_executor_backend == "ray"
     assert config.scheduler.max_queue_delay == 1.5
     assert config.scheduler.step_cost_model == "/tmp/cost.json"
     assert config.cache.kv_cache_memory == 2 * 2**30 and config.model.dtype == "float16"

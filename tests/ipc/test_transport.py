@@ -1,5 +1,6 @@
 """ipc.transport: typed round trips, dropped frames, addresses, CURVE on loopback."""
 
+import dataclasses
 import logging
 import os
 import stat
@@ -37,6 +38,7 @@ from tidal.ipc.messages import (
     unpack_token_ids,
 )
 from tidal.ipc.transport import (
+    WORKER_KEYS_ENV,
     CoreToFrontendDecoder,
     CoreToWorkerDecoder,
     FrontendDecoder,
@@ -45,14 +47,20 @@ from tidal.ipc.transport import (
     check_ipc_free,
     check_listen_address,
     connect_frontend_socket,
+    curve_bind,
+    curve_connect,
+    curve_server,
     decode_worker_config,
     default_engine_address,
     encode,
     encode_worker_config,
     is_loopback_address,
+    new_keys,
     new_private_address,
     read_key_file,
     runtime_dir,
+    worker_keys_env,
+    worker_keys_from_env,
     write_key_file,
 )
 
@@ -317,5 +325,45 @@ def test_curve_on_loopback_good_and_bad_key(tmp_path):
         ok.close(linger=0)
     finally:
         router.close(linger=0)
+        auth.stop()
+        ctx.term()
+
+
+def test_worker_keys_admit_only_the_ranks_client_key():
+    """The Ray executor's result socket: a CURVE server with fresh keys admits a worker that
+    has the keys from WORKER_KEYS_ENV (server secret never in it) and drops anyone else."""
+    keys, stranger = new_keys(), new_keys()
+    env = {WORKER_KEYS_ENV: worker_keys_env(keys)}
+    worker_keys = worker_keys_from_env(env)
+    assert worker_keys.server_secret == b"" and worker_keys.client_secret == keys.client_secret
+    assert worker_keys_from_env({}) is None
+    with pytest.raises(ValueError, match=WORKER_KEYS_ENV):
+        worker_keys_from_env({WORKER_KEYS_ENV: "too short"})
+
+    ctx = zmq.Context()
+    auth = curve_server(ctx, keys)
+    results = ctx.socket(zmq.PULL)
+    curve_bind(results, keys)
+    port = results.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        foreign = {"plain": None,
+                   "other key": worker_keys_from_env({WORKER_KEYS_ENV: worker_keys_env(
+                       dataclasses.replace(stranger, server_public=keys.server_public))})}
+        for name, client_keys in foreign.items():
+            push = ctx.socket(zmq.PUSH)
+            if client_keys is not None:
+                curve_connect(push, client_keys)
+            push.connect(f"tcp://127.0.0.1:{port}")
+            push.send(name.encode())
+            assert not results.poll(700), name
+            push.close(linger=0)
+        push = ctx.socket(zmq.PUSH)
+        curve_connect(push, worker_keys)
+        push.connect(f"tcp://127.0.0.1:{port}")
+        push.send(b"rank 0")
+        assert results.poll(2000) and results.recv() == b"rank 0"
+        push.close(linger=0)
+    finally:
+        results.close(linger=0)
         auth.stop()
         ctx.term()
