@@ -230,6 +230,12 @@ class EngineConfig:
         if self.model.max_model_len is not None:
             check_lengths(self, self.model.max_model_len)
 
+    @property
+    def pipeline_depth(self) -> int:
+        """Plans the engine core keeps in flight: one, plus one with async scheduling (the
+        next plan is ready while the workers run the current one)."""
+        return 1 + self.scheduler.async_scheduling
+
     def worker_config(self, rank: int, max_model_len: int, dist_init_method: str,
                       model_dir: str | None = None) -> WorkerConfig:
         """What rank `rank` needs to build itself (sent once at start-up); `model_dir` is
