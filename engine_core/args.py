@@ -143,7 +143,11 @@ def _add_scheduler_args(g) -> None:
 def _add_parallel_args(g) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int,
                    default=_default(ParallelConfig, "tensor_parallel_size"),
-                   help="number of tensor-parallel ranks (default: 1)")
+                   help="number of tensor-parallel ranks per pipeline stage (default: 1)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int,
+                   default=_default(ParallelConfig, "pipeline_parallel_size"),
+                   help="pipeline stages: the layers split into this many contiguous runs, "
+                        "one group of -tp worker processes each (default: 1)")
     g.add_argument("--device", choices=DEVICES, default=_default(ParallelConfig, "device"),
                    help="auto, cpu or cuda (default: auto)")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS,
@@ -198,6 +202,7 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
                                   max_queue_delay=ns.max_queue_delay,
                                   step_cost_model=ns.step_cost_model),
         parallel=ParallelConfig(tensor_parallel_size=ns.tensor_parallel_size,
+                                pipeline_parallel_size=ns.pipeline_parallel_size,
                                 device=ns.device, attention_backend=ns.attention_backend,
                                 enforce_eager=ns.enforce_eager,
                                 cpu_threads=ns.cpu_threads, cpu_affinity=ns.cpu_affinity,
@@ -229,7 +234,8 @@ def config_to_argv(config: EngineConfig) -> list[str]:
     _opt(argv, "--max-num-queued-tokens", s.max_num_queued_tokens)
     _opt(argv, "--max-queue-delay", None if s.max_queue_delay is None else repr(s.max_queue_delay))
     _opt(argv, "--step-cost-model", s.step_cost_model)
-    argv += ["--tensor-parallel-size", str(p.tensor_parallel_size), "--device", p.device,
+    argv += ["--tensor-parallel-size", str(p.tensor_parallel_size),
+             "--pipeline-parallel-size", str(p.pipeline_parallel_size), "--device", p.device,
              "--attention-backend", p.attention_backend,
              "--worker-timeout", repr(p.worker_timeout),
              "--max-worker-restarts", str(p.max_worker_restarts)]

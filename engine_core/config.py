@@ -172,7 +172,14 @@ class ParallelConfig:
     """Where the workers run."""
 
     tensor_parallel_size: int = 1
-    """Worker processes (ranks); each holds 1/N of every layer's heads and KV cache."""
+    """Worker processes (ranks) per pipeline stage; each holds 1/N of its stage's layers'
+    heads and KV cache."""
+    pipeline_parallel_size: int = 1
+    """Pipeline stages: the decoder layers split into this many contiguous runs, one
+    group of `tensor_parallel_size` worker processes per stage (pp × tp processes in all).
+    Each stage holds only its layers' weights and KV cache; hidden states pass from stage to
+    stage, the last one samples. The engine core keeps this many plans in flight (one more
+    with async scheduling) so every stage has work."""
     device: str = "auto"
     """auto (cuda when available, else cpu), cpu or cuda."""
     attention_backend: str = "auto"
@@ -204,13 +211,20 @@ class ParallelConfig:
                  f"must be non-negative, got {self.max_worker_restarts}")
         _require(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads",
                  f"must be at least 1, got {self.cpu_threads}")
-        parse_cpu_affinity(self.cpu_affinity, self.tensor_parallel_size)  # ValueError if bad
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size",
                  f"must be at least 1, got {self.tensor_parallel_size}")
+        _require(self.pipeline_parallel_size >= 1, "pipeline_parallel_size",
+                 f"must be at least 1, got {self.pipeline_parallel_size}")
+        parse_cpu_affinity(self.cpu_affinity, self.world_size)  # ValueError if bad
         _require(self.device in DEVICES, "device",
                  f"must be one of {DEVICES}, got {self.device!r}")
         _require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
                  f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+
+    @property
+    def world_size(self) -> int:
+        """Worker processes in all: tensor_parallel_size per stage, one group per stage."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(frozen=True)
@@ -232,16 +246,17 @@ class EngineConfig:
 
     @property
     def pipeline_depth(self) -> int:
-        """Plans the engine core keeps in flight: one, plus one with async scheduling (the
-        next plan is ready while the workers run the current one)."""
-        return 1 + self.scheduler.async_scheduling
+        """Plans the engine core keeps in flight: one per pipeline stage, plus one with
+        async scheduling (the next plan is ready while the workers run the current ones)."""
+        return self.parallel.pipeline_parallel_size + self.scheduler.async_scheduling
 
     def worker_config(self, rank: int, max_model_len: int, dist_init_method: str,
                       model_dir: str | None = None) -> WorkerConfig:
-        """What rank `rank` needs to build itself (sent once at start-up); `model_dir` is
-        the folder to load (`model_files.model_folder`; None: `model.model`)."""
-        affinity = parse_cpu_affinity(self.parallel.cpu_affinity,
-                                      self.parallel.tensor_parallel_size)
+        """What worker `rank` (0 .. world_size - 1: stage `rank // tp`, tensor-parallel rank
+        `rank % tp` in it) needs to build itself, sent once at start-up; `model_dir` is the
+        folder to load (`model_files.model_folder`; None: `model.model`)."""
+        p = self.parallel
+        affinity = parse_cpu_affinity(p.cpu_affinity, p.world_size)
         cores = affinity[rank] if affinity is not None else None
         return WorkerConfig(
             model=model_dir or self.model.model,
@@ -250,8 +265,10 @@ class EngineConfig:
             max_model_len=max_model_len,
             max_num_seqs=self.scheduler.max_num_seqs,
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
-            tensor_parallel_size=self.parallel.tensor_parallel_size,
-            rank=rank,
+            tensor_parallel_size=p.tensor_parallel_size,
+            rank=rank % p.tensor_parallel_size,
+            pipeline_parallel_size=p.pipeline_parallel_size,
+            stage=rank // p.tensor_parallel_size,
             dist_init_method=dist_init_method,
             device=self.parallel.device,
             gpu_memory_utilization=self.cache.gpu_memory_utilization,
@@ -260,8 +277,8 @@ class EngineConfig:
             attention_backend=self.parallel.attention_backend,
             enforce_eager=self.parallel.enforce_eager,
             seed=self.model.seed,
-            cpu_threads=worker_threads(self.parallel.cpu_threads, cores,
-                                       self.parallel.tensor_parallel_size, dict(os.environ)),
+            cpu_threads=worker_threads(p.cpu_threads, cores, p.world_size,
+                                       dict(os.environ)),
             cpu_cores=cores,
         )
 

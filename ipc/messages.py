@@ -402,7 +402,9 @@ class WorkerConfig(msgspec.Struct, **_STRUCT):
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     tensor_parallel_size: int = 1
-    rank: int = 0
+    rank: int = 0  # tensor-parallel rank within the stage
+    pipeline_parallel_size: int = 1
+    stage: int = 0  # pipeline stage: this worker runs that stage's contiguous run of layers
     dist_init_method: str = ""  # torch.distributed init, e.g. tcp://127.0.0.1:PORT
     device: str = "auto"  # auto | cpu | cuda
     gpu_memory_utilization: float = 0.92
@@ -436,14 +438,18 @@ class NewRequestData(msgspec.Struct, **_STRUCT):
 class CachedRequestData(msgspec.Struct, **_STRUCT):
     """A delta for a request the worker already holds in its persistent batch.
 
-    The worker appends the token it sampled last step itself (sync and async alike), so no
-    token ids travel here; only blocks added this step and the token count.
+    With one pipeline stage the worker appends the token it sampled last step itself (sync
+    and async alike), so no token ids travel here; only blocks added this step and the token
+    count. With several stages only the last one samples, so the engine core sends the
+    tokens the workers lack in `new_token_ids` (packed int32; it schedules a request again
+    only once its sampled token is back, so these are always known).
     """
 
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
     num_scheduled_tokens: int
+    new_token_ids: bytes = b""
 
 
 class BatchPlan(msgspec.Struct, tag="plan", **_STRUCT):
