@@ -1,22 +1,24 @@
-"""The executor: starts one worker process per tensor-parallel rank and feeds them plans.
+"""The executor: starts one worker process per (pipeline stage, tensor-parallel rank) and
+feeds them plans. Workers are numbered stage-major (rank = stage * tp + tp_rank); the one
+that answers with SampledTokens is TP rank 0 of the last stage (rank 0 without pipelining).
 
     executor = Executor(config, max_model_len)
     facts = executor.start()                       # spawn ranks, handshake, InitKVCache
     executor.submit(plan)                          # broadcast to every rank, do not wait
-    sampled = executor.collect(timeout)            # rank 0's SampledTokens, in step order
+    sampled = executor.collect(timeout)            # the sampler's SampledTokens, in step order
     executor.shutdown()                            # Shutdown, join, kill stragglers
 
 Sockets (the engine core binds all of them in its private ipc directory):
 
     one PUSH per rank ──BatchPlan / InitKVCache / Shutdown──► that rank's PULL
-    one PULL ◄──WorkerReady (every rank) / SampledTokens (rank 0) / WorkerFailed── all ranks
+    one PULL ◄──WorkerReady (every rank) / SampledTokens (the sampler) / WorkerFailed── all
 
 One PUSH per rank (not a PUB): every rank must receive every plan, in order, and a PUSH with
 its single peer queues messages instead of dropping them while a subscriber joins, so no extra
 ready barrier is needed; the plan is encoded once and the same bytes are sent N times.
 
 Failures become `WorkerError`: a rank that exits (seen at once through a pidfd in the poll set,
-or by `Popen.poll`), a rank that reports `WorkerFailed`, or rank 0 silent for longer than
+or by `Popen.poll`), a rank that reports `WorkerFailed`, or the sampler silent for longer than
 `step_timeout` seconds on an outstanding step. This module never imports torch: the ranks are
 separate `python -m tidal.workers.proc` processes.
 """
@@ -111,6 +113,8 @@ class Executor:
         self.result_sock.bind(self.result_address)
         # step_id of each submitted plan whose SampledTokens have not come back yet, in order
         self._pending: deque[int] = deque()
+        p = config.parallel
+        self.sampler_rank = (p.pipeline_parallel_size - 1) * p.tensor_parallel_size  # answers
         self._waiting_since = 0.0  # when rank 0 became busy with the oldest pending step
         self._poller: zmq.Poller | None = None
         self._closed = False
@@ -125,7 +129,7 @@ class Executor:
         timeout passes, and InterruptedError when `stop_requested()` turns true while waiting.
         """
         dist_init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
-        for rank in range(self.config.parallel.tensor_parallel_size):
+        for rank in range(self.config.parallel.world_size):
             self.ranks.append(self._spawn(rank, dist_init_method))
         self._poller = zmq.Poller()  # results + every rank's pidfd, built once
         self._poller.register(self.result_sock, zmq.POLLIN)
@@ -224,7 +228,8 @@ class Executor:
             hang_deadline = self._waiting_since + self.step_timeout
             now = time.monotonic()
             if now > hang_deadline:
-                raise WorkerError(f"worker rank 0 did not finish step {self._pending[0]} "
+                raise WorkerError(f"worker rank {self.sampler_rank} did not finish step "
+                                  f"{self._pending[0]} "
                                   f"within {self.step_timeout:.0f} s")
             if deadline is not None and now >= deadline:
                 return None
@@ -238,7 +243,8 @@ class Executor:
     def _accept(self, msg: SampledTokens) -> SampledTokens:
         expected = self._pending[0]
         if msg.step_id != expected:
-            raise WorkerError(f"worker rank 0 answered step {msg.step_id}, expected {expected}")
+            raise WorkerError(f"worker rank {self.sampler_rank} answered step {msg.step_id}, "
+                              f"expected {expected}")
         self._pending.popleft()
         self._waiting_since = time.monotonic()
         return msg

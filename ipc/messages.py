@@ -416,6 +416,18 @@ class WorkerConfig(msgspec.Struct, **_STRUCT):
     cpu_threads: int | None = None  # OpenMP threads of this rank (None: the environment's)
     cpu_cores: list[int] | None = None  # cores this rank is pinned to (None: not pinned)
 
+    @property
+    def worker_index(self) -> int:
+        """This worker among all of them, stage-major: stage * tensor_parallel_size + rank
+        (its torch.distributed rank, and the rank it reports in WorkerReady/WorkerFailed)."""
+        return self.stage * self.tensor_parallel_size + self.rank
+
+    @property
+    def reports_tokens(self) -> bool:
+        """Whether this worker answers each plan with SampledTokens: tensor-parallel rank 0
+        of the last pipeline stage (the one that samples)."""
+        return self.rank == 0 and self.stage == self.pipeline_parallel_size - 1
+
 
 class NewRequestData(msgspec.Struct, **_STRUCT):
     """A request this worker has not seen (first scheduling, or resumed after preemption).
