@@ -62,6 +62,9 @@ DEFAULT_STARTUP_TIMEOUT_S = 600.0
 DEFAULT_STEP_TIMEOUT_S = 300.0
 """Most seconds rank 0 may take to answer a step before the engine core gives up on it."""
 _SEND_TIMEOUT_MS = 5000
+_PEER_DEATH_GRACE_S = 1.0
+"""How long a rank's failure waits for a peer's death to show: a rank whose send or
+collective was cut off by a peer that died fails a moment before that peer is reaped."""
 
 
 class WorkerError(RuntimeError):
@@ -258,19 +261,36 @@ class Executor:
         if self.result_sock in events:
             msg = self.decoder.decode(self.result_sock.recv(), sender="worker")
             if isinstance(msg, WorkerFailed):
-                raise WorkerError(f"worker rank {msg.rank} failed: "
-                                  f"{_last_line(msg.error)}")
+                raise self._peer_death(msg.rank) or WorkerError(
+                    f"worker rank {msg.rank} failed: {_last_line(msg.error)}")
             return msg
         self.check_alive()
         return None
 
     def check_alive(self) -> None:
         """Raise WorkerError if any rank's process has exited."""
+        death = self._death()
+        if death is not None:
+            raise death
+
+    def _death(self, besides: int | None = None) -> WorkerError | None:
+        """The first rank (other than `besides`) whose process has exited, as an error."""
         for r in self.ranks:
-            code = r.proc.poll()
+            code = r.proc.poll() if r.rank != besides else None
             if code is not None:
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-                raise WorkerError(f"worker rank {r.rank} (pid {r.proc.pid}) {how}")
+                return WorkerError(f"worker rank {r.rank} (pid {r.proc.pid}) {how}")
+        return None
+
+    def _peer_death(self, failed_rank: int) -> WorkerError | None:
+        """The death of another rank that made `failed_rank` fail, if one shows within
+        _PEER_DEATH_GRACE_S (its cause, so the log names the cause); else None."""
+        deadline = time.monotonic() + _PEER_DEATH_GRACE_S
+        while (death := self._death(besides=failed_rank)) is None:
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
+        return death
 
     def wait_fds(self) -> list[int]:
         """File descriptors that become readable when a rank exits (for an idle poll)."""
