@@ -1,8 +1,9 @@
 """Command-line flags for the engine (vLLM's names), and the config they build.
 
 `add_engine_args` adds the flags to any parser (`tidal serve`, `tidal core`, benchmarks);
-`config_from_args` builds the `EngineConfig`; `config_to_argv` is its inverse, used to start
-the engine-core daemon as a subprocess with exactly the same config.
+`config_from_args` builds the `EngineConfig`; `config_to_argv` is its inverse (the benchmarks
+turn a config back into `LLM` keyword arguments with it). A frontend starting its own daemon
+sends the config itself instead, as msgspec JSON (`config.encode_engine_config`).
 """
 
 from __future__ import annotations

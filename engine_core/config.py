@@ -17,6 +17,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
+import msgspec
+
 from tidal.engine_core.cpu_threads import parse_cpu_affinity, worker_threads
 from tidal.ipc.messages import WorkerConfig
 
@@ -281,6 +283,22 @@ class EngineConfig:
                                        dict(os.environ)),
             cpu_cores=cores,
         )
+
+
+def encode_engine_config(config: EngineConfig) -> str:
+    """`config` as msgspec JSON: how a frontend hands its config to the daemon it starts."""
+    return msgspec.json.encode(config).decode()
+
+
+def decode_engine_config(text: str) -> EngineConfig:
+    """The EngineConfig `encode_engine_config` wrote, every field checked again as when it
+    was built; ValueError naming the field otherwise."""
+    try:
+        return msgspec.json.decode(text, type=EngineConfig)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"engine config: {e}") from None
+    except msgspec.DecodeError as e:
+        raise ValueError(f"engine config is not valid JSON: {e}") from None
 
 
 def check_lengths(config: EngineConfig, max_model_len: int) -> None:

@@ -53,7 +53,12 @@ from dataclasses import dataclass
 import zmq
 
 from tidal.engine_core.args import add_engine_args, config_from_args
-from tidal.engine_core.config import EngineConfig, is_gguf, resolve_max_model_len
+from tidal.engine_core.config import (
+    EngineConfig,
+    decode_engine_config,
+    is_gguf,
+    resolve_max_model_len,
+)
 from tidal.engine_core.core import EngineCore
 from tidal.engine_core.executor import Executor, WorkerError, WorkerFacts
 from tidal.engine_core.model_files import model_folder
@@ -584,6 +589,9 @@ def add_daemon_args(parser: argparse.ArgumentParser) -> None:
                    help="log level of the engine core and its workers (default: INFO)")
     g.add_argument("--generate-key-file", metavar="PATH", default=None,
                    help="write a new CURVE key file to PATH and exit")
+    g.add_argument("--engine-config", default=None, help=argparse.SUPPRESS)
+    # (msgspec JSON of the whole EngineConfig, from a frontend that starts a private daemon:
+    # frontend/launcher.py; the engine flags are then ignored)
     g.add_argument("--lifeline-fd", type=int, default=None, help=argparse.SUPPRESS)
     # (set by the frontend that starts a private daemon: ipc/lifeline.py)
 
@@ -608,7 +616,8 @@ def run_daemon_from_args(ns: argparse.Namespace) -> int:
               "`tidal core --engine-key-file` and to every frontend")
         return EXIT_OK
     try:
-        config = config_from_args(ns)
+        config = (decode_engine_config(ns.engine_config) if ns.engine_config
+                  else config_from_args(ns))
         return run_daemon(config, ns.listen, ns.engine_key_file, ns.frontend_timeout,
                           ns.log_level)
     except ValueError as e:
