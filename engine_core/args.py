@@ -1,8 +1,9 @@
 """Command-line flags for the engine (vLLM's names), and the config they build.
 
 `add_engine_args` adds the flags to any parser (`tidal serve`, `tidal core`, benchmarks);
-`config_from_args` builds the `EngineConfig`; `config_to_argv` is its inverse, used to start
-the engine-core daemon as a subprocess with exactly the same config.
+`config_from_args` builds the `EngineConfig`; `config_to_argv` is its inverse (the benchmarks
+turn a config back into `LLM` keyword arguments with it). A frontend starting its own daemon
+sends the config itself instead, as msgspec JSON (`config.encode_engine_config`).
 """
 
 from __future__ import annotations
@@ -143,7 +144,11 @@ def _add_scheduler_args(g) -> None:
 def _add_parallel_args(g) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int,
                    default=_default(ParallelConfig, "tensor_parallel_size"),
-                   help="number of tensor-parallel ranks (default: 1)")
+                   help="number of tensor-parallel ranks per pipeline stage (default: 1)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int,
+                   default=_default(ParallelConfig, "pipeline_parallel_size"),
+                   help="pipeline stages: the layers split into this many contiguous runs, "
+                        "one group of -tp worker processes each (default: 1)")
     g.add_argument("--data-parallel-size", "-dp", type=int,
                    default=_default(ParallelConfig, "data_parallel_size"),
                    help="engine cores, each with its own workers and KV cache, behind one "
@@ -208,6 +213,7 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
                                   step_cost_model=ns.step_cost_model),
         parallel=ParallelConfig(tensor_parallel_size=ns.tensor_parallel_size,
                                 data_parallel_size=ns.data_parallel_size,
+                                pipeline_parallel_size=ns.pipeline_parallel_size,
                                 device=ns.device, attention_backend=ns.attention_backend,
                                 enforce_eager=ns.enforce_eager,
                                 cpu_threads=ns.cpu_threads, cpu_affinity=ns.cpu_affinity,
@@ -241,7 +247,8 @@ def config_to_argv(config: EngineConfig) -> list[str]:
     _opt(argv, "--max-queue-delay", None if s.max_queue_delay is None else repr(s.max_queue_delay))
     _opt(argv, "--step-cost-model", s.step_cost_model)
     argv += ["--tensor-parallel-size", str(p.tensor_parallel_size),
-             "--data-parallel-size", str(p.data_parallel_size), "--device", p.device,
+             "--data-parallel-size", str(p.data_parallel_size),
+             "--pipeline-parallel-size", str(p.pipeline_parallel_size), "--device", p.device,
              "--attention-backend", p.attention_backend,
              "--worker-timeout", repr(p.worker_timeout),
              "--max-worker-restarts", str(p.max_worker_restarts),

@@ -17,6 +17,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
+import msgspec
+
 from tidal.engine_core.cpu_threads import parse_cpu_affinity, worker_threads
 from tidal.ipc.messages import WorkerConfig
 
@@ -173,11 +175,18 @@ class ParallelConfig:
     """Where the workers run."""
 
     tensor_parallel_size: int = 1
-    """Worker processes (ranks); each holds 1/N of every layer's heads and KV cache."""
+    """Worker processes (ranks) per pipeline stage; each holds 1/N of its stage's layers'
+    heads and KV cache."""
+    pipeline_parallel_size: int = 1
+    """Pipeline stages: the decoder layers split into this many contiguous runs, one
+    group of `tensor_parallel_size` worker processes per stage (pp × tp processes in all).
+    Each stage holds only its layers' weights and KV cache; hidden states pass from stage to
+    stage, the last one samples. The engine core keeps this many plans in flight (one more
+    with async scheduling) so every stage has work."""
     data_parallel_size: int = 1
-    """Engine cores, each with its own scheduler, KV block pool and `tensor_parallel_size`
-    workers, behind one request router that every frontend attaches to
-    (`frontend/dp_router.py`); 1: a single engine core, no router."""
+    """Engine cores, each with its own scheduler, KV block pool and pp x tp workers, behind
+    one request router that every frontend attaches to (`frontend/dp_router.py`); 1: a
+    single engine core, no router."""
     device: str = "auto"
     """auto (cuda when available, else cpu), cpu or cuda."""
     attention_backend: str = "auto"
@@ -216,11 +225,13 @@ class ParallelConfig:
                  f"must be non-negative, got {self.max_worker_restarts}")
         _require(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads",
                  f"must be at least 1, got {self.cpu_threads}")
-        parse_cpu_affinity(self.cpu_affinity, self.tensor_parallel_size)  # ValueError if bad
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size",
                  f"must be at least 1, got {self.tensor_parallel_size}")
         _require(self.data_parallel_size >= 1, "data_parallel_size",
                  f"must be at least 1, got {self.data_parallel_size}")
+        _require(self.pipeline_parallel_size >= 1, "pipeline_parallel_size",
+                 f"must be at least 1, got {self.pipeline_parallel_size}")
+        parse_cpu_affinity(self.cpu_affinity, self.world_size)  # ValueError if bad
         _require(self.device in DEVICES, "device",
                  f"must be one of {DEVICES}, got {self.device!r}")
         _require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
@@ -232,6 +243,11 @@ class ParallelConfig:
                  or parse_cpu_affinity(self.cpu_affinity, self.tensor_parallel_size) is None,
                  "cpu_affinity", "cannot be used with distributed_executor_backend=ray (core "
                  "numbers differ between machines; Ray places each rank)")
+
+    @property
+    def world_size(self) -> int:
+        """Worker processes in all: tensor_parallel_size per stage, one group per stage."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(frozen=True)
@@ -251,12 +267,19 @@ class EngineConfig:
         if self.model.max_model_len is not None:
             check_lengths(self, self.model.max_model_len)
 
+    @property
+    def pipeline_depth(self) -> int:
+        """Plans the engine core keeps in flight: one per pipeline stage, plus one with
+        async scheduling (the next plan is ready while the workers run the current ones)."""
+        return self.parallel.pipeline_parallel_size + self.scheduler.async_scheduling
+
     def worker_config(self, rank: int, max_model_len: int, dist_init_method: str,
                       model_dir: str | None = None) -> WorkerConfig:
-        """What rank `rank` needs to build itself (sent once at start-up); `model_dir` is
-        the folder to load (`model_files.model_folder`; None: `model.model`)."""
-        affinity = parse_cpu_affinity(self.parallel.cpu_affinity,
-                                      self.parallel.tensor_parallel_size)
+        """What worker `rank` (0 .. world_size - 1: stage `rank // tp`, tensor-parallel rank
+        `rank % tp` in it) needs to build itself, sent once at start-up; `model_dir` is the
+        folder to load (`model_files.model_folder`; None: `model.model`)."""
+        p = self.parallel
+        affinity = parse_cpu_affinity(p.cpu_affinity, p.world_size)
         cores = affinity[rank] if affinity is not None else None
         return WorkerConfig(
             model=model_dir or self.model.model,
@@ -265,8 +288,10 @@ class EngineConfig:
             max_model_len=max_model_len,
             max_num_seqs=self.scheduler.max_num_seqs,
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
-            tensor_parallel_size=self.parallel.tensor_parallel_size,
-            rank=rank,
+            tensor_parallel_size=p.tensor_parallel_size,
+            rank=rank % p.tensor_parallel_size,
+            pipeline_parallel_size=p.pipeline_parallel_size,
+            stage=rank // p.tensor_parallel_size,
             dist_init_method=dist_init_method,
             device=self.parallel.device,
             gpu_memory_utilization=self.cache.gpu_memory_utilization,
@@ -275,10 +300,26 @@ class EngineConfig:
             attention_backend=self.parallel.attention_backend,
             enforce_eager=self.parallel.enforce_eager,
             seed=self.model.seed,
-            cpu_threads=worker_threads(self.parallel.cpu_threads, cores,
-                                       self.parallel.tensor_parallel_size, dict(os.environ)),
+            cpu_threads=worker_threads(p.cpu_threads, cores, p.world_size,
+                                       dict(os.environ)),
             cpu_cores=cores,
         )
+
+
+def encode_engine_config(config: EngineConfig) -> str:
+    """`config` as msgspec JSON: how a frontend hands its config to the daemon it starts."""
+    return msgspec.json.encode(config).decode()
+
+
+def decode_engine_config(text: str) -> EngineConfig:
+    """The EngineConfig `encode_engine_config` wrote, every field checked again as when it
+    was built; ValueError naming the field otherwise."""
+    try:
+        return msgspec.json.decode(text, type=EngineConfig)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"engine config: {e}") from None
+    except msgspec.DecodeError as e:
+        raise ValueError(f"engine config is not valid JSON: {e}") from None
 
 
 def check_lengths(config: EngineConfig, max_model_len: int) -> None:

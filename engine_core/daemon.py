@@ -10,7 +10,7 @@ Life of the process:
    that is taken fails at once; frontends may connect and say Hello right away;
 2. a GGUF model file: convert it into a cached Hugging Face folder (`model_files.py`), once
    per file; start one worker per TP rank, wait for every WorkerReady, InitKVCache(min blocks);
-3. answer each Hello with EngineInfo, then loop over steps (see `EngineCoreDaemon._step`);
+3. answer each Hello with EngineInfo, then loop over steps (`EngineCore.step`, core.py);
    a request that is bad in itself (a token id outside the vocabulary, an AddRequest that
    does not decode) is refused to its sender alone (`RequestOutput.refused`), never reaches
    a worker, and the engine goes on serving everyone else;
@@ -48,18 +48,19 @@ import signal
 import socket
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import zmq
 
 from tidal.engine_core.args import add_engine_args, config_from_args
-from tidal.engine_core.config import EngineConfig, is_gguf, resolve_max_model_len
-from tidal.engine_core.executor import (
-    WorkerError,
-    WorkerFacts,
-    make_executor,
+from tidal.engine_core.config import (
+    EngineConfig,
+    decode_engine_config,
+    is_gguf,
+    resolve_max_model_len,
 )
+from tidal.engine_core.core import EngineCore
+from tidal.engine_core.executor import WorkerError, WorkerFacts, make_executor
 from tidal.engine_core.model_files import model_folder
 from tidal.engine_core.queue_estimate import QueueDelayEstimator
 from tidal.engine_core.request import Request, check_request
@@ -69,7 +70,6 @@ from tidal.engine_core.step_cost import StepCostModel, required_profile
 from tidal.ipc.messages import (
     Abort,
     AddRequest,
-    BatchPlan,
     Detached,
     EngineDead,
     EngineInfo,
@@ -79,7 +79,6 @@ from tidal.ipc.messages import (
     Heartbeat,
     Hello,
     RequestOutput,
-    SampledTokens,
     StatsQuery,
 )
 from tidal.ipc.transport import (
@@ -133,11 +132,11 @@ class EngineCoreDaemon:
         self.ctx = zmq.Context()
         self.decoder = FrontendDecoder()
         self.frontends: dict[str, _Frontend] = {}  # client_id -> frontend
-        self.in_flight: deque[BatchPlan] = deque()  # plans scheduled, not yet updated
-        self.depth = 2 if config.scheduler.async_scheduling else 1
+        self.depth = config.pipeline_depth
         self.stop_reason: str | None = None
         self.num_worker_restarts = 0
         self.sock = self.auth = self.executor = self.scheduler = self.info = None
+        self.core: EngineCore | None = None  # the step loop, once the workers are up
         self.queue_estimator: QueueDelayEstimator | None = None  # with --max-queue-delay
         self.vocab_size = 0  # the model's, reported by the workers at start-up
         self.model_dir = config.model.model  # the folder loaded (a GGUF file's: converted)
@@ -181,6 +180,7 @@ class EngineCoreDaemon:
             max_model_len = resolve_max_model_len(self.config, self.model_dir)
             facts = self._start_workers(max_model_len)
             self.scheduler = Scheduler(self.config, facts.num_kv_blocks, facts.max_model_len)
+            self.core = EngineCore(self.scheduler, self.executor, self.depth)
         except InterruptedError:
             self._refuse_pending_hellos(f"engine core stopped during start-up: {self.stop_reason}")
             return EXIT_OK
@@ -201,6 +201,8 @@ class EngineCoreDaemon:
                                       log_level=self.log_level,
                                       model_dir=self.model_dir)
         self._idle_poller = None  # it polls the executor's process fds
+        if self.core is not None:
+            self.core.executor = self.executor
         return self.executor.start(lambda: self.stop_reason is not None)
 
     def _engine_info(self, num_blocks: int, max_model_len: int) -> EngineInfo:
@@ -218,8 +220,9 @@ class EngineCoreDaemon:
             max_queue_delay=c.scheduler.max_queue_delay)
 
     def _serve(self) -> int:
-        logger.info("engine core ready: %d KV blocks, async scheduling %s",
-                    self.info.num_kv_blocks, "on" if self.depth == 2 else "off")
+        logger.info("engine core ready: %d KV blocks, async scheduling %s, up to %d plan(s) "
+                    "in flight", self.info.num_kv_blocks,
+                    "on" if self.config.scheduler.async_scheduling else "off", self.depth)
         try:
             while self.stop_reason is None:
                 try:
@@ -258,7 +261,7 @@ class EngineCoreDaemon:
                 raise failure
             self.num_worker_restarts += 1
             self.executor.kill()
-            self.in_flight.clear()
+            self.core.drop_in_flight()
             num_running = self.scheduler.recompute_all()
             logger.warning(
                 "%s: replacing the workers (restart %d of at most %d, --max-worker-restarts); "
@@ -333,7 +336,7 @@ class EngineCoreDaemon:
     # -- frontends -----------------------------------------------------------------------------
 
     def _is_idle(self) -> bool:
-        return not self.in_flight and not self.scheduler.has_unfinished_requests()
+        return not self.core.has_work()
 
     def _drain_frontends(self, block: bool, max_wait: float = _HOUSEKEEPING_S) -> None:
         """Handle every queued frontend frame; when `block`, first wait for one (or a timer)."""
@@ -487,43 +490,22 @@ class EngineCoreDaemon:
     # -- one step ------------------------------------------------------------------------------
 
     def _step(self) -> None:
-        """schedule → submit → (async: schedule the next one first) → collect → update → route.
-
-        With async scheduling up to two plans are in flight: a new plan is submitted before
-        the oldest one's tokens are collected, so the workers never wait for the scheduler.
-        """
-        if len(self.in_flight) < self.depth and self.scheduler.has_unfinished_requests():
-            plan = self.scheduler.schedule()
-            self.in_flight.append(plan)
-            if _has_work(plan):
-                self.executor.submit(plan)
-            if len(self.in_flight) < self.depth:
-                return  # async: fill the queue before waiting for a result
-        if not self.in_flight:
-            return
-        plan = self.in_flight[0]
-        sampled = self._collect() if _has_work(plan) else SampledTokens(plan.step_id, [], b"")
-        self.in_flight.popleft()
-        self._send_outputs(self.scheduler.update(plan, sampled))
-        if not _has_work(plan) and not self.in_flight:
-            # The scheduler had nothing to run (say, every waiting request lacks blocks):
-            # wait briefly for a frontend instead of spinning.
-            self._drain_frontends(block=True, max_wait=0.05)
-
-    def _collect(self) -> SampledTokens:
-        """The oldest submitted step's tokens. A stop signal does not wait on a hung worker
-        for the whole --worker-timeout: after STOP_GRACE_S more seconds it gives up."""
+        """One `EngineCore.step`, its outputs routed to their frontends. A long step is waited
+        for in slices; a stop signal does not wait on a hung worker for the whole
+        --worker-timeout: after STOP_GRACE_S more seconds it gives up."""
         give_up_at = None
-        while True:
-            sampled = self.executor.collect(timeout=_COLLECT_SLICE_S)
-            if sampled is not None:
-                return sampled
+        while (outputs := self.core.step(timeout=_COLLECT_SLICE_S)) is None:
             if self.stop_reason is not None:
                 now = time.monotonic()
                 give_up_at = give_up_at or now + STOP_GRACE_S
                 if now > give_up_at:
                     raise WorkerError(f"worker rank 0 still busy {STOP_GRACE_S:.0f} s after "
                                       f"{self.stop_reason}")
+        self._send_outputs(outputs)
+        if self.core.stalled:
+            # The scheduler had nothing to run (say, every waiting request lacks blocks):
+            # wait briefly for a frontend instead of spinning.
+            self._drain_frontends(block=True, max_wait=0.05)
 
     # -- progress log --------------------------------------------------------------------------
 
@@ -571,12 +553,6 @@ def _identity(client_id: str) -> bytes:
     return client_id.encode("utf-8", "surrogateescape")
 
 
-def _has_work(plan: BatchPlan) -> bool:
-    """A plan the workers must see: tokens to compute, or requests to drop from their batch."""
-    return bool(plan.new_requests or plan.cached_requests or plan.finished_req_ids
-                or plan.preempted_req_ids)
-
-
 def _drain_socket(sock: socket.socket) -> None:
     try:
         while sock.recv(4096):
@@ -613,6 +589,9 @@ def add_daemon_args(parser: argparse.ArgumentParser) -> None:
                    help="log level of the engine core and its workers (default: INFO)")
     g.add_argument("--generate-key-file", metavar="PATH", default=None,
                    help="write a new CURVE key file to PATH and exit")
+    g.add_argument("--engine-config", default=None, help=argparse.SUPPRESS)
+    # (msgspec JSON of the whole EngineConfig, from a frontend that starts a private daemon:
+    # frontend/launcher.py; the engine flags are then ignored)
     g.add_argument("--lifeline-fd", type=int, default=None, help=argparse.SUPPRESS)
     # (set by the frontend that starts a private daemon: ipc/lifeline.py)
 
@@ -637,7 +616,8 @@ def run_daemon_from_args(ns: argparse.Namespace) -> int:
               "`tidal core --engine-key-file` and to every frontend")
         return EXIT_OK
     try:
-        config = config_from_args(ns)
+        config = (decode_engine_config(ns.engine_config) if ns.engine_config
+                  else config_from_args(ns))
         if config.parallel.data_parallel_size > 1:  # the router starts N daemons of DP 1
             raise ValueError("data_parallel_size > 1 is served by `tidal core` (the router)")
         return run_daemon(config, ns.listen, ns.engine_key_file, ns.frontend_timeout,

@@ -1,22 +1,24 @@
-"""The executor: starts one worker process per tensor-parallel rank and feeds them plans.
+"""The executor: starts one worker process per (pipeline stage, tensor-parallel rank) and
+feeds them plans. Workers are numbered stage-major (rank = stage * tp + tp_rank); the one
+that answers with SampledTokens is TP rank 0 of the last stage (rank 0 without pipelining).
 
     executor = Executor(config, max_model_len)
     facts = executor.start()                       # spawn ranks, handshake, InitKVCache
     executor.submit(plan)                          # broadcast to every rank, do not wait
-    sampled = executor.collect(timeout)            # rank 0's SampledTokens, in step order
+    sampled = executor.collect(timeout)            # the sampler's SampledTokens, in step order
     executor.shutdown()                            # Shutdown, join, kill stragglers
 
 Sockets (the engine core binds all of them in its private ipc directory):
 
     one PUSH per rank ──BatchPlan / InitKVCache / Shutdown──► that rank's PULL
-    one PULL ◄──WorkerReady (every rank) / SampledTokens (rank 0) / WorkerFailed── all ranks
+    one PULL ◄──WorkerReady (every rank) / SampledTokens (the sampler) / WorkerFailed── all
 
 One PUSH per rank (not a PUB): every rank must receive every plan, in order, and a PUSH with
 its single peer queues messages instead of dropping them while a subscriber joins, so no extra
 ready barrier is needed; the plan is encoded once and the same bytes are sent N times.
 
 Failures become `WorkerError`: a rank that exits (seen at once through a pidfd in the poll set,
-or by `Popen.poll`), a rank that reports `WorkerFailed`, or rank 0 silent for longer than
+or by `Popen.poll`), a rank that reports `WorkerFailed`, or the sampler silent for longer than
 `step_timeout` seconds on an outstanding step. This module never imports torch: the ranks are
 separate `python -m tidal.workers.proc` processes.
 """
@@ -60,6 +62,9 @@ DEFAULT_STARTUP_TIMEOUT_S = 600.0
 DEFAULT_STEP_TIMEOUT_S = 300.0
 """Most seconds rank 0 may take to answer a step before the engine core gives up on it."""
 _SEND_TIMEOUT_MS = 5000
+_PEER_DEATH_GRACE_S = 1.0
+"""How long a rank's failure waits for a peer's death to show: a rank whose send or
+collective was cut off by a peer that died fails a moment before that peer is reaped."""
 
 
 class WorkerError(RuntimeError):
@@ -110,6 +115,8 @@ class Executor:
         self.result_address = self._bind(self.result_sock, "results")
         # step_id of each submitted plan whose SampledTokens have not come back yet, in order
         self._pending: deque[int] = deque()
+        p = config.parallel
+        self.sampler_rank = (p.pipeline_parallel_size - 1) * p.tensor_parallel_size  # answers
         self._waiting_since = 0.0  # when rank 0 became busy with the oldest pending step
         self._poller: zmq.Poller | None = None
         self._closed = False
@@ -154,7 +161,7 @@ class Executor:
     def _spawn_ranks(self, stop_requested) -> None:
         """Start every rank (appended to `self.ranks`); they report WorkerReady later."""
         dist_init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
-        for rank in range(self.config.parallel.tensor_parallel_size):
+        for rank in range(self.config.parallel.world_size):
             self.ranks.append(self._spawn(rank, dist_init_method))
 
     def _plan_socket(self, rank: int) -> tuple[zmq.Socket, str]:
@@ -236,7 +243,8 @@ class Executor:
             hang_deadline = self._waiting_since + self.step_timeout
             now = time.monotonic()
             if now > hang_deadline:
-                raise WorkerError(f"worker rank 0 did not finish step {self._pending[0]} "
+                raise WorkerError(f"worker rank {self.sampler_rank} did not finish step "
+                                  f"{self._pending[0]} "
                                   f"within {self.step_timeout:.0f} s")
             if deadline is not None and now >= deadline:
                 return None
@@ -250,7 +258,8 @@ class Executor:
     def _accept(self, msg: SampledTokens) -> SampledTokens:
         expected = self._pending[0]
         if msg.step_id != expected:
-            raise WorkerError(f"worker rank 0 answered step {msg.step_id}, expected {expected}")
+            raise WorkerError(f"worker rank {self.sampler_rank} answered step {msg.step_id}, "
+                              f"expected {expected}")
         self._pending.popleft()
         self._waiting_since = time.monotonic()
         return msg
@@ -264,19 +273,36 @@ class Executor:
         if self.result_sock in events:
             msg = self.decoder.decode(self.result_sock.recv(), sender="worker")
             if isinstance(msg, WorkerFailed):
-                raise WorkerError(f"worker rank {msg.rank} failed: "
-                                  f"{_last_line(msg.error)}")
+                raise self._peer_death(msg.rank) or WorkerError(
+                    f"worker rank {msg.rank} failed: {_last_line(msg.error)}")
             return msg
         self.check_alive()
         return None
 
     def check_alive(self) -> None:
         """Raise WorkerError if any rank's process has exited."""
+        death = self._death()
+        if death is not None:
+            raise death
+
+    def _death(self, besides: int | None = None) -> WorkerError | None:
+        """The first rank (other than `besides`) whose process has exited, as an error."""
         for r in self.ranks:
-            code = r.proc.poll()
+            code = r.proc.poll() if r.rank != besides else None
             if code is not None:
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-                raise WorkerError(f"worker rank {r.rank} (pid {r.proc.pid}) {how}")
+                return WorkerError(f"worker rank {r.rank} (pid {r.proc.pid}) {how}")
+        return None
+
+    def _peer_death(self, failed_rank: int) -> WorkerError | None:
+        """The death of another rank that made `failed_rank` fail, if one shows within
+        _PEER_DEATH_GRACE_S (its cause, so the log names the cause); else None."""
+        deadline = time.monotonic() + _PEER_DEATH_GRACE_S
+        while (death := self._death(besides=failed_rank)) is None:
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
+        return death
 
     def wait_fds(self) -> list[int]:
         """File descriptors that become readable when a rank exits (for an idle poll)."""

@@ -170,7 +170,7 @@ class RayExecutor(Executor):
     def _spawn_ranks(self, stop_requested) -> None:
         bundle, device = self._bundle()
         self._reserve(bundle, stop_requested)
-        num_ranks = self.config.parallel.tensor_parallel_size
+        num_ranks = self.config.parallel.world_size
         self._hosts = [self._new_host(rank, bundle) for rank in range(num_ranks)]
         ips = self._call([h.node_ip.remote() for h in self._hosts], "report its node")
         port = self._call(self._hosts[0].free_port.remote(), "find a free port")
@@ -186,7 +186,7 @@ class RayExecutor(Executor):
         device = self.config.parallel.device
         if device == "auto":
             gpus = self._ray.cluster_resources().get("GPU", 0)
-            device = "cuda" if gpus >= self.config.parallel.tensor_parallel_size else "cpu"
+            device = "cuda" if gpus >= self.config.parallel.world_size else "cpu"
         if device == "cuda":
             return {"GPU": 1.0}, "cuda"
         return {"CPU": float(self.threads)}, "cpu"
@@ -197,13 +197,14 @@ class RayExecutor(Executor):
         cannot hold them all; `kill()` frees it whatever happens here."""
         from ray.util.placement_group import placement_group
 
-        num_ranks = self.config.parallel.tensor_parallel_size
+        num_ranks = self.config.parallel.world_size
         fits = _bundles_that_fit(self._ray.nodes(), bundle)
         if fits < num_ranks:
             raise WorkerError(
                 f"the Ray cluster can hold {fits} of the {num_ranks} rank(s) of {bundle} "
                 f"each (cluster resources: {self._ray.cluster_resources()}); add nodes "
-                "(`ray start --address ...`) or lower --tensor-parallel-size")
+                "(`ray start --address ...`) or lower --tensor-parallel-size / "
+                "--pipeline-parallel-size")
         self._placement = placement_group([dict(bundle) for _ in range(num_ranks)],
                                           strategy="PACK", name=self._name)
         deadline = time.monotonic() + self.startup_timeout

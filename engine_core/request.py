@@ -64,6 +64,7 @@ class Request:
         "eos_token_id", "stop_token_ids", "min_tokens", "max_tokens", "priority",
         "arrival_time", "arrival_seq", "cache_salt", "status", "stop_reason", "block_hashes",
         "num_cached_tokens", "num_preemptions", "discard_before_step", "in_worker",
+        "num_worker_tokens",
         "first_output_sent", "error", "add_time", "queue_time", "prompt_logprob_parts",
         "next_prompt_logprob", "num_resumed_tokens",
     )
@@ -121,6 +122,9 @@ class Request:
         """Results of steps with a smaller step_id are stale (planned before a preemption)."""
         self.in_worker = False
         """The workers hold this request in their persistent batch."""
+        self.num_worker_tokens = 0
+        """Tokens the workers were sent (pipeline parallelism: the rest travel in the next
+        plan, since only the last stage samples)."""
         self.first_output_sent = False
         self.error: str | None = None
         self.add_time = 0.0

@@ -16,6 +16,12 @@ whose token from an in-flight step is not yet known has a placeholder
 from its own sampler. Nobody is scheduled past max_tokens or the context length. A result
 that arrives for a request finished meanwhile, or planned before it was preempted, changes
 nothing (the preempted request recomputes that token after it resumes).
+
+Pipeline parallelism (several stages): up to one plan per stage is in flight, but only the
+last stage samples, so the first one cannot fill in a placeholder. A request whose sampled
+token is in flight is therefore not scheduled again until it is back (another request fills
+the next plan); its new tokens then travel in the plan (`CachedRequestData.new_token_ids`).
+Prefill chunks of one request may still follow each other: every stage runs plans in order.
 """
 
 from __future__ import annotations
@@ -77,6 +83,7 @@ class Scheduler:
         self.max_num_batched_tokens = sched.max_num_batched_tokens
         self.chunked_prefill = sched.enable_chunked_prefill
         self.policy = sched.scheduling_policy
+        self.pipelined = config.parallel.pipeline_parallel_size > 1
         self.long_prefill_token_threshold = (
             sched.long_prefill_token_threshold if sched.enable_chunked_prefill else 0)
         self.kv_cache_manager = KVCacheManager(num_kv_blocks, self.block_size,
@@ -228,6 +235,8 @@ class Scheduler:
             if request.status != _RUNNING:  # preempted earlier in this pass
                 continue
             placeholders = request.num_output_placeholders
+            if placeholders and self.pipelined:
+                continue  # its token is still in the pipeline; the first stage lacks it
             num_projected = len(request.all_token_ids) + placeholders
             if (num_projected >= max_model_len
                     or len(request.output_token_ids) + placeholders >= request.max_tokens):
@@ -384,10 +393,15 @@ class Scheduler:
             if start < request.num_prompt_tokens:
                 num_prompt_tokens += min(end, request.num_prompt_tokens) - start
             if request.in_worker:
-                cached_reqs.append(CachedRequestData(request.req_id, new_block_ids, start,
-                                                     num_new))
+                cached = CachedRequestData(request.req_id, new_block_ids, start, num_new)
+                if self.pipelined and request.num_worker_tokens < num_tokens:
+                    cached.new_token_ids = pack_token_ids(
+                        request.all_token_ids[request.num_worker_tokens:])
+                    request.num_worker_tokens = num_tokens
+                cached_reqs.append(cached)
             else:
                 request.in_worker = True
+                request.num_worker_tokens = num_tokens
                 new_reqs.append(NewRequestData(
                     request.req_id, pack_token_ids(request.all_token_ids),
                     request.num_prompt_tokens, kv.get_block_ids(request.req_id), start,

@@ -84,7 +84,8 @@ def run_core(ns: argparse.Namespace) -> int:
     from tidal.frontend.demo import apply_demo_model_default
 
     try:
-        apply_demo_model_default(ns)
+        if not ns.engine_config:  # a whole config from a frontend names its model
+            apply_demo_model_default(ns)
     except ValueError as e:
         print(f"tidal core: {e}", file=sys.stderr)
         return 2

@@ -1,7 +1,7 @@
 """Start and stop a private engine-core daemon for one frontend (`LLM(model)`, `AsyncLLM`).
 
-    python -m tidal.frontend.cli core <config_to_argv(config)> --listen <new private address>
-        --lifeline-fd <read end of this process's lifeline pipe>
+    python -m tidal.frontend.cli core --engine-config <the EngineConfig as msgspec JSON>
+        --listen <new private address> --lifeline-fd <read end of this process's lifeline pipe>
 
 The daemon runs in its own session (so a Ctrl-C in the terminal reaches the frontend, which
 then stops the daemon in order) and never outlives its owner: when this process dies without
@@ -25,8 +25,7 @@ import sys
 import threading
 import weakref
 
-from tidal.engine_core.args import config_to_argv
-from tidal.engine_core.config import EngineConfig
+from tidal.engine_core.config import EngineConfig, encode_engine_config
 from tidal.ipc.lifeline import lifeline_fd
 from tidal.ipc.transport import new_private_address
 
@@ -49,8 +48,8 @@ class DaemonProcess:
         self._extra_args = list(extra_args or [])
         self._env = env
         lifeline = lifeline_fd()
-        argv = [sys.executable, "-m", "tidal.frontend.cli", "core", *config_to_argv(config),
-                "--listen", self.address, "--lifeline-fd", str(lifeline), *(extra_args or [])]
+        argv = [sys.executable, "-m", "tidal.frontend.cli", "core",
+                "--engine-config", encode_engine_config(config), "--listen", self.address, "--lifeline-fd", str(lifeline), *(extra_args or [])]
         self.proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             start_new_session=True, pass_fds=(lifeline,), env=env)

@@ -6,7 +6,8 @@
     outputs = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=32))
 
 Engine flags are keyword arguments with the command-line names (`max_num_batched_tokens=32`,
-`enable_prefix_caching=False`, `num_gpu_blocks_override=64`, `tensor_parallel_size=2`...).
+`enable_prefix_caching=False`, `num_gpu_blocks_override=64`, `tensor_parallel_size=2`,
+`pipeline_parallel_size=2`...).
 
 `LLM` runs an `AsyncLLM` on a private uvloop event loop in a background thread: one code path
 for detokenization, stop strings, n > 1, heartbeats and engine-death handling. `generate`

@@ -409,7 +409,9 @@ class WorkerConfig(msgspec.Struct, **_STRUCT):
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     tensor_parallel_size: int = 1
-    rank: int = 0
+    rank: int = 0  # tensor-parallel rank within the stage
+    pipeline_parallel_size: int = 1
+    stage: int = 0  # pipeline stage: this worker runs that stage's contiguous run of layers
     dist_init_method: str = ""  # torch.distributed init, e.g. tcp://127.0.0.1:PORT
     device: str = "auto"  # auto | cpu | cuda
     gpu_memory_utilization: float = 0.92
@@ -420,6 +422,18 @@ class WorkerConfig(msgspec.Struct, **_STRUCT):
     seed: int = 0
     cpu_threads: int | None = None  # OpenMP threads of this rank (None: the environment's)
     cpu_cores: list[int] | None = None  # cores this rank is pinned to (None: not pinned)
+
+    @property
+    def worker_index(self) -> int:
+        """This worker among all of them, stage-major: stage * tensor_parallel_size + rank
+        (its torch.distributed rank, and the rank it reports in WorkerReady/WorkerFailed)."""
+        return self.stage * self.tensor_parallel_size + self.rank
+
+    @property
+    def reports_tokens(self) -> bool:
+        """Whether this worker answers each plan with SampledTokens: tensor-parallel rank 0
+        of the last pipeline stage (the one that samples)."""
+        return self.rank == 0 and self.stage == self.pipeline_parallel_size - 1
 
 
 class NewRequestData(msgspec.Struct, **_STRUCT):
@@ -445,14 +459,18 @@ class NewRequestData(msgspec.Struct, **_STRUCT):
 class CachedRequestData(msgspec.Struct, **_STRUCT):
     """A delta for a request the worker already holds in its persistent batch.
 
-    The worker appends the token it sampled last step itself (sync and async alike), so no
-    token ids travel here; only blocks added this step and the token count.
+    With one pipeline stage the worker appends the token it sampled last step itself (sync
+    and async alike), so no token ids travel here; only blocks added this step and the token
+    count. With several stages only the last one samples, so the engine core sends the
+    tokens the workers lack in `new_token_ids` (packed int32; it schedules a request again
+    only once its sampled token is back, so these are always known).
     """
 
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
     num_scheduled_tokens: int
+    new_token_ids: bytes = b""
 
 
 class BatchPlan(msgspec.Struct, tag="plan", **_STRUCT):

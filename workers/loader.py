@@ -95,11 +95,15 @@ def load_weights(model: nn.Module, path: str) -> None:
     params = dict(model.named_parameters())
     mapping = getattr(model, "packed_modules_mapping", {})
     tied = getattr(getattr(model, "args", None), "tie_word_embeddings", False)
+    on_this_stage = getattr(model, "checkpoint_name", lambda name: name)  # pipeline stages
     loaded: set[tuple[str, object]] = set()
     unexpected: list[str] = []
     for name, tensor in iterate_checkpoint(path):
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name.startswith("lm_head.")):
             continue
+        name = on_this_stage(name)
+        if name is None:
+            continue  # another pipeline stage's tensor
         param_name, shard_id = _map_name(name, mapping)
         param = params.get(param_name)
         if param is None:

@@ -17,6 +17,13 @@ q < prompt_len - 1 (each predicts the prompt token at q + 1; the row at prompt_l
 sampling row), in slices of max_num_seqs rows so a long chunk never holds a full
 [num_tokens, vocab] tensor. Every chunk of a chunked prompt covers the positions it computes,
 so the positions 1 .. prompt_len - 1 each come once; the engine core keeps them in order.
+
+Pipeline parallelism: every stage applies the same plan to its own persistent batch and
+builds the same inputs; a stage after the first takes the previous stage's hidden states
+[num_tokens, hidden] (`PipelineParallel.recv`) instead of embedding the tokens, a stage
+before the last sends its output on and is done with the step; only the last stage
+computes logits and samples. No stage appends sampled tokens to its batch: they arrive in
+the next plan (`CachedRequestData.new_token_ids`), the same on every stage.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from tidal.ipc.messages import (
 from tidal.kernels import AttentionBackend
 from tidal.workers.attention import AttentionInputs, AttentionMetadata, KVCache
 from tidal.workers.cuda_graphs import DecodeGraphs
+from tidal.workers.distributed import PipelineParallel
 from tidal.workers.host_memory import commit_pages
 from tidal.workers.layers import kv_heads_per_rank
 from tidal.workers.models.llama import LlamaForCausalLM, ModelArgs
@@ -96,8 +104,10 @@ class ModelRunner:
     the attention backend's plan once per step."""
 
     def __init__(self, config: WorkerConfig, model: LlamaForCausalLM, args: ModelArgs,
-                 device: torch.device, dtype: torch.dtype, attention_backend: AttentionBackend):
+                 device: torch.device, dtype: torch.dtype, attention_backend: AttentionBackend,
+                 pp: PipelineParallel = PipelineParallel()):
         self.config, self.model, self.args = config, model, args
+        self.pp = pp
         self.device, self.dtype = device, dtype
         self.attention_backend = attention_backend  # the one the model's layers were built with
         self.block_size = config.block_size
@@ -119,9 +129,9 @@ class ModelRunner:
 
     @property
     def kv_block_bytes(self) -> int:
-        """Bytes one KV block takes on this rank, K and V over every layer."""
+        """Bytes one KV block takes on this rank, K and V over every layer of its stage."""
         elem = torch.empty(0, dtype=self.dtype).element_size()
-        return (2 * self.args.num_hidden_layers * self.block_size * self.num_kv_heads
+        return (2 * self.model.num_layers * self.block_size * self.num_kv_heads
                 * self.head_dim * elem)
 
     def allocate_kv_cache(self, num_blocks: int) -> list[KVCache]:
@@ -140,7 +150,7 @@ class ModelRunner:
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),
                    torch.empty(shape, dtype=self.dtype, device=self.device))
-                  for _ in range(self.args.num_hidden_layers)]
+                  for _ in range(self.model.num_layers)]
         for key_cache, value_cache in caches:
             key_cache[0].zero_()
             value_cache[0].zero_()
@@ -156,8 +166,8 @@ class ModelRunner:
         self.kv_caches = self.allocate_kv_cache(num_blocks)
         if self.device.type == "cpu":
             self.kv_commit = commit_pages([t for pair in self.kv_caches for t in pair],
-                                          f"rank {self.config.rank}: KV cache")
-        if self.device.type == "cuda" and not self.config.enforce_eager:
+                                          f"rank {self.config.worker_index}: KV cache")
+        if self.device.type == "cuda" and not self.config.enforce_eager and self.pp.size == 1:
             self.graphs = DecodeGraphs.try_capture(self, self.config.max_num_seqs)
 
     # -- one step ------------------------------------------------------------------------
@@ -170,6 +180,8 @@ class ModelRunner:
         if inputs is None:
             return StepResult([], np.zeros(0, np.int32), None, failed)
         hidden = self.run_model(inputs)
+        if not self.pp.is_last:
+            return StepResult([], np.zeros(0, np.int32), None, failed)
         prompt_logprobs = []
         if inputs.prompt_logprobs is not None:
             prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_logprobs)
@@ -178,7 +190,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         out = self.sampler(logits, self.sampling_batch(inputs.sample_rows))
         token_ids = out.token_ids.cpu().numpy()
-        self.batch.append_sampled(inputs.sample_rows, token_ids)
+        if self.pp.size == 1:  # else the tokens come back in the next plan
+            self.batch.append_sampled(inputs.sample_rows, token_ids)
         return StepResult(inputs.sample_req_ids, token_ids.astype(np.int32),
                           self._pack_logprobs(out, inputs.sample_rows), failed,
                           prompt_logprobs)
@@ -193,10 +206,20 @@ class ModelRunner:
         return self.model.compute_logits(self.run_model(inputs))
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden] for the step's tokens."""
+        """Hidden states [num_tokens, hidden] for the step's tokens: the final ones on the
+        last stage; an earlier stage's output, already sent on to the next stage."""
         if self.graphs is not None and self.graphs.can_run(inputs):
             return self.graphs.run(inputs)
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attention)
+        pp = self.pp
+        hidden = None
+        if not pp.is_first:
+            hidden = pp.recv((inputs.num_tokens, self.args.hidden_size), self.dtype,
+                             self.device)
+        out = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attention,
+                         hidden)
+        if not pp.is_last:
+            pp.send(out)
+        return out
 
     # -- inputs --------------------------------------------------------------------------
 
@@ -385,7 +408,7 @@ class ModelRunner:
             ids.append(chunk[0].cpu())
             values.append(chunk[1].cpu())
             ranks.append(chunk[2].cpu())
-        if self.config.rank != 0:
+        if not self.config.reports_tokens:
             return []
         ids = torch.cat(ids).numpy().astype("<i4")
         values = torch.cat(values).numpy().astype("<f4")
@@ -424,8 +447,13 @@ class ModelRunner:
             query_start_loc=self._to_device(np.concatenate([[0], np.cumsum(lens)]), torch.int32),
             seq_lens=self._to_device(np.asarray(lens), torch.int32))
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        stage_input = None if self.pp.is_first else torch.zeros(
+            num_tokens, self.args.hidden_size, dtype=self.dtype, device=self.device)
         hidden = self.model(ids, self._to_device(positions, torch.int64), kv_caches,
-                            self.attention_inputs(meta))
+                            self.attention_inputs(meta), stage_input)
+        if not self.pp.is_last:
+            del kv_caches, hidden
+            return
         rows = min(num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden[-rows:])
         self.sampler(logits, _dummy_sampling(rows, self.device))

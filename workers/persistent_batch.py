@@ -103,7 +103,19 @@ class PersistentBatch:
             raise ValueError(f"cached request {req.req_id!r} is not in the worker's batch")
         self.num_computed[row] = req.num_computed_tokens
         self._append_blocks(row, req.new_block_ids, req.req_id)
+        if req.new_token_ids:  # pipeline parallelism: tokens the last stage sampled
+            self._append_tokens(row, np.frombuffer(unpack_token_ids(req.new_token_ids),
+                                                   dtype=np.int32), req.req_id)
         return row
+
+    def _append_tokens(self, row: int, token_ids: np.ndarray, req_id: str) -> None:
+        start = int(self.num_tokens[row])
+        end = start + len(token_ids)
+        if end > self.max_model_len:
+            raise ValueError(f"request {req_id!r} would hold {end} tokens, more than "
+                             f"max_model_len ({self.max_model_len})")
+        self.token_ids[row, start:end] = token_ids
+        self.num_tokens[row] = end
 
     def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         """Append each row's sampled token (rows already at max_model_len keep theirs)."""

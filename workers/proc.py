@@ -82,8 +82,9 @@ class WorkerProcess:
             return 0
         except Exception:  # noqa: BLE001 - report anything to the core, then exit non-zero
             error = traceback.format_exc()
-            logger.error("worker rank %d failed:\n%s", self.config.rank, error)
-            self.result_sock.send(encode(WorkerFailed(self.config.rank, error[-4000:])))
+            logger.error("worker rank %d failed:\n%s", self.config.worker_index, error)
+            self.result_sock.send(encode(WorkerFailed(self.config.worker_index,
+                                                      error[-4000:])))
             return 1
         finally:
             self._close()
@@ -102,7 +103,7 @@ class WorkerProcess:
 
     def _execute(self, plan: BatchPlan) -> None:
         sampled = self.worker.execute(plan)
-        if self.config.rank != 0:
+        if not self.config.reports_tokens:
             return
         if sampled is None:  # nothing sampled this step: still answer, the core waits
             sampled = SampledTokens(plan.step_id, [], b"")
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, config.cpu_cores)
     logging.basicConfig(
         level=args.log_level.upper(),
-        format=f"%(asctime)s %(levelname)s [tidal worker {config.rank}] %(name)s: %(message)s")
+        format=f"%(asctime)s %(levelname)s [tidal worker {config.worker_index}] %(name)s: %(message)s")
     proc = WorkerProcess(config, args.plan_address, args.result_address)
     return proc.run()
 

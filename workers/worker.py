@@ -1,10 +1,11 @@
-"""One tensor-parallel rank: device and process group, model shard, KV cache, steps.
+"""One worker: a tensor-parallel rank of one pipeline stage. Device and process groups,
+model shard (the stage's layers, this rank's slice of them), KV cache, steps.
 
 Start-up, driven by the worker process (workers/proc.py):
 
     Worker(config) -> load() -> determine_num_kv_blocks() -> ready_message()
     ... engine core takes the minimum over ranks ... -> init_kv_cache(num_blocks)
-    execute(plan) every step (rank 0 returns SampledTokens) -> shutdown()
+    execute(plan) every step (TP rank 0 of the last stage returns SampledTokens) -> shutdown()
 """
 
 from __future__ import annotations
@@ -38,12 +39,14 @@ class Worker:
     def __init__(self, config: WorkerConfig) -> None:
         _validate(config)
         self.config = config
-        self.rank = config.rank
+        self.rank = config.worker_index  # among every worker (stage-major), for logs
         self.device = _pick_device(config)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.tp = init_distributed(config.rank, config.tensor_parallel_size,
-                                   config.dist_init_method, self.device)
+        self.tp, self.pp = init_distributed(config.rank, config.tensor_parallel_size,
+                                            config.dist_init_method, self.device,
+                                            stage=config.stage,
+                                            num_stages=config.pipeline_parallel_size)
         self.model_path = resolve_model_path(config.model)
         self.hf_config = read_config(self.model_path)
         self.args = parse_model_args(self.hf_config)
@@ -67,7 +70,8 @@ class Worker:
         backend = select_attention_backend(self.config.attention_backend, self.device.type,
                                            self.dtype)
         with _default_dtype(self.dtype), torch.device(self.device):
-            model = build_model(self.args, self.tp, backend, self.config.max_model_len)
+            model = build_model(self.args, self.tp, backend, self.config.max_model_len,
+                                self.pp)
         load_weights(model, self.model_path)
         model.eval()
         self.num_params = sum(p.numel() for p in model.parameters())
@@ -76,14 +80,18 @@ class Worker:
             logger.debug("rank %d: %d linear layers take oneDNN for small batches", self.rank,
                          model.use_cpu_gemm())
         self.runner = ModelRunner(self.config, model, self.args, self.device, self.dtype,
-                                  backend)
+                                  backend, self.pp)
         warm_up_s = backend.warm_up(self.dtype)  # e.g. numba: compiled once, then disk-cached
         logger.debug("rank %d: %s attention backend warmed up in %.2f s", self.rank,
                      backend.name, warm_up_s)
         self.load_seconds = time.perf_counter() - start
-        logger.info("rank %d: loaded %s (%s, %.1fM parameters on this rank, %s attention) "
+        layers = self.pp.layers(self.args.num_hidden_layers)
+        stage = (f"; stage {self.pp.stage} of {self.pp.size}: layers {layers.start}-"
+                 f"{layers.stop - 1}" if self.pp.size > 1 else "")
+        logger.info("rank %d: loaded %s (%s, %.1fM parameters on this rank%s, %s attention) "
                     "from %s in %.2f s", self.rank, self.args.architecture, self.dtype,
-                    self.num_params / 1e6, backend.name, self.model_path, self.load_seconds)
+                    self.num_params / 1e6, stage, backend.name, self.model_path,
+                    self.load_seconds)
 
     def determine_num_kv_blocks(self) -> int:
         """How many KV blocks fit on this rank (num_kv_blocks_override wins).
@@ -158,9 +166,10 @@ class Worker:
     # -- steps ---------------------------------------------------------------------------
 
     def execute(self, plan: BatchPlan) -> SampledTokens | None:
-        """Run one step; rank 0 returns the sampled tokens, other ranks None."""
+        """Run one step; TP rank 0 of the last stage returns the sampled tokens, the other
+        workers None."""
         result = self._runner().execute(plan)
-        if self.rank != 0:
+        if not self.config.reports_tokens:
             return None
         return SampledTokens(step_id=plan.step_id, req_ids=result.req_ids,
                              token_ids=pack_token_ids(result.token_ids),
@@ -188,6 +197,9 @@ def _validate(config: WorkerConfig) -> None:
     if not 0 <= config.rank < config.tensor_parallel_size:
         raise ValueError(f"rank {config.rank} is outside tensor_parallel_size="
                          f"{config.tensor_parallel_size}")
+    if not 0 <= config.stage < config.pipeline_parallel_size:
+        raise ValueError(f"stage {config.stage} is outside pipeline_parallel_size="
+                         f"{config.pipeline_parallel_size}")
     if config.block_size < 1 or config.max_model_len < 1 or config.max_num_seqs < 1:
         raise ValueError("block_size, max_model_len and max_num_seqs must be positive")
     if not 0.0 < config.gpu_memory_utilization <= 1.0:
@@ -200,7 +212,7 @@ def _pick_device(config: WorkerConfig) -> torch.device:
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ValueError("device=cuda but CUDA is not available")
-    local = config.rank % torch.cuda.device_count()
+    local = config.worker_index % torch.cuda.device_count()
     return torch.device("cuda", local)
 
 

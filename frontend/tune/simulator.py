@@ -1,7 +1,8 @@
 """The engine core on simulated time: the real `Scheduler` (and its block pool and prefix
 cache), fed a request trace, with each step lasting what the step cost model says.
 
-The loop is the daemon's (`EngineCoreDaemon._step`), with the clock and the workers replaced:
+The loop is the engine core's (`EngineCore.step`, engine_core/core.py), with the clock and the
+workers replaced:
 
     add the requests that have arrived by `now`
     if fewer than `depth` plans are in flight:          depth 2 with async scheduling, else 1

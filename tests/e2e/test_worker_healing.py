@@ -140,12 +140,14 @@ def test_hung_rank_of_two_is_replaced_after_the_worker_timeout(tiny_llama, tmp_p
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("split", ["--tensor-parallel-size", "--pipeline-parallel-size"])
 def test_killed_rank_of_two_is_replaced_and_streams_finish_with_fault_free_tokens(
-        tiny_llama, tmp_path, zctx, prompts):
-    """TP=2: SIGKILL rank 1 mid-stream (rank 0 then waits in a collective that will never
-    complete): the core sees the death at once, replaces both ranks, and every request ends
-    with the fault-free tokens, greedy and seeded."""
-    d = Daemon(tiny_llama, str(tmp_path / "core.log"), "--tensor-parallel-size", "2")
+        tiny_llama, tmp_path, zctx, prompts, split):
+    """TP=2 or PP=2: SIGKILL rank 1 mid-stream (rank 0 then waits in a collective, or on a
+    send to the next stage, that will never complete): the core sees the death at once,
+    replaces both ranks, and every request ends with the fault-free tokens, greedy and
+    seeded."""
+    d = Daemon(tiny_llama, str(tmp_path / "core.log"), split, "2")
     try:
         client = Client(zctx, d.address, "tp2-kill")
         client.hello()

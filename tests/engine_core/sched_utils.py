@@ -14,7 +14,9 @@ from array import array
 
 import numpy as np
 
-from tidal.engine_core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tidal.engine_core.config import (
+    CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+)
 from tidal.engine_core.request import Request
 from tidal.engine_core.scheduler import Scheduler
 from tidal.ipc.messages import (
@@ -51,7 +53,7 @@ def unpack_prompt_logprobs(part: PromptLogprobs) -> list[tuple[int, int, float]]
 def make_config(*, block_size: int = 16, max_num_seqs: int | None = None,
                 max_num_batched_tokens: int = 8192, chunked: bool = True,
                 caching: bool = True, policy: str = "fcfs", threshold: int = 0,
-                async_scheduling: bool = False) -> EngineConfig:
+                async_scheduling: bool = False, pp: int = 1) -> EngineConfig:
     if max_num_seqs is None:
         max_num_seqs = min(256, max_num_batched_tokens)
     return EngineConfig(
@@ -61,7 +63,8 @@ def make_config(*, block_size: int = 16, max_num_seqs: int | None = None,
                                   max_num_batched_tokens=max_num_batched_tokens,
                                   enable_chunked_prefill=chunked, scheduling_policy=policy,
                                   long_prefill_token_threshold=threshold,
-                                  async_scheduling=async_scheduling))
+                                  async_scheduling=async_scheduling),
+        parallel=ParallelConfig(pipeline_parallel_size=pp))
 
 
 def make_scheduler(*, num_blocks: int = 10_000, max_model_len: int = 4096,
@@ -102,9 +105,12 @@ class _WorkerRequest:
 class FakeWorker:
     """A worker with a persistent batch, a token-level fake KV cache and a fake model."""
 
-    def __init__(self, block_size: int, model=fake_model) -> None:
+    def __init__(self, block_size: int, model=fake_model, pipelined: bool = False) -> None:
         self.block_size = block_size
         self.model = model
+        self.pipelined = pipelined
+        """As the stages of a pipeline: sampled tokens are not appended here; they come back
+        in the next plan's `new_token_ids`."""
         self.batch: dict[str, _WorkerRequest] = {}
         self.kv: dict[int, list[int | None]] = {}
         self.num_scheduled: dict[str, int] = {}
@@ -141,6 +147,10 @@ class FakeWorker:
                 continue
             state = self.batch[cached.req_id]
             state.table.extend(cached.new_block_ids)
+            if self.pipelined:
+                state.tokens += unpack_token_ids(cached.new_token_ids).tolist()
+            else:
+                assert not cached.new_token_ids, "tokens sent to a worker that samples them"
             work.append((cached.req_id, state, cached.num_computed_tokens,
                          cached.num_scheduled_tokens))
         assert sum(w[3] for w in work) + num_skipped == plan.total_num_scheduled_tokens
@@ -154,7 +164,8 @@ class FakeWorker:
             if start + num == len(state.tokens):
                 self._check_kv(req_id, state)
                 token = (forced or {}).get(req_id, self.model(state.tokens))
-                state.tokens.append(token)
+                if not self.pipelined:
+                    state.tokens.append(token)
                 req_ids.append(req_id)
                 token_ids.append(token)
         return SampledTokens(plan.step_id, req_ids, pack_token_ids(token_ids), failed=failed,

@@ -9,7 +9,8 @@ from sched_utils import make_request
 
 from tidal.engine_core.args import add_engine_args, config_from_args, config_to_argv
 from tidal.engine_core.config import (
-    CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+    CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, decode_engine_config,
+    encode_engine_config,
     read_model_max_len, resolve_max_model_len,
 )
 from tidal.engine_core.request import Request, RequestStatus
@@ -86,6 +87,18 @@ def test_flags_round_trip_through_argv():
     assert config_from_args(_parser().parse_args(config_to_argv(config))) == config
     default = EngineConfig(ModelConfig("m"))
     assert config_from_args(_parser().parse_args(config_to_argv(default))) == default
+    assert decode_engine_config(encode_engine_config(config)) == config  # what -pp sets too
+    assert config_from_args(_parser().parse_args(["m", "-pp", "2"])).pipeline_depth == 3
+
+
+def test_engine_config_from_json_is_checked_field_by_field():
+    """The config a frontend hands its private daemon is validated again on arrival."""
+    text = encode_engine_config(EngineConfig(ModelConfig("m")))
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be at least 1"):
+        decode_engine_config(text.replace('"pipeline_parallel_size":1',
+                                          '"pipeline_parallel_size":0'))
+    with pytest.raises(ValueError, match="not valid JSON"):
+        decode_engine_config(text[:-1])
 
 
 @pytest.mark.parametrize("text,value", [("8192", 8192), ("32k", 32_000), ("32K", 32_768),

@@ -55,7 +55,7 @@ def test_auto_attention_backend_follows_the_dtype(tiny_llama, dtype, backend):
     """One backend object, chosen at load, serves every layer and the runner's step plans."""
     worker = _loaded(tiny_llama, dtype=dtype)
     assert worker.runner.attention_backend.name == backend
-    for layer in worker.runner.model.model.layers:
+    for layer in worker.runner.model.model.layers.values():
         assert layer.self_attn.attn.backend is worker.runner.attention_backend
         assert (layer.self_attn.num_kv_heads, layer.self_attn.head_dim) == (
             worker.runner.num_kv_heads, worker.runner.head_dim)

@@ -7,6 +7,11 @@ loader fills from separate checkpoint tensors (`packed_modules_mapping`):
 
     self_attn.qkv_proj  <- q_proj, k_proj, v_proj
     mlp.gate_up_proj    <- gate_proj, up_proj
+
+With pipeline parallelism a model holds one stage: its run of decoder layers (keyed by
+their global index, so `model.layers.7.*` loads into stage 1's layer 7 unchanged), the
+embedding only on the first stage, the final norm and the LM head only on the last; a tied
+LM head on a last stage without the embedding loads `model.embed_tokens.weight` itself.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from torch import nn
 
 from tidal.kernels import AttentionBackend
 from tidal.workers.attention import AttentionInputs, KVCache, PagedAttention
-from tidal.workers.distributed import TensorParallel
+from tidal.workers.distributed import PipelineParallel, TensorParallel
 from tidal.workers.layers import (
     GemmLayer,
     MergedColumnParallelLinear,
@@ -232,22 +237,30 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, tp: TensorParallel, backend: AttentionBackend,
-                 max_model_len: int):
+                 max_model_len: int, pp: PipelineParallel):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp)
+        self.pp = pp
+        if pp.is_first:
+            self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp)
         self.rotary = RotaryEmbedding(args.head_dim, max(max_model_len, 1), args.rope_theta,
                                       args.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(args, tp, backend)
-                                    for _ in range(args.num_hidden_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        # keyed "7" for layer 7 wherever it sits: parameter names match the checkpoint's
+        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(args, tp, backend)
+                                     for i in pp.layers(args.num_hidden_layers)})
+        if pp.is_last:
+            self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], attn_inputs: AttentionInputs) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
+                kv_caches: list[KVCache], attn_inputs: AttentionInputs,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """The stage's output: final (normed) hidden states on the last stage, else the
+        residual stream after its last layer. `hidden`: the previous stage's output (every
+        stage but the first)."""
+        h = self.embed_tokens(input_ids) if self.pp.is_first else hidden
         rope = self.rotary.tables(positions, h.dtype)  # gathered once for every layer
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(self.layers.values(), kv_caches):
             h = layer(rope, h, kv_cache, attn_inputs)
-        return self.norm(h)
+        return self.norm(h) if self.pp.is_last else h
 
 
 class LlamaForCausalLM(nn.Module):
@@ -263,13 +276,38 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(self, args: ModelArgs, tp: TensorParallel, backend: AttentionBackend,
-                 max_model_len: int):
+                 max_model_len: int, pp: PipelineParallel = PipelineParallel()):
         super().__init__()
         self.args = args
-        self.model = LlamaModel(args, tp, backend, max_model_len)
-        self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp)
-        if args.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.pp = pp
+        self.model = LlamaModel(args, tp, backend, max_model_len, pp)
+        if pp.is_last:
+            self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp)
+            if args.tie_word_embeddings and pp.is_first:
+                self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers on this stage (each has its own KV cache)."""
+        return len(self.model.layers)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """The name under which this stage loads checkpoint tensor `name`, or None when
+        another stage holds it."""
+        pp = self.pp
+        if pp.size == 1:
+            return name
+        if name.startswith("model.layers."):
+            return name if name.split(".")[2] in self.model.layers else None
+        if name.startswith("model.embed_tokens."):
+            if pp.is_first:
+                return name
+            if pp.is_last and self.args.tie_word_embeddings:  # the tied LM head's weights
+                return "lm_head." + name[len("model.embed_tokens."):]
+            return None
+        if name.startswith(("model.norm.", "lm_head.")):
+            return name if pp.is_last else None
+        return name
 
     def use_cpu_gemm(self) -> int:
         """Give every linear layer the CPU's small-batch GEMM (`kernels/cpu_gemm.py`), once
@@ -277,9 +315,11 @@ class LlamaForCausalLM(nn.Module):
         return sum(m.use_cpu_gemm() for m in self.modules() if isinstance(m, GemmLayer))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], attn_inputs: AttentionInputs) -> torch.Tensor:
-        """input_ids, positions [num_tokens] -> hidden states [num_tokens, hidden]."""
-        return self.model(input_ids, positions, kv_caches, attn_inputs)
+                kv_caches: list[KVCache], attn_inputs: AttentionInputs,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [num_tokens] -> hidden states [num_tokens, hidden] (a later
+        stage also takes the previous stage's `hidden`)."""
+        return self.model(input_ids, positions, kv_caches, attn_inputs, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> [num_rows, vocab_size], identical on every rank."""
@@ -287,6 +327,8 @@ class LlamaForCausalLM(nn.Module):
 
 
 def build_model(args: ModelArgs, tp: TensorParallel, backend: AttentionBackend,
-                max_model_len: int) -> LlamaForCausalLM:
-    """The model for `args.architecture` (all registered ones share this class)."""
-    return LlamaForCausalLM(args, tp, backend, max_model_len)
+                max_model_len: int, pp: PipelineParallel = PipelineParallel()
+                ) -> LlamaForCausalLM:
+    """The model (one pipeline stage of it) for `args.architecture` (all registered ones
+    share this class)."""
+    return LlamaForCausalLM(args, tp, backend, max_model_len, pp)
