@@ -261,6 +261,11 @@ class RayExecutor(Executor):
         if endings:
             raise WorkerError(endings[0][0])
 
+    def _peer_death(self, failed_rank: int) -> WorkerError | None:
+        """None: a rank's failure is led by its cause in `_receive` (`_with_root_cause`),
+        from Ray's notice of the death rather than a process handle."""
+        return None
+
     def _endings(self, timeout: float) -> list[tuple[str, bool]]:
         """How each rank that ended did (`_ending`), kills first, once every rank has ended
         or `timeout` s have passed."""
