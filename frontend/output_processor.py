@@ -147,7 +147,8 @@ def resume_params(params: SamplingParams, delivered: list[int]) -> SamplingParam
 
     A seeded request draws the same numbers: the worker hashes (seed, absolute position),
     and the positions are the same. (Presence and frequency penalties count output tokens
-    only; after a resubmission the delivered ones count as prompt.)
+    only; after a resubmission the delivered ones count as prompt.) A structured output's
+    grammar is replayed over the delivered tokens (`prompt_tail`) before it goes on.
     """
     left = params.max_tokens - len(delivered)
     if left <= 0:
@@ -155,9 +156,14 @@ def resume_params(params: SamplingParams, delivered: list[int]) -> SamplingParam
     # prompt logprobs come with the first token: once one was delivered they were too, and
     # the new prompt's would cover the delivered tokens as well
     prompt_logprobs = params.prompt_logprobs if not delivered else None
+    structured = params.structured_outputs
+    if structured is not None:
+        structured = msgspec.structs.replace(
+            structured, prompt_tail=structured.prompt_tail + len(delivered))
     return msgspec.structs.replace(params, max_tokens=left,
                                    min_tokens=max(0, params.min_tokens - len(delivered)),
-                                   prompt_logprobs=prompt_logprobs)
+                                   prompt_logprobs=prompt_logprobs,
+                                   structured_outputs=structured)
 
 
 def lost_finish(params: SamplingParams, delivered: list[int],
