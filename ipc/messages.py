@@ -131,7 +131,7 @@ class StructuredOutputsParams(msgspec.Struct, **_STRUCT):
             if self.choice is not None:
                 return compiler.compile_regex("|".join(_regex_literal(c) for c in self.choice))
             return compiler.compile_grammar(self.grammar)
-        except RuntimeError as e:  # xgrammar's parse errors
+        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar: the input is bad
             raise ValueError(f"structured_outputs.{self.kind} does not compile: "
                              f"{_xgrammar_message(e)}") from None
 
