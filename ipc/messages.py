@@ -238,6 +238,9 @@ class SamplingParams(msgspec.Struct, **_STRUCT):
         _check(self.structured_outputs is None or not self.ignore_eos or self.stop_token_ids,
                "ignore_eos", "cannot be set with structured_outputs unless stop_token_ids "
                "are given: a complete grammar ends the request on EOS or a stop token")
+        _check(self.structured_outputs is None or self.min_tokens == 0, "min_tokens",
+               "cannot be set with structured_outputs: the grammar decides where the output "
+               "ends")
 
     @property
     def greedy(self) -> bool:

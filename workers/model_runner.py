@@ -372,9 +372,7 @@ class ModelRunner:
 
     def _add_min_tokens(self, batch: SamplingBatch, rows: np.ndarray,
                         out_lens: np.ndarray) -> None:
-        # a constrained row's grammar decides when it may end: min_tokens does not apply
-        active = np.nonzero((out_lens < self.batch.min_tokens[rows])
-                            & ~self.batch.constrained[rows])[0]
+        active = np.nonzero(out_lens < self.batch.min_tokens[rows])[0]
         pairs = [(i, self.batch.stop_ids[rows[i]]) for i in active]  # only rows under min
         pairs = [(i, ids) for i, ids in pairs if len(ids)]
         if not pairs:

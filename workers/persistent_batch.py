@@ -61,7 +61,6 @@ class PersistentBatch:
         self.num_logprobs = np.full(n, -1, dtype=np.int64)  # -1: no logprobs wanted
         self.num_prompt_logprobs = np.full(n, -1, dtype=np.int64)  # -1: none wanted
         self.stop_ids: list[np.ndarray] = [np.zeros(0, np.int64)] * n  # EOS + stop_token_ids
-        self.constrained = np.zeros(n, dtype=bool)  # has structured_outputs (a grammar)
 
     def __len__(self) -> int:
         return len(self.req_id_to_row)
@@ -135,7 +134,6 @@ class PersistentBatch:
         eos = getattr(req, "eos_token_id", None)
         stop = list(sp.stop_token_ids) + ([eos] if eos is not None else [])
         self.stop_ids[row] = np.asarray(stop, dtype=np.int64)
-        self.constrained[row] = sp.structured_outputs is not None
 
 
 def _check_request_data(req: NewRequestData, tokens: np.ndarray, vocab_size: int) -> None:

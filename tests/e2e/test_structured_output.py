@@ -171,6 +171,10 @@ def test_llm_bad_schema_raises_value_error_naming_the_field(llm):
         llm.generate(["x"], constrained(json={"type": "no-such-type"}), use_tqdm=False)
     with pytest.raises(ValueError, match=r"^structured_outputs must set exactly one"):
         StructuredOutputsParams(json=SCHEMA, regex=REGEX)
+    with pytest.raises(ValueError, match=r"^min_tokens cannot be set with structured_outputs"):
+        SamplingParams(min_tokens=2, structured_outputs=StructuredOutputsParams(regex=REGEX))
+    with pytest.raises(ValueError, match=r"^ignore_eos cannot be set with structured_outputs"):
+        SamplingParams(ignore_eos=True, structured_outputs=StructuredOutputsParams(regex=REGEX))
     assert llm.generate(["x"], constrained(choice=CHOICES), use_tqdm=False)[0].outputs[0] \
         .text in CHOICES  # the engine serves on
 
