@@ -169,8 +169,9 @@ CITY_SCHEMA = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 40},
                    "country": {"type": "string", "maxLength": 40},
-                   "population_millions": {"type": "number"}},
-    "required": ["city", "country", "population_millions"],
+                   "continent": {"enum": ["Africa", "America", "Asia", "Europe", "Oceania"]},
+                   "is_capital": {"type": "boolean"}},
+    "required": ["city", "country", "continent", "is_capital"],
     "additionalProperties": False,
 }
 
