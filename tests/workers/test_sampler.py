@@ -226,8 +226,9 @@ DIGITS = SamplingParams(temperature=0.0, max_tokens=8,
 def test_grammar_constrains_its_request_alone_and_survives_a_recompute(worker, tiny_llama):
     """A regex-constrained request next to a free one: three digits, then EOS (the grammar
     is complete, so only the request's stop token is allowed). Rebuilt mid-way, as after a
-    preemption (the worker sees it anew with its tokens so far), its matcher is replayed
-    over them and it gives the same tokens."""
+    preemption (the worker sees it anew with its tokens so far), or resubmitted with its
+    delivered tokens as prompt (`prompt_tail`), its matcher is replayed over them and it
+    gives the same tokens."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
@@ -248,6 +249,13 @@ def test_grammar_constrains_its_request_alone_and_survives_a_recompute(worker, t
     assert len(req.output_ids) == 2
     req.seen, req.num_computed = False, 0  # resumed: recompute prompt + its 2 tokens
     assert script.run(worker, chunk=8)["digits"] == digits
+
+    # resubmitted to a new core: the delivered tokens are prompt, and the grammar replays them
+    script = PlanScript(first_block=100)
+    script.add("digits", _prompt(11, 5) + digits[:2], SamplingParams(
+        temperature=0.0, max_tokens=6, structured_outputs=StructuredOutputsParams(
+            regex="[0-9]{3}", prompt_tail=2)), eos_token_id=EOS)
+    assert script.run(worker)["digits"][:2] == digits[2:4]
 
 
 def test_a_grammar_that_does_not_compile_is_refused_alone(worker):
