@@ -120,7 +120,6 @@ class StructuredOutputs:
                 self.matchers.pop(req_id)
 
 
-
 def _load_tokenizer(path: str):
     """The folder's fast tokenizer. From its tokenizer.json directly when there is one:
     AutoTokenizer's first call imports transformers' model registry, 2.5-5 s per worker

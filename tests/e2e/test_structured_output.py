@@ -14,7 +14,6 @@ import json
 import random
 import re
 
-import httpx
 import jsonschema
 import openai
 import pytest
