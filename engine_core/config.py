@@ -283,6 +283,7 @@ class EngineConfig:
         cores = affinity[rank] if affinity is not None else None
         return WorkerConfig(
             model=model_dir or self.model.model,
+            tokenizer=self.model.tokenizer,
             dtype=self.model.dtype,
             block_size=self.cache.block_size,
             max_model_len=max_model_len,

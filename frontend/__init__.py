@@ -16,6 +16,7 @@ _EXPORTS = {
     "RequestMetrics": "tidal.frontend.outputs",
     "Logprob": "tidal.frontend.outputs",
     "SamplingParams": "tidal.ipc.messages",
+    "StructuredOutputsParams": "tidal.ipc.messages",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -52,6 +52,7 @@ from tidal.frontend.engine_client import (
 from tidal.frontend.launcher import DaemonProcess
 from tidal.frontend.output_processor import OutputProcessor
 from tidal.frontend.outputs import CompletionOutput, RequestOutput
+from tidal.frontend.structured_output import GrammarChecker
 from tidal.ipc.messages import (
     Abort,
     Detached,
@@ -189,6 +190,7 @@ class AsyncLLM:
         self._daemon = daemon
         self._processor = OutputProcessor(tokenizer, eos_token_ids[0] if eos_token_ids else None,
                                           eos_token_ids[1:])
+        self._grammars = GrammarChecker(tokenizer, info.vocab_size)
         self._collectors: dict[str, RequestOutputCollector] = {}  # request_id -> collector
         self._stats_waiters: list[asyncio.Future] = []
         self.latest_stats: SchedulerStats | None = None
@@ -291,6 +293,7 @@ class AsyncLLM:
         or the engine core refuses the request."""
         interval = max(self.engine_info.stream_interval, stream_interval or 1)
         prompt_ids = await self._encode_off_loop(prompt)
+        await self.check_structured_outputs(params)
         request_id, collector = self._add_request(prompt, params, request_id, priority,
                                                   interval, final_only=False,
                                                   prompt_ids=prompt_ids)
@@ -315,6 +318,7 @@ class AsyncLLM:
         """
         if prompt_token_ids is None:
             prompt_token_ids = await self._encode_off_loop(prompt)
+        await self.check_structured_outputs(params)
         request_id, collector = self._add_request(prompt, params, request_id, priority, 1,
                                                   final_only=True, prompt_ids=prompt_token_ids)
         try:
@@ -324,6 +328,12 @@ class AsyncLLM:
             if self._processor.has_request(request_id):
                 self._abort_quietly(request_id)
         return output
+
+    async def check_structured_outputs(self, params: SamplingParams) -> None:
+        """ValueError naming the field when `params.structured_outputs` does not compile
+        (compiled in a thread: a large schema must not stall the event loop)."""
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+            await asyncio.to_thread(self._grammars.check, params)
 
     async def _encode_off_loop(self, prompt: str | list[int]) -> list[int]:
         """`encode_prompt`; text is tokenized in a thread, so that a huge prompt does not stall

@@ -146,8 +146,9 @@ def resume_params(params: SamplingParams, delivered: list[int]) -> SamplingParam
     all else (seed, stops, penalties) unchanged. None when nothing is left to generate.
 
     A seeded request draws the same numbers: the worker hashes (seed, absolute position),
-    and the positions are the same. Penalties stay the same because the AddRequest says how
-    many of its prompt's tokens were generated (`num_resumed_tokens`).
+    and the positions are the same. Penalties and a structured output's grammar stay the
+    same because the AddRequest says how many of its prompt's tokens were generated
+    (`num_resumed_tokens`): penalties count them as output, the grammar replays them.
     """
     left = params.max_tokens - len(delivered)
     if left <= 0:

@@ -17,6 +17,8 @@ Conventions:
 from __future__ import annotations
 
 import enum
+import json
+import re
 import sys
 from array import array
 from typing import Union
@@ -59,6 +61,87 @@ def unpack_token_ids(data: bytes) -> array:
     if not _LITTLE:
         arr.byteswap()
     return arr
+
+
+# ---------------------------------------------------------------------------------------------
+# structured output
+
+
+class StructuredOutputsParams(msgspec.Struct, **_STRUCT):
+    """Constrain a request's output to a grammar (vLLM's `StructuredOutputsParams`): exactly
+    one of `json`, `regex`, `choice`, `grammar`, `json_object`. The worker compiles it with
+    xgrammar and masks every token the grammar does not allow; the request finishes with
+    "stop" on the EOS / stop token the grammar allows once it is complete.
+
+    Checked for shape here (the engine core decodes it without xgrammar); whether it compiles
+    is checked by the frontend, which has the tokenizer (ValueError naming the field).
+    """
+
+    json: str | dict | None = None
+    """A JSON schema (a dict or its JSON text): the output is one JSON value it accepts."""
+    regex: str | None = None
+    """A regular expression the whole output matches."""
+    choice: list[str] | None = None
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """An EBNF grammar (xgrammar / GBNF syntax, the rule `root` first)."""
+    json_object: bool = False
+    """Any JSON object (OpenAI's `response_format: {"type": "json_object"}`)."""
+    disable_any_whitespace: bool = False
+    """JSON without free whitespace between tokens (a model that rambles spaces cannot)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):  # one canonical form on the wire: the schema's text
+            self.json = json.dumps(self.json)
+        given = [name for name in ("json", "regex", "choice", "grammar")
+                 if getattr(self, name) is not None] + (["json_object"] if self.json_object
+                                                        else [])
+        _check(len(given) == 1, "structured_outputs",
+               f"must set exactly one of json, regex, choice, grammar, json_object; got "
+               f"{', '.join(given) or 'none'}")
+        _check(self.choice is None or (len(self.choice) > 0 and all(
+            isinstance(c, str) and c and is_valid_unicode(c) for c in self.choice)),
+            "structured_outputs.choice", "must be a non-empty list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: json, regex, choice, grammar or json_object."""
+        if self.json_object:
+            return "json_object"
+        return next(n for n in ("json", "regex", "choice", "grammar")
+                    if getattr(self, n) is not None)
+
+    def compile_with(self, compiler):
+        """The xgrammar `CompiledGrammar` of this constraint, from an `xgrammar.GrammarCompiler`
+        (whose cache makes a repeated constraint free). ValueError naming the field when it
+        does not compile. (This module does not import xgrammar: it imports torch, and the
+        engine core never does.)"""
+        try:
+            if self.json is not None or self.json_object:
+                schema = self.json if self.json is not None else '{"type": "object"}'
+                return compiler.compile_json_schema(
+                    schema, any_whitespace=not self.disable_any_whitespace)
+            if self.regex is not None:
+                return compiler.compile_regex(self.regex)
+            if self.choice is not None:
+                return compiler.compile_regex("|".join(_regex_literal(c) for c in self.choice))
+            return compiler.compile_grammar(self.grammar)
+        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar: the input is bad
+            raise ValueError(f"structured_outputs.{self.kind} does not compile: "
+                             f"{_xgrammar_message(e)}") from None
+
+
+def _regex_literal(text: str) -> str:
+    """`text` as a regex matching exactly it (xgrammar's regex dialect: ECMAScript)."""
+    return "".join("\\" + c if c in r"\^$.|?*+()[]{}/-" else c for c in text)
+
+
+def _xgrammar_message(error: Exception) -> str:
+    """xgrammar's error without its C++ log prefix ("[10:00:00] /project/cpp/x.cc:12: ")."""
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    text = lines[0] if lines else type(error).__name__
+    text = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text)
+    return text.replace("Check failed: (error.empty()) is false: ", "")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,6 +192,8 @@ class SamplingParams(msgspec.Struct, **_STRUCT):
     """Return, for every prompt position after the first, the log-probability of the prompt
     token there plus this many top alternatives (vLLM's semantics). Such a request does not
     read the prefix cache until they are computed (cached positions have no logits)."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar (see the class)."""
 
     def __post_init__(self) -> None:
         """ValueError naming the field for a value out of range, or one the worker cannot
@@ -145,6 +230,12 @@ class SamplingParams(msgspec.Struct, **_STRUCT):
                "prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs}")
         _check(self.seed is None or -(2**63) <= self.seed < 2**63, "seed",
                "must fit in a signed 64-bit integer")
+        _check(self.structured_outputs is None or not self.ignore_eos or self.stop_token_ids,
+               "ignore_eos", "cannot be set with structured_outputs unless stop_token_ids "
+               "are given: a complete grammar ends the request on EOS or a stop token")
+        _check(self.structured_outputs is None or self.min_tokens == 0, "min_tokens",
+               "cannot be set with structured_outputs: the grammar decides where the output "
+               "ends")
 
     @property
     def greedy(self) -> bool:
@@ -224,7 +315,7 @@ class AddRequest(msgspec.Struct, tag="add", **_STRUCT):
     num_resumed_tokens: int = 0
     """The prompt's last N tokens were generated for this completion by an engine core that
     was lost (a frontend's or router's resubmission): presence and frequency penalties count
-    them as output, as the first core did."""
+    them as output, and a structured output's grammar replays them, as on the first core."""
 
 
 class Abort(msgspec.Struct, tag="abort", **_STRUCT):
@@ -422,6 +513,7 @@ class WorkerConfig(msgspec.Struct, **_STRUCT):
     seed: int = 0
     cpu_threads: int | None = None  # OpenMP threads of this rank (None: the environment's)
     cpu_cores: list[int] | None = None  # cores this rank is pinned to (None: not pinned)
+    tokenizer: str | None = None  # structured output's tokenizer folder (None: `model`)
 
     @property
     def worker_index(self) -> int:

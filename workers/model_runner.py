@@ -38,6 +38,7 @@ import torch
 
 from tidal.ipc.messages import (
     BatchPlan,
+    NewRequestData,
     PromptLogprobs,
     RequestFailure,
     TokenLogprobs,
@@ -53,6 +54,7 @@ from tidal.workers.layers import kv_heads_per_rank
 from tidal.workers.models.llama import LlamaForCausalLM, ModelArgs
 from tidal.workers.persistent_batch import BadRequestData, PersistentBatch
 from tidal.workers.sampler import Sampler, SamplerOutput, SamplingBatch, token_logprobs
+from tidal.workers.structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +120,8 @@ class ModelRunner:
         """Requests refused for their own data, until the engine core finishes them: later
         plans may still list them (async scheduling), and are run without them."""
         self.sampler = Sampler(config.seed, device)
+        self.structured = StructuredOutputs(config.tokenizer or config.model, args.vocab_size)
+        """Grammar matchers of the requests with structured_outputs (see its module)."""
         self.kv_caches: list[KVCache] = []
         self.graphs: DecodeGraphs | None = None
         self.kv_commit: threading.Thread | None = None  # CPU: making the cache resident
@@ -188,10 +192,13 @@ class ModelRunner:
         if not inputs.sample_req_ids:
             return StepResult([], np.zeros(0, np.int32), None, failed, prompt_logprobs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        out = self.sampler(logits, self.sampling_batch(inputs.sample_rows))
+        out = self.sampler(logits, self.sampling_batch(inputs.sample_rows,
+                                                       inputs.sample_req_ids))
         token_ids = out.token_ids.cpu().numpy()
         if self.pp.size == 1:  # else the tokens come back in the next plan
             self.batch.append_sampled(inputs.sample_rows, token_ids)
+        if len(self.structured):
+            self.structured.accept(inputs.sample_req_ids, token_ids)
         return StepResult(inputs.sample_req_ids, token_ids.astype(np.int32),
                           self._pack_logprobs(out, inputs.sample_rows), failed,
                           prompt_logprobs)
@@ -230,11 +237,12 @@ class ModelRunner:
             raise RuntimeError("init_kv_cache must run before the first step")
         for req_id in (*plan.finished_req_ids, *plan.preempted_req_ids):
             self.batch.remove(req_id)
+            self.structured.remove(req_id)
             self.refused.discard(req_id)
         req_ids, rows, num_scheduled, failed = [], [], [], []
         for new in plan.new_requests:
             try:
-                rows.append(self.batch.add(new))
+                rows.append(self._add_new(new))
             except BadRequestData as e:
                 logger.warning("rank %d refused request %r: %s", self.config.rank, new.req_id, e)
                 failed.append(RequestFailure(new.req_id, str(e)))
@@ -252,6 +260,24 @@ class ModelRunner:
             return None, failed
         return self._build_inputs(req_ids, np.asarray(rows, np.int64),
                                   np.asarray(num_scheduled, np.int64)), failed
+
+    def _add_new(self, new: NewRequestData) -> int:
+        """The row of a request joining the batch; a constrained one gets its grammar
+        matcher, replayed over the tokens it already generated. BadRequestData (the request
+        left out) when its data or its grammar is unusable."""
+        row = self.batch.add(new)
+        spec = new.sampling.structured_outputs
+        if spec is None:
+            self.structured.remove(new.req_id)
+            return row
+        b = self.batch
+        try:  # the grammar has matched the tokens generated so far, resumed ones included
+            self.structured.add(new.req_id, spec, b.stop_ids[row],
+                                b.token_ids[row, b.output_start[row]:b.num_tokens[row]])
+        except BadRequestData:
+            b.remove(new.req_id)
+            raise
+        return row
 
     def _build_inputs(self, req_ids: list[str], rows: np.ndarray,
                       num_scheduled: np.ndarray) -> StepInputs:
@@ -328,8 +354,10 @@ class ModelRunner:
 
     # -- sampling ------------------------------------------------------------------------
 
-    def sampling_batch(self, rows: np.ndarray) -> SamplingBatch:
-        """Per-row sampling tensors for the rows that sample this step."""
+    def sampling_batch(self, rows: np.ndarray,
+                       req_ids: list[str] | None = None) -> SamplingBatch:
+        """Per-row sampling tensors for the rows that sample this step (`req_ids`, theirs,
+        for the grammar masks of constrained requests)."""
         b, dev = self.batch, self._to_device
         out_lens = b.num_tokens[rows] - b.prompt_len[rows]
         batch = SamplingBatch(
@@ -358,6 +386,10 @@ class ModelRunner:
             batch.prompt_token_ids = dev(_gather_tokens(b, rows, np.zeros_like(rows), starts),
                                          torch.int64)
         self._add_min_tokens(batch, rows, out_lens)
+        if req_ids is not None and len(self.structured):
+            masks = self.structured.bitmask(req_ids)
+            if masks is not None:
+                batch.grammar_bitmask, batch.grammar_rows = masks
         wanted = b.num_logprobs[rows]
         if (wanted >= 0).any():
             batch.num_logprobs = int(wanted.max())

@@ -7,6 +7,7 @@ Order of operations (as vLLM v1):
       ├─► raw log-probabilities (log_softmax of the model's logits) ── returned when asked
       ├─ min_tokens: EOS and stop_token_ids set to -inf while too few tokens are generated
       ├─ penalties: repetition (prompt + output, HF rule), frequency and presence (output)
+      ├─ grammar: tokens a constrained row's grammar does not allow set to -inf
       ├─► greedy rows (temperature 0): argmax
       └─ / temperature ─ min_p ─ top_k ─ top_p ─ draw ──► random rows
 
@@ -60,6 +61,11 @@ class SamplingBatch:
     min_tokens_rows: torch.Tensor | None = None
     """[M] int64 rows and [M] int64 token ids to mask (min_tokens not reached yet)."""
     min_tokens_ids: torch.Tensor | None = None
+    grammar_bitmask: torch.Tensor | None = None
+    """[G, ceil(vocab / 32)] int32 allowed-token bits of the constrained rows (bit j % 32 of
+    word j // 32 is token j), from `structured_output.py`; None when no row is constrained."""
+    grammar_rows: torch.Tensor | None = None
+    """[G] int64: the rows `grammar_bitmask` belongs to."""
     num_logprobs: int | None = None
     """Most top alternatives any row asked for; None when no row wants logprobs."""
     host_flags: dict[str, bool] | None = None
@@ -108,6 +114,8 @@ class Sampler:
                                       torch.tensor(float("-inf"), device=logits.device))
         if batch.presence_penalty is not None:
             logits = apply_penalties(logits, batch)
+        if batch.grammar_bitmask is not None:
+            logits = apply_grammar_bitmask(logits, batch.grammar_bitmask, batch.grammar_rows)
         greedy = argmax_rows(logits)
         if batch.flag("all_greedy"):
             sampled = greedy
@@ -183,6 +191,18 @@ def _token_counts(token_ids: torch.Tensor, num_rows: int, vocab_size: int) -> to
     index = torch.where(token_ids < 0, vocab_size, token_ids)
     counts.scatter_add_(1, index, torch.ones_like(index, dtype=counts.dtype))
     return counts[:, :vocab_size]
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
+                          rows: torch.Tensor) -> torch.Tensor:
+    """-inf for every token of `rows` whose bit in the row's bitmask is 0 (not allowed)."""
+    vocab_size = logits.shape[1]
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = (bitmask.to(logits.device).unsqueeze(2) >> bits) & 1  # [G, words, 32]
+    allowed = allowed.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+    rows = rows.to(logits.device)
+    masked = logits[rows].masked_fill(~allowed, float("-inf"))
+    return logits.index_copy(0, rows, masked)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

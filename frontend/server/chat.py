@@ -20,9 +20,6 @@ _RENAMES = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"}
 def _check_supported(req: ChatCompletionRequest) -> None:
     if req.tools:
         raise bad_request("tools are not supported", "tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request("only response_format {\"type\": \"text\"} is supported",
-                          "response_format")
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
     if req.top_logprobs is not None and not req.logprobs:
@@ -35,6 +32,7 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     model = serving.check_model(req.model)
     _check_supported(req)
     params = serving.sampling_params(req, _RENAMES)
+    await serving.check_structured_output(req, params)
     token_ids = await serving.off_loop(serving.render_chat, req.messages,
                                        req.add_generation_prompt, req.continue_final_message,
                                        req.chat_template_kwargs)

@@ -44,6 +44,7 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest,
     model = serving.check_model(req.model)
     _check_supported(req)
     params = serving.sampling_params(req)
+    await serving.check_structured_output(req, params)
     prompts = []
     for prompt in _prompt_list(req.prompt):
         token_ids = await serving.encode(prompt, "prompt")

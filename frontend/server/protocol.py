@@ -17,7 +17,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from tidal.ipc.messages import SamplingParams, is_valid_unicode
+from tidal.frontend.structured_output import from_request_fields
+from tidal.ipc.messages import SamplingParams, StructuredOutputsParams, is_valid_unicode
 
 INT32_MAX = 2**31 - 1
 MAX_N = 128
@@ -103,6 +104,30 @@ class SamplingRequest(OpenAIModel):
     """(vLLM) leave special tokens out of the text."""
     return_token_ids: bool = False
     """(vLLM) add `token_ids` to each choice (and `prompt_token_ids` to the response)."""
+    response_format: dict[str, Any] | None = None
+    """`{"type": "text"}` (the default), `{"type": "json_object"}`, or `{"type":
+    "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}`: the output
+    is JSON (matching the schema), enforced token by token."""
+    guided_json: str | dict[str, Any] | None = None
+    """(vLLM) the output is JSON matching this schema."""
+    guided_regex: str | None = None
+    """(vLLM) the output matches this regular expression."""
+    guided_choice: list[str] | None = None
+    """(vLLM) the output is one of these strings."""
+    guided_grammar: str | None = None
+    """(vLLM) the output follows this EBNF grammar (xgrammar syntax)."""
+    structured_outputs: dict[str, Any] | None = None
+    """(vLLM) one of {"json": schema}, {"regex": r}, {"choice": [...]}, {"grammar": g},
+    {"json_object": true}, optionally with "disable_any_whitespace"."""
+
+    def structured_output(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The request's output constraint and the field that set it (ValueError naming the
+        field when it is malformed or set twice)."""
+        return from_request_fields({
+            "response_format": self.response_format, "guided_json": self.guided_json,
+            "guided_regex": self.guided_regex, "guided_choice": self.guided_choice,
+            "guided_grammar": self.guided_grammar,
+            "structured_outputs": self.structured_outputs})
 
     def sampling_kwargs(self, max_tokens: int | None, logprobs: int | None) -> dict:
         """Keyword arguments for `SamplingParams`, request defaults filled in."""
@@ -114,6 +139,7 @@ class SamplingRequest(OpenAIModel):
             ignore_eos=self.ignore_eos, logprobs=logprobs, seed=self.seed,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.structured_output()[0],
         )
         optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                         min_p=self.min_p, repetition_penalty=self.repetition_penalty)
@@ -198,8 +224,6 @@ class ChatCompletionRequest(SamplingRequest):
     """(vLLM) extra variables for the chat template."""
     tools: list[dict[str, Any]] | None = None
     """Not supported (rejected when non-empty)."""
-    response_format: dict[str, Any] | None = None
-    """Only `{"type": "text"}` is supported."""
 
     def to_sampling_params(self) -> SamplingParams:
         """SamplingParams for the conversation; ValueError names the bad field."""

@@ -269,6 +269,18 @@ class OpenAIServing:
             params.top_k = 0
         return params
 
+    async def check_structured_output(self, req, params) -> None:
+        """A 400 naming the request's field when its output constraint does not compile
+        (checked before admission, so a stream gets a real 400 too)."""
+        if params.structured_outputs is None:
+            return
+        try:
+            await self.engine.check_structured_outputs(params)
+        except ValueError as exc:
+            field = req.structured_output()[1]
+            reason = str(exc).split(" does not compile: ", 1)[-1]
+            raise bad_request(f"{field} does not compile: {reason}", field) from None
+
     # ---------------------------------------------------------------- generation
 
     def start(self, prompts: list[tuple[list[int], str | None]], params, priority: int,

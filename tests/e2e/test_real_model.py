@@ -163,3 +163,30 @@ def test_streamed_chat_completion_through_the_openai_client(client, greedy):
     assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 1
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == \
         expected.finish_reason
+
+
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 40},
+                   "country": {"type": "string", "maxLength": 40},
+                   "continent": {"enum": ["Africa", "America", "Asia", "Europe", "Oceania"]},
+                   "is_capital": {"type": "boolean"}},
+    "required": ["city", "country", "continent", "is_capital"],
+    "additionalProperties": False,
+}
+
+
+def test_chat_completion_with_a_json_schema_gives_valid_json(client):
+    """response_format json_schema on a real chat model: the answer parses and validates."""
+    import json
+
+    import jsonschema
+
+    resp = client.chat.completions.create(
+        model=NAME, max_tokens=80, temperature=0,
+        messages=[{"role": "user", "content": "Describe the capital of France as JSON."}],
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "city", "schema": CITY_SCHEMA}})
+    choice = resp.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    jsonschema.validate(json.loads(choice.message.content), CITY_SCHEMA)

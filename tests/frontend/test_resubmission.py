@@ -7,7 +7,13 @@ core is finished here with the reason the core would have given."""
 import pytest
 
 from tidal.frontend.output_processor import OutputProcessor, lost_finish, resume_params
-from tidal.ipc.messages import FinishReason, SamplingParams, pack_token_ids, unpack_token_ids
+from tidal.ipc.messages import (
+    FinishReason,
+    SamplingParams,
+    StructuredOutputsParams,
+    pack_token_ids,
+    unpack_token_ids,
+)
 from tidal.ipc.messages import RequestOutput as EngineOut
 
 MAX_LEN = 256
@@ -35,6 +41,15 @@ def test_resume_params_reduce_lengths_and_keep_the_rest():
         (7, 0.8, ["x"], [9])
     assert resume_params(params, [1] * 6).min_tokens == 0  # min_tokens met already
     assert resume_params(params, [1] * 10) is None  # nothing left to generate
+
+
+def test_resumed_structured_output_keeps_its_constraint():
+    """The delivered tokens become prompt (the AddRequest's num_resumed_tokens tells the
+    worker to replay the grammar over them); the constraint itself travels unchanged."""
+    params = SamplingParams(max_tokens=10, structured_outputs=StructuredOutputsParams(
+        choice=["yes", "no"]))
+    once = resume_params(params, [11, 12])
+    assert once.structured_outputs == params.structured_outputs
 
 
 def test_lost_finish_reasons():

@@ -8,10 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from tidal.ipc.messages import SamplingParams, TokenLogprobs, unpack_token_ids
+from tidal.ipc.messages import (
+    SamplingParams,
+    StructuredOutputsParams,
+    TokenLogprobs,
+    unpack_token_ids,
+)
 from tidal.workers.sampler import (
     Sampler,
     SamplingBatch,
+    apply_grammar_bitmask,
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
@@ -129,6 +135,20 @@ def test_min_tokens_masks_eos_and_stop_ids():
     assert Sampler(0, torch.device("cpu"))(logits, batch).token_ids.tolist() == [0]
 
 
+def test_grammar_bitmask_masks_only_its_rows_tokens():
+    """Bit j % 32 of word j // 32 allows token j; rows not listed keep every token."""
+    logits = torch.arange(40.0).repeat(2, 1)  # the best token is the last, 39
+    bitmask = torch.zeros(1, 2, dtype=torch.int32)
+    bitmask[0, 0] = 1 << 3  # token 3
+    bitmask[0, 1] = 1 << 2  # token 34
+    masked = apply_grammar_bitmask(logits, bitmask, torch.tensor([1]))
+    assert masked[1].isfinite().nonzero().flatten().tolist() == [3, 34]
+    assert torch.equal(masked[0], logits[0])
+    batch = _batch(2, temperature=torch.zeros(2), grammar_bitmask=bitmask,
+                   grammar_rows=torch.tensor([1]))
+    assert Sampler(0, torch.device("cpu"))(logits, batch).token_ids.tolist() == [39, 34]
+
+
 def test_logprobs_are_raw_model_logprobs_with_rank():
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
     batch = _batch(1, temperature=torch.zeros(1), num_logprobs=2,
@@ -193,3 +213,63 @@ def test_logprobs_through_the_worker(worker):
     assert values[1] >= values[2] >= values[3] and math.isclose(values[0], values[1])
     script.record(sampled)
     script.run(worker)  # finish cleanly
+
+
+# ---------------------------------------------------------------------------------------------
+# structured output through the worker
+
+EOS = 0  # the tiny tokenizer's <|endoftext|>
+DIGITS = SamplingParams(temperature=0.0, max_tokens=8,
+                        structured_outputs=StructuredOutputsParams(regex="[0-9]{3}"))
+
+
+def test_grammar_constrains_its_request_alone_and_survives_a_recompute(worker, tiny_llama):
+    """A regex-constrained request next to a free one: three digits, then EOS (the grammar
+    is complete, so only the request's stop token is allowed). Rebuilt mid-way, as after a
+    preemption (the worker sees it anew with its tokens so far), or resubmitted with its
+    delivered tokens as prompt (`num_resumed_tokens`), its matcher is replayed over them and it
+    gives the same tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    script = PlanScript()
+    script.add("digits", _prompt(11, 5), DIGITS, eos_token_id=EOS)
+    script.add("free", _prompt(7, 6), SamplingParams(temperature=0.0, max_tokens=8))
+    outputs = script.run(worker, chunk=8)
+    digits = outputs["digits"]
+    assert digits[3] == EOS and tokenizer.decode(digits[:3]).isdigit()
+    alone = PlanScript(first_block=60)
+    alone.add("free", _prompt(7, 6), SamplingParams(temperature=0.0, max_tokens=8))
+    assert alone.run(worker)["free"] == outputs["free"]  # the mask touched its row only
+
+    script = PlanScript(first_block=40)
+    req = script.add("digits", _prompt(11, 5), DIGITS, eos_token_id=EOS)
+    for _ in range(3):  # the prompt in two chunks, then one digit
+        script.record(worker.execute(script.plan(chunk=8)))
+    assert len(req.output_ids) == 2
+    req.seen, req.num_computed = False, 0  # resumed: recompute prompt + its 2 tokens
+    assert script.run(worker, chunk=8)["digits"] == digits
+
+    # resubmitted to a new core: the delivered tokens are prompt, and the grammar replays them
+    script = PlanScript(first_block=100)
+    script.add("digits", _prompt(11, 5) + digits[:2], SamplingParams(
+        temperature=0.0, max_tokens=6, structured_outputs=StructuredOutputsParams(
+            regex="[0-9]{3}")), eos_token_id=EOS, num_resumed_tokens=2)
+    assert script.run(worker)["digits"][:2] == digits[2:4]
+
+
+def test_a_grammar_that_does_not_compile_is_refused_alone(worker):
+    """A constraint the frontend would have refused, sent anyway: the workers refuse that
+    request (its error names the field), and the rest of the batch runs."""
+    script = PlanScript(first_block=80)
+    script.add("bad", _prompt(5, 7), SamplingParams(
+        temperature=0.0, max_tokens=4, structured_outputs=StructuredOutputsParams(regex="(ab")),
+        eos_token_id=EOS)
+    script.add("good", _prompt(5, 8), DIGITS, eos_token_id=EOS)
+    sampled = worker.execute(script.plan())
+    assert [f.req_id for f in sampled.failed] == ["bad"]
+    assert sampled.failed[0].error.startswith("structured_outputs.regex does not compile")
+    assert sampled.req_ids == ["good"]
+    script.finish("bad")
+    script.record(sampled)
+    script.run(worker)

@@ -1,10 +1,11 @@
 """A fake AsyncLLM for unit tests of the HTTP layer alone (no engine core, no model).
 
 It follows frontend-contract.md's AsyncLLM surface: `engine_info`, `tokenizer`, `model_name`,
-`encode_prompt`, `generate` (async iterator of the real `RequestOutput`s, with deltas),
-`abort`, `fail_requests`, `get_stats`, `close`, `dead`, `attached`, `away_reason`. Tokens are
-deterministic: completion j of a prompt whose last token is t generates t+1+j, t+2+j, ...
-(mod a small range of plain tokens).
+`encode_prompt`, `check_structured_outputs` (the real xgrammar check), `generate` (async
+iterator of the real `RequestOutput`s, with deltas), `abort`, `fail_requests`, `get_stats`,
+`close`, `dead`, `attached`, `away_reason`. Tokens are deterministic: completion j of a
+prompt whose last token is t generates t+1+j, t+2+j, ... (mod a small range of plain
+tokens).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 from types import SimpleNamespace
 
 from tidal.frontend.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tidal.frontend.structured_output import GrammarChecker
 from tidal.ipc.messages import SchedulerStats
 
 
@@ -48,6 +50,10 @@ class FakeEngine:
         self.stats = SchedulerStats(num_kv_blocks=100)
         first = tokenizer.convert_tokens_to_ids("a")
         self._plain = list(range(first, first + 20))  # ids of ordinary tokens
+
+    async def check_structured_outputs(self, params) -> None:
+        """AsyncLLM's check: ValueError when the constraint does not compile."""
+        GrammarChecker(self.tokenizer, len(self.tokenizer)).check(params)
 
     def encode_prompt(self, prompt):
         ids = self.tokenizer.encode(prompt, add_special_tokens=False) \

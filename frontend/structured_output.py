@@ -1,0 +1,97 @@
+"""Structured output in the frontends: the OpenAI / vLLM request fields that ask for it, and
+the compile check that turns a constraint xgrammar cannot compile into a ValueError naming
+the field (HTTP 400) before the request is sent.
+
+The frontend compiles because it has the tokenizer and answers the client; the workers
+compile the same constraint again for their masks (`workers/structured_output.py` says why),
+each from xgrammar's compiler cache after the first time. xgrammar (and with it torch) is
+imported on the first constrained request only.
+
+HTTP fields, each mapped onto one `StructuredOutputsParams` (more than one is a 400):
+
+    response_format {"type": "json_object"}                     json_object
+    response_format {"type": "json_schema", "json_schema": {"schema": S, ...}}   json = S
+    guided_json S | guided_regex R | guided_choice [..] | guided_grammar G   (vLLM, older)
+    structured_outputs {"json": S} | {"regex": R} | {"choice": [..]} | ...   (vLLM, newer)
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from tidal.ipc.messages import SamplingParams, StructuredOutputsParams
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
+
+
+class GrammarChecker:
+    """Compiles constraints against the served tokenizer to check them (xgrammar caches
+    each compiled grammar, so a repeated schema costs nothing the second time)."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._compiler = None
+        self._lock = threading.Lock()
+
+    def check(self, params: SamplingParams) -> None:
+        """ValueError ("structured_outputs.json does not compile: ...") when the request's
+        constraint does not compile; nothing for a request without one."""
+        if params.structured_outputs is not None:
+            params.structured_outputs.compile_with(self._get_compiler())
+
+    def _get_compiler(self):
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar
+
+                vocab_size = max(self.vocab_size, len(self.tokenizer))
+                info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer,
+                                                               vocab_size=vocab_size)
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+            return self._compiler
+
+
+def from_request_fields(fields: dict[str, Any]) -> tuple[StructuredOutputsParams | None,
+                                                          str | None]:
+    """(the constraint, the request field that gave it) from an OpenAI / vLLM request's
+    `response_format`, `guided_*` and `structured_outputs` fields (None values are unset).
+    ValueError naming the field for a shape that is not understood or for two constraints."""
+    found = [(name, value) for name, value in fields.items() if value is not None
+             and not (name == "response_format" and value.get("type", "text") == "text")]
+    if not found:
+        return None, None
+    if len(found) > 1:
+        raise ValueError(f"{found[1][0]} cannot be combined with {found[0][0]}: give one "
+                         "structured output constraint")
+    name, value = found[0]
+    try:
+        if name == "response_format":
+            return _from_response_format(value), name
+        if name == "structured_outputs":
+            if not isinstance(value, dict):
+                raise ValueError("must be an object")
+            return StructuredOutputsParams(**value), name
+        return StructuredOutputsParams(**{_GUIDED[name]: value}), name
+    except (TypeError, ValueError) as e:
+        message = str(e)
+        if message.startswith("structured_outputs"):
+            message = message.split(" ", 1)[1]
+        raise ValueError(f"{name} {message}") from None
+
+
+def _from_response_format(value: dict) -> StructuredOutputsParams:
+    kind = value.get("type")
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict):
+            raise ValueError('of type "json_schema" needs a "json_schema" object')
+        schema = spec.get("schema", {})
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError("json_schema.schema must be a JSON schema object")
+        return StructuredOutputsParams(json=schema if isinstance(schema, dict) else {})
+    raise ValueError(f'type must be "text", "json_object" or "json_schema", got {kind!r}')
