@@ -14,7 +14,7 @@ import re
 
 from tidal.engine_core.config import (
     ATTENTION_BACKENDS, DEVICES, EXECUTOR_BACKENDS, SCHEDULING_POLICIES, CacheConfig,
-    EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+    EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, decode_engine_config,
 )
 
 _DTYPE_ALIASES = {
@@ -184,7 +184,11 @@ def _add_parallel_args(g) -> None:
 
 
 def config_from_args(ns: argparse.Namespace) -> EngineConfig:
-    """Build the config from parsed flags (ValueError naming the field on bad values)."""
+    """Build the config from parsed flags (ValueError naming the field on bad values); a
+    whole config sent by a frontend (the hidden `--engine-config`, msgspec JSON) wins."""
+    whole = getattr(ns, "engine_config", None)
+    if whole:
+        return decode_engine_config(whole)
     model_tag, model_flag = getattr(ns, "model_tag", None), getattr(ns, "model", None)
     if model_tag and model_flag and model_tag != model_flag:
         raise ValueError(f"model given twice: {model_tag!r} and --model {model_flag!r}")

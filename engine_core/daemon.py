@@ -55,7 +55,6 @@ import zmq
 from tidal.engine_core.args import add_engine_args, config_from_args
 from tidal.engine_core.config import (
     EngineConfig,
-    decode_engine_config,
     is_gguf,
     resolve_max_model_len,
 )
@@ -616,8 +615,7 @@ def run_daemon_from_args(ns: argparse.Namespace) -> int:
               "`tidal core --engine-key-file` and to every frontend")
         return EXIT_OK
     try:
-        config = (decode_engine_config(ns.engine_config) if ns.engine_config
-                  else config_from_args(ns))
+        config = config_from_args(ns)
         if config.parallel.data_parallel_size > 1:  # the router starts N daemons of DP 1
             raise ValueError("data_parallel_size > 1 is served by `tidal core` (the router)")
         return run_daemon(config, ns.listen, ns.engine_key_file, ns.frontend_timeout,

@@ -89,11 +89,22 @@ def run_core(ns: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"tidal core: {e}", file=sys.stderr)
         return 2
-    if ns.data_parallel_size > 1 and not ns.generate_key_file:
+    if _data_parallel_size(ns) > 1 and not ns.generate_key_file:
         from tidal.frontend.dp_router import run_router_from_args
 
         return run_router_from_args(ns)  # N engine cores behind one router
     return run_daemon_from_args(ns)
+
+
+def _data_parallel_size(ns: argparse.Namespace) -> int:
+    """The -dp of the flags or of a frontend's whole config (1 when the config is bad: the
+    daemon then reports the field)."""
+    from tidal.engine_core.args import config_from_args
+
+    try:
+        return config_from_args(ns).parallel.data_parallel_size
+    except ValueError:
+        return 1
 
 
 # ---------------------------------------------------------------------------------------------
