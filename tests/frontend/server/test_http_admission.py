@@ -291,7 +291,7 @@ def test_queue_delay_503_comes_at_once_with_retry_after(tokenizer, monkeypatch):
 
 def test_queue_delay_burst_every_request_gets_an_answer(tokenizer, monkeypatch):
     """0.3 s of queue, 0.4 s per request admitted since the snapshot, limit 1 s: of six at
-    once the first two are admitted (0.3, 0.7 s); each of the other four would wait 1.1 s
+    once the first two to arrive are admitted (0.3, 0.7 s); each of the other four would wait 1.1 s
     (a rejected request adds nothing) and gets 503 with Retry-After 1; the admitted two run
     to the end."""
     import tidal.frontend.server.admission as admission
@@ -308,10 +308,17 @@ def test_queue_delay_burst_every_request_gets_an_answer(tokenizer, monkeypatch):
                                                          "stream": i % 2 == 0})
                     for i in range(6)]
             results = await asyncio.wait_for(asyncio.gather(*reqs), 10)
-        assert [r.status_code for r in results] == [200, 200, 503, 503, 503, 503]
-        assert [r.headers.get("retry-after") for r in results] == [None, None] + ["1"] * 4
-        assert "data: [DONE]" in results[0].text
-        assert results[1].json()["usage"]["completion_tokens"] == 4
+        # which two are admitted depends on the order the six reach admission (their prompts
+        # are tokenized off the event loop, so that order is not the order of sending)
+        codes = [r.status_code for r in results]
+        assert sorted(codes) == [200, 200, 503, 503, 503, 503], codes
+        for i, r in enumerate(results):
+            if r.status_code == 503:
+                assert r.headers.get("retry-after") == "1"
+            elif i % 2 == 0:  # streamed
+                assert r.headers.get("retry-after") is None and "data: [DONE]" in r.text
+            else:
+                assert r.json()["usage"]["completion_tokens"] == 4
         assert app.state.serving.admission.num_ours() == 0
 
     asyncio.run(_with_app(engine, ServerSettings(max_queue_delay=1.0), body))
