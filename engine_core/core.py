@@ -89,6 +89,11 @@ class EngineCore:
             return None
         return self.scheduler.update(self.in_flight.popleft(), sampled)
 
+    def replace_executor(self, executor: Executor) -> None:
+        """Run plans on `executor` from now on (healing: the old one's workers are gone and
+        `drop_in_flight` forgot their plans)."""
+        self.executor = executor
+
     def drop_in_flight(self) -> None:
         """Forget every plan in flight (their workers are gone; `Scheduler.recompute_all`
         recomputes what they would have produced)."""

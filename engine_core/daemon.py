@@ -102,6 +102,10 @@ LIFELINE_GRACE_S = 15.0
 """Seconds a private daemon whose owner died has to stop after SIGTERM before it is
 SIGKILLed: more than its own worst case (a running step, then its workers' shutdown)."""
 _HOUSEKEEPING_S = 1.0  # longest idle poll: frontend timeouts are checked at least this often
+HEAL_MIN_STARTUP_S = 30.0
+"""Least time replacement workers get to start (see `EngineCoreDaemon._heal_startup_timeout`):
+in a chaos soak a worker SIGSTOPped while it started as a replacement left the core waiting
+out the 600 s start-up limit, deaf to its frontends."""
 _COLLECT_SLICE_S = 0.5  # a long step is waited for in slices, to notice a stop signal
 
 
@@ -134,6 +138,7 @@ class EngineCoreDaemon:
         self.depth = config.pipeline_depth
         self.stop_reason: str | None = None
         self.num_worker_restarts = 0
+        self.first_start_s = 0.0  # how long the first start of the workers took
         self.sock = self.auth = self.executor = self.scheduler = self.info = None
         self.core: EngineCore | None = None  # the step loop, once the workers are up
         self.queue_estimator: QueueDelayEstimator | None = None  # with --max-queue-delay
@@ -177,7 +182,9 @@ class EngineCoreDaemon:
             self.model_dir = model_folder(self.config.model.model,
                                           lambda: self.stop_reason is not None, self.log_level)
             max_model_len = resolve_max_model_len(self.config, self.model_dir)
+            started = time.monotonic()
             facts = self._start_workers(max_model_len)
+            self.first_start_s = time.monotonic() - started
             self.scheduler = Scheduler(self.config, facts.num_kv_blocks, facts.max_model_len)
             self.core = EngineCore(self.scheduler, self.executor, self.depth)
         except InterruptedError:
@@ -192,16 +199,16 @@ class EngineCoreDaemon:
         self.info = self._engine_info(facts.num_kv_blocks, facts.max_model_len)
         return None
 
-    def _start_workers(self, max_model_len: int) -> WorkerFacts:
+    def _start_workers(self, max_model_len: int, **options) -> WorkerFacts:
         """A fresh executor with every rank loaded, and what the ranks found.
         WorkerError if a rank fails to start; InterruptedError on a stop signal."""
-        self.executor = make_executor(self.config, max_model_len, self.ctx,
+        self.executor = make_executor(self.config, max_model_len, self.ctx, **options,
                                       step_timeout=self.config.parallel.worker_timeout,
                                       log_level=self.log_level,
                                       model_dir=self.model_dir)
         self._idle_poller = None  # it polls the executor's process fds
         if self.core is not None:
-            self.core.executor = self.executor
+            self.core.replace_executor(self.executor)
         return self.executor.start(lambda: self.stop_reason is not None)
 
     def _engine_info(self, num_blocks: int, max_model_len: int) -> EngineInfo:
@@ -267,7 +274,8 @@ class EngineCoreDaemon:
                 "%d running request(s) will be recomputed from their tokens", failure,
                 self.num_worker_restarts, limit, num_running)
             try:
-                facts = self._start_workers(self.scheduler.max_model_len)
+                facts = self._start_workers(self.scheduler.max_model_len,
+                                            startup_timeout=self._heal_startup_timeout())
             except InterruptedError:
                 return  # a stop signal: the serve loop ends and fails what is unfinished
             except WorkerError as e:
@@ -280,6 +288,13 @@ class EngineCoreDaemon:
                     f"vocabulary of {facts.vocab_size}, where the engine core uses "
                     f"{self.scheduler.num_kv_blocks} and {self.vocab_size}")
             return
+
+    def _heal_startup_timeout(self) -> float:
+        """Seconds replacement workers get to report ready: a replacement that hangs while
+        it starts (stopped, say) is one more fault to heal, not a core that waits out the
+        first start-up's 10-minute limit without serving anyone. Several times the first
+        start, which loaded the same model, and never under HEAL_MIN_STARTUP_S."""
+        return max(HEAL_MIN_STARTUP_S, 5 * self.first_start_s)
 
     def _stats(self):
         """The scheduler's snapshot, with the restarts this core made and, with

@@ -74,8 +74,10 @@ class PreemptionLog:
         if fewer_tokens < sched.max_num_batched_tokens:
             tips.append(f"decrease --max-num-batched-tokens (now "
                         f"{sched.max_num_batched_tokens}, e.g. to {fewer_tokens})")
-        tips.append(f"increase --tensor-parallel-size (now {tp}, e.g. to {tp * 2}) to spread "
-                    f"the KV cache over more devices")
+        pp = self.config.parallel.pipeline_parallel_size
+        tips.append(f"increase --tensor-parallel-size (now {tp}, e.g. to {tp * 2}) or "
+                    f"--pipeline-parallel-size (now {pp}, e.g. to {pp * 2}) to spread the KV "
+                    f"cache over more devices")
         return ("To avoid it: " + "; or ".join(tips) + ". `tidal tune` picks these settings for "
                 "your traffic by simulating this scheduler on a request trace (record one with "
                 "`tidal serve --record-trace FILE`)")

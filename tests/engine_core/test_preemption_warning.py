@@ -35,7 +35,8 @@ def test_warning_text_and_advice(caplog):
     assert "increase --gpu-memory-utilization (now 0.92, e.g. to 0.96)" in msg
     assert "decrease --max-num-seqs (now 256, 2 were running; e.g. to 1)" in msg
     assert "decrease --max-num-batched-tokens (now 512, e.g. to 256)" in msg
-    assert "increase --tensor-parallel-size (now 1, e.g. to 2)" in msg
+    assert "increase --tensor-parallel-size (now 1, e.g. to 2) or --pipeline-parallel-size " \
+        "(now 1, e.g. to 2)" in msg
     assert "`tidal tune` picks these settings for your traffic" in msg
     assert "Preemptions so far: 1" in msg
 
