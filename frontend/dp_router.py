@@ -670,14 +670,9 @@ def resume_request(add: AddRequest, generated: bytes) -> AddRequest | None:
     delivered = unpack_token_ids(bytes(generated)).tolist()
     if not delivered:
         return add
-    params = add.sampling
-    if params.max_tokens is None:  # up to the context length: no count to reduce
-        params = msgspec.structs.replace(
-            params, min_tokens=max(0, params.min_tokens - len(delivered)), prompt_logprobs=None)
-    else:
-        params = resume_params(params, delivered)
-        if params is None:
-            return None
+    params = resume_params(add.sampling, delivered)
+    if params is None:
+        return None
     prompt = pack_token_ids(unpack_token_ids(add.prompt_token_ids).tolist() + delivered)
     return msgspec.structs.replace(add, prompt_token_ids=prompt, sampling=params,
                                    num_resumed_tokens=add.num_resumed_tokens + len(delivered))

@@ -143,15 +143,16 @@ def child_params(params: SamplingParams, index: int, max_tokens: int) -> Samplin
 def resume_params(params: SamplingParams, delivered: list[int]) -> SamplingParams | None:
     """The engine-side params that continue a completion after `delivered` tokens, sent with
     prompt + delivered as the new prompt: max_tokens and min_tokens less what was delivered,
-    all else (seed, stops, penalties) unchanged. None when nothing is left to generate.
+    all else (seed, stops, penalties) unchanged; a max_tokens of None (up to the context
+    length) stays None. None when nothing is left to generate.
 
     A seeded request draws the same numbers: the worker hashes (seed, absolute position),
     and the positions are the same. Penalties and a structured output's grammar stay the
     same because the AddRequest says how many of its prompt's tokens were generated
     (`num_resumed_tokens`): penalties count them as output, the grammar replays them.
     """
-    left = params.max_tokens - len(delivered)
-    if left <= 0:
+    left = None if params.max_tokens is None else params.max_tokens - len(delivered)
+    if left is not None and left <= 0:
         return None
     # prompt logprobs come with the first token: once one was delivered they were too, and
     # the new prompt's would cover the delivered tokens as well

@@ -41,6 +41,8 @@ def test_resume_params_reduce_lengths_and_keep_the_rest():
         (7, 0.8, ["x"], [9])
     assert resume_params(params, [1] * 6).min_tokens == 0  # min_tokens met already
     assert resume_params(params, [1] * 10) is None  # nothing left to generate
+    unbounded = resume_params(SamplingParams(max_tokens=None, min_tokens=4), [1, 2])
+    assert (unbounded.max_tokens, unbounded.min_tokens) == (None, 2)  # up to the context
 
 
 def test_resumed_structured_output_keeps_its_constraint():
