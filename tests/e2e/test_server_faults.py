@@ -32,6 +32,10 @@ pytestmark = pytest.mark.slow  # live server subprocesses (still run by CI)
 FLAGS = [*ENGINE_FLAGS, "--max-model-len", "4096"]
 LONG = {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True,
         "temperature": 0}
+# Long enough to still be running when a test's fault lands right after its first token (at
+# ~5 ms a token here), short enough that the survivors finish fast: these tests spent 20-30 s
+# streaming 4000 tokens after the fault.
+MEDIUM = {**LONG, "max_tokens": 1200}
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +208,7 @@ def test_killing_one_http_process_leaves_the_others_streams_alone(long_llama):
         streams: list[Stream] = []
         while len({s.server for s in streams}) < 2:  # streams on both processes
             assert len(streams) < 16, "every connection went to one process"
-            streams.append(Stream(server.base_url))
+            streams.append(Stream(server.base_url, MEDIUM))
             assert streams[-1].first.wait(60) and not streams[-1].broken
         victim = http_processes(server.proc.pid)[0]
         os.kill(victim, signal.SIGKILL)
@@ -230,7 +234,7 @@ def test_core_restarted_at_the_same_address_is_attached_again(long_llama, tmp_pa
     server = LiveServer(["--engine", address])
     try:
         server.start()
-        stream = Stream(server.base_url)
+        stream = Stream(server.base_url, MEDIUM)
         assert stream.first.wait(60) and not stream.broken
         os.killpg(core.proc.pid, signal.SIGKILL)  # the core and its workers, without a word
         wait_until(lambda: not completes(server.base_url), 30, "503 with Retry-After")

@@ -71,7 +71,6 @@ def _handler(state: FakeServerState):
             finally:
                 with state.lock:
                     state.in_flight -= 1
-                    state.num_requests += 1
 
         def _stream(self, body: dict):
             self.send_response(200)
@@ -83,6 +82,10 @@ def _handler(state: FakeServerState):
                 chunk = {"choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]}
                 self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 self.wfile.flush()
+            # Counted before [DONE] is sent: a client may scrape /metrics the moment it reads
+            # [DONE], before this thread returns (CI once saw 7 of 8 requests counted).
+            with state.lock:
+                state.num_requests += 1
             usage = {"prompt_tokens": 5, "completion_tokens": num_tokens,
                      "total_tokens": 5 + num_tokens}
             self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
