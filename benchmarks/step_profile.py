@@ -24,13 +24,17 @@ import statistics
 import sys
 import time
 
-from tidal.engine_core.cpu_threads import WAIT_POLICY
+from tidal.engine_core.cpu_threads import shared_openmp_dir
 
-# the worker process gets this wait policy from the executor (engine_core/cpu_threads.py); the
-# in-process Worker here must have it too, set before torch loads OpenMP: with OpenMP's default
-# spinning, torch's and numba's thread pools fought each other and a decode step measured 7x
-# slower on a loaded machine (8.0 s against 1.2 s, SmolLM2 batch 32, 2026-12-01)
-os.environ.setdefault("OMP_WAIT_POLICY", WAIT_POLICY)
+# the worker process gets its OpenMP environment from the executor (engine_core/cpu_threads.py):
+# one runtime for torch and numba, through LD_LIBRARY_PATH. The loader reads that variable only
+# when a process starts, so this in-process Worker runs the script again with it (two
+# runtimes spinning against each other made a decode step up to 7x slower, 2026-12-01)
+_SHARED = shared_openmp_dir()
+if _SHARED is not None and str(_SHARED) not in os.environ.get("LD_LIBRARY_PATH", "").split(":"):
+    os.environ["LD_LIBRARY_PATH"] = ":".join(
+        p for p in [str(_SHARED), os.environ.get("LD_LIBRARY_PATH", "")] if p)
+    os.execv(sys.executable, [sys.executable, *sys.argv])
 
 import torch  # noqa: E402
 

@@ -1,32 +1,60 @@
 """How many CPU threads each worker rank runs, on which cores, and how its idle threads wait.
 
-The worker's intra-op threads are OpenMP threads (torch's bundled libgomp; the numba decode
-kernel runs on a second OpenMP runtime, the system's libgomp). Three choices, made here once
+The worker's intra-op threads are OpenMP threads: torch's GEMMs and elementwise ops, and the
+numba decode-attention kernel (numba's "omp" threading layer). Four choices, made here once
 for every rank and handed to it through its environment before it imports torch:
 
+- **One OpenMP runtime** (`shared_openmp_dir`): torch's wheel bundles its own libgomp, and
+  numba's thread pool links the system's by the file name `libgomp.so.1.0.0`, so a worker
+  ran two runtimes and two teams of threads on the same cores. The rank's
+  `LD_LIBRARY_PATH` starts with a folder where that name points at torch's libgomp, so
+  numba's pool is torch's pool: one team, which the kernels hand to each other.
+- **Wait policy**: left to libgomp's default unless `OMP_WAIT_POLICY` is set, i.e. a thread
+  spins for about 300,000 iterations after a parallel region, then sleeps. Measured on an
+  AMD EPYC 2-core VM (7M Llama, 200 sharegpt-like requests offline, tokens/s):
+
+      two runtimes, PASSIVE (the old default)    777-853
+      one runtime, PASSIVE                       698-770
+      one runtime, spin 10,000 / 50,000          686 / 731
+      one runtime, default spin (300,000)        1810-2066
+      one runtime, ACTIVE (spin forever)         1803-1970
+      one thread                                 798
+
+  A sleeping thread of a VM is a halted virtual CPU, and waking one for each of the ~30
+  parallel regions of a step cost more than the step's work; the gaps between regions
+  (Python between two kernels) are longer than 50,000 spins. Two runtimes spinning fought
+  each other (a step 7x slower): that is why PASSIVE was the default before the runtimes
+  were joined.
 - **Thread count** (`--cpu-threads`): by default every core this process may use, shared
   among the ranks. The engine core and the frontends sleep in `poll` while a step runs, so
   leaving them a core of their own (the old default) halved the worker's compute on a
   2-core machine.
-- **Wait policy**: OpenMP's default keeps a thread spinning for ~300,000 iterations after
-  each parallel region. Two runtimes in one process (torch's and numba's) then spin against
-  each other, and a thread preempted by any other process (a busy neighbour, the engine
-  core, the HTTP server) leaves its partner spinning at the next barrier for a whole
-  scheduler time slice. `PASSIVE` makes idle threads sleep at once.
 - **Affinity** (`--cpu-affinity`, vLLM's `VLLM_CPU_OMP_THREADS_BIND` syntax): optional
   core lists, one per rank separated by `|` (`0-3|4-7`); a rank then runs only there and
   its thread count defaults to its list's length.
 
+A busy neighbour: spinning threads give way to a `nice`d process only if the kernel compares
+their priorities, and with autogroup scheduling (`/proc/sys/kernel/sched_autogroup_enabled`)
+it does so only within one session; so the engine core and its workers stay in the session
+that started them (`frontend/launcher.py`), and a `nice -n 19` job of that session cost the
+7M run 4-12% of its throughput (1824 tokens/s beside two such busy loops). A neighbour in
+another session gets an equal share of the CPU whatever its nice value; there, PASSIVE
+(`OMP_WAIT_POLICY=PASSIVE`) keeps more.
+
 An explicit `--cpu-threads` wins over `OMP_NUM_THREADS` in the environment, which wins over
-the default; an `OMP_WAIT_POLICY` already in the environment is kept.
+the default; `OMP_WAIT_POLICY` and `GOMP_SPINCOUNT` already in the environment are kept.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import os
+import tempfile
+from pathlib import Path
 
-WAIT_POLICY = "PASSIVE"
-"""OpenMP wait policy for the workers unless OMP_WAIT_POLICY is set (see the module text)."""
+NUMBA_LIBGOMP_NAME = "libgomp.so.1.0.0"
+"""The file name numba's OpenMP pool (numba/np/ufunc/omppool) asks the loader for."""
 
 
 def parse_cpu_list(text: str) -> list[int]:
@@ -82,9 +110,50 @@ def worker_threads(cpu_threads: int | None, cores: list[int] | None, num_ranks: 
 
 
 def worker_env(base: dict[str, str], threads: int) -> dict[str, str]:
-    """`base` plus one rank's thread count (for torch's and numba's pools) and, unless `base`
-    has one, the wait policy."""
+    """`base` plus one rank's thread count (for torch's and numba's pools) and the library
+    path that gives numba torch's OpenMP runtime (when torch's libgomp is found)."""
     env = dict(base)
     env["OMP_NUM_THREADS"] = env["NUMBA_NUM_THREADS"] = str(threads)
-    env.setdefault("OMP_WAIT_POLICY", WAIT_POLICY)
+    shared = shared_openmp_dir(Path(base["XDG_CACHE_HOME"]) / "tidal"
+                               if base.get("XDG_CACHE_HOME") else None)
+    if shared is not None:
+        paths = [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
+        env["LD_LIBRARY_PATH"] = os.pathsep.join([str(shared)] + [p for p in paths
+                                                                   if p != str(shared)])
     return env
+
+
+def torch_libgomp() -> Path | None:
+    """torch's bundled libgomp (torch/lib/libgomp.so.1), found without importing torch."""
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        return None
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(location) / "lib" / "libgomp.so.1"
+        if candidate.is_file():
+            return candidate.resolve()
+    return None
+
+
+def shared_openmp_dir(cache: Path | None = None) -> Path | None:
+    """A folder holding `NUMBA_LIBGOMP_NAME` as a link to torch's libgomp (made once per
+    torch install under the cache, atomically); None where torch bundles none (its CUDA or
+    macOS builds may not) or the link cannot be made."""
+    target = torch_libgomp()
+    if target is None:
+        return None
+    root = cache or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tidal"
+    folder = root / "openmp" / hashlib.sha256(str(target).encode()).hexdigest()[:16]
+    link = folder / NUMBA_LIBGOMP_NAME
+    try:
+        if link.is_symlink() and link.resolve() == target:
+            return folder
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder) as scratch:
+            temporary = Path(scratch) / NUMBA_LIBGOMP_NAME
+            temporary.symlink_to(target)
+            os.replace(temporary, link)  # atomic: concurrent ranks see old or new, never none
+    except OSError:
+        return None
+    return folder

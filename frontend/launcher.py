@@ -3,8 +3,11 @@
     python -m tidal.frontend.cli core --engine-config <the EngineConfig as msgspec JSON>
         --listen <new private address> --lifeline-fd <read end of this process's lifeline pipe>
 
-The daemon runs in its own session (so a Ctrl-C in the terminal reaches the frontend, which
-then stops the daemon in order) and never outlives its owner: when this process dies without
+The daemon runs in its own process group (so a Ctrl-C in the terminal reaches the frontend,
+which then stops the daemon in order) but in the caller's session: with autogroup scheduling
+the kernel weighs `nice` values only within one session, and in a session of its own the
+daemon's workers shared the CPU half and half with a `nice -n 19` job of the user's
+(`engine_core/cpu_threads.py`) and never outlives its owner: when this process dies without
 closing it, SIGKILL included, the daemon reads end-of-file on its lifeline, stops as on
 SIGTERM (its workers with it) and is SIGKILLed if still there 15 s later
 (`ipc/lifeline.py`). Its stderr is echoed line by line (to this process's stderr, unless
@@ -52,7 +55,7 @@ class DaemonProcess:
                 "--engine-config", encode_engine_config(config), "--listen", self.address, "--lifeline-fd", str(lifeline), *(extra_args or [])]
         self.proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            start_new_session=True, pass_fds=(lifeline,), env=env)
+            process_group=0, pass_fds=(lifeline,), env=env)
         self._reader = threading.Thread(target=self._read_stderr, name="tidal-core-stderr",
                                         daemon=True)
         self._reader.start()

@@ -1,6 +1,11 @@
 """Worker threads, cores and wait policy (`engine_core/cpu_threads.py`): how `--cpu-threads`,
 `--cpu-affinity` and the environment decide each rank's OpenMP setup."""
 
+import ast
+import os
+import subprocess
+import sys
+
 import pytest
 
 from tidal.engine_core.config import EngineConfig, ModelConfig, ParallelConfig
@@ -8,6 +13,7 @@ from tidal.engine_core.cpu_threads import (
     available_cpus,
     parse_cpu_affinity,
     parse_cpu_list,
+    torch_libgomp,
     worker_env,
     worker_threads,
 )
@@ -39,11 +45,38 @@ def test_thread_count_precedence():
         ParallelConfig(cpu_threads=0)
 
 
-def test_worker_env_sets_threads_for_both_openmp_pools_and_sleeps_idle_threads():
+def test_worker_env_sets_threads_for_both_pools_and_keeps_the_users_wait_policy():
     env = worker_env({"PATH": "/bin"}, 2)
     assert env["OMP_NUM_THREADS"] == env["NUMBA_NUM_THREADS"] == "2"
-    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["PATH"] == "/bin"
-    assert worker_env({"OMP_WAIT_POLICY": "ACTIVE"}, 1)["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert "OMP_WAIT_POLICY" not in env and env["PATH"] == "/bin"  # libgomp's default spin
+    assert worker_env({"OMP_WAIT_POLICY": "PASSIVE"}, 1)["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
+def test_a_worker_environment_gives_numba_and_torch_one_openmp_runtime(tmp_path):
+    """Under worker_env a process that runs a torch GEMM and a parallel numba kernel maps
+    exactly one libgomp, torch's (the two runtimes' spinning threads fought each other)."""
+    if torch_libgomp() is None or not sys.platform.startswith("linux"):
+        pytest.skip("torch bundles no libgomp here")
+    env = worker_env({**os.environ, "XDG_CACHE_HOME": str(tmp_path)}, 2)
+    assert env["LD_LIBRARY_PATH"].split(os.pathsep)[0].startswith(str(tmp_path))
+    script = (
+        "import numpy as np, torch, numba\n"
+        "@numba.njit(parallel=True)\n"
+        "def total(a):\n"
+        "    s = 0.0\n"
+        "    for i in numba.prange(a.shape[0]):\n"
+        "        s += a[i]\n"
+        "    return s\n"
+        "assert total(np.ones(1000)) == 1000.0 and torch.ones(64, 64).mm(torch.ones(64, 64))[0, 0] == 64\n"
+        "print(numba.threading_layer())\n"
+        "print(sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libgomp' in l}))\n")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    layer, mapped = out.stdout.splitlines()
+    if layer != "omp":
+        pytest.skip(f"numba runs its {layer} threading layer here, not OpenMP")
+    assert ast.literal_eval(mapped) == [str(torch_libgomp())]
 
 
 def test_each_rank_gets_its_own_cores_in_its_worker_config(monkeypatch):
