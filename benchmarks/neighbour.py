@@ -6,7 +6,7 @@ Runs one offline workload (sharegpt-like token ids, greedy, ignore_eos, all requ
 the same generator as ../shared/peers/offline_compare.py) through `LLM` twice in fresh
 processes: on a quiet machine, then beside `--hogs` busy loops started with `nice -n 19`
 (one per core by default). Prints output tokens/s of both and their ratio. `--wait-policy`
-sets OMP_WAIT_POLICY for the workers (tidal's default is PASSIVE; ACTIVE shows why).
+sets OMP_WAIT_POLICY for the workers (by default libgomp spins a while, then sleeps; PASSIVE sleeps at once).
 """
 
 from __future__ import annotations

@@ -16,12 +16,14 @@ populating never changes a page's contents, and the kernel serialises it with th
 own faults on the same pages, so steps may read and write the cache meanwhile. Where the
 call is missing the cache is zero-filled before use instead (2.2 s for 4 GiB, by torch).
 
-The thread populates `CHUNK_BYTES` per call, at the lowest CPU priority. One call holds the
-process's memory-map lock for as long as it runs, and every mmap waits behind it, torch's
-allocations of large tensors included: on an AMD EPYC VM whose memory the host backs at
-first touch, populating 4 GiB took 21.6 s in one call, and a step's fresh 4 MB tensor waited
-all of it (`LLM`'s ready time went from 2-3 s to 39 s). In 4 MB calls the longest wait was
-40 ms, for 23.8 s in all; at nice 19 it takes only CPU time the steps leave.
+The thread populates `CHUNK_BYTES` per call. One call holds the process's memory-map lock
+for as long as it runs, and every mmap waits behind it, torch's allocations of large tensors
+included: on an AMD EPYC VM whose memory the host backs at first touch, populating 4 GiB took
+21.6 s in one call, and a step's fresh 4 MB tensor waited all of it (`LLM`'s ready time went
+from 2-3 s to 39 s). In 4 MB calls the longest wait was 40 ms, for 23.8 s in all. The thread
+keeps the worker's priority: at nice 19, beside the steps' spinning OpenMP threads, it got
+the CPU so rarely that it held the lock for up to a second per chunk, and SmolLM2's decode
+steps at batch 5-12 took 0.3-1.5 s until it was done (113 s for 4 GiB).
 """
 
 from __future__ import annotations
@@ -42,28 +44,32 @@ CHUNK_BYTES = 4 << 20
 """Bytes made resident per madvise call (the longest an mmap of the steps waits for one)."""
 
 
-def commit_pages(tensors: list[torch.Tensor], what: str) -> threading.Thread | None:
+def commit_pages(tensors: list[torch.Tensor], what: str,
+                 idle: threading.Event | None = None) -> threading.Thread | None:
     """Make every page of these CPU tensors resident: on a thread when the kernel can
-    populate pages (returned, to join), else by zero-filling them now (None)."""
+    populate pages (returned, to join), one chunk at a time while `idle` is set (always,
+    when None); else by zero-filling them now (None)."""
     if not tensors:
         return None
     if not _populate_write(tensors[0].data_ptr(), 1):  # probe: is the call there?
         for tensor in tensors:
             tensor.zero_()
         return None
-    thread = threading.Thread(target=_populate_all, args=(tensors, what), daemon=True,
+    thread = threading.Thread(target=_populate_all, args=(tensors, what, idle), daemon=True,
                               name="tidal-commit-pages")
     thread.start()
     return thread
 
 
-def _populate_all(tensors: list[torch.Tensor], what: str) -> None:
-    _lowest_priority()
+def _populate_all(tensors: list[torch.Tensor], what: str,
+                  idle: threading.Event | None) -> None:
     start = time.perf_counter()
     nbytes = 0
     for tensor in tensors:
         size = tensor.numel() * tensor.element_size()
         for offset in range(0, size, CHUNK_BYTES):
+            if idle is not None:
+                idle.wait()
             if not _populate_write(tensor.data_ptr() + offset, min(CHUNK_BYTES, size - offset)):
                 logger.warning("%s: could not make %d bytes resident (errno %d); they fault "
                                "in at first use", what, size - offset, ctypes.get_errno())
@@ -71,14 +77,6 @@ def _populate_all(tensors: list[torch.Tensor], what: str) -> None:
         nbytes += size
     logger.info("%s: %.2f GiB resident in %.2f s", what, nbytes / 2**30,
                 time.perf_counter() - start)
-
-
-def _lowest_priority() -> None:
-    """Nice 19 for the calling thread only (Linux applies setpriority to one thread id)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):
-        pass
 
 
 def _populate_write(address: int, nbytes: int) -> bool:

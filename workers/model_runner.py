@@ -125,6 +125,9 @@ class ModelRunner:
         self.kv_caches: list[KVCache] = []
         self.graphs: DecodeGraphs | None = None
         self.kv_commit: threading.Thread | None = None  # CPU: making the cache resident
+        self.idle = threading.Event()
+        """Set while no step runs (`set_idle`); the CPU cache is made resident only then."""
+        self.idle.set()
         self.num_kv_heads = kv_heads_per_rank(args.num_key_value_heads,
                                               config.tensor_parallel_size)
         self.head_dim = args.head_dim
@@ -170,9 +173,17 @@ class ModelRunner:
         self.kv_caches = self.allocate_kv_cache(num_blocks)
         if self.device.type == "cpu":
             self.kv_commit = commit_pages([t for pair in self.kv_caches for t in pair],
-                                          f"rank {self.config.worker_index}: KV cache")
+                                          f"rank {self.config.worker_index}: KV cache",
+                                          self.idle)
         if self.device.type == "cuda" and not self.config.enforce_eager and self.pp.size == 1:
             self.graphs = DecodeGraphs.try_capture(self, self.config.max_num_seqs)
+
+    def set_idle(self, idle: bool) -> None:
+        """Whether the process is waiting for work (background chores may run meanwhile)."""
+        if idle:
+            self.idle.set()
+        else:
+            self.idle.clear()
 
     # -- one step ------------------------------------------------------------------------
 

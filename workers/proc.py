@@ -91,7 +91,11 @@ class WorkerProcess:
 
     def _loop(self) -> None:
         while True:
-            msg = self.decoder.decode(self.plan_sock.recv())
+            if not self.plan_sock.poll(0):  # nothing queued: idle until the next message
+                self.worker.set_idle(True)
+            raw = self.plan_sock.recv()
+            self.worker.set_idle(False)
+            msg = self.decoder.decode(raw)
             if msg is None:  # the persistent batch would miss this plan's deltas: stop loudly
                 raise RuntimeError("a message from the engine core does not decode")
             if isinstance(msg, BatchPlan):

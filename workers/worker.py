@@ -165,6 +165,11 @@ class Worker:
 
     # -- steps ---------------------------------------------------------------------------
 
+    def set_idle(self, idle: bool) -> None:
+        """The process waits for its next plan (True) or has one to run (False)."""
+        if self.runner is not None:
+            self.runner.set_idle(idle)
+
     def execute(self, plan: BatchPlan) -> SampledTokens | None:
         """Run one step; TP rank 0 of the last stage returns the sampled tokens, the other
         workers None."""
