@@ -43,6 +43,8 @@ another session gets an equal share of the CPU whatever its nice value; there, P
 
 An explicit `--cpu-threads` wins over `OMP_NUM_THREADS` in the environment, which wins over
 the default; `OMP_WAIT_POLICY` and `GOMP_SPINCOUNT` already in the environment are kept.
+Where the ranks' threads outnumber the cores (`--cpu-threads` set that high), the wait policy
+is PASSIVE: spinning threads would wait for partners that are not running.
 """
 
 from __future__ import annotations
@@ -109,11 +111,16 @@ def worker_threads(cpu_threads: int | None, cores: list[int] | None, num_ranks: 
     return max(1, available_cpus() // num_ranks)
 
 
-def worker_env(base: dict[str, str], threads: int) -> dict[str, str]:
+def worker_env(base: dict[str, str], threads: int, ranks_here: int = 1) -> dict[str, str]:
     """`base` plus one rank's thread count (for torch's and numba's pools) and the library
-    path that gives numba torch's OpenMP runtime (when torch's libgomp is found)."""
+    path that gives numba torch's OpenMP runtime (when torch's libgomp is found). When the
+    `ranks_here` ranks on this machine have more threads in all than it has cores, idle
+    threads sleep at once (PASSIVE, unless `base` sets a policy): spinning threads that
+    outnumber the cores wait at every barrier for a partner that is not running."""
     env = dict(base)
     env["OMP_NUM_THREADS"] = env["NUMBA_NUM_THREADS"] = str(threads)
+    if threads * ranks_here > available_cpus():
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     shared = shared_openmp_dir(Path(base["XDG_CACHE_HOME"]) / "tidal"
                                if base.get("XDG_CACHE_HOME") else None)
     if shared is not None:

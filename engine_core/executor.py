@@ -197,7 +197,7 @@ class Executor:
         (`engine_core/cpu_threads.py`; values the user set win)."""
         if threads is None:
             return dict(os.environ)
-        return worker_env(dict(os.environ), threads)
+        return worker_env(dict(os.environ), threads, self.config.parallel.world_size)
 
     def _wait_ready(self, stop_requested) -> list[WorkerReady]:
         readies: dict[int, WorkerReady] = {}

@@ -52,6 +52,14 @@ def test_worker_env_sets_threads_for_both_pools_and_keeps_the_users_wait_policy(
     assert worker_env({"OMP_WAIT_POLICY": "PASSIVE"}, 1)["OMP_WAIT_POLICY"] == "PASSIVE"
 
 
+def test_threads_that_outnumber_the_cores_sleep_at_once():
+    cores = available_cpus()
+    assert "OMP_WAIT_POLICY" not in worker_env({}, cores, ranks_here=1)
+    assert worker_env({}, cores, ranks_here=2)["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert worker_env({}, cores + 1)["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert worker_env({"OMP_WAIT_POLICY": "ACTIVE"}, cores + 1)["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
 def test_a_worker_environment_gives_numba_and_torch_one_openmp_runtime(tmp_path):
     """Under worker_env a process that runs a torch GEMM and a parallel numba kernel maps
     exactly one libgomp, torch's (the two runtimes' spinning threads fought each other)."""
