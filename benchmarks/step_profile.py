@@ -24,17 +24,15 @@ import statistics
 import sys
 import time
 
-from tidal.engine_core.cpu_threads import shared_openmp_dir
+from tidal.engine_core.cpu_threads import with_shared_openmp
 
 # the worker process gets its OpenMP environment from the executor (engine_core/cpu_threads.py):
 # one runtime for torch and numba, through LD_LIBRARY_PATH. The loader reads that variable only
 # when a process starts, so this in-process Worker runs the script again with it (two
 # runtimes spinning against each other made a decode step up to 7x slower, 2026-12-01)
-_SHARED = shared_openmp_dir()
-if _SHARED is not None and str(_SHARED) not in os.environ.get("LD_LIBRARY_PATH", "").split(":"):
-    os.environ["LD_LIBRARY_PATH"] = ":".join(
-        p for p in [str(_SHARED), os.environ.get("LD_LIBRARY_PATH", "")] if p)
-    os.execv(sys.executable, [sys.executable, *sys.argv])
+_ENV = with_shared_openmp(dict(os.environ))
+if _ENV.get("LD_LIBRARY_PATH") != os.environ.get("LD_LIBRARY_PATH"):
+    os.execve(sys.executable, [sys.executable, *sys.argv], _ENV)
 
 import torch  # noqa: E402
 

@@ -121,13 +121,18 @@ def worker_env(base: dict[str, str], threads: int, ranks_here: int = 1) -> dict[
     env["OMP_NUM_THREADS"] = env["NUMBA_NUM_THREADS"] = str(threads)
     if threads * ranks_here > available_cpus():
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    shared = shared_openmp_dir(Path(base["XDG_CACHE_HOME"]) / "tidal"
-                               if base.get("XDG_CACHE_HOME") else None)
-    if shared is not None:
-        paths = [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
-        env["LD_LIBRARY_PATH"] = os.pathsep.join([str(shared)] + [p for p in paths
-                                                                   if p != str(shared)])
-    return env
+    return with_shared_openmp(env)
+
+
+def with_shared_openmp(env: dict[str, str]) -> dict[str, str]:
+    """`env` with `shared_openmp_dir` first on its LD_LIBRARY_PATH (unchanged when torch's
+    libgomp is not found). The loader reads the variable when a process starts."""
+    shared = shared_openmp_dir()
+    if shared is None:
+        return env
+    paths = [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
+    return {**env, "LD_LIBRARY_PATH": os.pathsep.join(
+        [str(shared)] + [p for p in paths if p != str(shared)])}
 
 
 def torch_libgomp() -> Path | None:
@@ -143,15 +148,16 @@ def torch_libgomp() -> Path | None:
     return None
 
 
-def shared_openmp_dir(cache: Path | None = None) -> Path | None:
+def shared_openmp_dir() -> Path | None:
     """A folder holding `NUMBA_LIBGOMP_NAME` as a link to torch's libgomp (made once per
-    torch install under the cache, atomically); None where torch bundles none (its CUDA or
-    macOS builds may not) or the link cannot be made."""
+    torch install under tidal's cache folder, atomically); None where torch bundles none (its
+    CUDA or macOS builds may not) or the link cannot be made."""
+    from tidal.engine_core.step_cost import cache_dir  # it imports this module
+
     target = torch_libgomp()
     if target is None:
         return None
-    root = cache or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tidal"
-    folder = root / "openmp" / hashlib.sha256(str(target).encode()).hexdigest()[:16]
+    folder = Path(cache_dir()) / "openmp" / hashlib.sha256(str(target).encode()).hexdigest()[:16]
     link = folder / NUMBA_LIBGOMP_NAME
     try:
         if link.is_symlink() and link.resolve() == target:

@@ -20,10 +20,16 @@ The thread populates `CHUNK_BYTES` per call. One call holds the process's memory
 for as long as it runs, and every mmap waits behind it, torch's allocations of large tensors
 included: on an AMD EPYC VM whose memory the host backs at first touch, populating 4 GiB took
 21.6 s in one call, and a step's fresh 4 MB tensor waited all of it (`LLM`'s ready time went
-from 2-3 s to 39 s). In 4 MB calls the longest wait was 40 ms, for 23.8 s in all. The thread
-keeps the worker's priority: at nice 19, beside the steps' spinning OpenMP threads, it got
-the CPU so rarely that it held the lock for up to a second per chunk, and SmolLM2's decode
-steps at batch 5-12 took 0.3-1.5 s until it was done (113 s for 4 GiB).
+from 2-3 s to 39 s). In 4 MB calls the longest wait was 40 ms, for 23.8 s in all.
+
+The thread works only while `idle` is set: the worker process clears it while a step runs
+(`workers/proc.py`), so committing never competes with the steps for the CPU or the lock.
+Beside the steps it did: at nice 19, next to the steps' spinning OpenMP threads, it got the
+CPU so rarely that it held the lock for up to a second per chunk, and SmolLM2's decode steps
+at batch 5-12 took 0.3-1.5 s until it was done (113 s for 4 GiB); at the worker's priority
+it was a third runnable thread on two cores and prefill ran at half its rate. A worker that
+is never idle (offline, saturated) faults its cache in by use instead; an in-process `Worker`
+(tests, benchmarks) leaves `idle` set.
 """
 
 from __future__ import annotations

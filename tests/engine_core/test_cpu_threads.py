@@ -60,12 +60,13 @@ def test_threads_that_outnumber_the_cores_sleep_at_once():
     assert worker_env({"OMP_WAIT_POLICY": "ACTIVE"}, cores + 1)["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
-def test_a_worker_environment_gives_numba_and_torch_one_openmp_runtime(tmp_path):
+def test_a_worker_environment_gives_numba_and_torch_one_openmp_runtime(tmp_path, monkeypatch):
     """Under worker_env a process that runs a torch GEMM and a parallel numba kernel maps
     exactly one libgomp, torch's (the two runtimes' spinning threads fought each other)."""
     if torch_libgomp() is None or not sys.platform.startswith("linux"):
         pytest.skip("torch bundles no libgomp here")
-    env = worker_env({**os.environ, "XDG_CACHE_HOME": str(tmp_path)}, 2)
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
+    env = worker_env(dict(os.environ), 2)
     assert env["LD_LIBRARY_PATH"].split(os.pathsep)[0].startswith(str(tmp_path))
     script = (
         "import numpy as np, torch, numba\n"
