@@ -11,9 +11,15 @@ SmolLM2-135M's four projections in 30 layers, each weight read from memory (425 
     F.linear   49.1 ms    58.2 ms    81.9 ms
     oneDNN     35.5 ms    49.7 ms    76.2 ms
 
-From a few hundred rows up (prefill chunks) oneDNN was slower on some shapes (a [512, 576] x
-[576, 960] product: 3.2 ms against 2.3 ms), so rows above `SMALL_BATCH_ROWS` keep `F.linear`
-and the layer keeps both copies of its weight (twice the weight memory, on the CPU only).
+On this project's 2-vCPU AMD EPYC VM (AVX2) the gap is wider and lasts to a few hundred
+rows: the LM head of a 49k vocabulary ([49152, 576]) took 39.1 / 57.1 / 84.7 / 146.3 ms
+with `F.linear` at 32 / 64 / 128 / 200 rows and 16.5 / 29.6 / 54.5 / 89.2 ms with oneDNN;
+a whole SmolLM2 decode step at batch 128 went from 536 to 447 ms when 65-256 rows moved
+to oneDNN. From 512 rows up (prefill chunks) the two were level here, and oneDNN was
+slower on some shapes on the Xeon (a [512, 576] x [576, 960] product: 3.2 ms against
+2.3 ms), so rows above `SMALL_BATCH_ROWS` (256: the default `max_num_seqs`, every
+decode-only step) keep `F.linear` and the layer keeps both copies of its weight (twice the
+weight memory, on the CPU only).
 Results equal `F.linear`'s up to float32 rounding (a different summation order).
 
 `add` and `mul` fold the elementwise op that follows a projection in a decoder layer (the
@@ -29,8 +35,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-SMALL_BATCH_ROWS = 64
-"""Most rows that take the reordered-weight path (the weight is reordered for this many)."""
+SMALL_BATCH_ROWS = 256
+"""Most rows that take the reordered-weight path."""
+
+REORDER_ROWS = 64
+"""The row count oneDNN lays the weight out for (its reorder takes a batch-size hint); one
+layout serves every row count up to SMALL_BATCH_ROWS."""
 
 
 def small_batch_gemm_available(weight: torch.Tensor) -> bool:
@@ -51,7 +61,7 @@ class SmallBatchGemm:
                              f"weight on {weight.device}")
         self.weight = weight
         self.reordered = torch.ops.mkldnn._reorder_linear_weight(weight.detach(),
-                                                                 SMALL_BATCH_ROWS)
+                                                                 REORDER_ROWS)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = _rows(x)

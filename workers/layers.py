@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tidal.kernels import cpu_fused
 from tidal.kernels.cpu_gemm import SmallBatchGemm, small_batch_gemm_available
 from tidal.workers.distributed import TensorParallel
 
@@ -297,8 +298,10 @@ class ParallelLMHead(VocabParallelEmbedding, GemmLayer):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm exactly as Hugging Face computes it: the statistics in float32, the scale
-    applied in the model dtype (so float64 runs match transformers bit for bit here)."""
+    """RMSNorm as Hugging Face computes it: the statistics in float32, the scale applied in
+    the model dtype (so float64 runs match transformers bit for bit here). Contiguous
+    float32 activations on the CPU take one compiled call (`kernels/cpu_fused.rms_norm`,
+    equal up to float32 rounding) instead of eight torch ops."""
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -310,6 +313,8 @@ class RMSNorm(nn.Module):
         _copy(param, loaded[:])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_fused.rms_norm_applies(x):
+            return cpu_fused.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -395,3 +400,15 @@ class RotaryEmbedding(nn.Module):
         torch.mul(x2, rope.cos, out=second)
         second.add_(x1 * rope.sin)
         return out
+
+    @staticmethod
+    def apply_split(qk: torch.Tensor, rope: RopeTables, num_heads: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """qk [tokens, num_heads + kv_heads, head_dim] (q heads then k heads, any strides) ->
+        rotated contiguous q [tokens, num_heads, head_dim] and k. On the CPU one compiled
+        call (`kernels/cpu_fused.rotate_split`, the same arithmetic, bit-identical) instead
+        of six torch ops and a copy of q."""
+        if cpu_fused.rotate_applies(qk) and rope.cos.dtype == qk.dtype:
+            return cpu_fused.rotate_split(qk, rope.cos, rope.sin, num_heads)
+        rotated = RotaryEmbedding.apply(qk, rope)
+        return rotated[:, :num_heads].contiguous(), rotated[:, num_heads:]

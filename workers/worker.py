@@ -17,7 +17,7 @@ import time
 import torch
 
 from tidal.ipc.messages import BatchPlan, SampledTokens, WorkerConfig, WorkerReady, pack_token_ids
-from tidal.kernels import select_attention_backend
+from tidal.kernels import cpu_fused, select_attention_backend
 from tidal.workers.distributed import destroy_distributed, init_distributed
 from tidal.workers.loader import load_weights, read_config, resolve_model_path
 from tidal.workers.model_runner import ModelRunner
@@ -79,6 +79,7 @@ class Worker:
         if self.device.type == "cpu":
             logger.debug("rank %d: %d linear layers take oneDNN for small batches", self.rank,
                          model.use_cpu_gemm())
+            cpu_fused.warm_up()  # RMSNorm and rotary: compiled once, then disk-cached
         self.runner = ModelRunner(self.config, model, self.args, self.device, self.dtype,
                                   backend, self.pp)
         warm_up_s = backend.warm_up(self.dtype)  # e.g. numba: compiled once, then disk-cached

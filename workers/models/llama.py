@@ -203,8 +203,8 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:  # per-head norms with their own weights, then rotary
             qk = torch.cat((self.q_norm(qk[:, :num_heads]), self.k_norm(qk[:, num_heads:])),
                            dim=1)
-        qk = RotaryEmbedding.apply(qk, rope)  # q and k heads side by side: one rotation
-        q, k = qk[:, :num_heads].contiguous(), qk[:, num_heads:]
+        # q and k heads side by side: one rotation
+        q, k = RotaryEmbedding.apply_split(qk, rope, num_heads)
         return self.o_proj(self.attn(q, k, v, kv_cache, attn_inputs), residual)
 
 
