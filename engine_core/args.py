@@ -171,8 +171,9 @@ def _add_parallel_args(g) -> None:
                         "replaced (default: 300)")
     g.add_argument("--max-worker-restarts", type=int,
                    default=_default(ParallelConfig, "max_worker_restarts"),
-                   help="replace dead or hung workers this many times, recomputing every "
-                        "running request (default: 3; 0 = fail every request instead)")
+                   help="replace dead or hung workers this many times within 10 minutes, "
+                        "recomputing every running request (default: 3; 0 = fail every "
+                        "request instead)")
     g.add_argument("--cpu-affinity", default=None,
                    help="cores per worker rank, like VLLM_CPU_OMP_THREADS_BIND: 0-3, or "
                         "0-3|4-7 for two ranks (default: not pinned)")

@@ -206,9 +206,10 @@ class ParallelConfig:
     """Seconds rank 0 may take to answer a step before the engine core counts its workers
     as hung (and replaces them, see `max_worker_restarts`)."""
     max_worker_restarts: int = 3
-    """How many times the engine core replaces its workers after one dies, fails or hangs
-    past --worker-timeout (every running request is then recomputed from its tokens, so
-    clients see a pause, not an error). Past it, or at 0, a worker failure fails every
+    """How many times within 10 minutes the engine core replaces its workers after one
+    dies, fails or hangs past --worker-timeout (every running request is then recomputed from
+    its tokens, so clients see a pause, not an error; older restarts no longer count,
+    `engine_core/restart_budget.py`). Past it, or at 0, a worker failure fails every
     unfinished request and the core exits."""
     distributed_executor_backend: str = "mp"
     """mp: one worker process per rank on this machine (`engine_core/executor.py`). ray: one

@@ -24,14 +24,16 @@ back to waiting to be recomputed from its prompt and the tokens it already has, 
 preemption (`Scheduler.recompute_all`); plans in flight are dropped, their tokens never
 delivered. Clients see a pause. Greedy and seeded outputs equal a fault-free run's, because
 recompute gives the same KV and seeded draws depend on (seed, position) only. After
-`--max-worker-restarts` replacements (or when the replacement itself fails that often), the
-next failure is final: every unfinished request gets FinishReason.ERROR with a message,
+`--max-worker-restarts` replacements within 10 minutes (or when the replacement itself fails
+that often), the next failure is final: every unfinished request gets FinishReason.ERROR with a message,
 EngineDead, the remaining workers are killed, exit 1.
 
 Frontends are told apart by their zmq identity (= their client_id); a frontend may abort only
 its own requests, and receives outputs only for its own requests. A frontend attaches with
-Hello. One silent for longer than `--frontend-timeout` seconds (they send a Heartbeat every
-`EngineInfo.heartbeat_interval`) is dropped: each of its requests gets FinishReason.ERROR
+Hello. The core echoes every Heartbeat (also while a long step runs or replacement workers
+load), so a frontend that hears nothing for `--frontend-timeout` seconds knows the core is
+stopped or hung. One silent for longer than `--frontend-timeout` seconds (they send a
+Heartbeat every `EngineInfo.heartbeat_interval`) is dropped: each of its requests gets FinishReason.ERROR
 with a message, then the frontend gets `Detached`, and its blocks are freed. Any frame but
 Hello from a frontend the core does not know (dropped, or attached to the core this one
 replaced) is answered with `Detached` (an AddRequest also with an ERROR output), never
@@ -53,6 +55,7 @@ from dataclasses import dataclass
 import zmq
 
 from tidal.engine_core.args import add_engine_args, config_from_args
+from tidal.engine_core.restart_budget import RestartBudget
 from tidal.engine_core.config import (
     EngineConfig,
     is_gguf,
@@ -137,7 +140,7 @@ class EngineCoreDaemon:
         self.frontends: dict[str, _Frontend] = {}  # client_id -> frontend
         self.depth = config.pipeline_depth
         self.stop_reason: str | None = None
-        self.num_worker_restarts = 0
+        self.worker_restarts = RestartBudget(config.parallel.max_worker_restarts)
         self.first_start_s = 0.0  # how long the first start of the workers took
         self.sock = self.auth = self.executor = self.scheduler = self.info = None
         self.core: EngineCore | None = None  # the step loop, once the workers are up
@@ -199,9 +202,11 @@ class EngineCoreDaemon:
         self.info = self._engine_info(facts.num_kv_blocks, facts.max_model_len)
         return None
 
-    def _start_workers(self, max_model_len: int, **options) -> WorkerFacts:
-        """A fresh executor with every rank loaded, and what the ranks found.
-        WorkerError if a rank fails to start; InterruptedError on a stop signal."""
+    def _start_workers(self, max_model_len: int, stop_requested=None, **options) -> WorkerFacts:
+        """A fresh executor with every rank loaded, and what the ranks found; the executor
+        calls `stop_requested()` a few times a second while it waits (default: whether a
+        stop signal came). WorkerError if a rank fails to start; InterruptedError on a stop
+        signal."""
         self.executor = make_executor(self.config, max_model_len, self.ctx, **options,
                                       step_timeout=self.config.parallel.worker_timeout,
                                       log_level=self.log_level,
@@ -209,7 +214,13 @@ class EngineCoreDaemon:
         self._idle_poller = None  # it polls the executor's process fds
         if self.core is not None:
             self.core.replace_executor(self.executor)
-        return self.executor.start(lambda: self.stop_reason is not None)
+        return self.executor.start(stop_requested or (lambda: self.stop_reason is not None))
+
+    def _stop_requested_answering_frontends(self) -> bool:
+        """While replacement workers load (seconds): serve the frontends' frames (heartbeats
+        echoed, requests queued), so that none takes the core for hung; whether to stop."""
+        self._drain_frontends(block=False)
+        return self.stop_reason is not None
 
     def _engine_info(self, num_blocks: int, max_model_len: int) -> EngineInfo:
         c = self.config
@@ -223,6 +234,7 @@ class EngineCoreDaemon:
             vocab_size=self.vocab_size, scheduling_policy=c.scheduler.scheduling_policy,
             max_num_queued_tokens=c.scheduler.max_num_queued_tokens,
             heartbeat_interval=heartbeat_interval(self.frontend_timeout),
+            frontend_timeout=self.frontend_timeout,
             max_queue_delay=c.scheduler.max_queue_delay)
 
     def _serve(self) -> int:
@@ -257,24 +269,25 @@ class EngineCoreDaemon:
 
     def _heal(self, failure: WorkerError) -> None:
         """Replace every rank after `failure` and recompute the running requests (see the
-        module docstring); re-raises the failure once `max_worker_restarts` are used up."""
-        limit = self.config.parallel.max_worker_restarts
+        module docstring); re-raises the failure once `max_worker_restarts` are used up
+        within the restart window (`engine_core/restart_budget.py`)."""
+        budget = self.worker_restarts
         while True:
-            if self.num_worker_restarts >= limit:
-                if limit:
-                    failure = WorkerError(f"{failure} (after {limit} worker restart(s), "
-                                          "--max-worker-restarts)")
+            if not budget.spend():
+                if budget.limit:
+                    failure = WorkerError(
+                        f"{failure} (after {budget.limit} worker restart(s) within "
+                        f"{budget.window_s / 60:g} min, --max-worker-restarts)")
                 raise failure
-            self.num_worker_restarts += 1
             self.executor.kill()
             self.core.drop_in_flight()
             num_running = self.scheduler.recompute_all()
             logger.warning(
-                "%s: replacing the workers (restart %d of at most %d, --max-worker-restarts); "
-                "%d running request(s) will be recomputed from their tokens", failure,
-                self.num_worker_restarts, limit, num_running)
+                "%s: replacing the workers (%s, --max-worker-restarts); %d running request(s) "
+                "will be recomputed from their tokens", failure, budget.describe(), num_running)
             try:
                 facts = self._start_workers(self.scheduler.max_model_len,
+                                            self._stop_requested_answering_frontends,
                                             startup_timeout=self._heal_startup_timeout())
             except InterruptedError:
                 return  # a stop signal: the serve loop ends and fails what is unfinished
@@ -300,7 +313,7 @@ class EngineCoreDaemon:
         """The scheduler's snapshot, with the restarts this core made and, with
         --max-queue-delay, the estimate of a new request's wait."""
         stats = self.scheduler.stats()
-        stats.num_worker_restarts = self.num_worker_restarts
+        stats.num_worker_restarts = self.worker_restarts.total
         if self.queue_estimator is not None:
             est = self.queue_estimator.estimate(self.scheduler, time.monotonic())
             stats.est_queue_delay_s = est.queue_delay_s
@@ -430,7 +443,9 @@ class EngineCoreDaemon:
             del self.frontends[frontend.client_id]
             logger.info("frontend %r detached (%d unfinished requests aborted)",
                         frontend.client_id, num_aborted)
-        elif not isinstance(msg, Heartbeat):
+        elif isinstance(msg, Heartbeat):
+            self._send(frontend.client_id, msg)  # echoed: the frontend knows the core lives
+        else:
             logger.warning("unhandled frontend message %s", type(msg).__name__)
 
     def _add_request(self, client_id: str, msg: AddRequest) -> None:
@@ -509,6 +524,9 @@ class EngineCoreDaemon:
         --worker-timeout: after STOP_GRACE_S more seconds it gives up."""
         give_up_at = None
         while (outputs := self.core.step(timeout=_COLLECT_SLICE_S)) is None:
+            # a long step (seconds of prefill on a slow CPU) must not silence the core:
+            # frontends hear their heartbeats echoed, and new requests queue meanwhile
+            self._drain_frontends(block=False)
             if self.stop_reason is not None:
                 now = time.monotonic()
                 give_up_at = give_up_at or now + STOP_GRACE_S

@@ -21,8 +21,10 @@ New calls raise `EngineUnavailable` (a RuntimeError) meanwhile. Then:
   model: attached again, and every unfinished completion is resubmitted under a new engine
   id with its prompt plus the tokens already delivered, max_tokens / min_tokens reduced, the
   same seed and stops (OutputProcessor.resubmit_all), so its stream goes on where it stopped;
-- our private daemon died: it is started again at the same address (at most
-  `max_engine_restarts` times, a warning each), and the same re-attach follows;
+- our private daemon died, or went silent (no heartbeat echoed for its --frontend-timeout:
+  stopped or hung, so it is killed first): it is started again at the same address (at most
+  `max_engine_restarts` times within 10 minutes, a warning each), and the same re-attach
+  follows;
 - no core within `engine_restart_timeout` seconds: the suspended requests end with
   finish_reason "error" and the reason (at once when the timeout is 0). A private daemon
   that died once more than it may be restarted makes the frontend dead for good (`dead`);
@@ -43,6 +45,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from tidal.engine_core.config import EngineConfig
+from tidal.engine_core.restart_budget import RestartBudget
 from tidal.frontend.engine_client import (
     AsyncEngineClient,
     encode_prompt,
@@ -199,8 +202,7 @@ class AsyncLLM:
         self.dead_reason: str | None = None
         self.away_reason: str | None = None  # why no core is attached now
         self.engine_restart_timeout = engine_restart_timeout
-        self.max_engine_restarts = max_engine_restarts
-        self.num_engine_restarts = 0  # of the private daemon
+        self.engine_restarts = RestartBudget(max_engine_restarts)  # of the private daemon
         self.num_resubmitted = 0  # engine requests sent again to a new core, all told
         self._give_up: asyncio.TimerHandle | None = None  # ends suspended requests
         self._closed = False
@@ -379,6 +381,11 @@ class AsyncLLM:
         if engine_ids and not self.dead:
             self._client.send_nowait(Abort(engine_ids))
 
+    @property
+    def num_engine_restarts(self) -> int:
+        """Times the private daemon was started again, over this frontend's lifetime."""
+        return self.engine_restarts.total
+
     def num_unfinished_requests(self) -> int:
         """This frontend's requests still in flight."""
         return self._processor.num_unfinished_requests()
@@ -479,14 +486,14 @@ class AsyncLLM:
             if self._closed:
                 return
             cause = self._daemon.failure_message("the engine core exited")
-            if self.num_engine_restarts >= self.max_engine_restarts:
-                self._on_dead(f"{cause}; restarted {self.num_engine_restarts} times already "
-                              f"(max_engine_restarts={self.max_engine_restarts})")
+            budget = self.engine_restarts
+            if not budget.spend():
+                self._on_dead(f"{cause}; restarted {budget.recent()} times already within "
+                              f"{budget.window_s / 60:g} min "
+                              f"(max_engine_restarts={budget.limit})")
                 return
-            self.num_engine_restarts += 1
-            logger.warning("%s; starting it again (restart %d of %d), %d unfinished requests "
-                           "wait for it", cause, self.num_engine_restarts,
-                           self.max_engine_restarts, self.num_unfinished_requests())
+            logger.warning("%s; starting it again (%s), %d unfinished requests wait for it",
+                           cause, budget.describe(), self.num_unfinished_requests())
             self._on_lost(EngineDead("the engine core process died"))  # if not seen yet
             await _in_own_thread(self._daemon.stop)  # its workers, if any are left
             if self._closed:
@@ -499,8 +506,10 @@ class AsyncLLM:
         ends them."""
         if not self._client.attached:
             return  # away already: an answer to a frame sent before our new Hello
+        if self._daemon is not None and self._client.core_silent:
+            self._daemon.kill()  # stopped or hung: `_watch_daemon` starts it again
         if (self._daemon is not None and isinstance(msg, EngineDead)
-                and self.max_engine_restarts == 0):
+                and self.engine_restarts.limit == 0):
             self._on_dead(msg.reason)
             return
         engine_ids = self._processor.engine_req_ids()

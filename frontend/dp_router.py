@@ -24,17 +24,21 @@ sender's own requests. `StatsQuery` is answered with `merge_stats` of a fresh ro
 queries to every live core (also run every `STATS_POLL_S` while requests are in flight, and
 once after the last one ends: the placement's load).
 
-A core that dies (its process exits) takes down only itself: its requests are resubmitted to
+A core that dies (its process exits), or sends nothing for its `--frontend-timeout` (it
+echoes every heartbeat: silence means stopped or hung, and the router kills it), takes down
+only itself: its requests are resubmitted to
 the live cores under the same request ids, as the frontends' own healing does (prompt plus the
 tokens already delivered, `max_tokens` / `min_tokens` reduced, the same seed: greedy and
 seeded outputs equal a fault-free run's), so their streams pause and go on. Meanwhile the core
-is started again (at most `MAX_CORE_RESTARTS` times), and takes requests once it answers.
+is started again (at most `MAX_CORE_RESTARTS` times within 10 minutes), and takes requests
+once it answers.
 With no live core the requests wait for one; when every core is dead for good, every request
 ends with an error, the frontends get `EngineDead` and the router exits 1, and a frontend that
 started it starts it again. A core that ends requests itself (a worker failure past its
 `--max-worker-restarts`, SIGTERM) sends their ERROR outputs first: those are forwarded.
 
-Frontends silent past `--frontend-timeout` are dropped as the daemon drops them (ERROR for
+The router echoes every frontend heartbeat, as a core does. Frontends silent past
+`--frontend-timeout` are dropped as the daemon drops them (ERROR for
 their requests, aborted in the cores, then `Detached`); a frame from an unknown frontend is
 answered `Detached`. SIGTERM / SIGINT: every unfinished request ends with an error,
 `EngineDead` to the frontends, the cores are stopped, exit 0.
@@ -49,15 +53,16 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import zmq
 
 from tidal.engine_core.args import config_from_args
 from tidal.engine_core.config import EngineConfig
-from tidal.engine_core.cpu_threads import available_cpus
+from tidal.engine_core.cpu_threads import available_cpus, worker_threads
 from tidal.engine_core.model_files import model_folder
+from tidal.engine_core.restart_budget import RestartBudget
 from tidal.frontend.dp_placement import Placement, merge_stats
 from tidal.frontend.launcher import DaemonProcess
 from tidal.frontend.output_processor import lost_finish, resume_params
@@ -96,7 +101,7 @@ logger = logging.getLogger("tidal.router")
 
 EXIT_OK, EXIT_CORES_FAILED, EXIT_BAD_START = 0, 1, 2
 MAX_CORE_RESTARTS = 3
-"""How many times the router starts one dead engine core again."""
+"""How many times within 10 minutes the router starts one dead engine core again."""
 STATS_POLL_S = 0.25
 """Seconds between two load queries to the cores while requests are in flight."""
 STATS_ROUND_TIMEOUT_S = 2.0
@@ -118,7 +123,8 @@ class _Core:
     info: EngineInfo | None = None  # None until it answers Hello (starting or restarting)
     last_hello: float = 0.0
     last_beat: float = 0.0
-    num_restarts: int = 0
+    last_heard: float = 0.0  # its last frame: it echoes every heartbeat, so silence = hung
+    restarts: RestartBudget = field(default_factory=lambda: RestartBudget(MAX_CORE_RESTARTS))
     dead_for_good: bool = False
 
 
@@ -218,8 +224,8 @@ class Router:
         child = core_config(self.config, folder)
         gpu_sets = core_gpu_sets(self.config, visible_gpus(os.environ))
         for index in range(self.num_cores):
-            env = None if gpu_sets is None else {**os.environ,
-                                                 "CUDA_VISIBLE_DEVICES": gpu_sets[index]}
+            env = core_env(self.config, dict(os.environ),
+                           None if gpu_sets is None else gpu_sets[index])
             daemon = DaemonProcess(child, address=new_private_address(f"core{index}"),
                                    extra_args=["--log-level", self.log_level], env=env)
             self.cores.append(self._connect(index, daemon))
@@ -272,7 +278,8 @@ class Router:
             infos[0], num_kv_blocks=sum(i.num_kv_blocks for i in infos),
             max_num_seqs=sum(i.max_num_seqs for i in infos),
             max_model_len=min(i.max_model_len for i in infos),
-            heartbeat_interval=heartbeat_interval(self.frontend_timeout))
+            heartbeat_interval=heartbeat_interval(self.frontend_timeout),
+            frontend_timeout=self.frontend_timeout)
 
     def _serve(self) -> int:
         while self.stop_reason is None:
@@ -280,7 +287,7 @@ class Router:
             self._watch_cores()
             if self._all_dead_for_good():
                 reason = "every engine core died more often than it may be restarted " \
-                         f"({MAX_CORE_RESTARTS} restarts each)"
+                         f"({MAX_CORE_RESTARTS} restarts each within 10 min)"
                 logger.error("%s; failing every unfinished request", reason)
                 self._fail_everything(reason)
                 return EXIT_CORES_FAILED
@@ -334,6 +341,15 @@ class Router:
             if core.info is None and not core.dead_for_good \
                     and now - core.last_hello > HELLO_RETRY_S:
                 self._hello(core)
+            elif core.info is not None and now - core.last_heard > core.info.frontend_timeout:
+                # stopped or hung: killed, so that `_watch_cores` moves its requests and
+                # starts it again as after any exit
+                logger.warning("engine core %d sent nothing for %.1f s (it echoes every "
+                               "heartbeat; --frontend-timeout %g s): stopped or hung, killing "
+                               "it", core.index, now - core.last_heard,
+                               core.info.frontend_timeout)
+                core.info = None
+                core.daemon.kill()
             elif core.info is not None and now - core.last_beat > core.info.heartbeat_interval:
                 core.last_beat = now
                 core.sock.send(encode(Heartbeat(core.client_id)))
@@ -373,6 +389,8 @@ class Router:
             self._add_request(client_id, msg, frames[1])
         elif isinstance(msg, Abort):
             self._abort(client_id, msg.req_ids)
+        elif isinstance(msg, Heartbeat):
+            self._send(client_id, msg)  # echoed, as a core does: the router is alive
         elif isinstance(msg, Hello):
             self._send(client_id, self.info)
         elif isinstance(msg, StatsQuery):
@@ -481,6 +499,7 @@ class Router:
         if len(frames) != 1:
             self.core_decoder.drop(f"{len(frames)}-part message", core.client_id)
             return
+        core.last_heard = time.monotonic()
         msg = self.core_decoder.decode(frames[0], sender=f"engine core {core.index}")
         if isinstance(msg, EngineOutputs):
             self._on_outputs(core, msg)
@@ -499,6 +518,7 @@ class Router:
         if core.info is not None:
             return  # a second answer to a repeated Hello
         core.info, core.last_beat = info, time.monotonic()
+        core.last_heard = core.last_beat
         self.placement.mark_live(core.index)
         if self.info is not None:
             logger.info("engine core %d is serving again", core.index)
@@ -529,20 +549,19 @@ class Router:
             moved = self._move_requests_off(core.index)
             what = f"engine core {core.index} exited; {moved} of its requests continue on " \
                    "the other cores"
-            if core.num_restarts >= MAX_CORE_RESTARTS:
+            if not core.restarts.spend():
                 logger.error("%s", core.daemon.failure_message(
-                    f"{what}; it was restarted {core.num_restarts} times already: not again"))
+                    f"{what}; it was restarted {core.restarts.recent()} times within "
+                    f"{core.restarts.window_s / 60:g} min already: not again"))
                 core.dead_for_good, core.info = True, None
                 core.daemon.stop()
                 continue
-            core.num_restarts += 1
             logger.warning("%s", core.daemon.failure_message(
-                f"{what}; starting it again (restart {core.num_restarts} of "
-                f"{MAX_CORE_RESTARTS})"))
+                f"{what}; starting it again ({core.restarts.describe()})"))
             core.daemon.stop()  # whatever is left of its process group
             core.sock.close(linger=0)
             restarted = self._connect(core.index, core.daemon.respawn())
-            restarted.num_restarts = core.num_restarts
+            restarted.restarts = core.restarts
             self.cores[core.index] = restarted
 
     def _move_requests_off(self, index: int) -> int:
@@ -634,6 +653,24 @@ def core_config(config: EngineConfig, model_dir: str | None = None) -> EngineCon
     return dataclasses.replace(
         config, model=m,
         parallel=dataclasses.replace(p, data_parallel_size=1, cpu_threads=threads))
+
+
+def core_env(config: EngineConfig, env: dict[str, str], gpu_set: str | None
+             ) -> dict[str, str]:
+    """One core's environment: `env`, its GPUs (`gpu_set`, CUDA_VISIBLE_DEVICES) and, when
+    the threads of every core's ranks outnumber this machine's CPUs (a thread count the user
+    gave, OMP_NUM_THREADS or --cpu-threads, with no --cpu-affinity), PASSIVE waiting unless
+    the user chose a policy. A core sees only its own ranks (`cpu_threads.worker_env`), so
+    this rule, for the N cores at once, can only be applied here."""
+    out = dict(env)
+    if gpu_set is not None:
+        out["CUDA_VISIBLE_DEVICES"] = gpu_set
+    p = config.parallel
+    if p.cpu_affinity is None:
+        threads = worker_threads(p.cpu_threads, None, p.world_size * p.data_parallel_size, env)
+        if threads * p.world_size * p.data_parallel_size > available_cpus():
+            out.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return out
 
 
 def visible_gpus(env: dict[str, str]) -> list[str]:

@@ -15,7 +15,10 @@ out of `recv()` as an `EngineDead`, once per disconnect, so no caller waits fore
 
 `attached` is True from the EngineInfo that answers a Hello until the owner learns that the
 core is gone or dropped it (it then calls `reattach()`); heartbeats go out only while
-attached. While re-attaching, the client says Hello again on every new connection (ZeroMQ
+attached. The core echoes each one, so a core that sends nothing at all for
+`EngineInfo.frontend_timeout` seconds while attached (stopped, or hung) is taken as lost
+too: `recv()` returns an `EngineDead` saying so, once, and `core_silent` is set until the
+next EngineInfo (an owner that started the core kills it then, to start it again). While re-attaching, the client says Hello again on every new connection (ZeroMQ
 reconnects to the same address by itself), so a core restarted there is found.
 """
 
@@ -32,8 +35,17 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from tidal.ipc.messages import EngineDead, EngineInfo, Goodbye, Heartbeat, Hello, is_valid_unicode
+from tidal.ipc.messages import (
+    Detached,
+    EngineDead,
+    EngineInfo,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    is_valid_unicode,
+)
 from tidal.ipc.transport import (
+    DEFAULT_FRONTEND_TIMEOUT_S,
     HEARTBEAT_INTERVAL_S,
     CoreToFrontendDecoder,
     connect_frontend_socket,
@@ -147,6 +159,11 @@ class AsyncEngineClient:
         self.kind = kind
         self.attached = False
         self.heartbeat_interval = HEARTBEAT_INTERVAL_S
+        self.silence_limit = DEFAULT_FRONTEND_TIMEOUT_S
+        """Seconds without a frame from an attached core before it is taken as hung."""
+        self.core_silent = False
+        self._last_heard = time.monotonic()
+        self._lost_reason = _LOST
         self._reattaching = False
         self._ctx = zmq.asyncio.Context()
         self._decoder = CoreToFrontendDecoder()
@@ -169,8 +186,10 @@ class AsyncEngineClient:
 
     def on_attached(self, info: EngineInfo) -> None:
         """The core answered Hello: heartbeat at the pace it asks for."""
-        self.attached, self._reattaching = True, False
+        self.attached, self._reattaching, self.core_silent = True, False, False
         self.heartbeat_interval = info.heartbeat_interval
+        self.silence_limit = info.frontend_timeout
+        self._last_heard = time.monotonic()
 
     def reattach(self) -> None:
         """The core is gone or dropped us: stop beating, say Hello now and on every new
@@ -198,13 +217,15 @@ class AsyncEngineClient:
                     recv.cancel()  # safe: a cancelled zmq recv consumes no message
             if recv not in done:
                 self._lost.clear()
-                return EngineDead(_LOST)
+                reason, self._lost_reason = self._lost_reason, _LOST
+                return EngineDead(reason)
             frames = recv.result()
+            self._last_heard = time.monotonic()
             if len(frames) != 1:
                 self._decoder.drop(f"{len(frames)}-part message")
                 continue
             msg = self._decoder.decode(frames[0])
-            if msg is not None:
+            if msg is not None and not isinstance(msg, Heartbeat):  # an echo: alive, no news
                 return msg
 
     async def wait_for_info(self, timeout: float, alive=None) -> EngineInfo:
@@ -254,6 +275,18 @@ class AsyncEngineClient:
             await asyncio.sleep(self.heartbeat_interval)
             if self.attached:
                 self.send_nowait(Heartbeat(self.client_id))
+                self._check_core_heard()
+
+    def _check_core_heard(self) -> None:
+        """An attached core that echoed nothing for `silence_limit` s is lost (once)."""
+        silent = time.monotonic() - self._last_heard
+        if not self.core_silent and silent > self.silence_limit:
+            self.core_silent = True
+            self._lost_reason = (f"the engine core sent nothing for {silent:.1f} s (it echoes "
+                                 f"every heartbeat; --frontend-timeout "
+                                 f"{self.silence_limit:g} s): it is stopped or hung")
+            logger.warning("engine core at %s: %s", self.address, self._lost_reason)
+            self._lost.set()
 
     async def _watch_connection(self) -> None:
         while True:
@@ -262,6 +295,51 @@ class AsyncEngineClient:
                 self._lost.set()
             elif event == zmq.EVENT_CONNECTED and self._reattaching:
                 self.hello()  # maybe a new core at the address: the old Hello went nowhere
+
+
+class CoreLiveness:
+    """Whether the engine core at `address` still answers, for a process that owns it but
+    sends it no requests (`tidal serve`'s supervisor): a frontend of kind "supervisor" that
+    says Hello and beats, without blocking. `silent()` is the seconds the attached core has
+    echoed nothing past its --frontend-timeout (stopped or hung), else None; after the
+    core is restarted, `reset()` says Hello to the new one (ZeroMQ reconnects by itself)."""
+
+    def __init__(self, address: str, key_file: str | None = None):
+        self.client_id = make_client_id("supervisor")
+        self._ctx = zmq.Context()
+        self._sock = connect_frontend_socket(self._ctx, address, self.client_id, key_file)
+        self._decoder = CoreToFrontendDecoder()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the old core; Hello to whichever answers at the address next."""
+        self._info: EngineInfo | None = None
+        self._last_heard = self._last_beat = time.monotonic()
+        self._sock.send(encode(Hello(self.client_id, "supervisor", os.getpid())))
+
+    def silent(self) -> float | None:
+        """Read what came, beat when due; the core's silence in seconds once it passes the
+        core's --frontend-timeout, else None (also before the first EngineInfo)."""
+        now = time.monotonic()
+        while self._sock.poll(0):
+            msg = self._decoder.decode(self._sock.recv())
+            self._last_heard = now
+            if isinstance(msg, EngineInfo):
+                self._info = msg
+            elif isinstance(msg, (Detached, EngineDead)):
+                self.reset()  # dropped (or going away): attach again
+                return None
+        if self._info is None:
+            return None
+        if now - self._last_beat >= self._info.heartbeat_interval:
+            self._last_beat = now
+            self._sock.send(encode(Heartbeat(self.client_id)))
+        silent = now - self._last_heard
+        return silent if silent > self._info.frontend_timeout else None
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        self._ctx.term()
 
 
 def _log_send_error(fut) -> None:

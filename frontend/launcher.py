@@ -105,6 +105,11 @@ class DaemonProcess:
         self._reader.join(timeout=1.0)
         return code
 
+    def kill(self) -> None:
+        """SIGKILL its process group (the daemon and its workers) now: a stopped or hung
+        daemon cannot act on SIGTERM. `alive()` turns False once it is gone."""
+        _kill_group(self.proc.pid)
+
     def respawn(self) -> "DaemonProcess":
         """A new daemon with the same config and flags at the same address, after this one
         died (call `stop()` first: it kills what is left in its process group).

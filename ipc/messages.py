@@ -291,7 +291,9 @@ class Hello(msgspec.Struct, tag="hello", **_STRUCT):
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", **_STRUCT):
-    """Sent by a frontend every few seconds; a silent frontend's requests are aborted."""
+    """Sent by a frontend every few seconds; a silent frontend's requests are aborted. The
+    engine core echoes each one back (the same message), so a frontend that hears nothing
+    from the core for `EngineInfo.frontend_timeout` seconds takes it as stopped or hung."""
 
     client_id: str
 
@@ -466,6 +468,9 @@ class EngineInfo(msgspec.Struct, tag="info", **_STRUCT):
     max_queue_delay: float | None = None
     """Seconds: frontends answer 503 when a new request's estimated time to first token (from
     `SchedulerStats.est_*`) exceeds it; None = off."""
+    frontend_timeout: float = 10.0
+    """The core's --frontend-timeout, both ways: a frontend silent this long is dropped, and a
+    core that echoes no heartbeat for this long is taken by its frontends as stopped or hung."""
 
 
 class EngineDead(msgspec.Struct, tag="dead", **_STRUCT):
@@ -483,7 +488,7 @@ class Detached(msgspec.Struct, tag="detached", **_STRUCT):
     reason: str
 
 
-CoreToFrontend = Union[EngineOutputs, EngineInfo, EngineDead, Detached]
+CoreToFrontend = Union[EngineOutputs, EngineInfo, EngineDead, Detached, Heartbeat]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ Socket map (who binds, who connects, what travels):
         frontend → core: FrontendMessage   (Hello first, then AddRequest / Abort / Heartbeat /
                                             StatsQuery / Goodbye), one msgpack frame each
         core → frontend: CoreToFrontend    (EngineInfo answers Hello, EngineOutputs, EngineDead,
-                                            Detached: "I do not know you (any more): say Hello")
+                                            Detached: "I do not know you (any more): say Hello",
+                                            each Heartbeat echoed: "I am alive")
     engine core PUSH (bind, one per rank) ──► worker PULL (connect)   CoreToWorker
     worker PUSH (connect, every rank) ──────► engine core PULL (bind) WorkerToCore
 
@@ -211,7 +212,7 @@ def _is_struct(t) -> bool:
 
 class CoreToFrontendDecoder(TypedDecoder):
     """Frontend side: decodes `CoreToFrontend` (EngineInfo, EngineOutputs, EngineDead,
-    Detached) only."""
+    Detached, the echo of a Heartbeat) only."""
 
     def __init__(self) -> None:
         super().__init__(CoreToFrontend, "engine socket")

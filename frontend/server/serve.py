@@ -23,8 +23,9 @@ Prometheus multiprocess directory (metrics.py), set in the environment before an
 process imports prometheus_client.
 
 Faults stay where they happen. An HTTP process that dies is started again under the same
-index (its admission slot zeroed); the others, and their streams, go on. A daemon that dies
-is started again at the same address (at most --max-engine-restarts times, a warning with
+index (its admission slot zeroed); the others, and their streams, go on. A daemon that dies,
+or echoes none of the supervisor's heartbeats for its --frontend-timeout (stopped or hung:
+killed first; `engine_client.CoreLiveness`), is started again at the same address (at most --max-engine-restarts times, a warning with
 its last words each); the HTTP processes answer 503 with Retry-After meanwhile, re-attach
 when it answers and resubmit their unfinished requests (prompt plus the tokens already
 streamed), so streams go on where they stopped (async_llm.py); requests that wait longer
@@ -58,6 +59,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
+from tidal.engine_core.restart_budget import RestartBudget
 from tidal.frontend.async_llm import (
     DEFAULT_ENGINE_RESTART_TIMEOUT_S,
     DEFAULT_MAX_ENGINE_RESTARTS,
@@ -101,9 +103,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "seconds (its requests end with an error; it re-attaches) "
                         "(default: 10; with --engine it is `tidal core`'s flag)")
     g.add_argument("--max-engine-restarts", type=int, default=DEFAULT_MAX_ENGINE_RESTARTS,
-                   metavar="N", help="start the engine core started here again when it dies, "
-                   f"at most N times (default: {DEFAULT_MAX_ENGINE_RESTARTS}; 0: exit 1 "
-                   "when it dies)")
+                   metavar="N", help="start the engine core started here again when it dies "
+                   "or stops answering, at most N times within 10 minutes (default: "
+                   f"{DEFAULT_MAX_ENGINE_RESTARTS}; 0: exit 1 when it dies)")
     g.add_argument("--engine-restart-timeout", type=float,
                    default=DEFAULT_ENGINE_RESTART_TIMEOUT_S, metavar="S",
                    help="unfinished requests wait up to S seconds for a lost engine core to "
@@ -241,7 +243,7 @@ class _Supervisor:
         self.daemon = None
         self.procs: list[multiprocessing.Process] = []
         self.restarts: list[list[float]] = [[] for _ in range(self.num_servers)]
-        self.num_engine_restarts = 0
+        self.engine_restarts = RestartBudget(ns.max_engine_restarts)
         self.metrics_dir: str | None = None
         self.stop_event = threading.Event()
         self.exit_code = 0
@@ -309,30 +311,49 @@ class _Supervisor:
         return True
 
     def watch(self) -> None:
-        """Block until a signal or a dead daemon, restarting HTTP processes that die."""
-        while not self.stop_event.wait(_POLL_S):
-            for index, proc in enumerate(self.procs):
-                if proc.exitcode is not None and not self._restart(index):
-                    self.exit_code = 1
-                    return
-            if self.daemon is not None and not self.daemon.alive() \
-                    and not self._restart_engine():
-                self.exit_code = 1
-                return
+        """Block until a signal or a dead daemon, restarting HTTP processes that die and
+        the daemon when it dies or goes silent (stopped or hung: killed first)."""
+        liveness = None
+        if self.daemon is not None:
+            from tidal.frontend.engine_client import CoreLiveness
+
+            liveness = CoreLiveness(self.daemon.address)
+        try:
+            while not self.stop_event.wait(_POLL_S):
+                for index, proc in enumerate(self.procs):
+                    if proc.exitcode is not None and not self._restart(index):
+                        self.exit_code = 1
+                        return
+                if liveness is None:
+                    continue
+                silent = liveness.silent()
+                if silent is not None and self.daemon.alive():
+                    logger.warning("the engine core (pid %d) echoed no heartbeat for %.1f s: "
+                                   "stopped or hung; killing it", self.daemon.pid, silent)
+                    self.daemon.kill()
+                    self.daemon.wait(5.0)
+                if not self.daemon.alive():
+                    if not self._restart_engine():
+                        self.exit_code = 1
+                        return
+                    liveness.reset()
+        finally:
+            if liveness is not None:
+                liveness.close()
 
     def _restart_engine(self) -> bool:
         """Start the dead daemon again at its address; False when it may not be (it died
         more than --max-engine-restarts times)."""
         cause = self.daemon.failure_message("the engine core exited")
-        if self.num_engine_restarts >= self.ns.max_engine_restarts:
-            logger.error("%s; it was restarted %d times already (--max-engine-restarts %d); "
-                         "shutting down", cause, self.num_engine_restarts,
-                         self.ns.max_engine_restarts)
+        budget = self.engine_restarts
+        if not budget.spend():
+            logger.error("%s; it was restarted %d times already within %g min "
+                         "(--max-engine-restarts %d); shutting down", cause, budget.recent(),
+                         budget.window_s / 60, budget.limit)
             return False
-        self.num_engine_restarts += 1
-        logger.warning("%s; starting it again at the same address (restart %d of %d); the "
+        logger.warning("%s; starting it again at the same address (%s); the "
                        "HTTP servers re-attach and resubmit their unfinished requests", cause,
-                       self.num_engine_restarts, self.ns.max_engine_restarts)
+                       budget.describe())
         self.daemon.stop()  # its workers, if any are left
         self.daemon = self.daemon.respawn()
         spec, sock, slots = self._spawn_args

@@ -212,7 +212,7 @@ def assert_daemon_death_is_healed_then_final(llm: LLM) -> None:
         assert got.outputs[0].text == want.outputs[0].text
     wait_until(lambda: group_gone(first_pid), 10, "the first daemon's workers to exit")
 
-    llm._llm.max_engine_restarts = 1  # used up: the next death is final
+    llm._llm.engine_restarts.limit = 1  # used up: the next death is final
     pgid = llm.daemon_pid
     lost = generate_killing_the_daemon(llm, prompts, long)
     assert [o.outputs[0].finish_reason for o in lost] == ["error"] * 3

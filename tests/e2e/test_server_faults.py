@@ -4,9 +4,10 @@
   error event / a 5xx naming the timeout when it wakes, and it serves again;
 - one of two HTTP processes killed: the other's streams run to their end, the dead one is
   started again;
-- the engine core killed under `tidal serve MODEL`: the supervisor starts it again, the
-  streams go on and end with the tokens and text of a fault-free run (greedy, and seeded
-  sampling); the old core's workers are gone;
+- the engine core stopped (SIGSTOP: alive but silent) under `tidal serve MODEL`: the
+  supervisor kills it and starts it again, the streams go on and end with the tokens and
+  text of a fault-free run (greedy, and seeded sampling); the old core's workers are gone;
+  then killed (SIGKILL) with its restarts used up: final;
 - the engine core killed under `tidal serve --engine`: new requests get 503 + Retry-After,
   a core restarted at the address is attached again and the stream in flight completes;
 - `tidal serve` stopped (SIGTERM): a stream in flight ends with an error event and [DONE].
@@ -264,25 +265,28 @@ HEALED = [{"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
 
 
 @pytest.mark.timeout(300)
-def test_core_killed_under_serve_is_restarted_and_streams_go_on(long_llama):
-    """SIGKILL the daemon `tidal serve MODEL` started while two streams run: the supervisor
-    starts it again at the same address, the HTTP process resubmits both requests (prompt +
-    the tokens streamed), and each stream ends with the text of a fault-free run. With
-    --max-engine-restarts 1 used up, a second SIGKILL is final: the stream in flight ends
-    with an error event and `tidal serve` exits 1."""
-    server = LiveServer([long_llama, *FLAGS, "--max-engine-restarts", "1"]).start()
+def test_core_stopped_under_serve_is_restarted_and_streams_go_on(long_llama):
+    """SIGSTOP the daemon `tidal serve MODEL` started while two streams run: it echoes no
+    heartbeat for its --frontend-timeout (3 s), so the supervisor kills it and starts it
+    again at the same address, the HTTP process resubmits both requests (prompt + the
+    tokens streamed), and each stream ends with the text of a fault-free run. With
+    --max-engine-restarts 1 used up, a SIGKILL is final: the stream in flight ends with an
+    error event and `tidal serve` exits 1."""
+    server = LiveServer([long_llama, *FLAGS, "--max-engine-restarts", "1",
+                         "--frontend-timeout", "3"]).start()
     try:
         expected = [Stream(server.base_url, body).finish(120) for body in HEALED]
         assert all(s.ended_well() for s in expected)
         old_core = core_process(server.proc.pid)
         streams = [Stream(server.base_url, body) for body in HEALED]
         assert all(s.first.wait(60) and not s.broken for s in streams)
-        os.kill(old_core, signal.SIGKILL)  # alone: its workers must exit by themselves
+        os.kill(old_core, signal.SIGSTOP)  # alone: alive, holding its socket, silent
         for got, want in zip(streams, expected):
             assert got.finish(180).ended_well(), got.lines[-3:]
             assert got.text() == want.text()
         out = server.output()
-        assert "starting it again at the same address (restart 1 of 1)" in out
+        assert "echoed no heartbeat" in out and "stopped or hung; killing it" in out
+        assert "starting it again at the same address (restart 1 of at most 1 in 10 min)" in out
         assert "resubmitted 2 engine requests" in out
         assert server.alive() and core_process(server.proc.pid) not in (None, old_core)
         wait_until(lambda: group_gone(old_core), 10, "the old core's workers to exit")
@@ -293,6 +297,7 @@ def test_core_killed_under_serve_is_restarted_and_streams_go_on(long_llama):
         os.kill(core_process(server.proc.pid), signal.SIGKILL)
         assert stream.finish(60).error()
         assert server.proc.wait(60) == 1
-        assert "restarted 1 times already (--max-engine-restarts 1)" in server.output()
+        assert ("restarted 1 times already within 10 min (--max-engine-restarts 1)"
+                in server.output())
     finally:
         server.stop()

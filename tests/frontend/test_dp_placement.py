@@ -12,6 +12,7 @@ from tidal.engine_core.config import EngineConfig, ModelConfig, ParallelConfig
 from tidal.frontend.dp_placement import PREFIX_SLACK, WAITING_WEIGHT, Placement, merge_stats
 from tidal.frontend.dp_router import (
     core_config,
+    core_env,
     core_gpu_sets,
     lost_output,
     resume_request,
@@ -170,6 +171,21 @@ def test_each_core_gets_a_share_of_the_cpu_threads(monkeypatch):
     gguf = EngineConfig(ModelConfig("/m/x.gguf"), parallel=ParallelConfig(data_parallel_size=2))
     converted = core_config(gguf, "/cache/x-123").model  # converted once, by the router
     assert (converted.model, converted.name) == ("/cache/x-123", "/m/x.gguf")
+
+
+def test_cores_whose_threads_outnumber_the_cpus_wait_passive(monkeypatch):
+    """-dp 2 with OMP_NUM_THREADS=2 on 2 CPUs: four spinning threads on two cores would each
+    wait at every barrier for a partner that is not running."""
+    monkeypatch.setattr("tidal.frontend.dp_router.available_cpus", lambda: 2)
+    dp2 = EngineConfig(ModelConfig("m"), parallel=ParallelConfig(data_parallel_size=2))
+    assert core_env(dp2, {"OMP_NUM_THREADS": "2"}, None)["OMP_WAIT_POLICY"] == "PASSIVE"
+    kept = core_env(dp2, {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "ACTIVE"}, None)
+    assert kept["OMP_WAIT_POLICY"] == "ACTIVE"  # the user's choice wins
+    assert "OMP_WAIT_POLICY" not in core_env(dp2, {}, None)  # a share each: one thread a core
+    pinned = EngineConfig(ModelConfig("m"), parallel=ParallelConfig(
+        data_parallel_size=2, cpu_affinity="0-1"))
+    assert "OMP_WAIT_POLICY" not in core_env(pinned, {"OMP_NUM_THREADS": "2"}, None)
+    assert core_env(dp2, {}, "2,3")["CUDA_VISIBLE_DEVICES"] == "2,3"
 
 
 def test_each_core_gets_gpus_of_its_own_and_too_few_are_refused():

@@ -144,7 +144,7 @@ def test_a_dead_cores_requests_continue_elsewhere_with_their_tokens(router):
     assert unpack_token_ids(moved.prompt_token_ids).tolist() == [5, 6, 7, 11, 12]
     assert moved.num_resumed_tokens == 2
     assert moved.sampling.max_tokens == 8
-    assert router.cores[0].num_restarts == 1 and router.cores[0].info is None
+    assert router.cores[0].restarts.total == 1 and router.cores[0].info is None
     core_says(router, 1, token("ra", 13))
     assert [unpack_token_ids(o.new_token_ids).tolist() for o in router.sock.outputs("a")] \
         == [[11], [12], [13]]

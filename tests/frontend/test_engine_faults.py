@@ -44,15 +44,18 @@ def tokenizer_dir(tmp_path_factory) -> str:
 
 
 class FakeCore:
-    """A ROUTER at `address`: answers Hello with EngineInfo (heartbeats every 0.1 s) and
-    keeps every other frame, decoded, in `received` as (client identity, message)."""
+    """A ROUTER at `address`: answers Hello with EngineInfo (heartbeats every 0.1 s, silence
+    tolerated for 1 s), echoes heartbeats, and keeps every other frame, decoded, in
+    `received` as (client identity, message). While `stopped` it reads nothing (frames
+    queue, as for a SIGSTOPped process)."""
 
     def __init__(self, ctx: zmq.asyncio.Context, address: str, model: str):
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(address)
         self.info = EngineInfo(model, 256, 64, 16, 8, 256, tokenizer=model,
-                               heartbeat_interval=0.1)
+                               heartbeat_interval=0.1, frontend_timeout=1.0)
+        self.stopped = False
         self.received: list[tuple[bytes, object]] = []
         self.num_hellos = 0
         self._decoder = FrontendDecoder()
@@ -60,12 +63,16 @@ class FakeCore:
 
     async def _serve(self) -> None:
         while True:
+            while self.stopped:
+                await asyncio.sleep(0.02)
             identity, frame = await self.sock.recv_multipart()
             msg = self._decoder.decode(frame)
             if isinstance(msg, Hello):
                 self.num_hellos += 1
                 await self.sock.send_multipart([identity, encode(self.info)])
-            elif not isinstance(msg, Heartbeat):
+            elif isinstance(msg, Heartbeat):
+                await self.sock.send_multipart([identity, frame])
+            else:
                 self.received.append((identity, msg))
 
     def send(self, identity: bytes, msg) -> None:
@@ -211,6 +218,26 @@ def test_core_gone_then_back_at_the_same_address(tokenizer_dir):
             await finishes_normally(llm, new_core)
         finally:
             await new_core.close()
+
+    with_core(tokenizer_dir, body)
+
+
+@pytest.mark.timeout(60)
+def test_a_silent_core_is_lost_and_a_core_that_answers_again_gets_the_requests(tokenizer_dir):
+    """A core that echoes no heartbeat for its frontend_timeout (1 s here: stopped, or
+    hung) is taken as lost, though its connection stands: the request is suspended and, once
+    the core answers a Hello again, resubmitted. An echoing core is never taken as lost."""
+
+    async def body(llm, core, ctx, address):
+        stream, identity, req_id = await started_stream(llm, core)
+        await asyncio.sleep(1.5)  # longer than frontend_timeout, heartbeats echoed
+        assert llm.attached and core.num_hellos == 1
+        core.stopped = True
+        await until(lambda: not llm.attached, "the silent core to be taken as lost")
+        assert "stopped or hung" in llm.away_reason
+        core.stopped = False  # SIGCONT: it reads the Abort and the Hello that queued
+        await resumes(stream, core, req_id)
+        assert req_id in core.aborted()
 
     with_core(tokenizer_dir, body)
 
