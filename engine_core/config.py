@@ -51,7 +51,9 @@ class ModelConfig:
     """Tokenizer folder; None means the model folder (for a GGUF file: the converted one)."""
     dtype: str = "auto"
     """Weight and activation dtype: auto (the worker picks from the checkpoint's dtype and the
-    device; a GGUF file's is float32), float32, bfloat16, float16 or float64."""
+    device; a GGUF file's is float32), float32, bfloat16, float16 or float64 (the flag also
+    takes half, float and double). On the CPU float16 computes in float32, and bfloat16 too
+    unless the CPU has AVX512_BF16 or AMX."""
     max_model_len: int | None = None
     """Context length (prompt + generated tokens); None means the model's own, read from
     config.json (`max_position_embeddings` and friends). May not exceed the model's."""
@@ -95,8 +97,8 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.92
     """Fraction of the GPU's memory this engine may use (weights + activations + KV cache)."""
     kv_cache_memory: int | None = None
-    """Bytes of KV cache per rank; set on CPU, or to bypass gpu_memory_utilization on GPU.
-    None means the worker's default."""
+    """Bytes of KV cache per rank (4GiB, 512MiB, 2GB, ...); set on CPU, or to bypass
+    gpu_memory_utilization on GPU. None means the worker's default (4 GiB on the CPU)."""
     num_kv_blocks_override: int | None = None
     """Force this many KV blocks (tests, preemption experiments); None means measured."""
 
@@ -133,8 +135,8 @@ class SchedulerConfig:
     """Most unfinished requests a frontend accepts before answering 503; None = unlimited."""
     max_num_queued_tokens: int | None = None
     """Most prompt tokens of unfinished requests still waiting for their first token (in the
-    queue or in prefill) before a frontend answers 503; None = unlimited. A TTFT guard: set
-    it near target TTFT x prefill throughput."""
+    queue or in prefill) before a frontend answers 503 (32k = 32000, 32K = 32768); None =
+    unlimited. A TTFT guard: set it near target TTFT x prefill throughput."""
     stream_interval: int = 1
     """Frontends send streamed tokens in groups of this many (first and last at once)."""
     long_prefill_token_threshold: int = 0

@@ -1,6 +1,7 @@
 """Config validation, engine flags, request states and the waiting queues."""
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -89,6 +90,25 @@ def test_flags_round_trip_through_argv():
     assert config_from_args(_parser().parse_args(config_to_argv(default))) == default
     assert decode_engine_config(encode_engine_config(config)) == config  # what -pp sets too
     assert config_from_args(_parser().parse_args(["m", "-pp", "2"])).pipeline_depth == 3
+
+
+def test_every_config_field_is_a_flag_whose_help_is_its_docstring():
+    """One source of truth: each field of the four config sections has a flag (MODEL for
+    `model`), and the flag's --help text is the field's docstring plus its default."""
+    from tidal.engine_core.args import FLAGS, field_docs
+
+    flags = {(f.section, f.field): f for group in FLAGS.values() for f in group}
+    helps = {a.dest: a.help for a in _parser()._actions}
+    for section in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig):
+        docs = field_docs(section)
+        for field in dataclasses.fields(section):
+            assert field.name in docs, f"{section.__name__}.{field.name} has no docstring"
+            if (section, field.name) == (ModelConfig, "model"):
+                continue
+            flag = flags[(section, field.name)]  # KeyError: a field without a flag
+            assert helps[flag.dest].replace("%%", "%").startswith(docs[field.name])
+    assert "(default: 256)" in helps["max_num_seqs"]
+    assert "(default: on)" in helps["async_scheduling"]
 
 
 def test_engine_config_from_json_is_checked_field_by_field():
