@@ -18,8 +18,11 @@ core is gone or dropped it (it then calls `reattach()`); heartbeats go out only 
 attached. The core echoes each one, so a core that sends nothing at all for
 `EngineInfo.frontend_timeout` seconds while attached (stopped, or hung) is taken as lost
 too: `recv()` returns an `EngineDead` saying so, once, and `core_silent` is set until the
-next EngineInfo (an owner that started the core kills it then, to start it again). While re-attaching, the client says Hello again on every new connection (ZeroMQ
-reconnects to the same address by itself), so a core restarted there is found.
+next EngineInfo (an owner that started the core kills it then, to start it again). Silence
+is judged only while this side keeps beating: after a stall of our own (the event loop held
+up) the clock starts again, and frames waiting unread count as heard. While re-attaching,
+the client says Hello again on every new connection (ZeroMQ reconnects to the same address
+by itself), so a core restarted there is found.
 """
 
 from __future__ import annotations
@@ -162,7 +165,7 @@ class AsyncEngineClient:
         self.silence_limit = DEFAULT_FRONTEND_TIMEOUT_S
         """Seconds without a frame from an attached core before it is taken as hung."""
         self.core_silent = False
-        self._last_heard = time.monotonic()
+        self._last_heard = self._last_beat = time.monotonic()
         self._lost_reason = _LOST
         self._reattaching = False
         self._ctx = zmq.asyncio.Context()
@@ -279,7 +282,13 @@ class AsyncEngineClient:
 
     def _check_core_heard(self) -> None:
         """An attached core that echoed nothing for `silence_limit` s is lost (once)."""
-        silent = time.monotonic() - self._last_heard
+        now = time.monotonic()
+        if stalled_since_last_beat(now, self._last_beat, self.heartbeat_interval):
+            self._last_heard = now  # we went quiet ourselves: nothing was there to echo
+        self._last_beat = now
+        if self._sock.get(zmq.EVENTS) & zmq.POLLIN:
+            return  # frames wait unread: the core spoke
+        silent = now - self._last_heard
         if not self.core_silent and silent > self.silence_limit:
             self.core_silent = True
             self._lost_reason = (f"the engine core sent nothing for {silent:.1f} s (it echoes "
@@ -332,6 +341,8 @@ class CoreLiveness:
         if self._info is None:
             return None
         if now - self._last_beat >= self._info.heartbeat_interval:
+            if stalled_since_last_beat(now, self._last_beat, self._info.heartbeat_interval):
+                self._last_heard = now  # we went quiet ourselves: nothing was there to echo
             self._last_beat = now
             self._sock.send(encode(Heartbeat(self.client_id)))
         silent = now - self._last_heard
@@ -340,6 +351,12 @@ class CoreLiveness:
     def close(self) -> None:
         self._sock.close(linger=0)
         self._ctx.term()
+
+
+def stalled_since_last_beat(now: float, last_beat: float, interval: float) -> bool:
+    """Whether this side missed beats (its loop was held up) since `last_beat`: then the
+    core had nothing to echo, and its silence so far says nothing about it."""
+    return now - last_beat > 2 * interval + 0.5
 
 
 def _log_send_error(fut) -> None:

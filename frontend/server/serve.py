@@ -25,8 +25,8 @@ process imports prometheus_client.
 Faults stay where they happen. An HTTP process that dies is started again under the same
 index (its admission slot zeroed); the others, and their streams, go on. A daemon that dies,
 or echoes none of the supervisor's heartbeats for its --frontend-timeout (stopped or hung:
-killed first; `engine_client.CoreLiveness`), is started again at the same address (at most --max-engine-restarts times, a warning with
-its last words each); the HTTP processes answer 503 with Retry-After meanwhile, re-attach
+killed first; `engine_client.CoreLiveness`), is started again at the same address (at most
+--max-engine-restarts times within 10 minutes, a warning with its last words each); the HTTP processes answer 503 with Retry-After meanwhile, re-attach
 when it answers and resubmit their unfinished requests (prompt plus the tokens already
 streamed), so streams go on where they stopped (async_llm.py); requests that wait longer
 than --engine-restart-timeout end with an error. The supervisor gives up (exit status 1,

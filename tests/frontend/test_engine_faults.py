@@ -271,3 +271,44 @@ def test_a_core_serving_another_model_is_not_attached(tokenizer_dir):
             await other.close()
 
     with_core(tokenizer_dir, body)
+
+
+@pytest.mark.timeout(30)
+def test_the_supervisors_liveness_watch_sees_a_silent_core_and_not_an_echoing_one():
+    """`tidal serve`'s supervisor beats like a frontend (CoreLiveness): while the core echoes,
+    `silent()` stays None; once it stops (SIGSTOP), `silent()` reports it after the core's
+    frontend_timeout. A stall of the watcher's own is not taken for the core's."""
+    import time
+
+    from tidal.frontend.engine_client import CoreLiveness, stalled_since_last_beat
+
+    address = new_private_address("liveness")
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(address)
+    info = EngineInfo("m", 256, 64, 16, 8, 256, heartbeat_interval=0.05, frontend_timeout=0.5)
+    watch = CoreLiveness(address)
+    decoder = FrontendDecoder()
+
+    def serve_for(seconds: float, answering: bool) -> list:
+        reports, end = [], time.monotonic() + seconds
+        while time.monotonic() < end:
+            while answering and router.poll(0):
+                identity, frame = router.recv_multipart()
+                msg = decoder.decode(frame)
+                router.send_multipart([identity, encode(info) if isinstance(msg, Hello)
+                                       else frame])  # a Heartbeat goes back as it came
+            reports.append(watch.silent())
+            time.sleep(0.02)
+        return reports
+
+    try:
+        assert set(serve_for(1.0, answering=True)) == {None}
+        reports = serve_for(1.0, answering=False)
+        assert any(r is not None and r > 0.5 for r in reports)
+    finally:
+        watch.close()
+        router.close(linger=0)
+        ctx.term()
+    assert stalled_since_last_beat(10.0, 8.0, 0.25) and not stalled_since_last_beat(10.0, 9.5, 0.25)
