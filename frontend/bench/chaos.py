@@ -1,7 +1,7 @@
 """`tidal bench chaos`: a bounded soak of a live `tidal serve` while its processes are killed.
 
     tidal bench chaos [MODEL] [--duration 600] [--request-rate 4] [--fault-interval 5]
-        [--faults worker-kill,worker-stop,core-kill,http-kill] [--api-server-count 2]
+        [--faults worker-kill,worker-stop,core-kill,core-stop,http-kill] [--api-server-count 2]
         [--worker-timeout 3] [--calm 0.2] [--serve-args "..."]
 
 It starts `tidal serve MODEL` itself (so it knows the process tree), then:
@@ -15,6 +15,8 @@ It starts `tidal serve MODEL` itself (so it knows the process tree), then:
        worker-kill   SIGKILL a worker rank         (the core replaces its workers)
        worker-stop   SIGSTOP a worker rank         (hung: past --worker-timeout, the same)
        core-kill     SIGKILL the engine core       (tidal serve restarts it, if it can)
+       core-stop     SIGSTOP the engine core       (silent past --frontend-timeout: tidal serve
+                                                    kills it and restarts it, the same)
        http-kill     SIGKILL one HTTP process      (the others' streams must go on)
 
 3. idle: once every request is answered, the server's /metrics must show nothing running,
@@ -51,7 +53,7 @@ PROMPTS = [
     "In 1492, Columbus", "The quick brown fox", "SELECT * FROM", "Water boils at",
     "My favourite food is", "The opposite of hot is", "To be or not to be", "Hello, my name is",
 ]
-FAULTS = ("worker-kill", "worker-stop", "core-kill", "http-kill")
+FAULTS = ("worker-kill", "worker-stop", "core-kill", "core-stop", "http-kill")
 
 
 @dataclass
@@ -154,6 +156,7 @@ def inject(fault: str, tree: dict[str, list[int]], rng: random.Random) -> str | 
     role, sig = {"worker-kill": ("worker", signal.SIGKILL),
                  "worker-stop": ("worker", signal.SIGSTOP),
                  "core-kill": ("core", signal.SIGKILL),
+                 "core-stop": ("core", signal.SIGSTOP),
                  "http-kill": ("http", signal.SIGKILL)}[fault]
     if not tree[role]:
         return None

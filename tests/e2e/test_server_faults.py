@@ -267,13 +267,13 @@ HEALED = [{"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
 @pytest.mark.timeout(300)
 def test_core_stopped_under_serve_is_restarted_and_streams_go_on(long_llama):
     """SIGSTOP the daemon `tidal serve MODEL` started while two streams run: it echoes no
-    heartbeat for its --frontend-timeout (3 s), so the supervisor kills it and starts it
+    heartbeat for its --frontend-timeout (2 s), so the supervisor kills it and starts it
     again at the same address, the HTTP process resubmits both requests (prompt + the
     tokens streamed), and each stream ends with the text of a fault-free run. With
     --max-engine-restarts 1 used up, a SIGKILL is final: the stream in flight ends with an
     error event and `tidal serve` exits 1."""
     server = LiveServer([long_llama, *FLAGS, "--max-engine-restarts", "1",
-                         "--frontend-timeout", "3"]).start()
+                         "--frontend-timeout", "2"]).start()
     try:
         expected = [Stream(server.base_url, body).finish(120) for body in HEALED]
         assert all(s.ended_well() for s in expected)

@@ -47,7 +47,7 @@ def test_report_passes_only_with_nothing_lost_mismatched_leaked_or_orphaned():
 @pytest.mark.timeout(240)
 def test_short_soak_with_worker_faults_loses_nothing(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "tidal.frontend.cli", "bench", "chaos", "--duration", "12",
+        [sys.executable, "-m", "tidal.frontend.cli", "bench", "chaos", "--duration", "8",
          "--request-rate", "3", "--fault-interval", "3", "--calm", "0.25", "--max-tokens", "8",
          "--worker-timeout", "2", "--api-server-count", "1",
          "--faults", "worker-kill,worker-stop", "--log", str(tmp_path / "serve.log")],
