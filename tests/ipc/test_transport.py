@@ -3,6 +3,7 @@
 import dataclasses
 import logging
 import os
+import socket
 import stat
 import time
 
@@ -308,11 +309,18 @@ def test_curve_on_loopback_good_and_bad_key(tmp_path):
     os.chmod(mixed, 0o600)
 
     ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    router.close(linger=0)
-    addr = f"tcp://127.0.0.1:{port}"
-    router, auth = bind_engine_socket(ctx, addr, key_file=good)
+    # NOTE: a free port from the OS, bound at once by the engine socket; a port found by a zmq
+    # socket that was then closed could still be held by zmq's I/O thread ("Address already
+    # in use", seen once in CI), and another process may take a free port first: retry
+    for _ in range(5):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            addr = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+        try:
+            router, auth = bind_engine_socket(ctx, addr, key_file=good)
+            break
+        except ValueError:
+            continue
     try:
         for key_file in (mixed, other, None):  # unknown client key, wrong server key, plain
             bad = connect_frontend_socket(ctx, addr, "intruder", key_file=key_file)
