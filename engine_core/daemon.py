@@ -25,16 +25,16 @@ preemption (`Scheduler.recompute_all`); plans in flight are dropped, their token
 delivered. Clients see a pause. Greedy and seeded outputs equal a fault-free run's, because
 recompute gives the same KV and seeded draws depend on (seed, position) only. After
 `--max-worker-restarts` replacements within 10 minutes (or when the replacement itself fails
-that often), the next failure is final: every unfinished request gets FinishReason.ERROR with a message,
-EngineDead, the remaining workers are killed, exit 1.
+that often), the next failure is final: every unfinished request gets FinishReason.ERROR with
+a message, EngineDead, the remaining workers are killed, exit 1.
 
 Frontends are told apart by their zmq identity (= their client_id); a frontend may abort only
 its own requests, and receives outputs only for its own requests. A frontend attaches with
 Hello. The core echoes every Heartbeat (also while a long step runs or replacement workers
 load), so a frontend that hears nothing for `--frontend-timeout` seconds knows the core is
 stopped or hung. One silent for longer than `--frontend-timeout` seconds (they send a
-Heartbeat every `EngineInfo.heartbeat_interval`) is dropped: each of its requests gets FinishReason.ERROR
-with a message, then the frontend gets `Detached`, and its blocks are freed. Any frame but
+Heartbeat every `EngineInfo.heartbeat_interval`) is dropped: each of its requests gets
+FinishReason.ERROR with a message, then the frontend gets `Detached`, and its blocks are freed. Any frame but
 Hello from a frontend the core does not know (dropped, or attached to the core this one
 replaced) is answered with `Detached` (an AddRequest also with an ERROR output), never
 served: only the frontend knows which requests it still waits for, so it must say Hello
@@ -55,7 +55,6 @@ from dataclasses import dataclass
 import zmq
 
 from tidal.engine_core.args import add_engine_args, config_from_args
-from tidal.engine_core.restart_budget import RestartBudget
 from tidal.engine_core.config import (
     EngineConfig,
     is_gguf,
@@ -66,6 +65,7 @@ from tidal.engine_core.executor import WorkerError, WorkerFacts, make_executor
 from tidal.engine_core.model_files import model_folder
 from tidal.engine_core.queue_estimate import QueueDelayEstimator
 from tidal.engine_core.request import Request, check_request
+from tidal.engine_core.restart_budget import RestartBudget
 from tidal.engine_core.scheduler import Scheduler
 from tidal.ipc.lifeline import watch_parent
 from tidal.engine_core.step_cost import StepCostModel, required_profile

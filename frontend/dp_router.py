@@ -60,9 +60,10 @@ import zmq
 from tidal.engine_core.args import config_from_args
 from tidal.engine_core.config import EngineConfig
 from tidal.engine_core.model_files import model_folder
-from tidal.engine_core.restart_budget import RestartBudget
+from tidal.engine_core.restart_budget import RESTART_WINDOW_S, RestartBudget
 from tidal.frontend.dp_cores import core_config, core_env, core_gpu_sets, visible_gpus
 from tidal.frontend.dp_placement import Placement, merge_stats
+from tidal.frontend.engine_client import HeartbeatClock
 from tidal.frontend.launcher import DaemonProcess
 from tidal.frontend.output_processor import lost_finish, resume_params
 from tidal.ipc.lifeline import watch_parent
@@ -121,8 +122,7 @@ class _Core:
     client_id: str
     info: EngineInfo | None = None  # None until it answers Hello (starting or restarting)
     last_hello: float = 0.0
-    last_beat: float = 0.0
-    last_heard: float = 0.0  # its last frame: it echoes every heartbeat, so silence = hung
+    clock: HeartbeatClock | None = None  # beats to it and its echoes, from its EngineInfo on
     restarts: RestartBudget = field(default_factory=lambda: RestartBudget(MAX_CORE_RESTARTS))
     dead_for_good: bool = False
 
@@ -285,8 +285,9 @@ class Router:
             self._poll_once()
             self._watch_cores()
             if self._all_dead_for_good():
-                reason = "every engine core died more often than it may be restarted " \
-                         f"({MAX_CORE_RESTARTS} restarts each within 10 min)"
+                reason = ("every engine core died more often than it may be restarted "
+                          f"({MAX_CORE_RESTARTS} restarts each within "
+                          f"{RESTART_WINDOW_S / 60:g} min)")
                 logger.error("%s; failing every unfinished request", reason)
                 self._fail_everything(reason)
                 return EXIT_CORES_FAILED
@@ -340,18 +341,8 @@ class Router:
             if core.info is None and not core.dead_for_good \
                     and now - core.last_hello > HELLO_RETRY_S:
                 self._hello(core)
-            elif core.info is not None and now - core.last_heard > core.info.frontend_timeout:
-                # stopped or hung: killed, so that `_watch_cores` moves its requests and
-                # starts it again as after any exit
-                logger.warning("engine core %d sent nothing for %.1f s (it echoes every "
-                               "heartbeat; --frontend-timeout %g s): stopped or hung, killing "
-                               "it", core.index, now - core.last_heard,
-                               core.info.frontend_timeout)
-                core.info = None
-                core.daemon.kill()
-            elif core.info is not None and now - core.last_beat > core.info.heartbeat_interval:
-                core.last_beat = now
-                core.sock.send(encode(Heartbeat(core.client_id)))
+            elif core.info is not None:
+                self._beat(core, now)
         if self.info is None:
             return
         self._expire_silent_frontends(now)
@@ -359,6 +350,21 @@ class Router:
             self._finish_stats_round()
         if self._load_changed and not self._stats_round and now - self._last_poll > STATS_POLL_S:
             self._start_stats_round()
+
+    def _beat(self, core: _Core, now: float) -> None:
+        """Heartbeat an attached core when due; a core that echoed nothing for its
+        --frontend-timeout is stopped or hung: killed, so that `_watch_cores` moves its
+        requests and starts it again as after any exit."""
+        if core.clock.beat_due(now):
+            core.clock.beat(now)
+            core.sock.send(encode(Heartbeat(core.client_id)))
+        silent = core.clock.silent_for(now)
+        if silent > core.info.frontend_timeout:
+            logger.warning("engine core %d sent nothing for %.1f s (it echoes every heartbeat; "
+                           "--frontend-timeout %g s): stopped or hung, killing it", core.index,
+                           silent, core.info.frontend_timeout)
+            core.info = None
+            core.daemon.kill()
 
     # -- frontends -----------------------------------------------------------------------------
 
@@ -498,7 +504,8 @@ class Router:
         if len(frames) != 1:
             self.core_decoder.drop(f"{len(frames)}-part message", core.client_id)
             return
-        core.last_heard = time.monotonic()
+        if core.clock is not None:
+            core.clock.heard(time.monotonic())
         msg = self.core_decoder.decode(frames[0], sender=f"engine core {core.index}")
         if isinstance(msg, EngineOutputs):
             self._on_outputs(core, msg)
@@ -516,8 +523,7 @@ class Router:
     def _on_core_info(self, core: _Core, info: EngineInfo) -> None:
         if core.info is not None:
             return  # a second answer to a repeated Hello
-        core.info, core.last_beat = info, time.monotonic()
-        core.last_heard = core.last_beat
+        core.info, core.clock = info, HeartbeatClock(info.heartbeat_interval)
         self.placement.mark_live(core.index)
         if self.info is not None:
             logger.info("engine core %d is serving again", core.index)

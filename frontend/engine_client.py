@@ -165,7 +165,7 @@ class AsyncEngineClient:
         self.silence_limit = DEFAULT_FRONTEND_TIMEOUT_S
         """Seconds without a frame from an attached core before it is taken as hung."""
         self.core_silent = False
-        self._last_heard = self._last_beat = time.monotonic()
+        self._clock = HeartbeatClock(HEARTBEAT_INTERVAL_S)
         self._lost_reason = _LOST
         self._reattaching = False
         self._ctx = zmq.asyncio.Context()
@@ -192,7 +192,7 @@ class AsyncEngineClient:
         self.attached, self._reattaching, self.core_silent = True, False, False
         self.heartbeat_interval = info.heartbeat_interval
         self.silence_limit = info.frontend_timeout
-        self._last_heard = time.monotonic()
+        self._clock = HeartbeatClock(info.heartbeat_interval)
 
     def reattach(self) -> None:
         """The core is gone or dropped us: stop beating, say Hello now and on every new
@@ -223,7 +223,7 @@ class AsyncEngineClient:
                 reason, self._lost_reason = self._lost_reason, _LOST
                 return EngineDead(reason)
             frames = recv.result()
-            self._last_heard = time.monotonic()
+            self._clock.heard(time.monotonic())
             if len(frames) != 1:
                 self._decoder.drop(f"{len(frames)}-part message")
                 continue
@@ -283,12 +283,10 @@ class AsyncEngineClient:
     def _check_core_heard(self) -> None:
         """An attached core that echoed nothing for `silence_limit` s is lost (once)."""
         now = time.monotonic()
-        if stalled_since_last_beat(now, self._last_beat, self.heartbeat_interval):
-            self._last_heard = now  # we went quiet ourselves: nothing was there to echo
-        self._last_beat = now
+        self._clock.beat(now)
         if self._sock.get(zmq.EVENTS) & zmq.POLLIN:
             return  # frames wait unread: the core spoke
-        silent = now - self._last_heard
+        silent = self._clock.silent_for(now)
         if not self.core_silent and silent > self.silence_limit:
             self.core_silent = True
             self._lost_reason = (f"the engine core sent nothing for {silent:.1f} s (it echoes "
@@ -323,7 +321,7 @@ class CoreLiveness:
     def reset(self) -> None:
         """Forget the old core; Hello to whichever answers at the address next."""
         self._info: EngineInfo | None = None
-        self._last_heard = self._last_beat = time.monotonic()
+        self._clock: HeartbeatClock | None = None  # from the core's EngineInfo on
         self._sock.send(encode(Hello(self.client_id, "supervisor", os.getpid())))
 
     def silent(self) -> float | None:
@@ -332,25 +330,53 @@ class CoreLiveness:
         now = time.monotonic()
         while self._sock.poll(0):
             msg = self._decoder.decode(self._sock.recv())
-            self._last_heard = now
             if isinstance(msg, EngineInfo):
-                self._info = msg
+                self._info, self._clock = msg, HeartbeatClock(msg.heartbeat_interval, now)
             elif isinstance(msg, (Detached, EngineDead)):
                 self.reset()  # dropped (or going away): attach again
                 return None
-        if self._info is None:
+            elif self._clock is not None:
+                self._clock.heard(now)
+        if self._clock is None:
             return None
-        if now - self._last_beat >= self._info.heartbeat_interval:
-            if stalled_since_last_beat(now, self._last_beat, self._info.heartbeat_interval):
-                self._last_heard = now  # we went quiet ourselves: nothing was there to echo
-            self._last_beat = now
+        if self._clock.beat_due(now):
+            self._clock.beat(now)
             self._sock.send(encode(Heartbeat(self.client_id)))
-        silent = now - self._last_heard
+        silent = self._clock.silent_for(now)
         return silent if silent > self._info.frontend_timeout else None
 
     def close(self) -> None:
         self._sock.close(linger=0)
         self._ctx.term()
+
+
+class HeartbeatClock:
+    """The heartbeats one side sends every `interval` seconds to a peer that echoes each one
+    (an engine core, the `-dp` router), and what came back: how long the peer has been
+    silent. Silence is judged only while this side keeps beating: after a stall of its own
+    (missed beats: its loop was held up) the clock starts again, since the peer had nothing
+    to echo. Shared by `AsyncEngineClient`, `CoreLiveness` and the router's cores."""
+
+    def __init__(self, interval: float, now: float | None = None):
+        self.interval = interval
+        self.last_heard = self.last_beat = time.monotonic() if now is None else now
+
+    def heard(self, now: float) -> None:
+        """A frame came from the peer."""
+        self.last_heard = now
+
+    def beat_due(self, now: float) -> bool:
+        return now - self.last_beat >= self.interval
+
+    def beat(self, now: float) -> None:
+        """A heartbeat goes out now."""
+        if stalled_since_last_beat(now, self.last_beat, self.interval):
+            self.last_heard = now  # we went quiet ourselves: nothing was there to echo
+        self.last_beat = now
+
+    def silent_for(self, now: float) -> float:
+        """Seconds since the peer's last frame (or since this side's last stall)."""
+        return now - self.last_heard
 
 
 def stalled_since_last_beat(now: float, last_beat: float, interval: float) -> bool:

@@ -26,8 +26,9 @@ Faults stay where they happen. An HTTP process that dies is started again under 
 index (its admission slot zeroed); the others, and their streams, go on. A daemon that dies,
 or echoes none of the supervisor's heartbeats for its --frontend-timeout (stopped or hung:
 killed first; `engine_client.CoreLiveness`), is started again at the same address (at most
---max-engine-restarts times within 10 minutes, a warning with its last words each); the HTTP processes answer 503 with Retry-After meanwhile, re-attach
-when it answers and resubmit their unfinished requests (prompt plus the tokens already
+--max-engine-restarts times within 10 minutes, a warning with its last words each); the HTTP
+processes answer 503 with Retry-After meanwhile, re-attach when it answers and resubmit
+their unfinished requests (prompt plus the tokens already
 streamed), so streams go on where they stopped (async_llm.py); requests that wait longer
 than --engine-restart-timeout end with an error. The supervisor gives up (exit status 1,
 everything stopped) only when a process could not start at all, when one index died more
@@ -242,7 +243,8 @@ class _Supervisor:
         self.num_servers = ns.api_server_count
         self.daemon = None
         self.procs: list[multiprocessing.Process] = []
-        self.restarts: list[list[float]] = [[] for _ in range(self.num_servers)]
+        self.http_restarts = [RestartBudget(_MAX_RESTARTS, _RESTART_WINDOW_S)
+                              for _ in range(self.num_servers)]
         self.engine_restarts = RestartBudget(ns.max_engine_restarts)
         self.metrics_dir: str | None = None
         self.stop_event = threading.Event()
@@ -293,14 +295,12 @@ class _Supervisor:
         if proc.exitcode == EXIT_NOT_STARTED:
             logger.error("HTTP server %s could not start; shutting down", proc.name)
             return False
-        now = time.monotonic()
-        recent = [t for t in self.restarts[index] if now - t < _RESTART_WINDOW_S]
-        if len(recent) >= _MAX_RESTARTS:
+        budget = self.http_restarts[index]
+        if not budget.spend():
             logger.error("HTTP server %s exited with status %s after %d restarts in %.0f s; "
-                         "shutting down", proc.name, proc.exitcode, len(recent),
-                         _RESTART_WINDOW_S)
+                         "shutting down", proc.name, proc.exitcode, budget.recent(),
+                         budget.window_s)
             return False
-        self.restarts[index] = recent + [now]
         logger.error("HTTP server %s (pid %s) exited with status %s; starting it again (the "
                      "other servers and their streams go on)", proc.name, proc.pid,
                      proc.exitcode)
