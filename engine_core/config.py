@@ -129,8 +129,12 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"
     """fcfs: arrival order, the newest running request is preempted first. priority: lower
     `priority` value first (ties by arrival); the largest (priority, arrival) is preempted."""
-    async_scheduling: bool = True
-    """Plan step N+1 while step N runs on the workers (same results as synchronous)."""
+    async_scheduling: bool | None = None
+    """Plan step N+1 while step N runs on the workers (same results as synchronous). Unset:
+    on for CUDA workers, off for CPU workers (as vLLM's CPU backend). A request that arrives
+    while step N runs joins step N+2 with it on, N+1 with it off; a CPU step is long (25-500
+    ms) beside the engine core's planning (about 1 ms), so on the CPU that step of waiting
+    costs more than the overlap gains."""
     max_num_queued_reqs: int | None = None
     """Most unfinished requests a frontend accepts before answering 503; None = unlimited."""
     max_num_queued_tokens: int | None = None
@@ -170,6 +174,13 @@ class SchedulerConfig:
         _require(self.max_queue_delay is None or 0 < self.max_queue_delay < float("inf"),
                  "max_queue_delay", f"must be a positive number of seconds, got "
                  f"{self.max_queue_delay}")
+
+    def async_on(self, device: str) -> bool:
+        """Whether the engine core plans ahead with workers on `device` ("cpu", "cuda"):
+        `async_scheduling`, or where it is unset, on CUDA only."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return device.split(":")[0] == "cuda"
 
 
 @dataclass(frozen=True)
@@ -270,11 +281,11 @@ class EngineConfig:
         if self.model.max_model_len is not None:
             check_lengths(self, self.model.max_model_len)
 
-    @property
-    def pipeline_depth(self) -> int:
-        """Plans the engine core keeps in flight: one per pipeline stage, plus one with
-        async scheduling (the next plan is ready while the workers run the current ones)."""
-        return self.parallel.pipeline_parallel_size + self.scheduler.async_scheduling
+    def pipeline_depth(self, device: str) -> int:
+        """Plans the engine core keeps in flight with workers on `device` ("cpu", "cuda"):
+        one per pipeline stage, plus one with async scheduling (the next plan is ready while
+        the workers run the current ones)."""
+        return self.parallel.pipeline_parallel_size + self.scheduler.async_on(device)
 
     def worker_config(self, rank: int, max_model_len: int, dist_init_method: str,
                       model_dir: str | None = None) -> WorkerConfig:

@@ -138,7 +138,7 @@ class EngineCoreDaemon:
         self.ctx = zmq.Context()
         self.decoder = FrontendDecoder()
         self.frontends: dict[str, _Frontend] = {}  # client_id -> frontend
-        self.depth = config.pipeline_depth
+        self.depth = 0  # plans in flight, once the workers said where they run
         self.stop_reason: str | None = None
         self.worker_restarts = RestartBudget(config.parallel.max_worker_restarts)
         self.first_start_s = 0.0  # how long the first start of the workers took
@@ -189,6 +189,7 @@ class EngineCoreDaemon:
             facts = self._start_workers(max_model_len)
             self.first_start_s = time.monotonic() - started
             self.scheduler = Scheduler(self.config, facts.num_kv_blocks, facts.max_model_len)
+            self.depth = self.config.pipeline_depth(facts.device)
             self.core = EngineCore(self.scheduler, self.executor, self.depth)
         except InterruptedError:
             self._refuse_pending_hellos(f"engine core stopped during start-up: {self.stop_reason}")
@@ -240,7 +241,8 @@ class EngineCoreDaemon:
     def _serve(self) -> int:
         logger.info("engine core ready: %d KV blocks, async scheduling %s, up to %d plan(s) "
                     "in flight", self.info.num_kv_blocks,
-                    "on" if self.config.scheduler.async_scheduling else "off", self.depth)
+                    "on" if self.depth > self.config.parallel.pipeline_parallel_size else "off",
+                    self.depth)
         try:
             while self.stop_reason is None:
                 try:

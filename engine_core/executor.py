@@ -80,6 +80,8 @@ class WorkerFacts:
     max_model_len: int
     vocab_size: int
     """Token ids the model takes: [0, vocab_size)."""
+    device: str = "cpu"
+    """Where the ranks run: "cpu" or "cuda"."""
 
 
 @dataclass
@@ -150,7 +152,7 @@ class Executor:
         logger.info("%d worker(s) ready on %s in %.1f s: %d KV blocks of %d tokens, "
                     "max_model_len %d", len(readies), readies[0].device, load_s, num_blocks,
                     self.config.cache.block_size, max_model_len)
-        return WorkerFacts(num_blocks, max_model_len, vocab_size)
+        return WorkerFacts(num_blocks, max_model_len, vocab_size, readies[0].device)
 
     def _bind(self, sock: zmq.Socket, tag: str) -> str:
         """Bind `sock` where the ranks can reach it; its address (here: private ipc)."""

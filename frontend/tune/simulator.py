@@ -123,7 +123,8 @@ class Simulator:
         self.num_kv_blocks = num_kv_blocks
         self.max_model_len = max_model_len
         self.cost_model = cost_model
-        self.depth = 2 if config.scheduler.async_scheduling else 1
+        # async scheduling unset: as the daemon decides it for the device the cost was measured on
+        self.depth = 1 + config.scheduler.async_on(cost_model.info.get("device", "cpu"))
         self.now = 0.0
         self.scheduler = Scheduler(config, num_kv_blocks, max_model_len)
         self.scheduler.clock = lambda: self.now

@@ -262,7 +262,8 @@ def zctx():
 @pytest.fixture(scope="module")
 def daemon(tiny_llama, tmp_path_factory, reference):
     """One async-scheduling daemon shared by the tests that do not kill it."""
-    d = Daemon(tiny_llama, str(tmp_path_factory.mktemp("daemon") / "core.log"))
+    d = Daemon(tiny_llama, str(tmp_path_factory.mktemp("daemon") / "core.log"),
+               "--async-scheduling")
     yield d
     d.stop()
     assert d.proc.returncode == 0, d.log_text()
@@ -646,7 +647,7 @@ def test_hung_worker_times_out_and_all_ranks_are_killed(tiny_llama, tmp_path, zc
     Then rank 0 stops answering (SIGSTOP): with --max-worker-restarts 0, past
     --worker-timeout every in-flight request fails and the daemon kills both ranks."""
     d = Daemon(tiny_llama, str(tmp_path / "core.log"), "--tensor-parallel-size", "2",
-               "--worker-timeout", "2", "--max-worker-restarts", "0",
+               "--async-scheduling", "--worker-timeout", "2", "--max-worker-restarts", "0",
                "--max-num-batched-tokens", "32",
                "--max-model-len", "128", "--num-gpu-blocks-override", "12")
     try:

@@ -43,7 +43,7 @@ BLOCK = 16
 def router(tiny_llama, reference):  # noqa: F811 - the fixture imported above
     """`tidal core -dp 2` (a router and two cores), with a short frontend timeout."""
     config = engine_config_from_kwargs(tiny_llama, kv_cache_memory=SMALL_KV,
-                                       data_parallel_size=2)
+                                       data_parallel_size=2, async_scheduling=True)
     d = DaemonProcess(config, echo=False,
                       extra_args=["--frontend-timeout", str(FRONTEND_TIMEOUT_S)])
     yield d

@@ -120,7 +120,8 @@ def cluster_worker_pids(cluster: Cluster) -> list[int]:
 @pytest.mark.timeout(300)
 def test_tp2_across_two_nodes_tiny_kv_cache_async_greedy_equals_transformers(
         cluster, tiny_llama, prompts, reference):
-    with LLM(tiny_llama, num_gpu_blocks_override=8, max_model_len=112, **RAY) as llm:
+    with LLM(tiny_llama, num_gpu_blocks_override=8, max_model_len=112, async_scheduling=True,
+             **RAY) as llm:
         [pg] = core_placement(llm.daemon_pid)
         assert pg["state"] == "CREATED" and len(set(pg["bundles_to_node_id"].values())) == 2
         assert len(core_actors(llm.daemon_pid)) == 2

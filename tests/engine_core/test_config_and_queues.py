@@ -26,7 +26,12 @@ def test_defaults_are_vllms():
     s = c.scheduler
     assert (s.enable_chunked_prefill, s.scheduling_policy, s.stream_interval,
             s.async_scheduling, s.max_num_batched_tokens, s.max_num_seqs) \
-        == (True, "fcfs", 1, True, 2048, 256)
+        == (True, "fcfs", 1, None, 2048, 256)
+    # async scheduling unset: as vLLM, on for CUDA workers and off for CPU workers
+    assert (s.async_on("cuda"), s.async_on("cuda:1"), s.async_on("cpu")) == (True, True, False)
+    assert (c.pipeline_depth("cuda"), c.pipeline_depth("cpu")) == (2, 1)
+    assert SchedulerConfig(async_scheduling=True).async_on("cpu")
+    assert not SchedulerConfig(async_scheduling=False).async_on("cuda")
 
 
 @pytest.mark.parametrize("make, field", [
@@ -89,7 +94,9 @@ def test_flags_round_trip_through_argv():
     default = EngineConfig(ModelConfig("m"))
     assert config_from_args(_parser().parse_args(config_to_argv(default))) == default
     assert decode_engine_config(encode_engine_config(config)) == config  # what -pp sets too
-    assert config_from_args(_parser().parse_args(["m", "-pp", "2"])).pipeline_depth == 3
+    assert config_from_args(_parser().parse_args(["m", "-pp", "2"])).pipeline_depth("cpu") == 2
+    assert config_from_args(_parser().parse_args(
+        ["m", "-pp", "2", "--async-scheduling"])).pipeline_depth("cpu") == 3
 
 
 def test_every_config_field_is_a_flag_whose_help_is_its_docstring():
@@ -108,7 +115,7 @@ def test_every_config_field_is_a_flag_whose_help_is_its_docstring():
             flag = flags[(section, field.name)]  # KeyError: a field without a flag
             assert helps[flag.dest].replace("%%", "%").startswith(docs[field.name])
     assert "(default: 256)" in helps["max_num_seqs"]
-    assert "(default: on)" in helps["async_scheduling"]
+    assert "off for CPU workers" in helps["async_scheduling"]
 
 
 def test_engine_config_from_json_is_checked_field_by_field():

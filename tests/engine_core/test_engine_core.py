@@ -34,7 +34,7 @@ def test_tokens_equal_the_reference_under_preemption(async_scheduling):
     sched = make_scheduler(num_blocks=8, max_model_len=112, max_num_batched_tokens=48,
                            async_scheduling=async_scheduling)
     executor = FakeExecutor(FakeWorker(16))
-    core = EngineCore(sched, executor, sched.config.pipeline_depth)
+    core = EngineCore(sched, executor, sched.config.pipeline_depth("cpu"))
     prompts = {str(i): [i + 1] * (20 + 6 * i) for i in range(6)}
     for req_id, prompt in prompts.items():
         sched.add(make_request(req_id, prompt, max_tokens=30))
@@ -49,7 +49,7 @@ def test_tokens_equal_the_reference_under_preemption(async_scheduling):
 def _pipelined_core(pp: int, async_scheduling: bool, **sched_kwargs):
     sched = make_scheduler(async_scheduling=async_scheduling, pp=pp, **sched_kwargs)
     executor = FakeExecutor(FakeWorker(16, pipelined=True), num_stages=pp)
-    return EngineCore(sched, executor, sched.config.pipeline_depth), executor
+    return EngineCore(sched, executor, sched.config.pipeline_depth("cpu")), executor
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
