@@ -80,8 +80,8 @@ class WorkerFacts:
     max_model_len: int
     vocab_size: int
     """Token ids the model takes: [0, vocab_size)."""
-    device: str = "cpu"
-    """Where the ranks run: "cpu" or "cuda"."""
+    device: str
+    """Where the ranks run ("cpu", "cuda"): whether async scheduling is on by default."""
 
 
 @dataclass
