@@ -218,7 +218,8 @@ class AsyncLLM:
                      tokenizer: str | None = None, startup_timeout: float = 300.0,
                      echo_daemon_output: bool = True,
                      engine_restart_timeout: float = DEFAULT_ENGINE_RESTART_TIMEOUT_S,
-                     max_engine_restarts: int = DEFAULT_MAX_ENGINE_RESTARTS) -> "AsyncLLM":
+                     max_engine_restarts: int = DEFAULT_MAX_ENGINE_RESTARTS,
+                     frontend_timeout: float | None = None) -> "AsyncLLM":
         """Start a private daemon for `config`, or attach to the daemon at `engine`.
 
         Exactly one of `config` and `engine`. `tokenizer` overrides the tokenizer folder
@@ -226,7 +227,10 @@ class AsyncLLM:
         daemon's last output, if it does not become ready within `startup_timeout` seconds.
         `engine_restart_timeout`: how long requests wait, suspended, for a lost core to come
         back (0: they fail at once); `max_engine_restarts`: how often a private daemon that
-        died is started again (0: never).
+        died is started again (0: never). `frontend_timeout`: a private daemon's
+        `--frontend-timeout` (None: its default): how long either side's silence is borne
+        before the daemon drops this frontend, or this frontend kills the stopped or hung
+        daemon and starts it again.
         """
         if engine_restart_timeout < 0:
             raise ValueError(f"engine_restart_timeout must be >= 0, got {engine_restart_timeout}")
@@ -234,9 +238,13 @@ class AsyncLLM:
             raise ValueError(f"max_engine_restarts must be >= 0, got {max_engine_restarts}")
         if (config is None) == (engine is None):
             raise ValueError("give exactly one of config (start a daemon) or engine (attach)")
+        if frontend_timeout is not None and (engine is not None or frontend_timeout <= 0):
+            raise ValueError("frontend_timeout: a positive number of seconds, for a private "
+                             f"daemon only (the attached core has its own); got {frontend_timeout}")
         daemon = None
         if config is not None:
-            daemon = DaemonProcess(config, echo=echo_daemon_output)
+            extra = [] if frontend_timeout is None else ["--frontend-timeout", str(frontend_timeout)]
+            daemon = DaemonProcess(config, echo=echo_daemon_output, extra_args=extra)
             engine = daemon.address
             tokenizer = tokenizer or config.model.tokenizer_path
         try:

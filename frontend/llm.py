@@ -94,14 +94,17 @@ class LLM:
                  key_file: str | None = None, tokenizer: str | None = None,
                  startup_timeout: float = 300.0,
                  engine_restart_timeout: float = DEFAULT_ENGINE_RESTART_TIMEOUT_S,
-                 max_engine_restarts: int = DEFAULT_MAX_ENGINE_RESTARTS, **engine_flags):
+                 max_engine_restarts: int = DEFAULT_MAX_ENGINE_RESTARTS,
+                 frontend_timeout: float | None = None, **engine_flags):
         """Start a private daemon for `model` (None: the bundled demo model) with
         `engine_flags`, or attach to the daemon at `engine` (then no model or flags).
 
         If the engine core dies (or goes away), unfinished requests wait up to
         `engine_restart_timeout` seconds for it to come back and are then resubmitted, so
         `generate` returns what a fault-free run would; a private daemon is started again up
-        to `max_engine_restarts` times (AsyncLLM's module docstring)."""
+        to `max_engine_restarts` times (AsyncLLM's module docstring); one that stays silent
+        for `frontend_timeout` seconds (None: the daemon's default, `tidal serve
+        --frontend-timeout`) is taken as stopped or hung, killed and started again."""
         if engine is not None and (model is not None or engine_flags):
             raise ValueError("engine: attaching to a running engine core takes no model or "
                              "engine flags (the daemon was started with its own)")
@@ -117,7 +120,7 @@ class LLM:
             self._llm: AsyncLLM = self._call(AsyncLLM.create(
                 config, engine=engine, key_file=key_file, tokenizer=tokenizer,
                 startup_timeout=startup_timeout, engine_restart_timeout=engine_restart_timeout,
-                max_engine_restarts=max_engine_restarts))
+                max_engine_restarts=max_engine_restarts, frontend_timeout=frontend_timeout))
         except BaseException:
             _stop_loop(self._loop, self._thread)
             raise

@@ -154,22 +154,23 @@ def test_greedy_defaults_and_prefix_cache_hits(llm, prompts, reference):
 @pytest.mark.timeout(240)
 def test_greedy_chunked_prefill_priority_sync(tiny_llama, prompts, reference):
     """max_num_batched_tokens=32 (every prompt but the shortest is chunked), priority policy
-    with mixed priorities, async scheduling off, prefix caching off."""
+    with mixed priorities, async scheduling off, prefix caching off; then the daemon's faults
+    (a stop and a kill) are healed."""
     with LLM(tiny_llama, kv_cache_memory=SMALL_KV, max_num_batched_tokens=32, max_num_seqs=16,
              scheduling_policy="priority", async_scheduling=False, enable_prefix_caching=False,
-             startup_timeout=STARTUP_TIMEOUT_S) as llm:
+             frontend_timeout=FRONTEND_TIMEOUT_S, startup_timeout=STARTUP_TIMEOUT_S) as llm:
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False,
                                priority=[i % 3 for i in range(len(prompts))])
         assert_greedy_equal(outputs, reference)
         stats = llm.get_stats()
         assert stats.prefix_cache_hits == 0
         assert stats.prompt_tokens >= sum(len(p) for p in prompts)
-        assert_daemon_death_is_healed_then_final(llm)
+        assert_daemon_faults_are_healed_then_final(llm)
 
 
-def generate_killing_the_daemon(llm: LLM, prompts, params) -> list:
-    """llm.generate(prompts, params), SIGKILLing the private daemon (alone: its workers exit
-    with it) once the first tokens have arrived; the outputs."""
+def generate_signalling_the_daemon(llm: LLM, prompts, params, sig: int) -> list:
+    """llm.generate(prompts, params), sending `sig` to the private daemon (alone: its workers
+    exit with it, or stall on it) once the first tokens have arrived; the outputs."""
     result = {}
     num_tokens_before = llm._llm.num_generated_tokens
     worker = threading.Thread(
@@ -177,7 +178,7 @@ def generate_killing_the_daemon(llm: LLM, prompts, params) -> list:
     worker.start()
     wait_until(lambda: llm._llm.num_generated_tokens > num_tokens_before, 30,
                "the first tokens")
-    os.kill(llm.daemon_pid, signal.SIGKILL)
+    os.kill(llm.daemon_pid, sig)
     worker.join(timeout=150)
     assert not worker.is_alive(), "generate() did not return after the engine died"
     return result["out"]
@@ -191,11 +192,12 @@ def group_gone(pgid: int) -> bool:
     return False
 
 
-def assert_daemon_death_is_healed_then_final(llm: LLM) -> None:
-    """SIGKILL the private daemon during generate(): it is started again, the unfinished
+def assert_daemon_faults_are_healed_then_final(llm: LLM) -> None:
+    """SIGSTOP the private daemon during generate() (silent past its frontend timeout, the LLM
+    kills it), then SIGKILL it during another: each time it is started again, the unfinished
     requests are resubmitted, and generate() returns what a fault-free run returns (greedy,
     and seeded sampling: the same seed and positions draw the same numbers); the old
-    daemon's workers are gone. With its restarts used up, a second SIGKILL is final: every
+    daemon's workers are gone. With its restarts used up, a third fault is final: every
     request ends with "error", later calls raise, close() leaves no process behind."""
     long = [SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True),
             SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True, stop=["zzzz"]),
@@ -203,19 +205,20 @@ def assert_daemon_death_is_healed_then_final(llm: LLM) -> None:
                            ignore_eos=True)]
     prompts = [[5, 6, 7], [9, 10, 11, 12], [5, 6, 7]]
     expected = llm.generate(prompts, long, use_tqdm=False)
-    first_pid = llm.daemon_pid
-    healed = generate_killing_the_daemon(llm, prompts, long)
-    assert llm._llm.num_engine_restarts == 1 and llm.daemon_pid != first_pid
-    assert llm._llm.num_resubmitted >= 1
-    for got, want in zip(healed, expected):
-        assert got.outputs[0].finish_reason == "length"
-        assert got.outputs[0].token_ids == want.outputs[0].token_ids
-        assert got.outputs[0].text == want.outputs[0].text
-    wait_until(lambda: group_gone(first_pid), 10, "the first daemon's workers to exit")
+    for num_restarts, sig in enumerate((signal.SIGSTOP, signal.SIGKILL), start=1):
+        faulty_pid = llm.daemon_pid
+        healed = generate_signalling_the_daemon(llm, prompts, long, sig)
+        assert llm._llm.num_engine_restarts == num_restarts and llm.daemon_pid != faulty_pid
+        assert llm._llm.num_resubmitted >= num_restarts
+        for got, want in zip(healed, expected):
+            assert got.outputs[0].finish_reason == "length"
+            assert got.outputs[0].token_ids == want.outputs[0].token_ids
+            assert got.outputs[0].text == want.outputs[0].text
+        wait_until(lambda: group_gone(faulty_pid), 10, "the faulty daemon's workers to exit")
 
-    llm._llm.engine_restarts.limit = 1  # used up: the next death is final
+    llm._llm.engine_restarts.limit = 2  # used up: the next death is final
     pgid = llm.daemon_pid
-    lost = generate_killing_the_daemon(llm, prompts, long)
+    lost = generate_signalling_the_daemon(llm, prompts, long, signal.SIGKILL)
     assert [o.outputs[0].finish_reason for o in lost] == ["error"] * 3
     with pytest.raises(RuntimeError, match="dead"):
         llm.generate([[5, 6]], GREEDY, use_tqdm=False)

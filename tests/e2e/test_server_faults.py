@@ -186,9 +186,10 @@ def test_stalled_http_process_gets_errors_then_serves(long_llama):
             wait_until(lambda: "silent for" in server.output(), 20, "the core to drop it")
         finally:
             os.kill(pid, signal.SIGCONT)
-        # NOTE: the error names the timeout (the core's ERROR output), or, when the woken
-        # process's first frame crosses the core's queued answers, the core's `Detached`
-        # ("does not know frontend ... dropped"): seen once in CI, not yet explained
+        # The error names the timeout (the core's ERROR output for each request it knew), or
+        # "does not know frontend": a request whose AddRequest left the process after the core
+        # dropped it (the non-streaming one, when its tokenizing thread finished late) is
+        # refused with that answer (tests/e2e/test_daemon.py). Seen once in CI.
         dropped = ("--frontend-timeout 2", "does not know frontend")
         assert any(text in stream.finish().error() for text in dropped)
         plain["thread"].join(60)
