@@ -312,3 +312,13 @@ def test_the_supervisors_liveness_watch_sees_a_silent_core_and_not_an_echoing_on
         router.close(linger=0)
         ctx.term()
     assert stalled_since_last_beat(10.0, 8.0, 0.25) and not stalled_since_last_beat(10.0, 9.5, 0.25)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(engine_restart_timeout=-1), "engine_restart_timeout"),
+    (dict(max_engine_restarts=-1), "max_engine_restarts"),
+    (dict(frontend_timeout=2.0), "frontend_timeout"),  # the attached core has its own
+])
+def test_create_names_a_bad_argument(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        asyncio.run(AsyncLLM.create(engine=new_private_address(), **kwargs))
