@@ -14,6 +14,11 @@ sampled row (mostly decodes), attention per key read: hence these four terms. A 
 term at 0 when the measurements do not support it (`tidal tune profile` chooses the formula
 by cross-validated residuals; the file records each candidate's error).
 
+A served step costs more than the worker's `execute`: the serving terms (measured through a
+real `tidal serve` by `frontend/tune/serving_profile.py`, 0 when not measured) add
+`per_step_overhead + per_streamed_token x tokens sampled` to every step with tokens and
+`request_latency` to each request's way in (`served_step_time`, the simulator).
+
 The coefficients are measured by `tidal tune profile` on the user's machine and model and kept
 as JSON in a cache folder keyed by what changes step times (`profile_path`). The engine core
 reads the file (plain JSON: no torch, no numpy) for `--max-queue-delay`; `tidal tune` reads it
@@ -35,6 +40,10 @@ FEATURES = ("prefill_tokens", "decode_reqs", "decode_context_tokens", "prefill_a
 """The features of a step, in coefficient order (after the intercept)."""
 
 FORMAT_VERSION = 1
+_COEFFICIENTS = ("intercept_s", "per_prefill_token_s", "per_decode_req_s",
+                 "per_decode_context_token_s", "per_prefill_attention_pair_s")
+_SERVING_TERMS = ("request_latency_s", "per_step_overhead_s", "per_streamed_token_s")
+"""Optional (0 in a file written before they were measured)."""
 
 
 def chunk_features(num_computed: int, num_scheduled: int) -> tuple[int, int, int, float]:
@@ -70,13 +79,21 @@ class StepCostModel:
     per_decode_req_s: float = 0.0
     per_decode_context_token_s: float = 0.0
     per_prefill_attention_pair_s: float = 0.0
+    request_latency_s: float = 0.0
+    """Serving: seconds a served request spends outside the steps before its first token
+    (HTTP, tokenizing, messages, the first event); `frontend/tune/serving_profile.py`."""
+    per_step_overhead_s: float = 0.0
+    """Serving: seconds a served step takes beyond the worker's `execute` (engine core,
+    messages, and whatever else shares the machine's cores)."""
+    per_streamed_token_s: float = 0.0
+    """Serving: seconds each token sampled in a step adds to it (detokenizing and streaming
+    it where the HTTP server and its clients share the workers' cores)."""
     info: dict = field(default_factory=dict, compare=False)
     """Where it was measured and how well it fits (model, dtype, device, threads,
     kv_block_bytes, num_kv_blocks, residuals per candidate formula, ...)."""
 
     def __post_init__(self) -> None:
-        for name in ("intercept_s", "per_prefill_token_s", "per_decode_req_s",
-                     "per_decode_context_token_s", "per_prefill_attention_pair_s"):
+        for name in _COEFFICIENTS + _SERVING_TERMS:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value >= 0.0 and value < float("inf")):
                 raise ValueError(f"step cost model: {name} must be a finite number >= 0, "
@@ -101,6 +118,16 @@ class StepCostModel:
         """Seconds the workers take for `plan`."""
         return self.predict(*plan_features(plan))
 
+    def served_step_time(self, plan: BatchPlan, num_sampled: int) -> float:
+        """Seconds `plan` takes in a serving engine, `num_sampled` tokens streamed from it
+        (0 for a step with no tokens)."""
+        t = self.step_time(plan)
+        return t + self.per_step_overhead_s + self.per_streamed_token_s * num_sampled if t else t
+
+    @property
+    def has_serving_terms(self) -> bool:
+        return any(getattr(self, name) for name in _SERVING_TERMS)
+
     def formula(self) -> str:
         """The fitted formula, human-readable (microseconds)."""
         terms = [f"{self.intercept_s * 1e6:.1f}"]
@@ -122,9 +149,7 @@ class StepCostModel:
         if data.get("version") != FORMAT_VERSION:
             raise ValueError(f"step cost model version {data.get('version')} is not "
                              f"{FORMAT_VERSION}; run `tidal tune profile` again")
-        fields = {k: data[k] for k in ("intercept_s", "per_prefill_token_s", "per_decode_req_s",
-                                       "per_decode_context_token_s",
-                                       "per_prefill_attention_pair_s") if k in data}
+        fields = {k: data[k] for k in _COEFFICIENTS + _SERVING_TERMS if k in data}
         return cls(**fields, info=dict(data.get("info") or {}))
 
     def save(self, path: str) -> None:

@@ -67,6 +67,9 @@ def _profile_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-prefill-tokens", type=int, default=None,
                    help="most prefill tokens in a measured step (default: "
                         "--max-num-batched-tokens)")
+    g.add_argument("--serving", action=argparse.BooleanOptionalAction, default=True,
+                   help="then measure what serving adds to each step and request, through a "
+                        "real tidal serve with these flags, about 20 s (default: on)")
     return p
 
 
@@ -222,7 +225,7 @@ def run_profile(ns: argparse.Namespace) -> int:
     config = _config(ns)
     start = time.monotonic()
     model, path = profile(config, ns.duration, ns.seed, ns.output, ns.max_decode_reqs,
-                          ns.max_prefill_tokens)
+                          ns.max_prefill_tokens, serving=ns.serving)
     info = model.info
     steps = sum(s.get("num_steps", 1) for s in info.get("samples", []))
     print(f"measured {info['num_shapes']} step shapes ({steps} steps) in "
@@ -230,6 +233,10 @@ def run_profile(ns: argparse.Namespace) -> int:
           f"{info['device']} ({info['dtype']}, {info['threads']} threads, "
           f"{info['attention_backend']} attention)")
     print(format_fit(model))
+    if "serving" in info:
+        print(f"served (through tidal serve): + {model.per_step_overhead_s * 1e3:.2f} ms per "
+              f"step + {model.per_streamed_token_s * 1e3:.3f} ms per token streamed, "
+              f"+ {model.request_latency_s * 1e3:.1f} ms to each request's first token")
     print(f"step cost model written to {path}")
     return 0
 

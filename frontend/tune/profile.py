@@ -72,15 +72,18 @@ _TIE = 0.01  # a smaller formula within this much CV error of the best is prefer
 
 def profile(config: EngineConfig, duration_s: float = 60.0, seed: int = 0,
             output: str | None = None, max_decode_reqs: int | None = None,
-            max_prefill_tokens: int | None = None) -> tuple[StepCostModel, str]:
-    """Measure, fit and save; returns the model and where it was written."""
+            max_prefill_tokens: int | None = None,
+            serving: bool = True) -> tuple[StepCostModel, str]:
+    """Measure, fit and save; returns the model and where it was written. `serving`: then
+    measure the serving terms through a real `tidal serve` with `config` too
+    (`serving_profile.py`)."""
     if config.parallel.tensor_parallel_size != 1:
         raise ValueError("tensor_parallel_size: tidal tune profile measures one rank; TP > 1 "
                          "is not supported yet")
     if duration_s <= 0:
         raise ValueError(f"duration must be positive, got {duration_s}")
     max_model_len = resolve_max_model_len(config)
-    sched = config.scheduler
+    served_config, sched = config, config.scheduler
     config = dataclasses.replace(config, scheduler=dataclasses.replace(
         sched, max_num_seqs=max_decode_reqs or sched.max_num_seqs,
         max_num_batched_tokens=max(max_prefill_tokens or sched.max_num_batched_tokens,
@@ -92,6 +95,15 @@ def profile(config: EngineConfig, duration_s: float = 60.0, seed: int = 0,
         "max_decode_reqs": config.scheduler.max_num_seqs,
         "max_prefill_tokens": config.scheduler.max_num_batched_tokens,
         "duration_s": duration_s, "created": time.time()})
+    if serving:
+        from tidal.frontend.tune.serving_profile import measure_serving_terms
+
+        terms = measure_serving_terms(served_config, model)
+        model = dataclasses.replace(
+            model, request_latency_s=terms.request_latency_s,
+            per_step_overhead_s=terms.per_step_overhead_s,
+            per_streamed_token_s=terms.per_streamed_token_s,
+            info={**model.info, "serving": terms.info})
     path = output or profile_path(config_profile_key(config))
     model.save(path)
     return model, path

@@ -19,10 +19,12 @@ workers replaced:
 - A request whose prompt + output does not fit `max_model_len` is refused, as `tidal serve`
   answers it 400, and counted in `refused`.
 
-Approximations (stated, not hidden): the engine core's own time (schedule, update, messages)
-is taken as zero: with async scheduling it overlaps the workers' step, without it the real
-engine is slower by that much per step. The HTTP server's time (tokenizing, detokenizing,
-streaming) is not modelled either, nor a stream interval above 1.
+Serving (the cost model's serving terms, when `tidal tune profile` measured them; else 0):
+a request reaches the scheduler `request_latency` after it arrives (its TTFT counts from the
+arrival), and every step with tokens lasts `per_step_overhead + per_streamed_token x tokens
+sampled` longer than the worker's `execute` (`StepCostModel.served_step_time`): the engine
+core, the HTTP server and its clients, where they share the workers' cores. Not modelled: a
+stream interval above 1, and frontend costs that grow with prompt length beyond the probes'.
 """
 
 from __future__ import annotations
@@ -169,13 +171,14 @@ class Simulator:
         refused = 0
         timeline = {"time": [], "num_running": [], "num_waiting": [], "kv_cache_usage": []}
         sched, cost = self.scheduler, self.cost_model
+        delay = cost.request_latency_s  # the way through the HTTP server to the core
         sampling_by_len: dict[int, SamplingParams] = {}
         in_flight: deque = deque()  # (plan, end time, sampled)
         worker_free = 0.0
         k = 0
         self.now = 0.0
         while k < n or in_flight or sched.has_unfinished_requests():
-            while k < n and arrival[k] <= self.now:  # the daemon drains its frontends
+            while k < n and arrival[k] + delay <= self.now:  # the daemon drains its frontends
                 r = requests[k]
                 if r.prompt_len + r.output_len > self.max_model_len or r.output_len < 1:
                     refused += 1
@@ -192,7 +195,8 @@ class Simulator:
                 sampled = self._execute(plan)
                 end = self.now
                 if plan.total_num_scheduled_tokens:
-                    end = max(self.now, worker_free) + cost.step_time(plan)
+                    end = max(self.now, worker_free) + cost.served_step_time(
+                        plan, len(sampled.req_ids))
                     worker_free = end
                 in_flight.append((plan, end, sampled))
                 timeline["time"].append(self.now)
@@ -204,7 +208,7 @@ class Simulator:
             if not in_flight:  # idle: the next arrival wakes the engine
                 if k >= n:
                     raise RuntimeError("simulation stuck: requests wait but nothing can run")
-                self.now = max(self.now, float(arrival[k]))
+                self.now = max(self.now, float(arrival[k]) + delay)
                 continue
             plan, end, sampled = in_flight.popleft()
             self.now = max(self.now, end)
@@ -226,7 +230,7 @@ class Simulator:
                 # Nothing ran and nothing is in flight: only an arrival can change that.
                 if k >= n:
                     raise RuntimeError("simulation stuck: requests wait but nothing can run")
-                self.now = max(self.now, float(arrival[k]))
+                self.now = max(self.now, float(arrival[k]) + delay)
         prompt_len = np.array([r.prompt_len for r in requests], dtype=np.int64)
         output_len = np.array([r.output_len for r in requests], dtype=np.int64)
         hit_rate = (sched.prefix_cache_hits / sched.prefix_cache_queries

@@ -57,6 +57,20 @@ def test_one_request(async_scheduling):
     assert s["num_preemptions"] == 0 and s["duration_s"] == pytest.approx(1.134)
 
 
+def test_serving_terms_delay_arrivals_and_lengthen_each_step_by_what_it_streams():
+    """The cost of test_one_request plus serving terms: 30 ms from arrival to the scheduler,
+    1 ms per step and 0.5 ms per token sampled. Two 100-token prompts arriving at 1.0 s reach
+    the scheduler at 1.030; their prefill step (200 tokens: 210 ms + 1 + 2 x 0.5) ends at
+    1.242; each decode step (2 requests: 14 ms + 1 + 1) lasts 16 ms."""
+    cost = StepCostModel(0.010, per_prefill_token_s=0.001, per_decode_req_s=0.002,
+                         request_latency_s=0.030, per_step_overhead_s=0.001,
+                         per_streamed_token_s=0.0005)
+    result = simulate(config(), 100, 256, cost, trace((1.0, 100, 3), (1.0, 100, 3)))
+    assert result.first_token.tolist() == approx([1.242, 1.242])
+    assert result.itl.tolist() == approx([0.016] * 4)
+    assert result.summary()["mean_ttft_ms"] == pytest.approx(242.0)
+
+
 def test_two_requests_share_a_64_token_budget():
     """Budget 64, 10 ms + 1 ms per token (prefill or decode). A (100-token prompt) and B
     (50) arrive at 0, 2 output tokens each:

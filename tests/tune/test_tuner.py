@@ -7,6 +7,7 @@ import pytest
 from tidal.engine_core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tidal.engine_core.step_cost import FEATURES, StepCostModel
 from tidal.frontend.tune.profile import fit_cost_model
+from tidal.frontend.tune.serving_profile import fit_step_terms
 from tidal.frontend.tune.trace import Trace, TraceRequest
 from tidal.frontend.tune.tuner import SLO, Setting, format_table, parse_seconds, search, settings_grid
 
@@ -95,11 +96,17 @@ def test_fit_keeps_the_attention_term_when_the_data_has_one():
 
 
 def test_cost_model_json_round_trip(tmp_path):
-    model = StepCostModel(0.004, 2e-5, 1e-4, 5e-8, 3e-9, info={"kv_block_bytes": 65536})
+    model = StepCostModel(0.004, 2e-5, 1e-4, 5e-8, 3e-9, request_latency_s=0.02,
+                          per_step_overhead_s=0.001, per_streamed_token_s=3e-4,
+                          info={"kv_block_bytes": 65536})
     path = str(tmp_path / "m.json")
     model.save(path)
     back = StepCostModel.load(path)
     assert back == model and back.info == {"kv_block_bytes": 65536}
+    # a file from before the serving terms were measured: they are 0
+    old = {k: v for k, v in model.to_json().items()
+           if k not in ("request_latency_s", "per_step_overhead_s", "per_streamed_token_s")}
+    assert StepCostModel.from_json(old) == StepCostModel(0.004, 2e-5, 1e-4, 5e-8, 3e-9)
     (tmp_path / "bad.json").write_text('{"format": "other"}')
     with pytest.raises(ValueError, match="bad.json"):
         StepCostModel.load(str(tmp_path / "bad.json"))
@@ -121,3 +128,21 @@ def test_a_backlog_growing_through_the_trace_does_not_meet_the_slo():
         assert summary["p99_itl_ms"] < 1000 and summary["p99_ttft_ms"] < 10_000
         assert summary["keeps_up"] is keeps_up, summary
         assert slo.met(summary, 200) is keeps_up
+
+
+@pytest.mark.parametrize("a, b", [(0.002, 4e-4), (0.0, 4e-4), (0.003, 0.0)])
+def test_the_serving_step_terms_fit_what_made_the_probes(a, b):
+    """Each probe's gap between tokens is the worker's predicted step plus a + b * batch."""
+    rows = [{"batch": n, "predicted_step_s": 0.01 * n, "median_itl_s": 0.01 * n + a + b * n}
+            for n in (1, 4, 16, 32)]
+    assert fit_step_terms(rows) == pytest.approx((a, b), abs=1e-9)
+
+
+def test_the_serving_step_terms_are_never_negative():
+    shrinking = [{"batch": n, "predicted_step_s": 0.02, "median_itl_s": 0.03 - 1e-4 * n}
+                 for n in (1, 4, 16, 32)]
+    a, b = fit_step_terms(shrinking)
+    assert b == 0.0 and a == pytest.approx(0.01 - 1e-4 * 53 / 4)
+    faster_than_predicted = [{"batch": n, "predicted_step_s": 0.02, "median_itl_s": 0.01}
+                             for n in (1, 4)]
+    assert fit_step_terms(faster_than_predicted) == (0.0, 0.0)

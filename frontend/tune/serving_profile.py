@@ -1,0 +1,163 @@
+"""The serving terms of the cost model: what a real `tidal serve` adds to the workers' steps.
+
+`tidal tune profile` times the worker's `execute` alone. A served request also pays the HTTP
+server (parse, tokenize, detokenize, one SSE event per token), the engine core (schedule,
+update, messages; with async scheduling off, as on the CPU, in series with the steps) and the
+client. Where those share the workers' cores (any CPU-only server) they lengthen every step
+by an amount that grows with the tokens streamed. Measured here, through a real server started
+with the same engine flags and driven by `tidal bench serve`'s own client code, on short
+prompts of text (so tokenizing is paid as in a benchmark):
+
+- `request_latency_s`: sequential requests for 2 tokens; the median time to the first token
+  less the cost model's prefill step for the prompt. The simulator delays each request's
+  arrival at the scheduler by it (it covers the way out, the first token's way back too).
+- `per_step_overhead_s` + `per_streamed_token_s` x tokens sampled: B streams decoding at
+  once, for B in `BATCHES`; the median over the streams of each one's mean gap between
+  tokens, less the cost model's decode step for B requests at their context, is fitted as
+  `a + b * B` (least squares, both >= 0).
+
+The client's own work counts in (as it does in every `tidal bench serve` on the same machine).
+What is not captured: a frontend term that depends on prompt length beyond tokenizing a short
+prompt, and the overlap async scheduling gives (measured as the server runs: async off on
+the CPU, on for CUDA workers, unless the flags say otherwise).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from tidal.engine_core.args import config_to_argv
+from tidal.engine_core.config import EngineConfig
+from tidal.engine_core.step_cost import StepCostModel, chunk_features
+
+BATCHES = (1, 4, 16, 32)
+"""Concurrent streams per decode probe (those above --max-num-seqs are skipped)."""
+NUM_LATENCY_PROBES = 12
+PROMPT_WORDS = 24
+"""Words of each probe's prompt (" hello" repeated: about one token each)."""
+OUTPUT_LEN = 40
+"""Tokens each decode probe's streams generate; the first and last 8 gaps are not used."""
+_EDGE = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingTerms:
+    request_latency_s: float
+    per_step_overhead_s: float
+    per_streamed_token_s: float
+    info: dict
+
+
+def measure_serving_terms(config: EngineConfig, cost: StepCostModel,
+                          ready_timeout_s: float = 300.0) -> ServingTerms:
+    """Start `tidal serve` with `config`, probe it, stop it; the fitted terms."""
+    port = _free_port()
+    with tempfile.TemporaryFile(mode="w+") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tidal.frontend.cli", "serve", *config_to_argv(config),
+             "--host", "127.0.0.1", "--port", str(port)],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True)
+        try:
+            return asyncio.run(_probe(f"http://127.0.0.1:{port}", config, cost, ready_timeout_s))
+        except Exception as e:
+            log.seek(0)
+            tail = "".join(log.readlines()[-15:])
+            raise RuntimeError(f"measuring the serving terms failed: {e}\n{tail}") from e
+        finally:
+            _stop(proc)
+
+
+async def _probe(base_url: str, config: EngineConfig, cost: StepCostModel,
+                 ready_timeout_s: float) -> ServingTerms:
+    import httpx
+
+    from tidal.frontend.bench.serve import wait_until_ready
+
+    async with httpx.AsyncClient(timeout=None) as client:
+        model = (await wait_until_ready(client, base_url, ready_timeout_s))[0]
+        await _stream(client, base_url, model, 4)  # warm-up: first runs of each code path
+        first = []
+        for _ in range(NUM_LATENCY_PROBES):
+            result = await _stream(client, base_url, model, 2)
+            prefill = cost.predict(*_prefill_features(result.prompt_len))
+            first.append(result.ttft - prefill)
+        rows = []
+        for batch in [b for b in BATCHES if b <= config.scheduler.max_num_seqs]:
+            results = await asyncio.gather(*[_stream(client, base_url, model, OUTPUT_LEN)
+                                             for _ in range(batch)])
+            # Each stream's mean gap over its middle tokens, all B decoding: a client that
+            # falls behind reads several events at once (gaps of microseconds, then one long
+            # one), so single gaps mislead where their mean over a stretch does not.
+            gaps = [statistics.fmean(r.itl[_EDGE:-_EDGE]) for r in results]
+            context = sum(r.prompt_len + OUTPUT_LEN // 2 for r in results)
+            step = cost.predict(0, batch, context, 0.0)
+            rows.append({"batch": batch, "median_itl_s": statistics.median(gaps),
+                         "predicted_step_s": step})
+    overhead, per_token = fit_step_terms(rows)
+    # the first token's step pays the step terms too (the simulator adds them to every step)
+    latency = max(0.0, statistics.median(first) - overhead - per_token)
+    return ServingTerms(latency, overhead, per_token, info={
+        "latency_probes_s": [round(x, 6) for x in first], "decode_probes": rows,
+        "async_scheduling": config.scheduler.async_scheduling})
+
+
+def fit_step_terms(rows: list[dict]) -> tuple[float, float]:
+    """(a, b) >= 0 minimising sum((a + b * batch - (itl - predicted))^2) over the probes."""
+    batch = np.array([r["batch"] for r in rows], dtype=np.float64)
+    extra = np.array([r["median_itl_s"] - r["predicted_step_s"] for r in rows])
+    if len(rows) == 1:
+        return max(0.0, float(extra[0])), 0.0
+    b, a = np.polyfit(batch, extra, 1)
+    if b < 0:  # no growth with the batch: a constant
+        return max(0.0, float(extra.mean())), 0.0
+    if a < 0:  # through the origin
+        return 0.0, max(0.0, float(batch @ extra / (batch @ batch)))
+    return float(a), float(b)
+
+
+def _prefill_features(prompt_len: int) -> tuple[int, int, int, float]:
+    return chunk_features(0, max(prompt_len, 2))
+
+
+async def _stream(client, base_url: str, model: str, max_tokens: int):
+    from tidal.frontend.bench.datasets import BenchRequest
+    from tidal.frontend.bench.serve import ServeConfig, request_body, send_request
+
+    request = BenchRequest(" ".join(["hello"] * PROMPT_WORDS), PROMPT_WORDS, max_tokens)
+    body = request_body(request, model, ServeConfig(ignore_eos=True))
+    result = await send_request(client, f"{base_url}/v1/completions", body, request,
+                                time.perf_counter(), 300.0)
+    if not result.success:
+        raise RuntimeError(f"a probe request failed: {result.error}")
+    return result
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGINT the server's session and wait; SIGKILL what is left after 30 s."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        except ProcessLookupError:
+            pass
