@@ -53,6 +53,9 @@ _EDGE = 8
 
 @dataclasses.dataclass(frozen=True)
 class ServingTerms:
+    """What `measure_serving_terms` found (the `StepCostModel` fields of the same names), and
+    the probes it fitted them to (`info`, kept in the cost model's file under "serving")."""
+
     request_latency_s: float
     per_step_overhead_s: float
     per_streamed_token_s: float
