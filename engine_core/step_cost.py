@@ -16,8 +16,9 @@ by cross-validated residuals; the file records each candidate's error).
 
 A served step costs more than the worker's `execute`: the serving terms (measured through a
 real `tidal serve` by `frontend/tune/serving_profile.py`, 0 when not measured) add
-`per_step_overhead + per_streamed_token x tokens sampled` to every step with tokens and
-`request_latency` to each request's way in (`served_step_time`, the simulator).
+`per_step_overhead + per_streamed_token x tokens sampled` to every step with tokens
+(`served_step_time`) and `request_latency + per_prompt_token_latency x prompt tokens` to
+each request's way in (`request_latency`).
 
 The coefficients are measured by `tidal tune profile` on the user's machine and model and kept
 as JSON in a cache folder keyed by what changes step times (`profile_path`). The engine core
@@ -42,7 +43,8 @@ FEATURES = ("prefill_tokens", "decode_reqs", "decode_context_tokens", "prefill_a
 FORMAT_VERSION = 1
 _COEFFICIENTS = ("intercept_s", "per_prefill_token_s", "per_decode_req_s",
                  "per_decode_context_token_s", "per_prefill_attention_pair_s")
-_SERVING_TERMS = ("request_latency_s", "per_step_overhead_s", "per_streamed_token_s")
+_SERVING_TERMS = ("request_latency_s", "per_prompt_token_latency_s", "per_step_overhead_s",
+                  "per_streamed_token_s")
 """Optional (0 in a file written before they were measured)."""
 
 
@@ -82,6 +84,9 @@ class StepCostModel:
     request_latency_s: float = 0.0
     """Serving: seconds a served request spends outside the steps before its first token
     (HTTP, tokenizing, messages, the first event); `frontend/tune/serving_profile.py`."""
+    per_prompt_token_latency_s: float = 0.0
+    """Serving: seconds each prompt token adds to `request_latency_s` (tokenizing it, the
+    request's bytes)."""
     per_step_overhead_s: float = 0.0
     """Serving: seconds a served step takes beyond the worker's `execute` (engine core,
     messages, and whatever else shares the machine's cores)."""
@@ -123,6 +128,11 @@ class StepCostModel:
         (0 for a step with no tokens)."""
         t = self.step_time(plan)
         return t + self.per_step_overhead_s + self.per_streamed_token_s * num_sampled if t else t
+
+    def request_latency(self, prompt_len: int) -> float:
+        """Seconds a served request of `prompt_len` tokens takes to reach the scheduler (and
+        its first token to come back), beyond the steps."""
+        return self.request_latency_s + self.per_prompt_token_latency_s * prompt_len
 
     @property
     def has_serving_terms(self) -> bool:

@@ -236,7 +236,9 @@ def run_profile(ns: argparse.Namespace) -> int:
     if "serving" in info:
         print(f"served (through tidal serve): + {model.per_step_overhead_s * 1e3:.2f} ms per "
               f"step + {model.per_streamed_token_s * 1e3:.3f} ms per token streamed, "
-              f"+ {model.request_latency_s * 1e3:.1f} ms to each request's first token")
+              f"+ {model.request_latency_s * 1e3:.1f} ms + "
+              f"{model.per_prompt_token_latency_s * 1e3:.4f} ms per prompt token to each "
+              "request's first token")
     print(f"step cost model written to {path}")
     return 0
 

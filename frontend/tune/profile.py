@@ -101,6 +101,7 @@ def profile(config: EngineConfig, duration_s: float = 60.0, seed: int = 0,
         terms = measure_serving_terms(served_config, model)
         model = dataclasses.replace(
             model, request_latency_s=terms.request_latency_s,
+            per_prompt_token_latency_s=terms.per_prompt_token_latency_s,
             per_step_overhead_s=terms.per_step_overhead_s,
             per_streamed_token_s=terms.per_streamed_token_s,
             info={**model.info, "serving": terms.info})

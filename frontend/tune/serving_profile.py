@@ -8,9 +8,11 @@ by an amount that grows with the tokens streamed. Measured here, through a real 
 with the same engine flags and driven by `tidal bench serve`'s own client code, on short
 prompts of text (so tokenizing is paid as in a benchmark):
 
-- `request_latency_s`: sequential requests for 2 tokens; the median time to the first token
-  less the cost model's prefill step for the prompt. The simulator delays each request's
-  arrival at the scheduler by it (it covers the way out, the first token's way back too).
+- `request_latency_s` + `per_prompt_token_latency_s` x prompt tokens: sequential requests
+  for 2 tokens, with short and with long prompts; the median time to the first token less
+  the cost model's prefill step for the prompt, at each length, gives the line. The
+  simulator delays each request's arrival at the scheduler by it (it covers the way out
+  and the first token's way back: tokenizing grows with the prompt).
 - `per_step_overhead_s` + `per_streamed_token_s` x tokens sampled: B streams decoding at
   once, for B in `BATCHES`; the median over the streams of each one's mean gap between
   tokens, less the cost model's decode step for B requests at their context, is fitted as
@@ -38,14 +40,16 @@ import time
 import numpy as np
 
 from tidal.engine_core.args import config_to_argv
-from tidal.engine_core.config import EngineConfig
+from tidal.engine_core.config import EngineConfig, resolve_max_model_len
 from tidal.engine_core.step_cost import StepCostModel, chunk_features
 
-BATCHES = (1, 4, 16, 32)
+BATCHES = (1, 8, 32, 64)
 """Concurrent streams per decode probe (those above --max-num-seqs are skipped)."""
-NUM_LATENCY_PROBES = 12
-PROMPT_WORDS = 24
-"""Words of each probe's prompt (" hello" repeated: about one token each)."""
+NUM_LATENCY_PROBES = 6
+"""Sequential requests per prompt length."""
+PROMPT_WORDS = (24, 480)
+"""Words of the probes' prompts (" hello" repeated: about one token each); decode probes
+take the first."""
 OUTPUT_LEN = 40
 """Tokens each decode probe's streams generate; the first and last 8 gaps are not used."""
 _EDGE = 8
@@ -57,6 +61,7 @@ class ServingTerms:
     the probes it fitted them to (`info`, kept in the cost model's file under "serving")."""
 
     request_latency_s: float
+    per_prompt_token_latency_s: float
     per_step_overhead_s: float
     per_streamed_token_s: float
     info: dict
@@ -90,16 +95,23 @@ async def _probe(base_url: str, config: EngineConfig, cost: StepCostModel,
 
     async with httpx.AsyncClient(timeout=None) as client:
         model = (await wait_until_ready(client, base_url, ready_timeout_s))[0]
-        await _stream(client, base_url, model, 4)  # warm-up: first runs of each code path
-        first = []
+        # warm-up (first runs of each code path), and how many tokens a word makes here: the
+        # long prompt must fit half the context (a tiny model's can be short)
+        short = await _stream(client, base_url, model, 4, PROMPT_WORDS[0])
+        tokens_per_word = max(1.0, short.prompt_len / PROMPT_WORDS[0])
+        fit = int(resolve_max_model_len(config) // 2 / tokens_per_word)
+        lengths = [min(words, max(fit, 1)) for words in PROMPT_WORDS]
+        first: dict[int, list[float]] = {}  # prompt tokens -> TTFT less the prefill step
         for _ in range(NUM_LATENCY_PROBES):
-            result = await _stream(client, base_url, model, 2)
-            prefill = cost.predict(*_prefill_features(result.prompt_len))
-            first.append(result.ttft - prefill)
+            for words in lengths:
+                result = await _stream(client, base_url, model, 2, words)
+                prefill = cost.predict(*_prefill_features(result.prompt_len))
+                first.setdefault(result.prompt_len, []).append(result.ttft - prefill)
         rows = []
         for batch in [b for b in BATCHES if b <= config.scheduler.max_num_seqs]:
-            results = await asyncio.gather(*[_stream(client, base_url, model, OUTPUT_LEN)
-                                             for _ in range(batch)])
+            results = await asyncio.gather(*[
+                _stream(client, base_url, model, OUTPUT_LEN, PROMPT_WORDS[0])
+                for _ in range(batch)])
             # Each stream's mean gap over its middle tokens, all B decoding: a client that
             # falls behind reads several events at once (gaps of microseconds, then one long
             # one), so single gaps mislead where their mean over a stretch does not.
@@ -110,9 +122,11 @@ async def _probe(base_url: str, config: EngineConfig, cost: StepCostModel,
                          "predicted_step_s": step})
     overhead, per_token = fit_step_terms(rows)
     # the first token's step pays the step terms too (the simulator adds them to every step)
-    latency = max(0.0, statistics.median(first) - overhead - per_token)
-    return ServingTerms(latency, overhead, per_token, info={
-        "latency_probes_s": [round(x, 6) for x in first], "decode_probes": rows,
+    latency, per_prompt_token = fit_latency_terms(
+        {n: statistics.median(ts) - overhead - per_token for n, ts in first.items()})
+    return ServingTerms(latency, per_prompt_token, overhead, per_token, info={
+        "latency_probes_s": {n: [round(t, 6) for t in ts] for n, ts in first.items()},
+        "decode_probes": rows,
         "async_scheduling": config.scheduler.async_scheduling})
 
 
@@ -130,15 +144,25 @@ def fit_step_terms(rows: list[dict]) -> tuple[float, float]:
     return float(a), float(b)
 
 
+def fit_latency_terms(by_prompt_len: dict[int, float]) -> tuple[float, float]:
+    """(a, b) >= 0 of the line a + b * prompt tokens through the probes' two points (the
+    latency left after the steps, by prompt length); a constant when it does not grow."""
+    (n0, y0), (n1, y1) = sorted(by_prompt_len.items())[0], sorted(by_prompt_len.items())[-1]
+    slope = (y1 - y0) / (n1 - n0) if n1 > n0 else 0.0
+    if slope <= 0:
+        return max(0.0, min(y0, y1) if n1 > n0 else y0), 0.0
+    return max(0.0, y0 - slope * n0), slope
+
+
 def _prefill_features(prompt_len: int) -> tuple[int, int, int, float]:
     return chunk_features(0, max(prompt_len, 2))
 
 
-async def _stream(client, base_url: str, model: str, max_tokens: int):
+async def _stream(client, base_url: str, model: str, max_tokens: int, words: int):
     from tidal.frontend.bench.datasets import BenchRequest
     from tidal.frontend.bench.serve import ServeConfig, request_body, send_request
 
-    request = BenchRequest(" ".join(["hello"] * PROMPT_WORDS), PROMPT_WORDS, max_tokens)
+    request = BenchRequest(" ".join(["hello"] * words), words, max_tokens)
     body = request_body(request, model, ServeConfig(ignore_eos=True))
     result = await send_request(client, f"{base_url}/v1/completions", body, request,
                                 time.perf_counter(), 300.0)

@@ -20,8 +20,8 @@ workers replaced:
   answers it 400, and counted in `refused`.
 
 Serving (the cost model's serving terms, when `tidal tune profile` measured them; else 0):
-a request reaches the scheduler `request_latency` after it arrives (its TTFT counts from the
-arrival), and every step with tokens lasts `per_step_overhead + per_streamed_token x tokens
+a request reaches the scheduler `request_latency + per_prompt_token_latency x its prompt
+tokens` after it arrives (its TTFT counts from the arrival), and every step with tokens lasts `per_step_overhead + per_streamed_token x tokens
 sampled` longer than the worker's `execute` (`StepCostModel.served_step_time`): the engine
 core, the HTTP server and its clients, where they share the workers' cores. Not modelled: a
 stream interval above 1, and frontend costs that grow with prompt length beyond the probes'.
@@ -171,15 +171,19 @@ class Simulator:
         refused = 0
         timeline = {"time": [], "num_running": [], "num_waiting": [], "kv_cache_usage": []}
         sched, cost = self.scheduler, self.cost_model
-        delay = cost.request_latency_s  # the way through the HTTP server to the core
+        # when each request reaches the scheduler: its arrival plus the way through the HTTP
+        # server (0 without serving terms); in that order
+        ready = arrival + np.array([cost.request_latency(r.prompt_len) for r in requests])
+        order = np.argsort(ready, kind="stable")
         sampling_by_len: dict[int, SamplingParams] = {}
         in_flight: deque = deque()  # (plan, end time, sampled)
         worker_free = 0.0
         k = 0
         self.now = 0.0
         while k < n or in_flight or sched.has_unfinished_requests():
-            while k < n and arrival[k] + delay <= self.now:  # the daemon drains its frontends
-                r = requests[k]
+            while k < n and ready[order[k]] <= self.now:  # the daemon drains its frontends
+                i = int(order[k])
+                r = requests[i]
                 if r.prompt_len + r.output_len > self.max_model_len or r.output_len < 1:
                     refused += 1
                 else:
@@ -187,7 +191,7 @@ class Simulator:
                     if params is None:
                         params = sampling_by_len[r.output_len] = SamplingParams(
                             max_tokens=r.output_len, ignore_eos=True)
-                    sched.add(Request(str(k), r.token_ids(k), params, client_id=_CLIENT,
+                    sched.add(Request(str(i), r.token_ids(i), params, client_id=_CLIENT,
                                       priority=r.priority, arrival_time=r.arrival_time))
                 k += 1
             if len(in_flight) < self.depth and sched.has_unfinished_requests():
@@ -208,7 +212,7 @@ class Simulator:
             if not in_flight:  # idle: the next arrival wakes the engine
                 if k >= n:
                     raise RuntimeError("simulation stuck: requests wait but nothing can run")
-                self.now = max(self.now, float(arrival[k]) + delay)
+                self.now = max(self.now, float(ready[order[k]]))
                 continue
             plan, end, sampled = in_flight.popleft()
             self.now = max(self.now, end)
@@ -230,7 +234,7 @@ class Simulator:
                 # Nothing ran and nothing is in flight: only an arrival can change that.
                 if k >= n:
                     raise RuntimeError("simulation stuck: requests wait but nothing can run")
-                self.now = max(self.now, float(arrival[k]) + delay)
+                self.now = max(self.now, float(ready[order[k]]))
         prompt_len = np.array([r.prompt_len for r in requests], dtype=np.int64)
         output_len = np.array([r.output_len for r in requests], dtype=np.int64)
         hit_rate = (sched.prefix_cache_hits / sched.prefix_cache_queries

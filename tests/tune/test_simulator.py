@@ -58,17 +58,30 @@ def test_one_request(async_scheduling):
 
 
 def test_serving_terms_delay_arrivals_and_lengthen_each_step_by_what_it_streams():
-    """The cost of test_one_request plus serving terms: 30 ms from arrival to the scheduler,
-    1 ms per step and 0.5 ms per token sampled. Two 100-token prompts arriving at 1.0 s reach
+    """The cost of test_one_request plus serving terms: 10 ms + 0.2 ms per prompt token from
+    arrival to the scheduler (30 ms for 100 tokens), 1 ms per step and 0.5 ms per token
+    sampled. Two 100-token prompts arriving at 1.0 s reach
     the scheduler at 1.030; their prefill step (200 tokens: 210 ms + 1 + 2 x 0.5) ends at
     1.242; each decode step (2 requests: 14 ms + 1 + 1) lasts 16 ms."""
     cost = StepCostModel(0.010, per_prefill_token_s=0.001, per_decode_req_s=0.002,
-                         request_latency_s=0.030, per_step_overhead_s=0.001,
+                         request_latency_s=0.010, per_prompt_token_latency_s=0.0002,
+                         per_step_overhead_s=0.001,
                          per_streamed_token_s=0.0005)
     result = simulate(config(), 100, 256, cost, trace((1.0, 100, 3), (1.0, 100, 3)))
     assert result.first_token.tolist() == approx([1.242, 1.242])
     assert result.itl.tolist() == approx([0.016] * 4)
     assert result.summary()["mean_ttft_ms"] == pytest.approx(242.0)
+
+
+def test_a_short_prompt_overtakes_a_long_one_on_its_way_to_the_scheduler():
+    """0.1 ms per prompt token on the way in: a 1000-token prompt arriving at 1.000 s reaches
+    the scheduler at 1.100, a 10-token one arriving at 1.050 at 1.051 and is served first
+    (its prefill: 10 ms + 10 x 1 ms, token 1 at 1.071)."""
+    cost = StepCostModel(0.010, per_prefill_token_s=0.001, per_decode_req_s=0.002,
+                         per_prompt_token_latency_s=0.0001)
+    result = simulate(config(), 200, 2048, cost, trace((1.0, 1000, 1), (1.05, 10, 1)))
+    assert result.first_token[1] == pytest.approx(1.071)
+    assert result.first_token[0] > 1.100 + 1.0  # its 1000-token prefill after 1.100
 
 
 def test_two_requests_share_a_64_token_budget():

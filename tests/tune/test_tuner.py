@@ -7,7 +7,7 @@ import pytest
 from tidal.engine_core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tidal.engine_core.step_cost import FEATURES, StepCostModel
 from tidal.frontend.tune.profile import fit_cost_model
-from tidal.frontend.tune.serving_profile import fit_step_terms
+from tidal.frontend.tune.serving_profile import fit_latency_terms, fit_step_terms
 from tidal.frontend.tune.trace import Trace, TraceRequest
 from tidal.frontend.tune.tuner import SLO, Setting, format_table, parse_seconds, search, settings_grid
 
@@ -97,7 +97,8 @@ def test_fit_keeps_the_attention_term_when_the_data_has_one():
 
 def test_cost_model_json_round_trip(tmp_path):
     model = StepCostModel(0.004, 2e-5, 1e-4, 5e-8, 3e-9, request_latency_s=0.02,
-                          per_step_overhead_s=0.001, per_streamed_token_s=3e-4,
+                          per_prompt_token_latency_s=1e-5, per_step_overhead_s=0.001,
+                          per_streamed_token_s=3e-4,
                           info={"kv_block_bytes": 65536})
     path = str(tmp_path / "m.json")
     model.save(path)
@@ -105,7 +106,8 @@ def test_cost_model_json_round_trip(tmp_path):
     assert back == model and back.info == {"kv_block_bytes": 65536}
     # a file from before the serving terms were measured: they are 0
     old = {k: v for k, v in model.to_json().items()
-           if k not in ("request_latency_s", "per_step_overhead_s", "per_streamed_token_s")}
+           if k not in ("request_latency_s", "per_prompt_token_latency_s",
+                        "per_step_overhead_s", "per_streamed_token_s")}
     assert StepCostModel.from_json(old) == StepCostModel(0.004, 2e-5, 1e-4, 5e-8, 3e-9)
     (tmp_path / "bad.json").write_text('{"format": "other"}')
     with pytest.raises(ValueError, match="bad.json"):
@@ -146,3 +148,9 @@ def test_the_serving_step_terms_are_never_negative():
     faster_than_predicted = [{"batch": n, "predicted_step_s": 0.02, "median_itl_s": 0.01}
                              for n in (1, 4)]
     assert fit_step_terms(faster_than_predicted) == (0.0, 0.0)
+
+
+def test_the_serving_latency_line_goes_through_both_prompt_lengths_and_never_below_zero():
+    assert fit_latency_terms({20: 0.012, 520: 0.062}) == pytest.approx((0.010, 1e-4))
+    assert fit_latency_terms({20: 0.012, 520: 0.010}) == (0.010, 0.0)  # no growth
+    assert fit_latency_terms({20: -0.003, 520: 0.047}) == (0.0, pytest.approx(1e-4))
