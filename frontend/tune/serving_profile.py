@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import os
 import signal
 import socket
@@ -53,6 +54,7 @@ take the first."""
 OUTPUT_LEN = 40
 """Tokens each decode probe's streams generate; the first and last 8 gaps are not used."""
 _EDGE = 8
+_PROBE_NUMBERS = itertools.count(1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,12 +103,13 @@ async def _probe(base_url: str, config: EngineConfig, cost: StepCostModel,
         tokens_per_word = max(1.0, short.prompt_len / PROMPT_WORDS[0])
         fit = int(resolve_max_model_len(config) // 2 / tokens_per_word)
         lengths = [min(words, max(fit, 1)) for words in PROMPT_WORDS]
-        first: dict[int, list[float]] = {}  # prompt tokens -> TTFT less the prefill step
+        # per prompt length: (prompt tokens, TTFT less the cost model's prefill step)
+        first: dict[int, list[tuple[int, float]]] = {words: [] for words in lengths}
         for _ in range(NUM_LATENCY_PROBES):
             for words in lengths:
                 result = await _stream(client, base_url, model, 2, words)
                 prefill = cost.predict(*_prefill_features(result.prompt_len))
-                first.setdefault(result.prompt_len, []).append(result.ttft - prefill)
+                first[words].append((result.prompt_len, result.ttft - prefill))
         rows = []
         for batch in [b for b in BATCHES if b <= config.scheduler.max_num_seqs]:
             results = await asyncio.gather(*[
@@ -115,17 +118,20 @@ async def _probe(base_url: str, config: EngineConfig, cost: StepCostModel,
             # Each stream's mean gap over its middle tokens, all B decoding: a client that
             # falls behind reads several events at once (gaps of microseconds, then one long
             # one), so single gaps mislead where their mean over a stretch does not.
-            gaps = [statistics.fmean(r.itl[_EDGE:-_EDGE]) for r in results]
+            gaps = [_mean_gap(r) for r in results]
             context = sum(r.prompt_len + OUTPUT_LEN // 2 for r in results)
             step = cost.predict(0, batch, context, 0.0)
             rows.append({"batch": batch, "median_itl_s": statistics.median(gaps),
                          "predicted_step_s": step})
     overhead, per_token = fit_step_terms(rows)
     # the first token's step pays the step terms too (the simulator adds them to every step)
-    latency, per_prompt_token = fit_latency_terms(
-        {n: statistics.median(ts) - overhead - per_token for n, ts in first.items()})
+    latency, per_prompt_token = fit_latency_terms({
+        statistics.median(n for n, _ in probes):
+            statistics.median(t for _, t in probes) - overhead - per_token
+        for probes in first.values()})
     return ServingTerms(latency, per_prompt_token, overhead, per_token, info={
-        "latency_probes_s": {n: [round(t, 6) for t in ts] for n, ts in first.items()},
+        "latency_probes": [{"prompt_tokens": n, "ttft_less_prefill_s": round(t, 6)}
+                           for probes in first.values() for n, t in probes],
         "decode_probes": rows,
         "async_scheduling": config.scheduler.async_scheduling})
 
@@ -154,6 +160,15 @@ def fit_latency_terms(by_prompt_len: dict[int, float]) -> tuple[float, float]:
     return max(0.0, y0 - slope * n0), slope
 
 
+def _mean_gap(result) -> float:
+    """A stream's mean gap between tokens over its middle (see `_probe`); over all of it when
+    tokens that decode to no text (a random tiny model's) left too few gaps to time."""
+    middle = result.itl[_EDGE:-_EDGE]
+    if middle:
+        return statistics.fmean(middle)
+    return (result.latency - result.ttft) / max(1, result.output_len - 1)
+
+
 def _prefill_features(prompt_len: int) -> tuple[int, int, int, float]:
     return chunk_features(0, max(prompt_len, 2))
 
@@ -162,7 +177,10 @@ async def _stream(client, base_url: str, model: str, max_tokens: int, words: int
     from tidal.frontend.bench.datasets import BenchRequest
     from tidal.frontend.bench.serve import ServeConfig, request_body, send_request
 
-    request = BenchRequest(" ".join(["hello"] * words), words, max_tokens)
+    # a number first: no probe's prompt starts like another's, so none is prefix-cached (a
+    # cached prompt skips most of its prefill and makes the latency look negative)
+    request = BenchRequest(" ".join([str(next(_PROBE_NUMBERS))] + ["hello"] * (words - 1)),
+                           words, max_tokens)
     body = request_body(request, model, ServeConfig(ignore_eos=True))
     result = await send_request(client, f"{base_url}/v1/completions", body, request,
                                 time.perf_counter(), 300.0)

@@ -85,7 +85,7 @@ def test_profile_measures_the_worker_then_a_served_engine(tiny_llama, tmp_path, 
     model = StepCostModel.load(out)
     assert model.info["num_shapes"] >= 12 and model.intercept_s > 0
     serving = model.info["serving"]
-    assert sorted(len(times) for times in serving["latency_probes_s"].values()) == [6, 6]
+    assert len(serving["latency_probes"]) == 12
     assert [row["batch"] for row in serving["decode_probes"]] == [1, 8]
     assert all(row["median_itl_s"] > 0 for row in serving["decode_probes"])
     printed = capsys.readouterr().out
