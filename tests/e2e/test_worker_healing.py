@@ -109,10 +109,13 @@ def test_killed_worker_is_replaced_and_streams_finish_with_fault_free_tokens(
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_hung_rank_of_two_is_replaced_after_the_worker_timeout(tiny_llama, tmp_path, zctx,
-                                                                prompts):
+def test_hung_then_killed_rank_of_two_is_replaced_each_time(tiny_llama, tmp_path, zctx,
+                                                            prompts):
     """TP=2 with chunked prompts: rank 1 stops (SIGSTOP). Past --worker-timeout both ranks
-    are killed and replaced, and the streams finish with the fault-free tokens."""
+    are killed and replaced, and the streams finish with the fault-free tokens. Then the new
+    rank 1 is SIGKILLed mid-stream (rank 0 then waits in a collective that will never
+    complete): the core sees the death at once, replaces both ranks again, and the streams
+    finish with the fault-free tokens again, greedy and seeded."""
     d = Daemon(tiny_llama, str(tmp_path / "core.log"), "--tensor-parallel-size", "2",
                "--worker-timeout", "2", "--max-num-batched-tokens", "32")
     try:
@@ -132,7 +135,15 @@ def test_hung_rank_of_two_is_replaced_after_the_worker_timeout(tiny_llama, tmp_p
         assert client.stats().num_worker_restarts == 1
         assert "within 2 s: replacing the workers (restart 1" in d.log_text()
         assert not _alive(stopped[0])
-        assert len(d.workers()) == 2
+        second = d.workers()
+        assert len(second) == 2
+
+        healed = _run_with_fault(client, d, "kill", prompts,
+                                 lambda pids: os.kill(pids[1], signal.SIGKILL))
+        assert healed == clean, d.log_text()
+        assert client.stats().num_worker_restarts == 2
+        assert "was killed by signal 9: replacing the workers (restart 2" in d.log_text()
+        assert not any(_alive(pid) for pid in second) and len(d.workers()) == 2
         client.close()
     finally:
         d.stop()
@@ -140,14 +151,12 @@ def test_hung_rank_of_two_is_replaced_after_the_worker_timeout(tiny_llama, tmp_p
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("split", ["--tensor-parallel-size", "--pipeline-parallel-size"])
-def test_killed_rank_of_two_is_replaced_and_streams_finish_with_fault_free_tokens(
-        tiny_llama, tmp_path, zctx, prompts, split):
-    """TP=2 or PP=2: SIGKILL rank 1 mid-stream (rank 0 then waits in a collective, or on a
-    send to the next stage, that will never complete): the core sees the death at once,
-    replaces both ranks, and every request ends with the fault-free tokens, greedy and
-    seeded."""
-    d = Daemon(tiny_llama, str(tmp_path / "core.log"), split, "2")
+def test_killed_stage_of_two_is_replaced_and_streams_finish_with_fault_free_tokens(
+        tiny_llama, tmp_path, zctx, prompts):
+    """PP=2: SIGKILL the second stage mid-stream (the first then waits on a send that will
+    never complete): the core sees the death at once, replaces both ranks, and every request
+    ends with the fault-free tokens, greedy and seeded. (TP=2: the test above.)"""
+    d = Daemon(tiny_llama, str(tmp_path / "core.log"), "--pipeline-parallel-size", "2")
     try:
         client = Client(zctx, d.address, "tp2-kill")
         client.hello()
