@@ -312,7 +312,7 @@ def test_api_key_enforced(server):
 def test_schemathesis_fuzz_finds_no_server_error(server):
     before, _ = scrape(server)
     cmd = [sys.executable, "-m", "schemathesis.cli", "run", server.base_url + "/openapi.json",
-           "--checks", "not_a_server_error", "--max-time", "10", "--seed", "1",
+           "--checks", "not_a_server_error", "--max-time", "6", "--seed", "1",
            "--workers", "1", "--request-timeout", "60", "--no-color",
            "-H", f"Authorization: Bearer {KEY}"]
     try:
