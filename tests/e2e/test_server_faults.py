@@ -259,46 +259,55 @@ def test_core_restarted_at_the_same_address_is_attached_again(long_llama, tmp_pa
         core.stop()
 
 
-HEALED = [{"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
+HEALED = [{"prompt": "Once upon a time", "max_tokens": 250, "ignore_eos": True,
            "temperature": 0},
-          {"prompt": "The capital of", "max_tokens": 400, "ignore_eos": True,
+          {"prompt": "The capital of", "max_tokens": 250, "ignore_eos": True,
            "temperature": 1.0, "top_p": 0.9, "seed": 77}]
 
 
+def assert_streams_go_on_through(server: LiveServer, fault: int, expected: list) -> None:
+    """Two streams run; `fault` reaches the core `tidal serve` started: each stream ends with
+    the text of a fault-free run, and the core is a new process whose old one's workers are
+    gone."""
+    old_core = core_process(server.proc.pid)
+    streams = [Stream(server.base_url, body) for body in HEALED]
+    assert all(s.first.wait(60) and not s.broken for s in streams)
+    os.kill(old_core, fault)  # alone: its workers see it go (SIGKILL) or stall (SIGSTOP)
+    for got, want in zip(streams, expected):
+        assert got.finish(180).ended_well(), got.lines[-3:]
+        assert got.text() == want.text()
+    assert server.alive() and core_process(server.proc.pid) not in (None, old_core)
+    wait_until(lambda: group_gone(old_core), 10, "the old core's workers to exit")
+    assert completes(server.base_url)
+
+
 @pytest.mark.timeout(300)
-def test_core_stopped_under_serve_is_restarted_and_streams_go_on(long_llama):
+def test_core_stopped_or_killed_under_serve_is_restarted_and_streams_go_on(long_llama):
     """SIGSTOP the daemon `tidal serve MODEL` started while two streams run: it echoes no
     heartbeat for its --frontend-timeout (2 s), so the supervisor kills it and starts it
     again at the same address, the HTTP process resubmits both requests (prompt + the
-    tokens streamed), and each stream ends with the text of a fault-free run. With
-    --max-engine-restarts 1 used up, a SIGKILL is final: the stream in flight ends with an
-    error event and `tidal serve` exits 1."""
-    server = LiveServer([long_llama, *FLAGS, "--max-engine-restarts", "1",
+    tokens streamed), and each stream ends with the text of a fault-free run. The same after
+    a SIGKILL of the new core. With --max-engine-restarts 2 used up, a third fault is
+    final: the stream in flight ends with an error event and `tidal serve` exits 1."""
+    server = LiveServer([long_llama, *FLAGS, "--max-engine-restarts", "2",
                          "--frontend-timeout", "2"]).start()
     try:
         expected = [Stream(server.base_url, body).finish(120) for body in HEALED]
         assert all(s.ended_well() for s in expected)
-        old_core = core_process(server.proc.pid)
-        streams = [Stream(server.base_url, body) for body in HEALED]
-        assert all(s.first.wait(60) and not s.broken for s in streams)
-        os.kill(old_core, signal.SIGSTOP)  # alone: alive, holding its socket, silent
-        for got, want in zip(streams, expected):
-            assert got.finish(180).ended_well(), got.lines[-3:]
-            assert got.text() == want.text()
+        assert_streams_go_on_through(server, signal.SIGSTOP, expected)
         out = server.output()
         assert "echoed no heartbeat" in out and "stopped or hung; killing it" in out
-        assert "starting it again at the same address (restart 1 of at most 1 in 10 min)" in out
+        assert "starting it again at the same address (restart 1 of at most 2 in 10 min)" in out
         assert "resubmitted 2 engine requests" in out
-        assert server.alive() and core_process(server.proc.pid) not in (None, old_core)
-        wait_until(lambda: group_gone(old_core), 10, "the old core's workers to exit")
-        assert completes(server.base_url)
+        assert_streams_go_on_through(server, signal.SIGKILL, expected)
+        assert "(restart 2 of at most 2 in 10 min)" in server.output()
 
         stream = Stream(server.base_url, HEALED[0])
         assert stream.first.wait(60) and not stream.broken
         os.kill(core_process(server.proc.pid), signal.SIGKILL)
         assert stream.finish(60).error()
         assert server.proc.wait(60) == 1
-        assert ("restarted 1 times already within 10 min (--max-engine-restarts 1)"
+        assert ("restarted 2 times already within 10 min (--max-engine-restarts 2)"
                 in server.output())
     finally:
         server.stop()
