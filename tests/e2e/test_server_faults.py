@@ -259,9 +259,9 @@ def test_core_restarted_at_the_same_address_is_attached_again(long_llama, tmp_pa
         core.stop()
 
 
-HEALED = [{"prompt": "Once upon a time", "max_tokens": 250, "ignore_eos": True,
+HEALED = [{"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
            "temperature": 0},
-          {"prompt": "The capital of", "max_tokens": 250, "ignore_eos": True,
+          {"prompt": "The capital of", "max_tokens": 400, "ignore_eos": True,
            "temperature": 1.0, "top_p": 0.9, "seed": 77}]
 
 
