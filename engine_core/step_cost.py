@@ -134,10 +134,6 @@ class StepCostModel:
         its first token to come back), beyond the steps."""
         return self.request_latency_s + self.per_prompt_token_latency_s * prompt_len
 
-    @property
-    def has_serving_terms(self) -> bool:
-        return any(getattr(self, name) for name in _SERVING_TERMS)
-
     def formula(self) -> str:
         """The fitted formula, human-readable (microseconds)."""
         terms = [f"{self.intercept_s * 1e6:.1f}"]

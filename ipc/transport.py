@@ -330,7 +330,8 @@ def check_ipc_free(address: str) -> None:
 
 
 def free_tcp_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now (for torch.distributed's rendezvous)."""
+    """A TCP port on 127.0.0.1 that is free right now (torch.distributed's rendezvous, a
+    server `tidal` starts for itself)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

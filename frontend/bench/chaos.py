@@ -41,7 +41,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -169,12 +168,6 @@ def inject(fault: str, tree: dict[str, list[int]], rng: random.Random) -> str | 
 
 
 # -- the server ------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(cfg: ChaosConfig, port: int, log_path: str) -> subprocess.Popen:
@@ -451,8 +444,10 @@ def run_chaos(cfg: ChaosConfig, log_path: str) -> tuple[str, int]:
     """Start the server, soak it, stop it; the report and the exit status."""
     import httpx
 
+    from tidal.ipc.transport import free_tcp_port
+
     rng = random.Random(cfg.seed)
-    port = _free_port()
+    port = free_tcp_port()
     base = f"http://127.0.0.1:{port}"
     server = start_server(cfg, port, log_path)
     seen: set[int] = set()

@@ -5,8 +5,8 @@ server (parse, tokenize, detokenize, one SSE event per token), the engine core (
 update, messages; with async scheduling off, as on the CPU, in series with the steps) and the
 client. Where those share the workers' cores (any CPU-only server) they lengthen every step
 by an amount that grows with the tokens streamed. Measured here, through a real server started
-with the same engine flags and driven by `tidal bench serve`'s own client code, on short
-prompts of text (so tokenizing is paid as in a benchmark):
+with the same engine flags and driven by `tidal bench serve`'s own client code, on prompts of
+text (so tokenizing is paid as in a benchmark):
 
 - `request_latency_s` + `per_prompt_token_latency_s` x prompt tokens: sequential requests
   for 2 tokens, with short and with long prompts; the median time to the first token less
@@ -19,9 +19,10 @@ prompts of text (so tokenizing is paid as in a benchmark):
   `a + b * B` (least squares, both >= 0).
 
 The client's own work counts in (as it does in every `tidal bench serve` on the same machine).
-What is not captured: a frontend term that depends on prompt length beyond tokenizing a short
-prompt, and the overlap async scheduling gives (measured as the server runs: async off on
-the CPU, on for CUDA workers, unless the flags say otherwise).
+What is not captured: the CPU a new request's handling takes from the steps running beside it
+(the probes send requests one at a time, then decode without arrivals), and the overlap
+async scheduling gives (measured as the server runs: async off on the CPU, on for CUDA
+workers, unless the flags say otherwise).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import dataclasses
 import itertools
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,14 +43,15 @@ import numpy as np
 from tidal.engine_core.args import config_to_argv
 from tidal.engine_core.config import EngineConfig, resolve_max_model_len
 from tidal.engine_core.step_cost import StepCostModel, chunk_features
+from tidal.ipc.transport import free_tcp_port
 
 BATCHES = (1, 8, 32, 64)
 """Concurrent streams per decode probe (those above --max-num-seqs are skipped)."""
 NUM_LATENCY_PROBES = 6
 """Sequential requests per prompt length."""
 PROMPT_WORDS = (24, 480)
-"""Words of the probes' prompts (" hello" repeated: about one token each); decode probes
-take the first."""
+"""Words of the probes' prompts (a number, then " hello" repeated: one to a few tokens each,
+by tokenizer); decode probes take the first."""
 OUTPUT_LEN = 40
 """Tokens each decode probe's streams generate; the first and last 8 gaps are not used."""
 _EDGE = 8
@@ -72,7 +73,7 @@ class ServingTerms:
 def measure_serving_terms(config: EngineConfig, cost: StepCostModel,
                           ready_timeout_s: float = 300.0) -> ServingTerms:
     """Start `tidal serve` with `config`, probe it, stop it; the fitted terms."""
-    port = _free_port()
+    port = free_tcp_port()
     with tempfile.TemporaryFile(mode="w+") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tidal.frontend.cli", "serve", *config_to_argv(config),
@@ -187,12 +188,6 @@ async def _stream(client, base_url: str, model: str, max_tokens: int, words: int
     if not result.success:
         raise RuntimeError(f"a probe request failed: {result.error}")
     return result
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stop(proc: subprocess.Popen) -> None:

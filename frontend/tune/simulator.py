@@ -21,10 +21,11 @@ workers replaced:
 
 Serving (the cost model's serving terms, when `tidal tune profile` measured them; else 0):
 a request reaches the scheduler `request_latency + per_prompt_token_latency x its prompt
-tokens` after it arrives (its TTFT counts from the arrival), and every step with tokens lasts `per_step_overhead + per_streamed_token x tokens
-sampled` longer than the worker's `execute` (`StepCostModel.served_step_time`): the engine
-core, the HTTP server and its clients, where they share the workers' cores. Not modelled: a
-stream interval above 1, and frontend costs that grow with prompt length beyond the probes'.
+tokens` after it arrives (its TTFT counts from the arrival), and every step with tokens lasts
+`per_step_overhead + per_streamed_token x tokens sampled` longer than the worker's `execute`
+(`StepCostModel.served_step_time`): the engine core, the HTTP server and its clients, where
+they share the workers' cores. Not modelled: a stream interval above 1, and the CPU a new
+request's handling takes from the steps running beside it.
 """
 
 from __future__ import annotations

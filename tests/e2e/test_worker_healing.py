@@ -71,6 +71,19 @@ def _run_with_fault(client: Client, d: Daemon, prefix: str, prompts, fault) -> d
     return _outputs(client, ids, prefix)
 
 
+def _assert_killed_rank_1_heals(client: Client, d: Daemon, prompts, clean: dict,
+                                restart: int) -> None:
+    """SIGKILL rank 1 of two mid-stream: every request ends with the fault-free tokens, the
+    core counts and logs restart number `restart`, and two new ranks replace the old ones."""
+    before = d.workers()
+    healed = _run_with_fault(client, d, "kill", prompts,
+                             lambda pids: os.kill(pids[1], signal.SIGKILL))
+    assert healed == clean, d.log_text()
+    assert client.stats().num_worker_restarts == restart
+    assert f"was killed by signal 9: replacing the workers (restart {restart}" in d.log_text()
+    assert not any(_alive(pid) for pid in before) and len(d.workers()) == 2
+
+
 @pytest.mark.timeout(240)
 def test_killed_worker_is_replaced_and_streams_finish_with_fault_free_tokens(
         tiny_llama, tmp_path, zctx, prompts):
@@ -135,15 +148,9 @@ def test_hung_then_killed_rank_of_two_is_replaced_each_time(tiny_llama, tmp_path
         assert client.stats().num_worker_restarts == 1
         assert "within 2 s: replacing the workers (restart 1" in d.log_text()
         assert not _alive(stopped[0])
-        second = d.workers()
-        assert len(second) == 2
+        assert len(d.workers()) == 2
 
-        healed = _run_with_fault(client, d, "kill", prompts,
-                                 lambda pids: os.kill(pids[1], signal.SIGKILL))
-        assert healed == clean, d.log_text()
-        assert client.stats().num_worker_restarts == 2
-        assert "was killed by signal 9: replacing the workers (restart 2" in d.log_text()
-        assert not any(_alive(pid) for pid in second) and len(d.workers()) == 2
+        _assert_killed_rank_1_heals(client, d, prompts, clean, restart=2)
         client.close()
     finally:
         d.stop()
@@ -161,13 +168,7 @@ def test_killed_stage_of_two_is_replaced_and_streams_finish_with_fault_free_toke
         client = Client(zctx, d.address, "tp2-kill")
         client.hello()
         clean = _fault_free(client, prompts, timeout=120)
-        first = d.workers()
-        healed = _run_with_fault(client, d, "kill", prompts,
-                                 lambda pids: os.kill(pids[1], signal.SIGKILL))
-        assert healed == clean, d.log_text()
-        assert client.stats().num_worker_restarts == 1
-        assert "was killed by signal 9: replacing the workers (restart 1" in d.log_text()
-        assert not any(_alive(pid) for pid in first) and len(d.workers()) == 2
+        _assert_killed_rank_1_heals(client, d, prompts, clean, restart=1)
         client.close()
     finally:
         d.stop()
