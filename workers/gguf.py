@@ -26,6 +26,7 @@ any other is a ValueError naming it.
 from __future__ import annotations
 
 import argparse
+import glob
 import hashlib
 import json
 import logging
@@ -89,7 +90,7 @@ def gguf_folder(path: str, root: str | None = None) -> str:
                     time.perf_counter() - t0)
         return folder
     os.makedirs(os.path.dirname(folder), exist_ok=True)
-    partial = tempfile.mkdtemp(prefix=f".{stem}-partial-", dir=os.path.dirname(folder))
+    partial = tempfile.mkdtemp(prefix=_partial_prefix(stem), dir=os.path.dirname(folder))
     try:
         seconds = convert(path, partial)
         _write_marker(partial, path, digest, seconds)
@@ -102,6 +103,21 @@ def gguf_folder(path: str, root: str | None = None) -> str:
         shutil.rmtree(partial, ignore_errors=True)
     logger.info("GGUF %s: converted into %s in %.1f s", path, folder, time.perf_counter() - t0)
     return folder
+
+
+def _partial_prefix(stem: str) -> str:
+    """Names a partial folder after the converting process, so a SIGTERM can find its own."""
+    return f".{stem}-partial-{os.getpid()}-"
+
+
+def _remove_own_partials_and_exit(root: str) -> None:
+    """SIGTERM: remove this process's partial folders, then exit at once. Not an exception
+    unwinding the stack: a SystemExit raised inside `import torch` or transformers can meet a
+    bare `except:` there and be swallowed, and the conversion would go on to the end."""
+    for partial in glob.glob(os.path.join(root, f"gguf-v{FORMAT_VERSION}",
+                                          f".*-partial-{os.getpid()}-*")):
+        shutil.rmtree(partial, ignore_errors=True)
+    os._exit(143)
 
 
 def convert(path: str, out: str) -> dict[str, float]:
@@ -209,8 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' per-tensor bar, \r by \r in logs
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s [tidal gguf] %(name)s: %(message)s")
-    # SIGTERM (the engine core stopping during start-up) unwinds, removing a partial folder
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # SIGTERM: the engine core stopping during start-up
+    root = args.cache_dir or cache_root()
+    signal.signal(signal.SIGTERM, lambda *_: _remove_own_partials_and_exit(root))
     try:
         result = {"folder": gguf_folder(args.file, args.cache_dir)}
     except ValueError as e:
