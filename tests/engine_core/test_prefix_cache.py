@@ -8,7 +8,7 @@ from sched_utils import (
     scheduled_tokens, step,
 )
 
-from tidal.engine_core.block_pool import NONE_HASH, hash_block_tokens
+from tidal.engine_core.block_pool import NONE_HASH, BlockPool, hash_block_tokens
 from tidal.engine_core.kv_cache_manager import KVCacheManager
 
 
@@ -85,6 +85,18 @@ def test_eviction_order_after_frees():
     assert nc.block_ids == [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]
     assert not old_hashes & set(pool.cached)
     sched.check_invariants()
+
+
+def test_a_block_is_made_when_first_handed_out():
+    """A pool of a million blocks holds one block object (the null block) until asked; blocks
+    come out in id order and count as free before they exist."""
+    pool = BlockPool(1_000_000)
+    assert len(pool.blocks) == 1 and pool.num_free_blocks == 999_999
+    blocks = pool.get_new_blocks(3)
+    assert [b.block_id for b in blocks] == [1, 2, 3] and len(pool.blocks) == 4
+    pool.free_blocks(reversed(blocks))
+    assert pool.free_queue.ids()[:5] == [3, 2, 1, 4, 5] and pool.num_free_blocks == 999_999
+    pool.check_invariants()
 
 
 def test_hit_on_free_block_does_not_evict_it():
@@ -234,7 +246,7 @@ def test_salt_isolates_and_hashes_are_stable_across_processes():
     salt (first block only): the same in another interpreter with another PYTHONHASHSEED; a
     salted request does not hit an unsalted one's blocks."""
     h = hash_block_tokens(NONE_HASH, list(range(16)))
-    code = ("from tidal.engine_core.block_pool import NONE_HASH, hash_block_tokens;"
+    code = ("from tidal.engine_core.block_pool import NONE_HASH, BlockPool, hash_block_tokens;"
             "print(hash_block_tokens(NONE_HASH, list(range(16))).hex())")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            env={"PYTHONHASHSEED": "12345", "PATH": ""}, check=True)
