@@ -5,7 +5,7 @@ data_parallel_size=2)` → router → two engine cores → a worker each.
   second pass of prompts sharing a prefix goes where that prefix is cached.
 - Two frontends at once each get their own outputs; a third, SIGKILLed, has its requests
   dropped (blocks freed) within the frontend timeout.
-- The same with a tiny KV cache on each core (preemptions) and async scheduling off.
+- The same with a tiny KV cache on each core (preemptions), async scheduling on and off.
 - One core SIGKILLed mid-generation: its requests continue on the other core (the router moves
   them; the frontend never notices), a request sent meanwhile is served, the outputs equal a
   fault-free run's, and the router starts the core again.
@@ -118,10 +118,12 @@ def test_frontends_get_their_own_outputs_and_a_killed_ones_requests_are_dropped(
 
 
 @pytest.mark.timeout(300)
-def test_dp2_tiny_kv_cache_preempts_async_off(tiny_llama, prompts, reference):  # noqa: F811
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_dp2_tiny_kv_cache_preempts(tiny_llama, prompts, reference,  # noqa: F811
+                                    async_scheduling):
     """7 usable KV blocks per core for 8 requests of up to 71 tokens each: preemptions."""
     with LLM(tiny_llama, data_parallel_size=2, num_gpu_blocks_override=8, max_model_len=112,
-             async_scheduling=False, startup_timeout=STARTUP_TIMEOUT_S) as llm:
+             async_scheduling=async_scheduling, startup_timeout=STARTUP_TIMEOUT_S) as llm:
         assert llm.engine_info.num_kv_blocks == 16
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert_greedy_equal(outputs, reference)

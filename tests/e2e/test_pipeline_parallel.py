@@ -1,10 +1,9 @@
 """Pipeline parallelism through the whole process tree (issue 14, part 2): greedy tokens equal
 transformers' with the layers split over two stages, alone and with two tensor-parallel ranks
-per stage (4 worker processes), each under a 7-block KV cache that forces preemptions.
-
-Two engine starts cover the matrix (async scheduling is a start-up setting):
-- PP=2, async on, fcfs, prefix caching (a second pass hits the cache);
-- PP=2 × TP=2, async off, chunked prefill (32-token budget), priority policy.
+per stage (4 worker processes), each under a 7-block KV cache that forces preemptions, with
+async scheduling on and off (a start-up setting: one engine start each):
+- PP=2, fcfs, prefix caching (a second pass hits the cache);
+- PP=2 × TP=2, chunked prefill (32-token budget), priority policy.
 The batch queue itself (both stages busy, in-flight requests held back) is unit-tested on
 the fake executor in tests/engine_core/test_engine_core.py.
 """
@@ -36,8 +35,10 @@ def reference(tiny_llama, prompts):
 
 
 @pytest.mark.timeout(300)
-def test_pp2_async_greedy_equals_transformers_under_preemption(tiny_llama, prompts, reference):
-    with LLM(tiny_llama, pipeline_parallel_size=2, async_scheduling=True, **TINY_KV,
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_pp2_greedy_equals_transformers_under_preemption(tiny_llama, prompts, reference,
+                                                         async_scheduling):
+    with LLM(tiny_llama, pipeline_parallel_size=2, async_scheduling=async_scheduling, **TINY_KV,
              startup_timeout=STARTUP_TIMEOUT_S) as llm:
         for _ in range(2):  # the second pass reads the prefix cache
             assert_greedy_equal(llm.generate(prompts, GREEDY, use_tqdm=False), reference)
@@ -48,10 +49,11 @@ def test_pp2_async_greedy_equals_transformers_under_preemption(tiny_llama, promp
 
 
 @pytest.mark.timeout(300)
-def test_pp2_tp2_sync_chunked_priority_greedy_equals_transformers(tiny_llama, prompts,
-                                                                  reference):
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_pp2_tp2_chunked_priority_greedy_equals_transformers(tiny_llama, prompts, reference,
+                                                             async_scheduling):
     with LLM(tiny_llama, pipeline_parallel_size=2, tensor_parallel_size=2,
-             async_scheduling=False, max_num_batched_tokens=32, max_num_seqs=16,
+             async_scheduling=async_scheduling, max_num_batched_tokens=32, max_num_seqs=16,
              scheduling_policy="priority",
              **TINY_KV, startup_timeout=STARTUP_TIMEOUT_S) as llm:
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False,

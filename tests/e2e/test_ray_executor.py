@@ -3,9 +3,7 @@ two-node Ray cluster (`ray.cluster_utils.Cluster`, one CPU per node, so the plac
 must put the two rank bundles on different nodes).
 
 1. Greedy tokens equal transformers' with a 7-block KV cache that forces preemptions: TP=2
-   with async scheduling on, PP=2 with it off (the CPU default). (TP=2 with it off was a
-   cell of its own; the scheduling mode is the core's, the same for every executor, and the
-   mp executor's tests cover TP=2 both ways.)
+   and PP=2, each with async scheduling on and off.
 2. A rank's actor killed mid-stream: the core replaces both ranks (new actors, a new
    placement group) and every stream ends with a fault-free run's tokens, greedy and seeded;
    then the second node removed mid-stream, past --max-worker-restarts: every request ends
@@ -120,9 +118,11 @@ def cluster_worker_pids(cluster: Cluster) -> list[int]:
 
 
 @pytest.mark.timeout(300)
-def test_tp2_across_two_nodes_tiny_kv_cache_async_greedy_equals_transformers(
-        cluster, tiny_llama, prompts, reference):
-    with LLM(tiny_llama, num_gpu_blocks_override=8, max_model_len=112, async_scheduling=True,
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_tp2_across_two_nodes_tiny_kv_cache_greedy_equals_transformers(
+        cluster, tiny_llama, prompts, reference, async_scheduling):
+    with LLM(tiny_llama, num_gpu_blocks_override=8, max_model_len=112,
+             async_scheduling=async_scheduling,
              **RAY) as llm:
         [pg] = core_placement(llm.daemon_pid)
         assert pg["state"] == "CREATED" and len(set(pg["bundles_to_node_id"].values())) == 2
@@ -137,11 +137,12 @@ def test_tp2_across_two_nodes_tiny_kv_cache_async_greedy_equals_transformers(
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 def test_pp2_across_two_nodes_tiny_kv_cache_greedy_equals_transformers(
-        cluster, tiny_llama, prompts, reference):
-    """Two pipeline stages, one per node: hidden states cross between the nodes; async
-    scheduling off (the CPU default)."""
-    pp = dict(RAY, tensor_parallel_size=1, pipeline_parallel_size=2)
+        cluster, tiny_llama, prompts, reference, async_scheduling):
+    """Two pipeline stages, one per node: hidden states cross between the nodes."""
+    pp = dict(RAY, tensor_parallel_size=1, pipeline_parallel_size=2,
+              async_scheduling=async_scheduling)
     with LLM(tiny_llama, num_gpu_blocks_override=8, max_model_len=112, **pp) as llm:
         [pg] = core_placement(llm.daemon_pid)
         assert len(set(pg["bundles_to_node_id"].values())) == 2
