@@ -17,8 +17,9 @@ by cross-validated residuals; the file records each candidate's error).
 A served step costs more than the worker's `execute`: the serving terms (measured through a
 real `tidal serve` by `frontend/tune/serving_profile.py`, 0 when not measured) add
 `per_step_overhead + per_streamed_token x tokens sampled` to every step with tokens
-(`served_step_time`) and `request_latency + per_prompt_token_latency x prompt tokens` to
-each request's way in (`request_latency`).
+(`served_step_time`), `request_latency + per_prompt_token_latency x prompt tokens` to
+each request's way in (`request_latency`), and `per_arrival` to the step a request arrives
+during (its handling takes CPU from that step where the server shares the workers' cores).
 
 The coefficients are measured by `tidal tune profile` on the user's machine and model and kept
 as JSON in a cache folder keyed by what changes step times (`profile_path`). The engine core
@@ -44,7 +45,7 @@ FORMAT_VERSION = 1
 _COEFFICIENTS = ("intercept_s", "per_prefill_token_s", "per_decode_req_s",
                  "per_decode_context_token_s", "per_prefill_attention_pair_s")
 _SERVING_TERMS = ("request_latency_s", "per_prompt_token_latency_s", "per_step_overhead_s",
-                  "per_streamed_token_s")
+                  "per_streamed_token_s", "per_arrival_s")
 """Optional (0 in a file written before they were measured)."""
 
 
@@ -93,6 +94,9 @@ class StepCostModel:
     per_streamed_token_s: float = 0.0
     """Serving: seconds each token sampled in a step adds to it (detokenizing and streaming
     it where the HTTP server and its clients share the workers' cores)."""
+    per_arrival_s: float = 0.0
+    """Serving: seconds a request arriving while a step runs adds to that step (the HTTP
+    server parsing and tokenizing it, setting up its stream, on the workers' cores)."""
     info: dict = field(default_factory=dict, compare=False)
     """Where it was measured and how well it fits (model, dtype, device, threads,
     kv_block_bytes, num_kv_blocks, residuals per candidate formula, ...)."""

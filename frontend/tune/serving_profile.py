@@ -18,11 +18,18 @@ text (so tokenizing is paid as in a benchmark):
   tokens, less the cost model's decode step for B requests at their context, is fitted as
   `a + b * B` (least squares, both >= 0).
 
+- `per_arrival_s`: `ARRIVAL_STREAMS` streams decoding `ARRIVAL_OUTPUT_LEN` tokens, once
+  alone and once while `NUM_ARRIVALS` one-token requests come in one after another
+  (`ARRIVAL_ROUNDS` times each, alternating). Each arrival lengthens the streams' decoding by
+  its prefill (the cost model's), the token it samples (`per_streamed_token_s`) and what its
+  handling takes from the steps running meanwhile: that last part, per arrival, from the
+  difference of the streams' mean decode time between the two. This is the term that moves
+  the p99s: on a CPU server a step that takes in a new request is the slow one.
+
 The client's own work counts in (as it does in every `tidal bench serve` on the same machine).
-What is not captured: the CPU a new request's handling takes from the steps running beside it
-(the probes send requests one at a time, then decode without arrivals), and the overlap
-async scheduling gives (measured as the server runs: async off on the CPU, on for CUDA
-workers, unless the flags say otherwise).
+What is not captured: how a request's handling grows with its prompt beyond the latency line
+(the arrival probes send short prompts), and the overlap async scheduling gives (measured as
+the server runs: async off on the CPU, on for CUDA workers, unless the flags say otherwise).
 """
 
 from __future__ import annotations
@@ -55,6 +62,14 @@ by tokenizer); decode probes take the first."""
 OUTPUT_LEN = 40
 """Tokens each decode probe's streams generate; the first and last 8 gaps are not used."""
 _EDGE = 8
+ARRIVAL_STREAMS = 8
+"""Streams decoding while the arrival probe's requests come in (at most --max-num-seqs - 1)."""
+ARRIVAL_OUTPUT_LEN = 64
+"""Tokens each of those streams generates."""
+NUM_ARRIVALS = 6
+"""One-token requests sent one after another during the decoding, per round."""
+ARRIVAL_ROUNDS = 2
+"""Rounds without and with arrivals, alternating (drift between them cancels)."""
 _PROBE_NUMBERS = itertools.count(1)
 
 
@@ -67,6 +82,7 @@ class ServingTerms:
     per_prompt_token_latency_s: float
     per_step_overhead_s: float
     per_streamed_token_s: float
+    per_arrival_s: float
     info: dict
 
 
@@ -124,17 +140,81 @@ async def _probe(base_url: str, config: EngineConfig, cost: StepCostModel,
             step = cost.predict(0, batch, context, 0.0)
             rows.append({"batch": batch, "median_itl_s": statistics.median(gaps),
                          "predicted_step_s": step})
-    overhead, per_token = fit_step_terms(rows)
+        overhead, per_token = fit_step_terms(rows)
+        streams = min(ARRIVAL_STREAMS, config.scheduler.max_num_seqs - 1)
+        arrival_rounds = await _arrival_rounds(client, base_url, model, streams) \
+            if streams >= 1 else []
     # the first token's step pays the step terms too (the simulator adds them to every step)
     latency, per_prompt_token = fit_latency_terms({
         statistics.median(n for n, _ in probes):
             statistics.median(t for _, t in probes) - overhead - per_token
         for probes in first.values()})
-    return ServingTerms(latency, per_prompt_token, overhead, per_token, info={
+    per_arrival = fit_arrival_term(arrival_rounds, cost, per_token)
+    return ServingTerms(latency, per_prompt_token, overhead, per_token, per_arrival, info={
         "latency_probes": [{"prompt_tokens": n, "ttft_less_prefill_s": round(t, 6)}
                            for probes in first.values() for n, t in probes],
         "decode_probes": rows,
+        "arrival_probes": arrival_rounds,
         "async_scheduling": config.scheduler.async_scheduling})
+
+
+async def _arrival_rounds(client, base_url: str, model: str, streams: int) -> list[dict]:
+    """`ARRIVAL_ROUNDS` x (a round without arrivals, then one with them); each round: the
+    streams' mean decode time (first token to last), and the arrivals' prompt tokens."""
+    rounds = []
+    timing = None  # (first arrival after, spacing), from the first quiet round
+    for _ in range(ARRIVAL_ROUNDS):
+        for arrivals in (0, NUM_ARRIVALS):
+            round_ = await _arrival_round(client, base_url, model, streams, arrivals, timing)
+            if timing is None:
+                # the first arrival once every stream decodes, the last before 70% of the
+                # decoding: all of them land while every stream is decoding
+                timing = (1.2 * round_["first_token_s"],
+                          0.7 * round_["decode_s"] / NUM_ARRIVALS)
+            rounds.append(round_)
+    return rounds
+
+
+async def _arrival_round(client, base_url: str, model: str, streams: int, arrivals: int,
+                         timing: tuple[float, float] | None) -> dict:
+    tasks = [asyncio.create_task(_stream(client, base_url, model, ARRIVAL_OUTPUT_LEN,
+                                         PROMPT_WORDS[0])) for _ in range(streams)]
+    sent = []
+    if arrivals:
+        first, spacing = timing
+        await asyncio.sleep(first)
+        for _ in range(arrivals):
+            sent.append(asyncio.create_task(_stream(client, base_url, model, 1,
+                                                    PROMPT_WORDS[0])))
+            await asyncio.sleep(spacing)
+    results = await asyncio.gather(*tasks)
+    extra = await asyncio.gather(*sent)
+    return {"arrivals": arrivals,
+            "decode_s": statistics.fmean(r.latency - r.ttft for r in results),
+            "first_token_s": max(r.ttft for r in results),
+            "arrival_prompt_tokens": [r.prompt_len for r in extra]}
+
+
+def fit_arrival_term(rounds: list[dict], cost: StepCostModel, per_streamed_token_s: float
+                     ) -> float:
+    """Seconds each arrival adds to the steps beside it, >= 0: the mean decode time with
+    arrivals less without, per arrival, less what the cost model and the streamed-token term
+    already charge an arrival (its prefill in a running step, its one token)."""
+    quiet = [r["decode_s"] for r in rounds if not r["arrivals"]]
+    busy = [r for r in rounds if r["arrivals"]]
+    if not quiet or not busy:
+        return 0.0
+    per_arrival = []
+    for r in busy:
+        for n in r["arrival_prompt_tokens"]:
+            prefill, _, _, pairs = _prefill_features(n)
+            per_arrival.append(cost.per_prefill_token_s * prefill
+                               + cost.per_prefill_attention_pair_s * pairs
+                               + per_streamed_token_s)
+    num_arrivals = sum(r["arrivals"] for r in busy)
+    delay = statistics.fmean(r["decode_s"] for r in busy) - statistics.fmean(quiet)
+    charged = statistics.fmean(per_arrival) if per_arrival else 0.0
+    return max(0.0, delay * len(busy) / num_arrivals - charged)
 
 
 def fit_step_terms(rows: list[dict]) -> tuple[float, float]:

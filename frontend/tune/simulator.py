@@ -24,8 +24,9 @@ a request reaches the scheduler `request_latency + per_prompt_token_latency x it
 tokens` after it arrives (its TTFT counts from the arrival), and every step with tokens lasts
 `per_step_overhead + per_streamed_token x tokens sampled` longer than the worker's `execute`
 (`StepCostModel.served_step_time`): the engine core, the HTTP server and its clients, where
-they share the workers' cores. Not modelled: a stream interval above 1, and the CPU a new
-request's handling takes from the steps running beside it.
+they share the workers' cores; and a step lasts `per_arrival` longer for each request that
+arrives while it runs (arrivals in (start, end] of its predicted span). Not modelled: a
+stream interval above 1.
 """
 
 from __future__ import annotations
@@ -176,6 +177,7 @@ class Simulator:
         # server (0 without serving terms); in that order
         ready = arrival + np.array([cost.request_latency(r.prompt_len) for r in requests])
         order = np.argsort(ready, kind="stable")
+        arrived = np.sort(arrival)
         sampling_by_len: dict[int, SamplingParams] = {}
         in_flight: deque = deque()  # (plan, end time, sampled)
         worker_free = 0.0
@@ -200,8 +202,12 @@ class Simulator:
                 sampled = self._execute(plan)
                 end = self.now
                 if plan.total_num_scheduled_tokens:
-                    end = max(self.now, worker_free) + cost.served_step_time(
-                        plan, len(sampled.req_ids))
+                    start = max(self.now, worker_free)
+                    end = start + cost.served_step_time(plan, len(sampled.req_ids))
+                    if cost.per_arrival_s:  # the requests coming in meanwhile slow it
+                        end += cost.per_arrival_s * int(
+                            np.searchsorted(arrived, end, "right")
+                            - np.searchsorted(arrived, start, "right"))
                     worker_free = end
                 in_flight.append((plan, end, sampled))
                 timeline["time"].append(self.now)

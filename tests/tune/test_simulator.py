@@ -73,6 +73,20 @@ def test_serving_terms_delay_arrivals_and_lengthen_each_step_by_what_it_streams(
     assert result.summary()["mean_ttft_ms"] == pytest.approx(242.0)
 
 
+def test_a_request_arriving_during_a_step_lengthens_it():
+    """5 ms per arrival, otherwise test_one_request's cost. A (100-token prompt, 3 outputs)
+    arrives at 0.0; B (10 tokens, 1 output) at 0.05, while A's prefill runs: that step takes
+    110 + 5 ms (A's token 1 at 0.115). Then A's decode with B's prefill, 10 + 10 + 2 ms (both
+    at 0.137), A's last decode 12 ms (0.149). C arrives at 0.5 with nothing running: its own
+    arrival slows nothing (its prefill 20 ms, token at 0.520)."""
+    cost = StepCostModel(0.010, per_prefill_token_s=0.001, per_decode_req_s=0.002,
+                         per_arrival_s=0.005)
+    result = simulate(config(), 100, 256, cost,
+                      trace((0.0, 100, 3), (0.05, 10, 1), (0.5, 10, 1)))
+    assert result.first_token.tolist() == approx([0.115, 0.137, 0.520])
+    assert result.finish.tolist() == approx([0.149, 0.137, 0.520])
+
+
 def test_a_short_prompt_overtakes_a_long_one_on_its_way_to_the_scheduler():
     """0.1 ms per prompt token on the way in: a 1000-token prompt arriving at 1.000 s reaches
     the scheduler at 1.100, a 10-token one arriving at 1.050 at 1.051 and is served first

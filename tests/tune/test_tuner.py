@@ -7,7 +7,9 @@ import pytest
 from tidal.engine_core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tidal.engine_core.step_cost import FEATURES, StepCostModel
 from tidal.frontend.tune.profile import fit_cost_model
-from tidal.frontend.tune.serving_profile import fit_latency_terms, fit_step_terms
+from tidal.frontend.tune.serving_profile import (
+    fit_arrival_term, fit_latency_terms, fit_step_terms,
+)
 from tidal.frontend.tune.trace import Trace, TraceRequest
 from tidal.frontend.tune.tuner import SLO, Setting, format_table, parse_seconds, search, settings_grid
 
@@ -154,3 +156,16 @@ def test_the_serving_latency_line_goes_through_both_prompt_lengths_and_never_bel
     assert fit_latency_terms({20: 0.012, 520: 0.062}) == pytest.approx((0.010, 1e-4))
     assert fit_latency_terms({20: 0.012, 520: 0.010}) == (0.010, 0.0)  # no growth
     assert fit_latency_terms({20: -0.003, 520: 0.047}) == (0.0, pytest.approx(1e-4))
+
+
+def test_the_arrival_term_is_the_decode_delay_per_arrival_less_what_is_charged_already():
+    """Streams decode in 1.00 s alone and 1.09 s while 6 requests of 20 prompt tokens come
+    in: 15 ms each, of which the cost model charges 20 x 0.1 ms of prefill (attention pairs
+    priced at 0, 2 ms) and the streamed-token term 0.5 ms: 12.5 ms is the arrival's own."""
+    cost = StepCostModel(0.01, per_prefill_token_s=1e-4)
+    rounds = [{"arrivals": 0, "decode_s": 1.00, "arrival_prompt_tokens": []},
+              {"arrivals": 6, "decode_s": 1.09, "arrival_prompt_tokens": [20] * 6}] * 2
+    assert fit_arrival_term(rounds, cost, 0.0005) == pytest.approx(0.0125)
+    faster = [dict(r, decode_s=0.99) if r["arrivals"] else r for r in rounds]
+    assert fit_arrival_term(faster, cost, 0.0005) == 0.0
+    assert fit_arrival_term([], cost, 0.0005) == 0.0
