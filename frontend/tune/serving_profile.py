@@ -18,13 +18,17 @@ text (so tokenizing is paid as in a benchmark):
   tokens, less the cost model's decode step for B requests at their context, is fitted as
   `a + b * B` (least squares, both >= 0).
 
-- `per_arrival_s`: `ARRIVAL_STREAMS` streams decoding `ARRIVAL_OUTPUT_LEN` tokens, once
-  alone and once while `NUM_ARRIVALS` one-token requests come in one after another
-  (`ARRIVAL_ROUNDS` times each, alternating). Each arrival lengthens the streams' decoding by
-  its prefill (the cost model's), the token it samples (`per_streamed_token_s`) and what its
-  handling takes from the steps running meanwhile: that last part, per arrival, from the
-  difference of the streams' mean decode time between the two. This is the term that moves
-  the p99s: on a CPU server a step that takes in a new request is the slow one.
+- `per_arrival_s`: `ARRIVAL_STREAMS` streams decoding `ARRIVAL_OUTPUT_LEN` tokens while
+  `NUM_ARRIVALS` one-token requests come in, spaced several steps apart (`ARRIVAL_ROUNDS`
+  rounds, after one quiet round that times them). Each arrival lengthens the
+  `ARRIVAL_WINDOW` gaps between tokens from the one it was sent in (`arrival_excess`: their
+  sum less as many typical gaps, the median of the gaps outside every window) by its
+  prefill (the cost model's), the token it samples (`per_streamed_token_s`) and what its
+  handling takes from the steps running meanwhile: that last part is the term, the median
+  over arrivals and streams less the first two. A median of single arrivals, not the
+  difference of two rounds' total decode time: that difference drowned in how the machine's
+  speed drifts between rounds (7.4 and 0.0 ms in two profiles ten minutes apart). This is
+  the term that moves the p99s: on a CPU server a step that takes in a request is slow.
 
 The client's own work counts in (as it does in every `tidal bench serve` on the same machine).
 What is not captured: how a request's handling grows with its prompt beyond the latency line
@@ -64,12 +68,15 @@ OUTPUT_LEN = 40
 _EDGE = 8
 ARRIVAL_STREAMS = 8
 """Streams decoding while the arrival probe's requests come in (at most --max-num-seqs - 1)."""
-ARRIVAL_OUTPUT_LEN = 64
+ARRIVAL_OUTPUT_LEN = 128
 """Tokens each of those streams generates."""
-NUM_ARRIVALS = 6
-"""One-token requests sent one after another during the decoding, per round."""
+NUM_ARRIVALS = 10
+"""One-token requests sent during the decoding, per round (about 8 steps apart)."""
 ARRIVAL_ROUNDS = 2
-"""Rounds without and with arrivals, alternating (drift between them cancels)."""
+"""Rounds with arrivals."""
+ARRIVAL_WINDOW = 3
+"""Gaps an arrival can lengthen: the one it was sent in (its HTTP handling), and the next two
+(handling that spills over, and the step that prefills it)."""
 _PROBE_NUMBERS = itertools.count(1)
 
 
@@ -159,62 +166,91 @@ async def _probe(base_url: str, config: EngineConfig, cost: StepCostModel,
 
 
 async def _arrival_rounds(client, base_url: str, model: str, streams: int) -> list[dict]:
-    """`ARRIVAL_ROUNDS` x (a round without arrivals, then one with them); each round: the
-    streams' mean decode time (first token to last), and the arrivals' prompt tokens."""
-    rounds = []
-    timing = None  # (first arrival after, spacing), from the first quiet round
-    for _ in range(ARRIVAL_ROUNDS):
-        for arrivals in (0, NUM_ARRIVALS):
-            round_ = await _arrival_round(client, base_url, model, streams, arrivals, timing)
-            if timing is None:
-                # the first arrival once every stream decodes, the last before 70% of the
-                # decoding: all of them land while every stream is decoding
-                timing = (1.2 * round_["first_token_s"],
-                          0.7 * round_["decode_s"] / NUM_ARRIVALS)
-            rounds.append(round_)
-    return rounds
+    """A quiet round (when the streams decode, and for how long), then `ARRIVAL_ROUNDS` with
+    arrivals; each: the arrivals' prompt tokens, and per arrival the median over the streams
+    of its excess (`arrival_excess`)."""
+    quiet = await _arrival_round(client, base_url, model, streams, 0, (0.0, 0.0))
+    # the first arrival once every stream decodes, the last before 80% of the decoding
+    timing = (1.2 * quiet["first_token_s"], 0.8 * quiet["decode_s"] / NUM_ARRIVALS)
+    return [quiet] + [await _arrival_round(client, base_url, model, streams, NUM_ARRIVALS,
+                                           timing) for _ in range(ARRIVAL_ROUNDS)]
 
 
 async def _arrival_round(client, base_url: str, model: str, streams: int, arrivals: int,
-                         timing: tuple[float, float] | None) -> dict:
+                         timing: tuple[float, float]) -> dict:
+    t0 = time.perf_counter()
     tasks = [asyncio.create_task(_stream(client, base_url, model, ARRIVAL_OUTPUT_LEN,
-                                         PROMPT_WORDS[0])) for _ in range(streams)]
+                                         PROMPT_WORDS[0], t0)) for _ in range(streams)]
     sent = []
+    first, spacing = timing
     if arrivals:
-        first, spacing = timing
         await asyncio.sleep(first)
         for _ in range(arrivals):
             sent.append(asyncio.create_task(_stream(client, base_url, model, 1,
-                                                    PROMPT_WORDS[0])))
+                                                    PROMPT_WORDS[0], t0)))
             await asyncio.sleep(spacing)
     results = await asyncio.gather(*tasks)
     extra = await asyncio.gather(*sent)
-    return {"arrivals": arrivals,
-            "decode_s": statistics.fmean(r.latency - r.ttft for r in results),
-            "first_token_s": max(r.ttft for r in results),
-            "arrival_prompt_tokens": [r.prompt_len for r in extra]}
+    round_ = {"arrivals": arrivals,
+              "decode_s": statistics.fmean(r.latency - r.ttft for r in results),
+              "first_token_s": max(r.ttft for r in results),
+              "arrival_prompt_tokens": [r.prompt_len for r in extra]}
+    if arrivals:
+        sent_at = [r.start_time for r in extra]
+        per_stream = [arrival_excess(_token_times(r), sent_at) for r in results]
+        round_["excess_s"] = [
+            round(statistics.median(e[i] for e in per_stream if e[i] is not None), 6)
+            if any(e[i] is not None for e in per_stream) else None
+            for i in range(arrivals)]
+    return round_
+
+
+def _token_times(result) -> list[float]:
+    """When each of a stream's tokens arrived (seconds since its round began)."""
+    times = [result.start_time + result.ttft]
+    for gap in result.itl:
+        times.append(times[-1] + gap)
+    return times
+
+
+def arrival_excess(token_times: list[float], sent_at: list[float],
+                   window: int = ARRIVAL_WINDOW) -> list[float | None]:
+    """Per arrival (sent at `sent_at[i]`): how much longer the `window` gaps between tokens
+    from the one it was sent in took than `window` typical gaps (the median of the gaps
+    outside every arrival's window); None when its window is not all inside the stream's
+    middle (the first and last `_EDGE` gaps are not used)."""
+    gaps = np.diff(np.asarray(token_times, dtype=np.float64))
+    starts = [int(np.searchsorted(token_times, t, "right")) - 1 for t in sent_at]
+    usable = [j if _EDGE <= j and j + window <= len(gaps) - _EDGE else None for j in starts]
+    inside = np.zeros(len(gaps), dtype=bool)
+    for j in usable:
+        if j is not None:
+            inside[j:j + window] = True
+    outside = gaps[_EDGE:len(gaps) - _EDGE][~inside[_EDGE:len(gaps) - _EDGE]]
+    if not len(outside):
+        return [None] * len(sent_at)
+    typical = float(np.median(outside))
+    return [None if j is None else float(gaps[j:j + window].sum() - window * typical)
+            for j in usable]
 
 
 def fit_arrival_term(rounds: list[dict], cost: StepCostModel, per_streamed_token_s: float
                      ) -> float:
-    """Seconds each arrival adds to the steps beside it, >= 0: the mean decode time with
-    arrivals less without, per arrival, less what the cost model and the streamed-token term
-    already charge an arrival (its prefill in a running step, its one token)."""
-    quiet = [r["decode_s"] for r in rounds if not r["arrivals"]]
-    busy = [r for r in rounds if r["arrivals"]]
-    if not quiet or not busy:
-        return 0.0
-    per_arrival = []
-    for r in busy:
-        for n in r["arrival_prompt_tokens"]:
+    """Seconds each arrival adds to the steps beside it, >= 0: the median excess over the
+    arrivals, less what the cost model and the streamed-token term already charge an arrival
+    (its prefill in a running step, its one token)."""
+    excess, charged = [], []
+    for r in rounds:
+        for e, n in zip(r.get("excess_s", ()), r["arrival_prompt_tokens"]):
+            if e is None:
+                continue
+            excess.append(e)
             prefill, _, _, pairs = _prefill_features(n)
-            per_arrival.append(cost.per_prefill_token_s * prefill
-                               + cost.per_prefill_attention_pair_s * pairs
-                               + per_streamed_token_s)
-    num_arrivals = sum(r["arrivals"] for r in busy)
-    delay = statistics.fmean(r["decode_s"] for r in busy) - statistics.fmean(quiet)
-    charged = statistics.fmean(per_arrival) if per_arrival else 0.0
-    return max(0.0, delay * len(busy) / num_arrivals - charged)
+            charged.append(cost.per_prefill_token_s * prefill
+                           + cost.per_prefill_attention_pair_s * pairs + per_streamed_token_s)
+    if not excess:
+        return 0.0
+    return max(0.0, statistics.median(excess) - statistics.fmean(charged))
 
 
 def fit_step_terms(rows: list[dict]) -> tuple[float, float]:
@@ -254,7 +290,10 @@ def _prefill_features(prompt_len: int) -> tuple[int, int, int, float]:
     return chunk_features(0, max(prompt_len, 2))
 
 
-async def _stream(client, base_url: str, model: str, max_tokens: int, words: int):
+async def _stream(client, base_url: str, model: str, max_tokens: int, words: int,
+                  t0: float | None = None):
+    """One streaming request for `max_tokens` tokens after a prompt of `words` words; its
+    `start_time` counts from `t0` (default: when it is sent)."""
     from tidal.frontend.bench.datasets import BenchRequest
     from tidal.frontend.bench.serve import ServeConfig, request_body, send_request
 
@@ -264,7 +303,7 @@ async def _stream(client, base_url: str, model: str, max_tokens: int, words: int
                            words, max_tokens)
     body = request_body(request, model, ServeConfig(ignore_eos=True))
     result = await send_request(client, f"{base_url}/v1/completions", body, request,
-                                time.perf_counter(), 300.0)
+                                time.perf_counter() if t0 is None else t0, 300.0)
     if not result.success:
         raise RuntimeError(f"a probe request failed: {result.error}")
     return result

@@ -2,13 +2,14 @@
 
 import random
 
+import numpy as np
 import pytest
 
 from tidal.engine_core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tidal.engine_core.step_cost import FEATURES, StepCostModel
 from tidal.frontend.tune.profile import fit_cost_model
 from tidal.frontend.tune.serving_profile import (
-    fit_arrival_term, fit_latency_terms, fit_step_terms,
+    arrival_excess, fit_arrival_term, fit_latency_terms, fit_step_terms,
 )
 from tidal.frontend.tune.trace import Trace, TraceRequest
 from tidal.frontend.tune.tuner import SLO, Setting, format_table, parse_seconds, search, settings_grid
@@ -158,14 +159,27 @@ def test_the_serving_latency_line_goes_through_both_prompt_lengths_and_never_bel
     assert fit_latency_terms({20: -0.003, 520: 0.047}) == (0.0, pytest.approx(1e-4))
 
 
-def test_the_arrival_term_is_the_decode_delay_per_arrival_less_what_is_charged_already():
-    """Streams decode in 1.00 s alone and 1.09 s while 6 requests of 20 prompt tokens come
-    in: 15 ms each, of which the cost model charges 20 x 0.1 ms of prefill (attention pairs
+def test_an_arrival_s_excess_is_its_window_of_gaps_less_as_many_typical_ones():
+    """Tokens every 10 ms, 40 of them; a request sent at 0.155 s (in gap 15) makes gaps 15-17
+    last 14, 13 and 10 ms: 7 ms of excess. One sent in gap 2 has no window in the middle of
+    the stream (the first 8 gaps are not used)."""
+    gaps = [0.010] * 39
+    gaps[15:18] = [0.014, 0.013, 0.010]
+    times = np.concatenate([[0.0], np.cumsum(gaps)]).tolist()
+    excess = arrival_excess(times, [0.155, 0.025])
+    assert excess[0] == pytest.approx(0.007) and excess[1] is None
+
+
+def test_the_arrival_term_is_the_median_excess_less_what_is_charged_already():
+    """Arrivals of 20 prompt tokens whose windows took 15 ms more than typical (one outlier
+    at 80 ms, one unusable): the cost model charges 20 x 0.1 ms of prefill (attention pairs
     priced at 0, 2 ms) and the streamed-token term 0.5 ms: 12.5 ms is the arrival's own."""
     cost = StepCostModel(0.01, per_prefill_token_s=1e-4)
-    rounds = [{"arrivals": 0, "decode_s": 1.00, "arrival_prompt_tokens": []},
-              {"arrivals": 6, "decode_s": 1.09, "arrival_prompt_tokens": [20] * 6}] * 2
+    rounds = [{"arrivals": 0, "arrival_prompt_tokens": []},
+              {"arrivals": 4, "arrival_prompt_tokens": [20] * 4,
+               "excess_s": [0.015, 0.080, None, 0.015]},
+              {"arrivals": 2, "arrival_prompt_tokens": [20] * 2, "excess_s": [0.014, 0.016]}]
     assert fit_arrival_term(rounds, cost, 0.0005) == pytest.approx(0.0125)
-    faster = [dict(r, decode_s=0.99) if r["arrivals"] else r for r in rounds]
+    faster = [dict(r, excess_s=[0.001] * r["arrivals"]) for r in rounds]
     assert fit_arrival_term(faster, cost, 0.0005) == 0.0
-    assert fit_arrival_term([], cost, 0.0005) == 0.0
+    assert fit_arrival_term(rounds[:1], cost, 0.0005) == 0.0
