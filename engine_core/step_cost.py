@@ -18,8 +18,9 @@ A served step costs more than the worker's `execute`: the serving terms (measure
 real `tidal serve` by `frontend/tune/serving_profile.py`, 0 when not measured) add
 `per_step_overhead + per_streamed_token x tokens sampled` to every step with tokens
 (`served_step_time`), `request_latency + per_prompt_token_latency x prompt tokens` to
-each request's way in (`request_latency`), and `per_arrival` to the step a request arrives
-during (its handling takes CPU from that step where the server shares the workers' cores).
+each request's way in (`request_latency`), and `per_arrival + per_arrival_prompt_token x
+prompt tokens` to the step a request arrives during (`arrival_charge`: its handling takes CPU
+from that step where the server shares the workers' cores).
 
 The coefficients are measured by `tidal tune profile` on the user's machine and model and kept
 as JSON in a cache folder keyed by what changes step times (`profile_path`). The engine core
@@ -45,7 +46,7 @@ FORMAT_VERSION = 1
 _COEFFICIENTS = ("intercept_s", "per_prefill_token_s", "per_decode_req_s",
                  "per_decode_context_token_s", "per_prefill_attention_pair_s")
 _SERVING_TERMS = ("request_latency_s", "per_prompt_token_latency_s", "per_step_overhead_s",
-                  "per_streamed_token_s", "per_arrival_s")
+                  "per_streamed_token_s", "per_arrival_s", "per_arrival_prompt_token_s")
 """Optional (0 in a file written before they were measured)."""
 
 
@@ -96,7 +97,12 @@ class StepCostModel:
     it where the HTTP server and its clients share the workers' cores)."""
     per_arrival_s: float = 0.0
     """Serving: seconds a request arriving while a step runs adds to that step (the HTTP
-    server parsing and tokenizing it, setting up its stream, on the workers' cores)."""
+    server parsing it, setting up its stream, on the workers' cores), beyond its prompt's
+    share below."""
+    per_arrival_prompt_token_s: float = 0.0
+    """Serving: seconds each prompt token of a request arriving while a step runs adds to
+    that step (tokenizing it: `tidal tune profile` sets it to `per_prompt_token_latency_s`,
+    the same CPU seen from the request's side)."""
     info: dict = field(default_factory=dict, compare=False)
     """Where it was measured and how well it fits (model, dtype, device, threads,
     kv_block_bytes, num_kv_blocks, residuals per candidate formula, ...)."""
@@ -132,6 +138,10 @@ class StepCostModel:
         (0 for a step with no tokens)."""
         t = self.step_time(plan)
         return t + self.per_step_overhead_s + self.per_streamed_token_s * num_sampled if t else t
+
+    def arrival_charge(self, prompt_len: int) -> float:
+        """Seconds a request of `prompt_len` tokens arriving during a step adds to it."""
+        return self.per_arrival_s + self.per_arrival_prompt_token_s * prompt_len
 
     def request_latency(self, prompt_len: int) -> float:
         """Seconds a served request of `prompt_len` tokens takes to reach the scheduler (and

@@ -238,8 +238,8 @@ def run_profile(ns: argparse.Namespace) -> int:
               f"step + {model.per_streamed_token_s * 1e3:.3f} ms per token streamed, "
               f"+ {model.request_latency_s * 1e3:.1f} ms + "
               f"{model.per_prompt_token_latency_s * 1e3:.4f} ms per prompt token to each "
-              f"request's first token, + {model.per_arrival_s * 1e3:.1f} ms to the step a "
-              "request arrives during")
+              f"request's first token, + {model.per_arrival_s * 1e3:.1f} ms + the same per "
+              "prompt token to the step a request arrives during")
     print(f"step cost model written to {path}")
     return 0
 

@@ -105,6 +105,7 @@ def profile(config: EngineConfig, duration_s: float = 60.0, seed: int = 0,
             per_step_overhead_s=terms.per_step_overhead_s,
             per_streamed_token_s=terms.per_streamed_token_s,
             per_arrival_s=terms.per_arrival_s,
+            per_arrival_prompt_token_s=terms.per_prompt_token_latency_s,
             info={**model.info, "serving": terms.info})
     path = output or profile_path(config_profile_key(config))
     model.save(path)

@@ -25,7 +25,9 @@ text (so tokenizing is paid as in a benchmark):
   sum less as many typical gaps, the median of the gaps outside every window) by its
   prefill (the cost model's), the token it samples (`per_streamed_token_s`) and what its
   handling takes from the steps running meanwhile: that last part is the term, the median
-  over arrivals and streams less the first two. A median of single arrivals, not the
+  over arrivals and streams less the first two and less its tokenizing (its prompt tokens
+  at the latency line's slope, which the model charges an arriving request's prompt too:
+  `per_arrival_prompt_token_s`). A median of single arrivals, not the
   difference of two rounds' total decode time: that difference drowned in how the machine's
   speed drifts between rounds (7.4 and 0.0 ms in two profiles ten minutes apart). This is
   the term that moves the p99s: on a CPU server a step that takes in a request is slow.
@@ -156,7 +158,7 @@ async def _probe(base_url: str, config: EngineConfig, cost: StepCostModel,
         statistics.median(n for n, _ in probes):
             statistics.median(t for _, t in probes) - overhead - per_token
         for probes in first.values()})
-    per_arrival = fit_arrival_term(arrival_rounds, cost, per_token)
+    per_arrival = fit_arrival_term(arrival_rounds, cost, per_token, per_prompt_token)
     return ServingTerms(latency, per_prompt_token, overhead, per_token, per_arrival, info={
         "latency_probes": [{"prompt_tokens": n, "ttft_less_prefill_s": round(t, 6)}
                            for probes in first.values() for n, t in probes],
@@ -234,11 +236,11 @@ def arrival_excess(token_times: list[float], sent_at: list[float],
             for j in usable]
 
 
-def fit_arrival_term(rounds: list[dict], cost: StepCostModel, per_streamed_token_s: float
-                     ) -> float:
+def fit_arrival_term(rounds: list[dict], cost: StepCostModel, per_streamed_token_s: float,
+                     per_prompt_token_s: float = 0.0) -> float:
     """Seconds each arrival adds to the steps beside it, >= 0: the median excess over the
-    arrivals, less what the cost model and the streamed-token term already charge an arrival
-    (its prefill in a running step, its one token)."""
+    arrivals, less what the model already charges an arrival (its prefill in a running step,
+    its one token streamed, and `per_prompt_token_s` x its prompt tokens for tokenizing)."""
     excess, charged = [], []
     for r in rounds:
         for e, n in zip(r.get("excess_s", ()), r["arrival_prompt_tokens"]):
@@ -247,7 +249,8 @@ def fit_arrival_term(rounds: list[dict], cost: StepCostModel, per_streamed_token
             excess.append(e)
             prefill, _, _, pairs = _prefill_features(n)
             charged.append(cost.per_prefill_token_s * prefill
-                           + cost.per_prefill_attention_pair_s * pairs + per_streamed_token_s)
+                           + cost.per_prefill_attention_pair_s * pairs + per_streamed_token_s
+                           + per_prompt_token_s * n)
     if not excess:
         return 0.0
     return max(0.0, statistics.median(excess) - statistics.fmean(charged))

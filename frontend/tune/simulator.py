@@ -24,8 +24,9 @@ a request reaches the scheduler `request_latency + per_prompt_token_latency x it
 tokens` after it arrives (its TTFT counts from the arrival), and every step with tokens lasts
 `per_step_overhead + per_streamed_token x tokens sampled` longer than the worker's `execute`
 (`StepCostModel.served_step_time`): the engine core, the HTTP server and its clients, where
-they share the workers' cores; and a step lasts `per_arrival` longer for each request that
-arrives while it runs (arrivals in (start, end] of its predicted span). Not modelled: a
+they share the workers' cores; and a step lasts `StepCostModel.arrival_charge(prompt tokens)`
+longer for each request that arrives while it runs (arrivals in (start, end] of its
+predicted span). Not modelled: a
 stream interval above 1.
 """
 
@@ -177,7 +178,11 @@ class Simulator:
         # server (0 without serving terms); in that order
         ready = arrival + np.array([cost.request_latency(r.prompt_len) for r in requests])
         order = np.argsort(ready, kind="stable")
-        arrived = np.sort(arrival)
+        # what the requests arriving in (start, end] add to a step: charged[hi] - charged[lo]
+        by_arrival = np.argsort(arrival, kind="stable")
+        arrived = arrival[by_arrival]
+        charged = np.concatenate([[0.0], np.cumsum(
+            [cost.arrival_charge(requests[i].prompt_len) for i in by_arrival])])
         sampling_by_len: dict[int, SamplingParams] = {}
         in_flight: deque = deque()  # (plan, end time, sampled)
         worker_free = 0.0
@@ -204,10 +209,9 @@ class Simulator:
                 if plan.total_num_scheduled_tokens:
                     start = max(self.now, worker_free)
                     end = start + cost.served_step_time(plan, len(sampled.req_ids))
-                    if cost.per_arrival_s:  # the requests coming in meanwhile slow it
-                        end += cost.per_arrival_s * int(
-                            np.searchsorted(arrived, end, "right")
-                            - np.searchsorted(arrived, start, "right"))
+                    if charged[-1]:  # the requests coming in meanwhile slow it
+                        end += (charged[np.searchsorted(arrived, end, "right")]
+                                - charged[np.searchsorted(arrived, start, "right")])
                     worker_free = end
                 in_flight.append((plan, end, sampled))
                 timeline["time"].append(self.now)

@@ -104,6 +104,18 @@ class SLO:
             return False
         return self.itl_p99_s is None or summary["p99_itl_ms"] <= self.itl_p99_s * 1e3
 
+    def overshoot(self, summary: dict) -> float:
+        """The largest p99 / limit over the limits set (1.0 = at the limit), infinite when
+        the engine does not keep up: how far a setting is from meeting the SLO."""
+        if not summary.get("keeps_up", True):
+            return math.inf
+        ratios = [0.0]
+        if self.ttft_p99_s is not None:
+            ratios.append(summary["p99_ttft_ms"] / (self.ttft_p99_s * 1e3))
+        if self.itl_p99_s is not None:
+            ratios.append(summary["p99_itl_ms"] / (self.itl_p99_s * 1e3))
+        return max(ratios)
+
     def describe(self) -> str:
         parts = []
         if self.ttft_p99_s is not None:
@@ -227,13 +239,14 @@ def search(base: EngineConfig, max_model_len: int, cost_model: StepCostModel, tr
             evaluations.append(runner.evaluate(setting))
             if progress:
                 progress(i, len(settings))
-    return rank(evaluations)
+    return rank(evaluations, slo)
 
 
-def rank(evaluations: list[Evaluation]) -> list[Evaluation]:
+def rank(evaluations: list[Evaluation], slo: SLO | None = None) -> list[Evaluation]:
     """Meeting the SLO first, by sustainable rate, then output throughput at that rate, then
     p99 TTFT at the requested rate, then the leaner setting (less KV memory, fewer
-    sequences, a smaller budget); the rest by p99 TTFT at the requested rate."""
+    sequences, a smaller budget); the rest by how far they miss `slo` (`SLO.overshoot`),
+    then by p99 TTFT at the requested rate."""
     def key(e: Evaluation):
         s = e.setting
         lean = (s.num_kv_blocks, s.max_num_seqs, s.max_num_batched_tokens,
@@ -242,7 +255,8 @@ def rank(evaluations: list[Evaluation]) -> list[Evaluation]:
             at_max = e.at_max() or {}
             return (0, -e.max_rate, -round(at_max.get("output_throughput", 0.0), 6),
                     round(e.summary["p99_ttft_ms"], 6), *lean)
-        return (1, e.summary["p99_ttft_ms"], e.summary["p99_itl_ms"], *lean)
+        miss = slo.overshoot(e.summary) if slo is not None else 0.0
+        return (1, miss, e.summary["p99_ttft_ms"], e.summary["p99_itl_ms"], *lean)
 
     return sorted(evaluations, key=key)
 

@@ -74,13 +74,13 @@ def test_serving_terms_delay_arrivals_and_lengthen_each_step_by_what_it_streams(
 
 
 def test_a_request_arriving_during_a_step_lengthens_it():
-    """5 ms per arrival, otherwise test_one_request's cost. A (100-token prompt, 3 outputs)
-    arrives at 0.0; B (10 tokens, 1 output) at 0.05, while A's prefill runs: that step takes
-    110 + 5 ms (A's token 1 at 0.115). Then A's decode with B's prefill, 10 + 10 + 2 ms (both
+    """3 ms per arrival and 0.2 ms per prompt token arriving, otherwise test_one_request's
+    cost. A (100-token prompt, 3 outputs) arrives at 0.0; B (10 tokens, 1 output) at 0.05,
+    while A's prefill runs: that step takes 110 + 3 + 2 ms (A's token 1 at 0.115). Then A's decode with B's prefill, 10 + 10 + 2 ms (both
     at 0.137), A's last decode 12 ms (0.149). C arrives at 0.5 with nothing running: its own
     arrival slows nothing (its prefill 20 ms, token at 0.520)."""
     cost = StepCostModel(0.010, per_prefill_token_s=0.001, per_decode_req_s=0.002,
-                         per_arrival_s=0.005)
+                         per_arrival_s=0.003, per_arrival_prompt_token_s=0.0002)
     result = simulate(config(), 100, 256, cost,
                       trace((0.0, 100, 3), (0.05, 10, 1), (0.5, 10, 1)))
     assert result.first_token.tolist() == approx([0.115, 0.137, 0.520])

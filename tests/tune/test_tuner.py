@@ -12,7 +12,9 @@ from tidal.frontend.tune.serving_profile import (
     arrival_excess, fit_arrival_term, fit_latency_terms, fit_step_terms,
 )
 from tidal.frontend.tune.trace import Trace, TraceRequest
-from tidal.frontend.tune.tuner import SLO, Setting, format_table, parse_seconds, search, settings_grid
+from tidal.frontend.tune.tuner import (
+    SLO, Evaluation, Setting, format_table, parse_seconds, rank, search, settings_grid,
+)
 
 BASE = EngineConfig(model=ModelConfig("unused"), cache=CacheConfig(block_size=16),
                     scheduler=SchedulerConfig(async_scheduling=False))
@@ -43,6 +45,22 @@ def test_tuner_picks_the_setting_that_sustains_the_most():
     table = format_table(evaluations, 15.0, slo)
     assert "2 of 3 settings meet" in table
     assert "Best: tidal serve MODEL --max-num-seqs 16 --max-num-batched-tokens 64" in table
+
+
+def test_when_none_meets_the_closest_is_the_one_that_misses_by_the_least():
+    """SLO 1 s / 40 ms. A misses ITL by 10% (44 ms) with a fast TTFT, B the TTFT by 80%, C
+    does not keep up: A is the closest, though B's TTFT is lower."""
+    def evaluation(seqs, ttft_ms, itl_ms, keeps_up=True):
+        setting = settings_grid([seqs], [256], [(1000, None)], [True], ["fcfs"], BASE, 256)[0]
+        summary = {"p99_ttft_ms": ttft_ms, "p99_itl_ms": itl_ms, "keeps_up": keeps_up}
+        return Evaluation(setting, summary, meets=False)
+
+    slo = SLO(ttft_p99_s=1.0, itl_p99_s=0.040)
+    ranked = rank([evaluation(8, 100, 200, keeps_up=False), evaluation(16, 1800, 30),
+                   evaluation(32, 400, 44)], slo)
+    assert [e.setting.max_num_seqs for e in ranked] == [32, 16, 8]
+    assert slo.overshoot(ranked[0].summary) == pytest.approx(1.1)
+    assert "Closest: --max-num-seqs 32" in format_table(ranked, 4.0, slo)
 
 
 def test_grid_skips_what_the_engine_refuses():
@@ -183,3 +201,5 @@ def test_the_arrival_term_is_the_median_excess_less_what_is_charged_already():
     faster = [dict(r, excess_s=[0.001] * r["arrivals"]) for r in rounds]
     assert fit_arrival_term(faster, cost, 0.0005) == 0.0
     assert fit_arrival_term(rounds[:1], cost, 0.0005) == 0.0
+    # tokenizing at 0.05 ms a prompt token is charged separately: 1 ms less
+    assert fit_arrival_term(rounds, cost, 0.0005, 5e-5) == pytest.approx(0.0115)
