@@ -46,6 +46,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from tidal.ipc.lifeline import lifeline_fd
+
 PROMPTS = [
     "The capital of France is", "def fibonacci(n):", "Once upon a time", "The sky is blue because",
     "List three colours:", "import numpy as np\n", "Q: What is 7 times 8?\nA:", "Dear Sir,",
@@ -178,8 +180,11 @@ def start_server(cfg: ChaosConfig, port: int, log_path: str) -> subprocess.Popen
             "--max-worker-restarts", "1000000", "--max-engine-restarts", "1000000",
             "--worker-timeout", str(cfg.worker_timeout_s),
             "--kv-cache-memory", cfg.kv_cache_memory, *cfg.serve_args]
+    lifeline = lifeline_fd()  # the server stops with this process, SIGKILL included
+    cmd += ["--lifeline-fd", str(lifeline)]
     return subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+                            stdin=subprocess.DEVNULL, start_new_session=True,
+                            pass_fds=(lifeline,))
 
 
 async def wait_ready(client, base: str, timeout: float) -> str:

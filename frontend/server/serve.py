@@ -112,6 +112,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="unfinished requests wait up to S seconds for a lost engine core to "
                    "come back (then they are resubmitted to it), else end with an error "
                    f"(default: {DEFAULT_ENGINE_RESTART_TIMEOUT_S:g}; 0: at once)")
+    g.add_argument("--lifeline-fd", type=int, default=None, help=argparse.SUPPRESS)
+    # (set by a tidal tool that runs this server as its child: ipc/lifeline.py)
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["debug", "info", "warning", "error", "critical"])
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
@@ -421,6 +423,10 @@ def _start_recording(path: str | None) -> tuple[str, bytes] | None:
 def run_serve(ns: argparse.Namespace) -> int:
     """`tidal serve`: run until SIGTERM / SIGINT; the exit status."""
     _setup_logging(None)
+    if ns.lifeline_fd is not None:  # a tool's child (tidal tune profile, tidal bench chaos)
+        from tidal.ipc.lifeline import watch_parent
+
+        watch_parent(ns.lifeline_fd, _LIFELINE_GRACE_S + 20.0, what="tidal serve")
     try:
         _check_args(ns)
         sock = bind_socket(ns.host, ns.port)

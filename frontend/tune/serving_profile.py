@@ -56,6 +56,7 @@ import numpy as np
 from tidal.engine_core.args import config_to_argv
 from tidal.engine_core.config import EngineConfig, resolve_max_model_len
 from tidal.engine_core.step_cost import StepCostModel, chunk_features
+from tidal.ipc.lifeline import lifeline_fd
 from tidal.ipc.transport import free_tcp_port
 
 BATCHES = (1, 8, 32, 64)
@@ -100,11 +101,12 @@ def measure_serving_terms(config: EngineConfig, cost: StepCostModel,
     """Start `tidal serve` with `config`, probe it, stop it; the fitted terms."""
     port = free_tcp_port()
     with tempfile.TemporaryFile(mode="w+") as log:
+        lifeline = lifeline_fd()  # the server stops with this process, SIGKILL included
         proc = subprocess.Popen(
             [sys.executable, "-m", "tidal.frontend.cli", "serve", *config_to_argv(config),
-             "--host", "127.0.0.1", "--port", str(port)],
+             "--host", "127.0.0.1", "--port", str(port), "--lifeline-fd", str(lifeline)],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True)
+            start_new_session=True, pass_fds=(lifeline,))
         try:
             return asyncio.run(_probe(f"http://127.0.0.1:{port}", config, cost, ready_timeout_s))
         except Exception as e:

@@ -5,6 +5,8 @@
    HTTP processes lived on as orphans, holding the port and answering 503.
 2. A Python process SIGKILLed in the middle of `LLM.generate`: its engine core and worker
    are gone within seconds.
+3. A tool that runs `tidal serve` as its child (`tidal tune profile`, `tidal bench chaos`)
+   SIGKILLed: the server's whole tree ends.
 """
 
 from __future__ import annotations
@@ -26,6 +28,14 @@ pytestmark = [pytest.mark.slow,  # live process trees (still run by CI)
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
 
 GONE_WITHIN_S = 10.0  # what "within seconds" allows on a busy 2-core machine
+
+
+def _is_worker(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"tidal.workers.proc" in f.read()
+    except OSError:
+        return False
 
 
 def _kill_leftovers(pids: list[int]) -> None:
@@ -95,4 +105,37 @@ def test_sigkilled_llm_owner_leaves_no_engine_process(tiny_llama):
             owner.kill()
             owner.wait(10)
         owner.stdout.close()
+        _kill_leftovers(pids)
+
+
+@pytest.mark.timeout(120)
+def test_serve_started_by_a_tool_stops_when_the_tool_is_gone(tiny_llama, tmp_path):
+    """`tidal tune profile` and `tidal bench chaos` run `tidal serve --lifeline-fd FD`: a
+    pipe's read end whose write end the tool alone holds. Here the "tool" is a Python child
+    that starts the server and is then SIGKILLed: the server and everything below it end."""
+    tool = subprocess.Popen([sys.executable, "-c", f"""
+import subprocess, sys, time
+from tidal.ipc.lifeline import lifeline_fd
+fd = lifeline_fd()
+server = subprocess.Popen([sys.executable, "-m", "tidal.frontend.cli", "serve", {tiny_llama!r},
+                           *{ENGINE_FLAGS!r}, "--port", "0", "--lifeline-fd", str(fd)],
+                          pass_fds=(fd,), start_new_session=True,
+                          stdout=subprocess.DEVNULL, stderr=open({str(tmp_path / "serve.log")!r}, "w"))
+print(server.pid, flush=True)
+time.sleep(600)
+"""], stdout=subprocess.PIPE, text=True)
+    pids = []
+    try:
+        server_pid = int(tool.stdout.readline())
+        pids = wait_for(lambda: (lambda found: [server_pid, *found] if any(
+            _is_worker(pid) for pid in found) else None)(descendants(server_pid)),
+            timeout=60, what="the served engine's worker")
+        os.kill(tool.pid, signal.SIGKILL)
+        tool.wait(10)
+        left = wait_gone(pids, GONE_WITHIN_S + 30)  # SIGTERM first: an orderly stop
+        assert not left, (f"still running after the tool's SIGKILL: {left}\n"
+                          + (tmp_path / "serve.log").read_text()[-2000:])
+    finally:
+        if tool.poll() is None:
+            tool.kill()
         _kill_leftovers(pids)
