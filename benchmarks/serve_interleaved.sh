@@ -5,11 +5,13 @@
 # three). One serving run varies by 2x at a rate that builds a queue (BENCHMARKS.md, "Night"),
 # so compare engines over several seeds run side by side, not one run each.
 # Usage: serve_interleaved.sh [RATE req/s] [NUM_PROMPTS] [INPUT_LEN] [OUTPUT_LEN]
-#   env: PEERS (setup.sh's dir), SEEDS (default "1 2 3 4"), TIDAL_ARGS (extra tidal serve flags)
+#   env: PEERS (setup.sh's dir), SEEDS (default "1 2 3 4"), TIDAL_ARGS (extra tidal serve flags),
+#        MODEL and GGUF (default SmolLM2 and setup.sh's F32 GGUF of it; for the ~7M Llama:
+#        make_peer_models.py's folder and peer_gguf.py's GGUF of it)
 set -u
 RATE=${1:-2}; N=${2:-60}; IN=${3:-128}; OUT=${4:-64}; SEEDS=${SEEDS:-1 2 3 4}
 P=${PEERS:-$HOME/.cache/tidal-peers}; V=$P/venv; PEER_SCRIPTS=${PEER_SCRIPTS:-$(dirname "$0")/../../shared/peers}
-M=$P/models/smollm2-135m-instruct; G=$P/models/smollm2-135m-instruct-f32.gguf
+M=${MODEL:-$P/models/smollm2-135m-instruct}; G=${GGUF:-$P/models/smollm2-135m-instruct-f32.gguf}
 R=$(mktemp -d); echo "logs in $R; rate $RATE req/s, $N prompts, random $IN in / $OUT out; commit $(git -C "$(dirname "$0")" rev-parse --short HEAD)"
 TC=$(python3 -c "import ctypes.util;print(ctypes.util.find_library('tcmalloc_minimal'))")
 wait_up() { for i in $(seq 400); do curl -sf "localhost:$1/health" >/dev/null && { echo "$i"; return; }; sleep 1; done; echo never; }
