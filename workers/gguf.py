@@ -83,8 +83,7 @@ def gguf_folder(path: str, root: str | None = None) -> str:
     t0 = time.perf_counter()
     digest = file_sha256(path)
     stem = os.path.splitext(os.path.basename(path))[0]
-    folder = os.path.join(root or cache_root(), f"gguf-v{FORMAT_VERSION}",
-                          f"{stem}-{digest[:16]}")
+    folder = os.path.join(_versions_dir(root or cache_root()), f"{stem}-{digest[:16]}")
     if os.path.isfile(os.path.join(folder, MARKER)):
         logger.info("GGUF %s: using %s (hashed in %.1f s)", path, folder,
                     time.perf_counter() - t0)
@@ -105,6 +104,11 @@ def gguf_folder(path: str, root: str | None = None) -> str:
     return folder
 
 
+def _versions_dir(root: str) -> str:
+    """Where this format's converted folders (and partial ones) live under the cache root."""
+    return os.path.join(root, f"gguf-v{FORMAT_VERSION}")
+
+
 def _partial_prefix(stem: str) -> str:
     """Names a partial folder after the converting process, so a SIGTERM can find its own."""
     return f".{stem}-partial-{os.getpid()}-"
@@ -114,8 +118,7 @@ def _remove_own_partials_and_exit(root: str) -> None:
     """SIGTERM: remove this process's partial folders, then exit at once. Not an exception
     unwinding the stack: a SystemExit raised inside `import torch` or transformers can meet a
     bare `except:` there and be swallowed, and the conversion would go on to the end."""
-    for partial in glob.glob(os.path.join(root, f"gguf-v{FORMAT_VERSION}",
-                                          f".*-partial-{os.getpid()}-*")):
+    for partial in glob.glob(os.path.join(_versions_dir(root), _partial_prefix("*") + "*")):
         shutil.rmtree(partial, ignore_errors=True)
     os._exit(143)
 

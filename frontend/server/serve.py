@@ -80,6 +80,9 @@ _MAX_RESTARTS = 5  # restarts of one HTTP process index within _RESTART_WINDOW_S
 _RESTART_WINDOW_S = 60.0
 EXIT_NOT_STARTED = 3  # an HTTP process whose server never started (it could not attach, say)
 _LIFELINE_GRACE_S = 10.0  # uvicorn's own graceful shutdown takes at most 5 s (see serve_one)
+_SUPERVISOR_LIFELINE_GRACE_S = 30.0
+"""`tidal serve` run by a tool (`--lifeline-fd`): its orderly stop takes up to 27 s (the HTTP
+processes `_STOP_TIMEOUT_S` + 2 s to kill, then the engine core's 10 s), SIGKILL after."""
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -426,7 +429,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     if ns.lifeline_fd is not None:  # a tool's child (tidal tune profile, tidal bench chaos)
         from tidal.ipc.lifeline import watch_parent
 
-        watch_parent(ns.lifeline_fd, _LIFELINE_GRACE_S + 20.0, what="tidal serve")
+        watch_parent(ns.lifeline_fd, _SUPERVISOR_LIFELINE_GRACE_S, what="tidal serve")
     try:
         _check_args(ns)
         sock = bind_socket(ns.host, ns.port)

@@ -249,10 +249,9 @@ def fit_arrival_term(rounds: list[dict], cost: StepCostModel, per_streamed_token
             if e is None:
                 continue
             excess.append(e)
-            prefill, _, _, pairs = _prefill_features(n)
-            charged.append(cost.per_prefill_token_s * prefill
-                           + cost.per_prefill_attention_pair_s * pairs + per_streamed_token_s
-                           + per_prompt_token_s * n)
+            # its prefill inside a running step: the prefill step's price less the intercept
+            prefill = cost.predict(*_prefill_features(n)) - cost.intercept_s
+            charged.append(prefill + per_streamed_token_s + per_prompt_token_s * n)
     if not excess:
         return 0.0
     return max(0.0, statistics.median(excess) - statistics.fmean(charged))
