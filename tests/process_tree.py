@@ -24,6 +24,15 @@ def alive(pid: int) -> bool:
     return stat is not None and stat[0] != "Z"
 
 
+def is_worker(pid: int) -> bool:
+    """Whether `pid` is a tidal worker process (`python -m tidal.workers.proc`)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"tidal.workers.proc" in f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 def children(pid: int) -> list[int]:
     """The living processes whose parent is `pid`."""
     return [p for p in descendants(pid) if (stat := _stat(p)) is not None and stat[1] == pid]

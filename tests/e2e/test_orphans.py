@@ -21,21 +21,13 @@ import httpx
 import pytest
 
 from live_server import ENGINE_FLAGS, LiveServer
-from process_tree import alive, descendants, wait_for, wait_gone
+from process_tree import alive, descendants, is_worker, wait_for, wait_gone
 from tidal.frontend.server.serve import bind_socket
 
 pytestmark = [pytest.mark.slow,  # live process trees (still run by CI)
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
 
 GONE_WITHIN_S = 10.0  # what "within seconds" allows on a busy 2-core machine
-
-
-def _is_worker(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"tidal.workers.proc" in f.read()
-    except OSError:
-        return False
 
 
 def _kill_leftovers(pids: list[int]) -> None:
@@ -128,7 +120,7 @@ time.sleep(600)
     try:
         server_pid = int(tool.stdout.readline())
         pids = wait_for(lambda: (lambda found: [server_pid, *found] if any(
-            _is_worker(pid) for pid in found) else None)(descendants(server_pid)),
+            is_worker(pid) for pid in found) else None)(descendants(server_pid)),
             timeout=60, what="the served engine's worker")
         os.kill(tool.pid, signal.SIGKILL)
         tool.wait(10)

@@ -32,6 +32,7 @@ ray = pytest.importorskip("ray")
 import zmq  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from process_tree import is_worker  # noqa: E402
 from test_daemon import Client, Daemon, _alive  # noqa: E402
 from test_llm import assert_greedy_equal, hf_greedy, wait_until  # noqa: E402
 from tidal.engine_core.ray_executor import ACTOR_NAMESPACE  # noqa: E402
@@ -106,16 +107,7 @@ def cluster_worker_pids(cluster: Cluster) -> list[int]:
             pid = parents.get(pid, 0)
         return False
 
-    pids = []
-    for pid in parents:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if b"tidal.workers.proc" in cmdline and under_cluster(pid) and _alive(pid):
-            pids.append(pid)
-    return pids
+    return [pid for pid in parents if is_worker(pid) and under_cluster(pid) and _alive(pid)]
 
 
 # ---------------------------------------------------------------------------------------------
