@@ -124,6 +124,21 @@ class WorkerProcess:
         self.ctx.term()
 
 
+def _skip_numba_blas_probe() -> None:
+    """Spare a process numba's BLAS probe; call before its first compile or cache load.
+
+    At its first compile (a cache load included) numba imports `numba.np.arraymath`, which
+    imports `scipy.linalg.cython_blas` only to learn whether `np.dot` inside compiled code
+    may call BLAS: 0.23 s of a worker's 0.73 s numba start-up, measured on this project's
+    2-vCPU VM. No tidal kernel calls BLAS from compiled code (`kernels/cpu_fused.py`,
+    `kernels/numba_attention.py`; matrix products are torch's), so the worker process marks
+    that module absent (`sys.modules[...] = None`, Python's own way to make an import fail):
+    numba then records "no BLAS", and a compiled `np.dot`, were one ever added, would fail
+    with numba's own "scipy ... is required" error. Only the worker process does this; a
+    process that imports tidal as a library keeps scipy."""
+    sys.modules.setdefault("scipy.linalg.cython_blas", None)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="tidal worker process (started by tidal core)")
     parser.add_argument("--config", required=True, help="base64 msgpack WorkerConfig")
@@ -136,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     watch_parent(args.lifeline_fd, grace_s=0, what="worker")
     config = decode_worker_config(args.config)
+    _skip_numba_blas_probe()
     if config.cpu_cores:  # before torch starts its thread pools: they inherit the mask
         os.sched_setaffinity(0, config.cpu_cores)
     logging.basicConfig(

@@ -34,9 +34,9 @@ FLAGS = [*ENGINE_FLAGS, "--max-model-len", "4096"]
 LONG = {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True,
         "temperature": 0}
 # Long enough to still be running when a test's fault lands right after its first token (at
-# ~5 ms a token here), short enough that the survivors finish fast: these tests spent 20-30 s
-# streaming 4000 tokens after the fault.
-MEDIUM = {**LONG, "max_tokens": 1200}
+# ~5 ms a token here: 2.5 s), short enough that the survivors finish fast: these tests spent
+# 20-30 s streaming 4000 tokens after the fault, then 6 s at 1200.
+MEDIUM = {**LONG, "max_tokens": 500}
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import zmq
 from test_daemon import Client, Daemon, _alive
 from tidal.ipc.messages import EngineDead, FinishReason
 
-MAX_TOKENS = 200  # long enough that a fault lands mid-stream on the tiny model
+MAX_TOKENS = 80  # long enough that a fault lands mid-stream on the tiny model
 
 
 @pytest.fixture(scope="module")
