@@ -13,7 +13,7 @@ WORK=${WORK:-"--dataset-name sharegpt-like --sharegpt-max-total-len 1024 --num-p
 echo "commit $(git rev-parse --short HEAD) $(date -u +%H:%M:%S) load $(cut -d' ' -f1-3 /proc/loadavg); limit $LIMIT s; $WORK"
 for mode in limit none; do
   extra=""; [ "$mode" = limit ] && extra="--max-queue-delay $LIMIT --step-cost-model $MODEL"
-  tidal serve --kv-cache-memory 512MiB $extra --port 8131 > "$OUT/$mode.server.log" 2>&1 & P=$!
+  python -m tidal.frontend.cli serve ${SERVE_FLAGS:-} --kv-cache-memory 512MiB $extra --port 8131 > "$OUT/$mode.server.log" 2>&1 & P=$!
   for i in $(seq 120); do curl -sf localhost:8131/health >/dev/null && break; sleep 1; done
   tidal bench serve --base-url http://localhost:8131 --tokenizer "$DEMO" $WORK --save-detailed \
     --result-file "$OUT/$mode.json" > "$OUT/$mode.bench.log" 2>&1

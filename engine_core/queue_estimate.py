@@ -12,9 +12,21 @@ Two ways a request waits, the larger counts (`queue_delay_s`):
 
 - **token work**: every prompt token queued ahead (waiting requests in full, the rest of
   prefills in progress) must be computed first, a step at a time, next to the running decodes.
-  A step holds `max_num_batched_tokens - D` prompt tokens beside D decodes, and takes what the
-  cost model says for it, so each prompt token costs `s_per_prompt_token` = that time / those
-  tokens; plus the step in flight.
+  A step holds C = `max_num_batched_tokens - D` prompt tokens beside D decodes, and takes what
+  the cost model says for it as served (`StepCostModel.served_predict`: the worker's time plus
+  the per-step overhead and the D tokens streamed), so each prompt token costs
+  `s_per_prompt_token` = that time / C (plus its share of the way in, `per_prompt_token_
+  latency`); plus the step in flight (its decodes: F, 0 when idle), the fixed part of the
+  step that ends with the new request's prompt (F, or a bare step's when nothing decodes:
+  the steps a prompt spans are whole, and with x tokens up to its last, ceil(x / C) * F +
+  x * marginal cost <= F + x * step / C), and the request's fixed way in
+  (`request_latency_s`):
+
+      token work = F + (F or bare step) + request_latency_s + queued tokens * s_per_prompt_token
+
+  Measured (BENCHMARKS.md, admission check): pricing steps without the serving terms and
+  without the request's own step's fixed part, the estimate ran low under load, where the
+  150 running decodes stream 44 ms of tokens each step on the demo model.
 - **slots**: when the waiting requests outnumber the free places (`max_num_seqs` minus
   running, or fewer when free KV blocks would not hold them), a request waits for that many
   running ones to finish, at the rate they have been finishing (over the last `window_s`).
@@ -75,10 +87,13 @@ class QueueDelayEstimator:
                 context += request.num_computed_tokens + 1
         waiting_tokens = sum(len(r.all_token_ids) for r in scheduler.waiting)
         chunk = max(scheduler.max_num_batched_tokens - num_decodes, 1)
-        step = cost.predict(chunk, num_decodes, context, chunk * (chunk + 1) / 2)
-        per_token = step / chunk
-        in_flight = cost.predict(0, num_decodes, context, 0.0)
-        token_work = in_flight + (waiting_tokens + prefill_left) * per_token
+        step = cost.served_predict(chunk, num_decodes, context, chunk * (chunk + 1) / 2,
+                                   num_decodes + 1)
+        per_token = step / chunk + cost.per_prompt_token_latency_s
+        in_flight = cost.served_predict(0, num_decodes, context, 0.0, num_decodes)
+        own_step = in_flight or cost.intercept_s + cost.per_step_overhead_s
+        token_work = (in_flight + own_step + cost.request_latency_s
+                      + (waiting_tokens + prefill_left) * per_token)
 
         rate = self.finish_rate(scheduler.num_finished, now)
         per_request = slot_wait = 0.0

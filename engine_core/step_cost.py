@@ -136,7 +136,15 @@ class StepCostModel:
     def served_step_time(self, plan: BatchPlan, num_sampled: int) -> float:
         """Seconds `plan` takes in a serving engine, `num_sampled` tokens streamed from it
         (0 for a step with no tokens)."""
-        t = self.step_time(plan)
+        return self.served_predict(*plan_features(plan), num_sampled)
+
+    def served_predict(self, prefill_tokens: float, decode_reqs: float,
+                       decode_context_tokens: float, prefill_attention_pairs: float,
+                       num_sampled: float) -> float:
+        """`predict` plus the serving terms of a step that streams `num_sampled` tokens (0
+        for a step with no tokens)."""
+        t = self.predict(prefill_tokens, decode_reqs, decode_context_tokens,
+                         prefill_attention_pairs)
         return t + self.per_step_overhead_s + self.per_streamed_token_s * num_sampled if t else t
 
     def arrival_charge(self, prompt_len: int) -> float:

@@ -113,6 +113,20 @@ class ServerIndexMiddleware:
         await self.app(scope, receive, send_with_header)
 
 
+class ReceivedAtMiddleware:
+    """Stamps `request.state.received_at` (monotonic seconds) as a request enters the
+    application, before its body is read and parsed: --max-queue-delay counts the time a
+    request then spends in this process (`admission.py`)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            scope.setdefault("state", {})["received_at"] = time.monotonic()
+        await self.app(scope, receive, send)
+
+
 class Server(uvicorn.Server):
     """uvicorn's server; its graceful shutdown starts by failing every request in flight
     (finish reason "error": an error event then [DONE] for streams, a 5xx for the others),
@@ -157,6 +171,7 @@ def build_app(engine_factory: Callable[[], Awaitable[Any]],
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(ServerIndexMiddleware, index=settings.server_index)
+    app.add_middleware(ReceivedAtMiddleware)  # added last: the outermost, so the first to run
     return app
 
 

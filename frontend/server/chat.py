@@ -33,13 +33,14 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     _check_supported(req)
     params = serving.sampling_params(req, _RENAMES)
     await serving.check_structured_output(req, params)
-    token_ids = await serving.off_loop(serving.render_chat, req.messages,
-                                       req.add_generation_prompt, req.continue_final_message,
-                                       req.chat_template_kwargs)
-    token_ids = await serving.encode(token_ids, "messages")
+    token_ids = await serving.tokenizing(request, serving.render_chat, req.messages,
+                                         req.add_generation_prompt, req.continue_final_message,
+                                         req.chat_template_kwargs)
+    token_ids = await serving.encode(request, token_ids, "messages")
     serving.check_room(params, len(token_ids), "max_completion_tokens"
                        if req.max_completion_tokens else "max_tokens")
-    response_id, run = serving.start([(token_ids, None)], params, req.priority, "chatcmpl")
+    response_id, run = serving.start([(token_ids, None)], params, req.priority, "chatcmpl",
+                                     serving.waited(request))
     view = _ChatView(serving, req, run, response_id, model)
     return await serving.respond(request, run, view.stream if req.stream else None,
                                  view.build)

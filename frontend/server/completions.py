@@ -47,11 +47,12 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest,
     await serving.check_structured_output(req, params)
     prompts = []
     for prompt in _prompt_list(req.prompt):
-        token_ids = await serving.encode(prompt, "prompt")
+        token_ids = await serving.encode(request, prompt, "prompt")
         serving.check_room(params, len(token_ids), "max_tokens")
         text = prompt if isinstance(prompt, str) else None
         prompts.append((token_ids, text))
-    response_id, run = serving.start(prompts, params, req.priority, "cmpl")
+    response_id, run = serving.start(prompts, params, req.priority, "cmpl",
+                                     serving.waited(request))
     view = _CompletionView(serving, req, run, response_id, model)
     return await serving.respond(request, run, view.stream if req.stream else None,
                                  view.build)

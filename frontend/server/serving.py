@@ -4,9 +4,15 @@ Order of work for /v1/completions and /v1/chat/completions (everything that can 
 of the request fails before admission, and admission happens before any byte is sent, so a
 streaming request also gets a real 400 / 503 status):
 
-    check model -> SamplingParams (ValueError -> 400) -> prompts to token ids (too long -> 400)
+    check model -> SamplingParams (ValueError -> 400) -> [--max-queue-delay: 503 if even
+    an empty prompt would wait too long] -> prompts to token ids (too long -> 400)
     -> admission (503) -> one engine request per prompt (n completions each)
     -> JSON body, or server-sent events
+
+(The bracketed check, made when the request's turn in the tokenizer pool comes, is the one
+exception to "the request's own faults first": under a burst the pool is a queue of its own,
+and a request that cannot make the limit anyway is answered without being tokenized,
+`admission.py`.)
 
 Tokenizing and the chat template run in a small thread pool (`off_loop`), never on the event
 loop: a prompt of megabytes takes seconds to tokenize, and meanwhile this process's other
@@ -224,15 +230,35 @@ class OpenAIServing:
             return engine_unavailable(message)
         return APIError(500, message)
 
+    @staticmethod
+    def waited(request: Request) -> float:
+        """Seconds since this process received `request` (`ReceivedAtMiddleware`'s stamp;
+        0 without it)."""
+        received = getattr(request.state, "received_at", None)
+        return 0.0 if received is None else time.monotonic() - received
+
+    async def tokenizing(self, request: Request, fn, *args):
+        """`fn(*args)` in the tokenizer pool for `request`; under --max-queue-delay, once its
+        turn comes, first a 503 if even without its own prompt it would now wait too long
+        (a burst queues here: such a request is answered without being tokenized)."""
+        received = time.monotonic() - self.waited(request)
+
+        def when_its_turn_comes():
+            self.admission.check_wait(0, time.monotonic() - received)
+            return fn(*args)
+
+        return await self.off_loop(when_its_turn_comes)
+
     def check_token_ids(self, token_ids, param: str) -> None:
         for token_id in token_ids:
             if not 0 <= token_id < self.vocab_size:
                 raise bad_request(f"{param} contains token id {token_id}, outside the "
                                   f"vocabulary [0, {self.vocab_size})", param)
 
-    async def encode(self, prompt: str | list[int], param: str) -> list[int]:
-        """Token ids of one prompt, made off the event loop; 400 when empty or too long."""
-        return await self.off_loop(self._encode, prompt, param)
+    async def encode(self, request: Request, prompt: str | list[int], param: str) -> list[int]:
+        """Token ids of one of `request`'s prompts, made off the event loop (`tokenizing`);
+        400 when empty or too long."""
+        return await self.tokenizing(request, self._encode, prompt, param)
 
     def _encode(self, prompt: str | list[int], param: str) -> list[int]:
         if isinstance(prompt, list):
@@ -284,8 +310,9 @@ class OpenAIServing:
     # ---------------------------------------------------------------- generation
 
     def start(self, prompts: list[tuple[list[int], str | None]], params, priority: int,
-              prefix: str) -> tuple[str, Run]:
-        """Admit the request (503 if full) and create its engine jobs (not yet started)."""
+              prefix: str, waited_s: float = 0.0) -> tuple[str, Run]:
+        """Admit the request, which reached this process `waited_s` ago (503 if full), and
+        create its engine jobs (not yet started)."""
         self.check_alive()
         try:
             check_priority(priority, self.scheduling_policy)
@@ -296,7 +323,7 @@ class OpenAIServing:
             raise bad_request(f"n times the number of prompts must be at most {MAX_N}, got "
                               f"{num_reqs}", "n")
         num_tokens = params.n * sum(len(ids) for ids, _ in prompts)
-        ticket = self.admission.admit(num_reqs, num_tokens)
+        ticket = self.admission.admit(num_reqs, num_tokens, waited_s)
         response_id = f"{prefix}-{uuid.uuid4().hex}"
         arrival = time.time()
         jobs = [_Job(f"{response_id}-{i}", i, ids, text, arrival, priority)

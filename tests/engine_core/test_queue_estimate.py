@@ -13,20 +13,22 @@ COST = StepCostModel(0.010, per_prefill_token_s=0.001, per_decode_req_s=0.002)
 
 def test_prompt_tokens_queued_ahead():
     """Three waiting 100-token prompts, nothing running, budget 1000: a step holds 1000 prompt
-    tokens and takes 10 + 1000 ms, so each prompt token costs 1.01 ms: 300 of them 303 ms."""
+    tokens and takes 10 + 1000 ms, so each prompt token costs 1.01 ms: 300 of them 303 ms,
+    and the new request's own step its fixed 10 ms (nothing is in flight)."""
     sched = make_scheduler(max_num_batched_tokens=1000, max_num_seqs=4)
     for i in range(3):
         sched.add(make_request(i, 100))
     est = QueueDelayEstimator(COST).estimate(sched, now=0.0)
     assert est.s_per_prompt_token == pytest.approx(0.00101)
-    assert est.queue_delay_s == pytest.approx(0.303)
+    assert est.queue_delay_s == pytest.approx(0.010 + 0.303)
     assert est.s_per_queued_request == 0.0
 
 
 def test_running_decodes_share_each_step():
     """After one step the three decode (context 101 each) and a 50-token prompt waits: a step
     holds 997 prompt tokens beside 3 decodes, 10 + 997 + 6 = 1013 ms; the step in flight is
-    10 + 6 = 16 ms; so 16 ms + 50 * 1013/997 ms."""
+    10 + 6 = 16 ms, and so is the fixed part of the new request's own step; so
+    16 + 16 ms + 50 * 1013/997 ms."""
     sched = make_scheduler(max_num_batched_tokens=1000, max_num_seqs=4)
     worker = FakeWorker(16)
     for i in range(3):
@@ -35,7 +37,26 @@ def test_running_decodes_share_each_step():
     sched.add(make_request("late", 50))
     est = QueueDelayEstimator(COST).estimate(sched, now=0.0)
     assert est.s_per_prompt_token == pytest.approx(1.013 / 997)
-    assert est.queue_delay_s == pytest.approx(0.016 + 50 * 1.013 / 997)
+    assert est.queue_delay_s == pytest.approx(0.032 + 50 * 1.013 / 997)
+
+
+def test_served_steps_are_priced_with_the_serving_terms():
+    """The same queue with serving terms: 1 ms per step, 0.5 ms per token streamed, 20 ms +
+    0.01 ms per prompt token on a request's way in. A full step streams 3 decodes and the
+    prompt's first token: 1013 + 1 + 2 = 1016 ms for 997 tokens; the step in flight 16 + 1 +
+    1.5 = 18.5 ms, and so the own step's fixed part; so 18.5 + 18.5 + 20 ms + 50 * (1016/997
+    + 0.01) ms."""
+    served = StepCostModel(0.010, per_prefill_token_s=0.001, per_decode_req_s=0.002,
+                           per_step_overhead_s=0.001, per_streamed_token_s=0.0005,
+                           request_latency_s=0.020, per_prompt_token_latency_s=0.00001)
+    sched = make_scheduler(max_num_batched_tokens=1000, max_num_seqs=4)
+    for i in range(3):
+        sched.add(make_request(i, 100, max_tokens=50))
+    step(sched, FakeWorker(16))
+    sched.add(make_request("late", 50))
+    est = QueueDelayEstimator(served).estimate(sched, now=0.0)
+    assert est.s_per_prompt_token == pytest.approx(1.016 / 997 + 0.00001)
+    assert est.queue_delay_s == pytest.approx(0.0185 * 2 + 0.020 + 50 * (1.016 / 997 + 0.00001))
 
 
 def test_waiting_for_a_free_slot_at_the_measured_finish_rate():

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -250,8 +251,8 @@ def test_controller_adds_the_prompt_and_what_it_admitted_since_the_snapshot():
     rejected = []
     ctl = AdmissionController(None, on_reject=rejected.append, max_queue_delay=1.0)
     assert ctl.estimated_wait(10**6) == 0.0  # no snapshot yet: nothing to go on
-    ctl.note_core_estimate(_estimate(0.5, 0.001), mark=(0, 0))
-    assert ctl.estimated_wait(400) == pytest.approx(0.9)
+    ctl.note_core_estimate(_estimate(0.5, 0.001), mark=(0, 0), now=time.monotonic())
+    assert ctl.estimated_wait(400) == pytest.approx(0.9, abs=0.01)
     ctl.admit(1, 400)
     with pytest.raises(APIError) as info:
         ctl.admit(1, 200)
@@ -259,19 +260,108 @@ def test_controller_adds_the_prompt_and_what_it_admitted_since_the_snapshot():
     assert err.status == 503 and err.headers == {"Retry-After": "1"}
     assert "wait about 1.1 s" in err.message and "limit of 1 s" in err.message
     assert rejected == ["max_queue_delay"] and ctl.num_ours() == 1
-    ctl.note_core_estimate(_estimate(0.7, 0.001), mark=(400, 1))
-    assert ctl.estimated_wait(200) == pytest.approx(0.9)
+    ctl.note_core_estimate(_estimate(0.7, 0.001), mark=(400, 1), now=time.monotonic())
+    assert ctl.estimated_wait(200) == pytest.approx(0.9, abs=0.01)
     ctl.admit(1, 200)
 
 
+def test_the_time_a_request_already_spent_here_counts_and_the_early_check_leaves_its_prompt_out():
+    """0.5 s queued in the core at 1 ms a token, a 1 s limit: a 300-token request that
+    arrived 0.3 s ago would wait 0.3 + 0.5 + 0.3 = 1.1 s (503), one that arrived 0.1 s ago
+    0.9 s (admitted). Before tokenizing, the check counts no prompt: 0.3 + 0.5 passes; after
+    0.6 s in this process even an empty prompt is over (503, nothing admitted)."""
+    ctl = AdmissionController(None, max_queue_delay=1.0)
+    ctl.note_core_estimate(_estimate(0.5, 0.001), mark=(0, 0), now=time.monotonic())
+    assert ctl.estimated_wait(300, waited_s=0.3) == pytest.approx(1.1, abs=0.01)
+    ctl.check_wait(0, waited_s=0.3)
+    with pytest.raises(APIError, match="wait about 1.1 s"):
+        ctl.admit(1, 300, waited_s=0.3)
+    ctl.admit(1, 300, waited_s=0.1)
+    with pytest.raises(APIError, match="wait about 1.4 s"):  # 0.6 + 0.5 + the 300 admitted
+        ctl.check_wait(0, waited_s=0.6)
+    assert ctl.num_ours() == 1
+    AdmissionController(None).check_wait(10**6, waited_s=100.0)  # no limit: never a 503
+
+
+def test_the_core_estimate_drains_a_second_per_second_until_the_next_snapshot():
+    """A snapshot of 0.8 s of queue at 1 ms a token, taken at t=100: at t=100.3 the queue
+    ahead is 0.5 s, at t=101 and later nothing (never below 0), while what was admitted since
+    still counts in full."""
+    ctl = AdmissionController(None, max_queue_delay=1.0)
+    ctl.note_core_estimate(_estimate(0.8, 0.001), mark=(0, 0), now=100.0)
+    assert ctl.estimated_wait(0, now=100.0) == pytest.approx(0.8)
+    assert ctl.estimated_wait(100, now=100.3) == pytest.approx(0.5 + 0.1)
+    ctl.admit(1, 200)
+    assert ctl.estimated_wait(0, now=101.5) == pytest.approx(0.2)
+
+
+def test_the_margin_is_the_p90_of_how_far_first_tokens_ran_over_their_estimates():
+    """Nine first tokens give no margin yet; with ten, 0.1 s each over, 0.1 s is added: a
+    request estimated at 0.97 s is then refused under a 1 s limit (about 1.07 s). Tokens that
+    came early give no negative margin. A ticket reports its first token once, however many
+    completions it has."""
+    ctl = AdmissionController(None, max_queue_delay=1.0)
+    ctl.note_core_estimate(_estimate(0.97), mark=(0, 0), now=time.monotonic())
+    for _ in range(9):
+        ctl.note_first_token(0.6, 0.5)
+    assert ctl.margin() == 0.0
+    ctl.admit(1, 0).release()
+    ctl.note_first_token(0.6, 0.5)
+    assert ctl.margin() == pytest.approx(0.1)
+    with pytest.raises(APIError, match="wait about 1.1 s"):
+        ctl.admit(1, 0)
+    early = AdmissionController(None, max_queue_delay=1.0)
+    for _ in range(20):
+        early.note_first_token(0.2, 0.5)
+    assert early.margin() == 0.0
+    ticket = early.admit(2, 10)
+    ticket.prefill_done(5)
+    ticket.prefill_done(5)
+    assert len(early._errors) == 21
+
+
+def test_a_request_that_cannot_make_it_is_refused_before_its_prompt_is_tokenized(
+        tokenizer, monkeypatch):
+    """A core estimate of 0.7 s against a 1 s limit, one tokenizer thread kept busy for 0.5 s
+    (as by other requests' prompts): a request that arrives meanwhile gets its turn at 0.5 s,
+    when even without its own prompt it would wait 0.5 + 0.7 s: 503 without being
+    tokenized."""
+    import time
+
+    import tidal.frontend.server.admission as admission
+    import tidal.frontend.server.serving as serving_module
+
+    monkeypatch.setattr(admission, "DELAY_REFRESH_SECONDS", 0.02)  # kept fresh
+    monkeypatch.setattr(serving_module, "TOKENIZER_THREADS", 1)
+    engine = FakeEngine(tokenizer, token_delay=0.05)
+    engine.stats = _estimate(0.7)
+    encoded = []
+    encode = engine.encode_prompt
+    engine.encode_prompt = lambda prompt: encoded.append(prompt) or encode(prompt)
+
+    async def body(app):
+        await asyncio.sleep(0.05)  # the first stats refresh
+        busy = asyncio.ensure_future(app.state.serving.off_loop(time.sleep, 0.5))
+        await asyncio.sleep(0.01)  # the thread is taken
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            r = await client.post("/v1/completions", json={"prompt": "late", "max_tokens": 4})
+        await busy
+        assert r.status_code == 503 and "wait about 1.2 s" in r.json()["error"]["message"]
+        assert encoded == [] and not engine.generated
+
+    asyncio.run(_with_app(engine, ServerSettings(max_queue_delay=1.0), body))
+
+
 def test_queue_delay_503_comes_at_once_with_retry_after(tokenizer, monkeypatch):
-    """An estimate of 3 s against a 1 s limit: the request is answered 503 with
-    Retry-After: 2 before it reaches the engine."""
+    """An estimate of 2.9 s against a 1 s limit: the request is answered 503 with
+    Retry-After: 2 (1.9 s and the moments it spent in the server, rounded up) before it
+    reaches the engine."""
     import tidal.frontend.server.admission as admission
 
-    monkeypatch.setattr(admission, "DELAY_REFRESH_SECONDS", 100.0)
+    monkeypatch.setattr(admission, "DELAY_REFRESH_SECONDS", 0.02)  # kept fresh
     engine = FakeEngine(tokenizer, token_delay=0.05)
-    engine.stats = _estimate(3.0)
+    engine.stats = _estimate(2.9)
 
     async def body(app):
         await asyncio.sleep(0.05)  # the first stats refresh
@@ -280,7 +370,7 @@ def test_queue_delay_503_comes_at_once_with_retry_after(tokenizer, monkeypatch):
             r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4})
             assert r.status_code == 503 and r.headers["retry-after"] == "2"
             assert r.json()["error"]["type"] == "Service Unavailable"
-            assert "3.0 s" in r.json()["error"]["message"]
+            assert "2.9 s" in r.json()["error"]["message"]
             metrics = (await client.get("/metrics")).text
             assert ('tidal:admission_rejections_total{model_name="fake-model",'
                     'reason="max_queue_delay"} 1.0') in metrics
@@ -290,15 +380,16 @@ def test_queue_delay_503_comes_at_once_with_retry_after(tokenizer, monkeypatch):
 
 
 def test_queue_delay_burst_every_request_gets_an_answer(tokenizer, monkeypatch):
-    """0.3 s of queue, 0.4 s per request admitted since the snapshot, limit 1 s: of six at
-    once the first two to arrive are admitted (0.3, 0.7 s); each of the other four would wait 1.1 s
-    (a rejected request adds nothing) and gets 503 with Retry-After 1; the admitted two run
-    to the end."""
+    """0.5 s of queue, 0.45 s per request admitted since the snapshot, limit 1 s, no fresh
+    snapshot: of six at once the first two to arrive are admitted (0.5, 0.95 s, less the
+    moments the queue drained since the snapshot); each of the other four would wait about
+    1.4 s (a rejected request adds nothing) and gets 503 with Retry-After 1; the admitted two
+    run to the end."""
     import tidal.frontend.server.admission as admission
 
     monkeypatch.setattr(admission, "DELAY_REFRESH_SECONDS", 100.0)
     engine = FakeEngine(tokenizer, token_delay=0.02)
-    engine.stats = _estimate(0.3, 0.0, 0.4)
+    engine.stats = _estimate(0.5, 0.0, 0.45)
 
     async def body(app):
         await asyncio.sleep(0.05)
