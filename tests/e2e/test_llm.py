@@ -199,9 +199,9 @@ def assert_daemon_faults_are_healed_then_final(llm: LLM) -> None:
     and seeded sampling: the same seed and positions draw the same numbers); the old
     daemon's workers are gone. With its restarts used up, a third fault is final: every
     request ends with "error", later calls raise, close() leaves no process behind."""
-    long = [SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True),
-            SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, stop=["zzzz"]),
-            SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=60,
+    long = [SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True),
+            SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True, stop=["zzzz"]),
+            SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=150,
                            ignore_eos=True)]
     prompts = [[5, 6, 7], [9, 10, 11, 12], [5, 6, 7]]
     expected = llm.generate(prompts, long, use_tqdm=False)
