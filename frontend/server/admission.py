@@ -35,9 +35,10 @@ the snapshot's query was sent (other processes' admissions show in the next snap
            + (prompt + admitted since) tokens * est_s_per_prompt_token
            + (admitted since) requests * est_s_per_queued_request + margin
 
-`waited` is the time since the request reached this process: under a burst the process itself
-is a queue (parsing and tokenizing hundreds of prompts in turn took 3.2 s of a 1 s limit at
-300 requests at once, BENCHMARKS.md), and the client's time to first token counts it. Before
+`waited` is the time since the request reached this process: under a burst requests wait
+here too (up to 3.2 s of a 1 s limit at 300 requests at once, BENCHMARKS.md: for their turn
+in the tokenizer pool, and for CPU the workers share), and the client's time to first token
+counts it. Before
 its prompt is tokenized, a request is checked once with its own prompt left out (`check_wait`,
 a lower bound of the final estimate): one that cannot make it anyway is answered at once
 instead of after its turn in the tokenizer, and costs no tokenizing.

@@ -231,17 +231,21 @@ class OpenAIServing:
         return APIError(500, message)
 
     @staticmethod
-    def waited(request: Request) -> float:
-        """Seconds since this process received `request` (`ReceivedAtMiddleware`'s stamp;
-        0 without it)."""
-        received = getattr(request.state, "received_at", None)
-        return 0.0 if received is None else time.monotonic() - received
+    def received_at(request: Request) -> float:
+        """When this process received `request` (monotonic seconds: `ReceivedAtMiddleware`'s
+        stamp; now without it)."""
+        return getattr(request.state, "received_at", None) or time.monotonic()
+
+    @classmethod
+    def waited(cls, request: Request) -> float:
+        """Seconds since this process received `request`."""
+        return time.monotonic() - cls.received_at(request)
 
     async def tokenizing(self, request: Request, fn, *args):
         """`fn(*args)` in the tokenizer pool for `request`; under --max-queue-delay, once its
         turn comes, first a 503 if even without its own prompt it would now wait too long
         (a burst queues here: such a request is answered without being tokenized)."""
-        received = time.monotonic() - self.waited(request)
+        received = self.received_at(request)
 
         def when_its_turn_comes():
             self.admission.check_wait(0, time.monotonic() - received)

@@ -326,8 +326,6 @@ def test_a_request_that_cannot_make_it_is_refused_before_its_prompt_is_tokenized
     (as by other requests' prompts): a request that arrives meanwhile gets its turn at 0.5 s,
     when even without its own prompt it would wait 0.5 + 0.7 s: 503 without being
     tokenized."""
-    import time
-
     import tidal.frontend.server.admission as admission
     import tidal.frontend.server.serving as serving_module
 
