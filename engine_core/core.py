@@ -11,13 +11,15 @@ theirs. Plans leave the deque in the order they entered it, which is the order t
 answer them.
 
 The daemon (`daemon.py`) owns the IO around it: frontends, signals, heartbeats, worker
-healing (`drop_in_flight` and a fresh executor) and the progress log.
+healing (`drop_in_flight` and a fresh executor) and the progress log. The one clock here is
+injected with `on_step`, an observer told each plan's service time as its tokens arrive
+(the `--max-queue-delay` estimate compares it with the step cost model's).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Protocol
+from typing import Callable, Protocol
 
 from tidal.engine_core.scheduler import Outputs, Scheduler
 from tidal.ipc.messages import BatchPlan, SampledTokens
@@ -50,13 +52,24 @@ class Executor(Protocol):
 class EngineCore:
     """Schedules, submits and collects plans, up to `depth` of them in flight."""
 
-    def __init__(self, scheduler: Scheduler, executor: Executor, depth: int) -> None:
+    def __init__(self, scheduler: Scheduler, executor: Executor, depth: int,
+                 on_step: Callable[[BatchPlan, float], None] | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
         if depth < 1:
             raise ValueError(f"depth must be at least 1, got {depth}")
+        if (on_step is None) != (clock is None):
+            raise ValueError("on_step and clock come together")
         self.scheduler = scheduler
         self.executor = executor
         self.depth = depth
         self.in_flight: deque[BatchPlan] = deque()  # submitted, not yet updated; oldest first
+        self.on_step = on_step
+        """Told (plan, seconds) as each plan's tokens arrive: the seconds from the later of
+        its submission and the previous plan's tokens (its own time at the workers, when
+        several are in flight) to its own tokens."""
+        self.clock = clock
+        self._submitted: deque[float] = deque()  # clock() at each in-flight plan's submit
+        self._last_collected = float("-inf")
         self.stalled = False
         """The last step had nothing to run and nothing in flight (every waiting request
         lacks blocks, say): the caller should wait for news rather than spin."""
@@ -78,6 +91,8 @@ class EngineCore:
             if has_work(plan):
                 self.executor.submit(plan)
                 self.in_flight.append(plan)
+                if self.clock is not None:
+                    self._submitted.append(self.clock())
                 if len(self.in_flight) < self.depth:
                     return {}  # room for another plan before waiting on a result
             else:  # nothing runnable now: wait for the plans in flight, if any
@@ -87,7 +102,12 @@ class EngineCore:
         sampled = self.executor.collect(timeout)
         if sampled is None:
             return None
-        return self.scheduler.update(self.in_flight.popleft(), sampled)
+        plan = self.in_flight.popleft()
+        if self.on_step is not None:
+            now = self.clock()
+            self.on_step(plan, now - max(self._submitted.popleft(), self._last_collected))
+            self._last_collected = now
+        return self.scheduler.update(plan, sampled)
 
     def replace_executor(self, executor: Executor) -> None:
         """Run plans on `executor` from now on (healing: the old one's workers are gone and
@@ -98,6 +118,7 @@ class EngineCore:
         """Forget every plan in flight (their workers are gone; `Scheduler.recompute_all`
         recomputes what they would have produced)."""
         self.in_flight.clear()
+        self._submitted.clear()
 
 
 def has_work(plan: BatchPlan) -> bool:

@@ -190,7 +190,10 @@ class EngineCoreDaemon:
             self.first_start_s = time.monotonic() - started
             self.scheduler = Scheduler(self.config, facts.num_kv_blocks, facts.max_model_len)
             self.depth = self.config.pipeline_depth(facts.device)
-            self.core = EngineCore(self.scheduler, self.executor, self.depth)
+            on_step = clock = None
+            if self.queue_estimator is not None:  # steps timed against the cost model
+                on_step, clock = self.queue_estimator.note_step, time.monotonic
+            self.core = EngineCore(self.scheduler, self.executor, self.depth, on_step, clock)
         except InterruptedError:
             self._refuse_pending_hellos(f"engine core stopped during start-up: {self.stop_reason}")
             return EXIT_OK

@@ -12,25 +12,42 @@ Two ways a request waits, the larger counts (`queue_delay_s`):
 
 - **token work**: every prompt token queued ahead (waiting requests in full, the rest of
   prefills in progress) must be computed first, a step at a time, next to the running decodes.
-  A step holds C = `max_num_batched_tokens - D` prompt tokens beside D decodes, and takes what
-  the cost model says for it as served (`StepCostModel.served_predict`: the worker's time plus
-  the per-step overhead and the D tokens streamed), so each prompt token costs
-  `s_per_prompt_token` = that time / C (plus its share of the way in, `per_prompt_token_
-  latency`); plus the step in flight (its decodes: F, 0 when idle), the fixed part of the
-  step that ends with the new request's prompt (F, or a bare step's when nothing decodes:
-  the steps a prompt spans are whole, and with x tokens up to its last, ceil(x / C) * F +
-  x * marginal cost <= F + x * step / C), and the request's fixed way in
-  (`request_latency_s`):
+  A step holds C = `max_num_batched_tokens - D` prompt tokens beside D decodes. Its price as
+  served (`StepCostModel.served_predict`: the worker's time plus the per-step overhead and the
+  D + 1 tokens streamed) splits into a fixed part S (intercept, decodes, overhead, streaming)
+  and what its prompt tokens add (`prefill_cost`: per token, and per attention pair). So the
+  Q queued tokens, whose prompts hold P causal attention pairs (a prompt of L tokens L(L+1)/2;
+  the rest of a prefill in progress, the pairs of its remaining tokens), cost
+  Q / C * S + prefill_cost(Q, P), plus their share of the way in (`per_prompt_token_latency`);
+  plus the step in flight (its decodes: F, 0 when idle), the fixed part of the step that ends
+  with the new request's prompt (F, or a bare step's when nothing decodes: the steps a prompt
+  spans are whole, and with x tokens up to its last, ceil(x / C) * F + x * marginal cost <=
+  F + x * step / C), and the request's fixed way in (`request_latency_s`):
 
-      token work = F + (F or bare step) + request_latency_s + queued tokens * s_per_prompt_token
+      token work = F + (F or bare step) + request_latency_s + Q / C * S + prefill_cost(Q, P)
+                   + Q * per_prompt_token_latency_s
+
+  `s_per_prompt_token`, what the frontend prices a new prompt and the tokens admitted since
+  the snapshot with, is S / C + prefill_cost(1, P / Q) + per_prompt_token_latency_s (P / Q of
+  the last queue that held any tokens).
 
   Measured (BENCHMARKS.md, admission check): pricing steps without the serving terms and
   without the request's own step's fixed part, the estimate ran low under load, where the
-  150 running decodes stream 44 ms of tokens each step on the demo model.
+  150 running decodes stream 44 ms of tokens each step on the demo model; pricing a step's
+  C tokens as one C-token prompt's pairs (C(C+1)/2, the first version) ran 0.4 s high at a
+  median for sharegpt-like prompts of a few hundred tokens.
 - **slots**: when the waiting requests outnumber the free places (`max_num_seqs` minus
   running, or fewer when free KV blocks would not hold them), a request waits for that many
   running ones to finish, at the rate they have been finishing (over the last `window_s`).
   Unknown until a finish has been seen; until then this term is 0.
+
+Both are priced by the cost model as measured on a machine at rest. Under a burst the CPU is
+shared: on a CPU-only server the HTTP process parsing and tokenizing hundreds of prompts, and
+the client beside it, take cores from the workers, and every step runs slower than its price
+(the accepted requests of a 300-request burst waited 3.1 s for a 1 s limit, BENCHMARKS.md).
+So the step prices are multiplied by `slowdown()`: the median, over the last
+`SLOWDOWN_WINDOW` steps, of each step's measured time at the workers over the cost model's
+(`note_step`, from the engine core's step loop); 1 until `SLOWDOWN_MIN_STEPS` steps have run.
 
 Not modelled: prefix-cache hits of queued prompts (counted in full: an overestimate), and the
 output lengths of running requests (unknown to the engine; the measured finish rate stands in).
@@ -42,6 +59,12 @@ from collections import deque
 from dataclasses import dataclass
 
 from tidal.engine_core.step_cost import StepCostModel
+from tidal.ipc.messages import BatchPlan
+
+SLOWDOWN_WINDOW = 8
+"""How many of the last steps `slowdown()` takes its median from."""
+SLOWDOWN_MIN_STEPS = 3
+"""Fewer measured steps than this leave the prices as the cost model has them."""
 
 
 @dataclass
@@ -53,6 +76,12 @@ class QueueEstimate:
     s_per_queued_request: float = 0.0
 
 
+def causal_pairs(num_tokens: int) -> float:
+    """Attention pairs (query, key) of the first `num_tokens` tokens of a sequence: token j
+    sees j + 1 positions."""
+    return num_tokens * (num_tokens + 1) / 2
+
+
 class QueueDelayEstimator:
     """Lives in the engine core beside the scheduler; `estimate(scheduler, now)` per snapshot."""
 
@@ -61,6 +90,27 @@ class QueueDelayEstimator:
         self.window_s = window_s
         self._finishes: deque[tuple[float, int]] = deque()
         """(time, scheduler.num_finished) samples, one per estimate, the last window_s."""
+        self._ratios: deque[float] = deque(maxlen=SLOWDOWN_WINDOW)
+        """Measured over predicted time of the last steps."""
+        self._pairs_per_token = 0.0
+        """Attention pairs per queued prompt token, the last time any was queued: what a
+        token admitted since the snapshot (or a new prompt) is priced with."""
+
+    def note_step(self, plan: BatchPlan, seconds: float) -> None:
+        """The workers took `seconds` for `plan` (the engine core's measure)."""
+        predicted = self.cost_model.step_time(plan)
+        if predicted > 0 and seconds > 0:
+            self._ratios.append(seconds / predicted)
+
+    def slowdown(self) -> float:
+        """How much slower than the cost model's prices steps run now (see the module
+        docstring): the median ratio of the last steps, 1.0 before SLOWDOWN_MIN_STEPS."""
+        if len(self._ratios) < SLOWDOWN_MIN_STEPS:
+            return 1.0
+        ordered = sorted(self._ratios)
+        middle = len(ordered) // 2
+        return (ordered[middle] if len(ordered) % 2
+                else (ordered[middle - 1] + ordered[middle]) / 2)
 
     def finish_rate(self, num_finished: int, now: float) -> float:
         """Requests finished per second over the last window (0 before any finish)."""
@@ -76,24 +126,39 @@ class QueueDelayEstimator:
     def estimate(self, scheduler, now: float) -> QueueEstimate:
         """The estimate for the scheduler's state now (see the module docstring)."""
         cost = self.cost_model
-        num_decodes = context = prefill_left = 0
+        num_decodes = context = queued = 0
+        pairs = 0.0
         for request in scheduler.running:
-            left = (len(request.all_token_ids) + request.num_output_placeholders
-                    - request.num_computed_tokens)
-            if left > 1:
-                prefill_left += left
+            total = len(request.all_token_ids) + request.num_output_placeholders
+            done = request.num_computed_tokens
+            if total - done > 1:  # a prefill in progress: the rest of its prompt
+                queued += total - done
+                pairs += causal_pairs(total) - causal_pairs(done)
             else:
                 num_decodes += 1
-                context += request.num_computed_tokens + 1
-        waiting_tokens = sum(len(r.all_token_ids) for r in scheduler.waiting)
+                context += done + 1
+        waiting_tokens = 0
+        for request in scheduler.waiting:
+            waiting_tokens += len(request.all_token_ids)
+            pairs += causal_pairs(len(request.all_token_ids))
+        queued += waiting_tokens
+        if queued:
+            self._pairs_per_token = pairs / queued
         chunk = max(scheduler.max_num_batched_tokens - num_decodes, 1)
-        step = cost.served_predict(chunk, num_decodes, context, chunk * (chunk + 1) / 2,
-                                   num_decodes + 1)
-        per_token = step / chunk + cost.per_prompt_token_latency_s
-        in_flight = cost.served_predict(0, num_decodes, context, 0.0, num_decodes)
-        own_step = in_flight or cost.intercept_s + cost.per_step_overhead_s
+        slowdown = self.slowdown()
+        # a full step: its decodes, fixed part and streamed tokens, beside `chunk` prompt
+        # tokens priced one by one (their attention pairs at the queue's average)
+        step_fixed = (cost.served_predict(chunk, num_decodes, context, 0.0, num_decodes + 1)
+                      - cost.prefill_cost(chunk, 0.0))
+        per_token = (slowdown * (step_fixed / chunk
+                                 + cost.prefill_cost(1, self._pairs_per_token))
+                     + cost.per_prompt_token_latency_s)
+        in_flight = slowdown * cost.served_predict(0, num_decodes, context, 0.0, num_decodes)
+        own_step = in_flight or slowdown * (cost.intercept_s + cost.per_step_overhead_s)
         token_work = (in_flight + own_step + cost.request_latency_s
-                      + (waiting_tokens + prefill_left) * per_token)
+                      + slowdown * (queued / chunk * step_fixed
+                                    + cost.prefill_cost(queued, pairs))
+                      + queued * cost.per_prompt_token_latency_s)
 
         rate = self.finish_rate(scheduler.num_finished, now)
         per_request = slot_wait = 0.0

@@ -129,6 +129,12 @@ class StepCostModel:
                 + self.per_decode_context_token_s * decode_context_tokens
                 + self.per_prefill_attention_pair_s * prefill_attention_pairs)
 
+    def prefill_cost(self, tokens: float, attention_pairs: float) -> float:
+        """The part of a step's time that `tokens` prompt tokens with `attention_pairs`
+        (query, key) pairs add to it."""
+        return (self.per_prefill_token_s * tokens
+                + self.per_prefill_attention_pair_s * attention_pairs)
+
     def step_time(self, plan: BatchPlan) -> float:
         """Seconds the workers take for `plan`."""
         return self.predict(*plan_features(plan))

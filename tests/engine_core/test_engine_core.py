@@ -84,3 +84,28 @@ def test_pipeline_keeps_both_stages_busy():
         utilization[depth] = [executor.utilization(s) for s in (0, 1)]
     assert min(utilization[2]) > 0.9, utilization
     assert max(utilization[1]) < 0.55, utilization
+
+
+def test_each_plans_time_at_the_workers_is_reported():
+    """`on_step` hears (plan, seconds) as each plan's tokens arrive, in the core's clock: a
+    plan's own time at the workers, from the later of its submission and the previous plan's
+    tokens. Sync: each plan runs 1 s after its submission. With async scheduling two plans are
+    in flight and the second is submitted when the first is, but its own time still counts
+    from the first's tokens: 1 s each as well."""
+    for async_scheduling in (False, True):
+        sched = make_scheduler(async_scheduling=async_scheduling)
+        executor = FakeExecutor(FakeWorker(16), stage_latency=1.0)
+        seen = []
+        core = EngineCore(sched, executor, sched.config.pipeline_depth("cpu"),
+                          on_step=lambda plan, s: seen.append((plan.step_id, s)),
+                          clock=lambda: executor.now)
+        sched.add(make_request("a", 20, max_tokens=4))
+        _run(core, ["a"])
+        assert [s for _, s in seen] == [1.0] * 4
+        assert [i for i, _ in seen] == sorted(i for i, _ in seen)
+
+
+def test_an_observer_needs_a_clock():
+    sched = make_scheduler()
+    with pytest.raises(ValueError, match="come together"):
+        EngineCore(sched, FakeExecutor(FakeWorker(16)), 1, on_step=lambda plan, s: None)

@@ -24,6 +24,20 @@ def test_prompt_tokens_queued_ahead():
     assert est.s_per_queued_request == 0.0
 
 
+def test_attention_pairs_priced_per_prompt():
+    """With 1 us per attention pair, two waiting prompts of 100 and 300 tokens hold 5050 +
+    45150 = 50200 causal pairs (L(L+1)/2 each), not the pairs of one 1000-token chunk: 400
+    tokens cost 400 ms + 50.2 ms, plus 0.4 of a step's fixed 10 ms, plus the own step's 10 ms.
+    A token is priced 10/1000 + 1 ms + 125.5 pairs (50200 / 400) * 1 us."""
+    cost = StepCostModel(0.010, per_prefill_token_s=0.001, per_prefill_attention_pair_s=1e-6)
+    sched = make_scheduler(max_num_batched_tokens=1000, max_num_seqs=4)
+    sched.add(make_request("short", 100))
+    sched.add(make_request("long", 300))
+    est = QueueDelayEstimator(cost).estimate(sched, now=0.0)
+    assert est.queue_delay_s == pytest.approx(0.010 + 0.004 + 0.400 + 0.0502)
+    assert est.s_per_prompt_token == pytest.approx(0.00001 + 0.001 + 0.0001255)
+
+
 def test_running_decodes_share_each_step():
     """After one step the three decode (context 101 each) and a 50-token prompt waits: a step
     holds 997 prompt tokens beside 3 decodes, 10 + 997 + 6 = 1013 ms; the step in flight is
@@ -75,6 +89,35 @@ def test_waiting_for_a_free_slot_at_the_measured_finish_rate():
     est = estimator.estimate(sched, now=4.0)
     assert est.s_per_queued_request == pytest.approx(2.0)
     assert est.queue_delay_s == pytest.approx(8.0)
+
+
+def test_steps_slower_than_their_price_raise_the_estimate():
+    """The first test's queue while the CPU is shared: steps are measured at 2x, 3x and 2.5x
+    their price (10 + 100 ms for 100 prompt tokens), so every price is 2.5x (the median):
+    2.5 * 1.01 ms a prompt token, 2.5 * 10 ms for the own step. Two steps are not enough to
+    go by (the estimate stays the model's); the median takes no notice of one outlier."""
+    from tidal.engine_core.queue_estimate import SLOWDOWN_WINDOW
+
+    other = make_scheduler(max_num_batched_tokens=1000)
+    other.add(make_request("measured", 100))
+    plan = other.schedule()  # one 100-token prefill
+    sched = make_scheduler(max_num_batched_tokens=1000, max_num_seqs=4)
+    for i in range(3):
+        sched.add(make_request(i, 100))
+    estimator = QueueDelayEstimator(COST)
+    assert COST.step_time(plan) == pytest.approx(0.110)
+    for seconds in (0.220, 0.330):
+        estimator.note_step(plan, seconds)
+    assert estimator.slowdown() == 1.0
+    estimator.note_step(plan, 0.275)
+    assert estimator.slowdown() == pytest.approx(2.5)
+    est = estimator.estimate(sched, now=0.0)
+    assert est.s_per_prompt_token == pytest.approx(2.5 * 0.00101)
+    assert est.queue_delay_s == pytest.approx(2.5 * (0.010 + 0.303))
+    for _ in range(SLOWDOWN_WINDOW - 1):  # the slow steps leave the window
+        estimator.note_step(plan, 0.110)
+    estimator.note_step(plan, 5.0)
+    assert estimator.slowdown() == pytest.approx(1.0)
 
 
 def test_finish_rate_forgets_old_samples():
