@@ -6,6 +6,8 @@
 # so compare engines over several seeds run side by side, not one run each.
 # Usage: serve_interleaved.sh [RATE req/s] [NUM_PROMPTS] [INPUT_LEN] [OUTPUT_LEN]
 #   env: PEERS (setup.sh's dir), SEEDS (default "1 2 3 4"), TIDAL_ARGS (extra tidal serve flags),
+#        VLLM_ARGS (extra vllm serve flags: on a VM whose NUMA node holds less memory than vLLM's
+#        default share, --gpu-memory-utilization 0.3, which on the CPU is that share),
 #        MODEL and GGUF (default SmolLM2 and setup.sh's F32 GGUF of it; for the ~7M Llama:
 #        make_peer_models.py's folder and peer_gguf.py's GGUF of it)
 set -u
@@ -20,7 +22,7 @@ setsid "$P/llama.cpp/build/bin/llama-server" -m "$G" --port 8402 -t 2 -np 64 -c 
   > "$R/llama.cpp.server.log" 2>&1 & p2=$!
 setsid env VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-1 \
   LD_PRELOAD="$TC:$V/lib/libiomp5.so" "$V/bin/python" "$PEER_SCRIPTS/vllm_cli.py" serve "$M" --port 8403 \
-  --dtype float32 > "$R/vllm.server.log" 2>&1 & p3=$!
+  --dtype float32 ${VLLM_ARGS:-} > "$R/vllm.server.log" 2>&1 & p3=$!
 trap 'for p in $p1 $p2 $p3; do kill -TERM -$p 2>/dev/null; done; sleep 5; for p in $p1 $p2 $p3; do kill -KILL -$p 2>/dev/null; done' EXIT
 echo "ready: tidal $(wait_up 8401) s, llama.cpp $(wait_up 8402) s, vllm $(wait_up 8403) s (waited in turn)"; sleep 20
 for s in $SEEDS; do for e in "tidal 8401" "llama.cpp 8402" "vllm 8403"; do set -- $e
