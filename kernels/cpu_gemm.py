@@ -22,6 +22,10 @@ decode-only step) keep `F.linear` and the layer keeps both copies of its weight 
 weight memory, on the CPU only).
 Results equal `F.linear`'s up to float32 rounding (a different summation order).
 
+On a CPU with AVX-512 and a C compiler, the panel kernel of `small_m_gemm.py` takes these
+batches instead of oneDNN (16-31% faster at 8-64 rows on the Xeon: it prefetches the weight
+stream that oneDNN's kernel waits on); oneDNN stays the path everywhere else.
+
 `add` and `mul` fold the elementwise op that follows a projection in a decoder layer (the
 residual add after o_proj and down_proj, `silu(gate) * up` in the MLP) into the GEMM as a
 oneDNN binary post-op: the product is combined with `other` in the kernel's own output pass
@@ -34,6 +38,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from tidal.kernels.small_m_gemm import PanelGemm, panel_gemm_applies
 
 SMALL_BATCH_ROWS = 256
 """Most rows that take the reordered-weight path."""
@@ -60,15 +66,22 @@ class SmallBatchGemm:
             raise ValueError(f"no oneDNN path for a {weight.dtype} {tuple(weight.shape)} "
                              f"weight on {weight.device}")
         self.weight = weight
-        self.reordered = torch.ops.mkldnn._reorder_linear_weight(weight.detach(),
-                                                                 REORDER_ROWS)
+        self.panels = PanelGemm(weight) if panel_gemm_applies(weight) else None
+        """The AVX-512 panel kernel (`small_m_gemm.py`) where it builds here: it then takes
+        every small batch, and no oneDNN copy is made (it is 6% slower than oneDNN at 256
+        rows, level at 128, 16-31% faster at 8-64)."""
+        self.reordered = None if self.panels is not None else (
+            torch.ops.mkldnn._reorder_linear_weight(weight.detach(), REORDER_ROWS))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = _rows(x)
         if not 0 < rows <= SMALL_BATCH_ROWS:
             return F.linear(x, self.weight)
         x2 = x.reshape(rows, x.shape[-1]).contiguous()
-        y = torch.ops.mkldnn._linear_pointwise(x2, self.reordered, None, "none", [], "")
+        if self.panels is not None:
+            y = self.panels(x2)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(x2, self.reordered, None, "none", [], "")
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
@@ -86,7 +99,10 @@ class SmallBatchGemm:
             return y + other if op == "add" else y * other
         x2 = x.reshape(rows, x.shape[-1]).contiguous()
         other2 = other.reshape(rows, other.shape[-1]).contiguous()
-        y = torch.ops.mkldnn._linear_pointwise.binary(x2, other2, self.reordered, None, op)
+        if self.panels is not None:
+            y = self.panels(x2, other2, op)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise.binary(x2, other2, self.reordered, None, op)
         return y.view(*x.shape[:-1], y.shape[-1])
 
 

@@ -1,0 +1,68 @@
+"""The panel GEMM (`kernels/small_m_gemm.py`): the product equals F.linear's to float32
+rounding for every row count up to PANEL_ROWS (its 12/8/4/1-row blocks and their tails), the
+fused add and mul equal the separate ops bit for bit, and a machine where it cannot be built
+keeps oneDNN."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tidal.kernels import small_m_gemm
+from tidal.kernels.cpu_gemm import SmallBatchGemm, small_batch_gemm_available
+
+needs_kernel = pytest.mark.skipif(small_m_gemm.load() is None,
+                                  reason="no C compiler or no AVX-512 on this machine")
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(96, 64), (960, 576), (64, 1536)])
+def test_product_equals_f_linear_for_every_row_count(shape):
+    torch.manual_seed(0)
+    weight = torch.randn(*shape) * 0.05
+    gemm = small_m_gemm.PanelGemm(weight)
+    for rows in [1, 2, 3, 4, 5, 7, 8, 11, 12, 13, 20, 24, 25, 32, 33, 64, 127,
+                 small_m_gemm.PANEL_ROWS]:
+        x = torch.randn(rows, shape[1])
+        torch.testing.assert_close(gemm(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_fused_add_and_mul_equal_the_separate_ops_bit_for_bit():
+    torch.manual_seed(1)
+    weight = torch.randn(128, 96)
+    gemm = small_m_gemm.PanelGemm(weight)
+    for rows in (1, 9, 30):
+        x, other = torch.randn(rows, 96), torch.randn(rows, 128)
+        y = gemm(x)
+        assert torch.equal(gemm(x, other, "add"), y + other)
+        assert torch.equal(gemm(x, other, "mul"), y * other)
+
+
+@needs_kernel
+def test_small_batch_gemm_takes_the_panels_and_no_onednn_copy():
+    weight = torch.randn(64, 32)
+    gemm = SmallBatchGemm(weight)
+    assert gemm.panels is not None and gemm.reordered is None
+    x = torch.randn(2, 5, 32)  # any leading shape
+    torch.testing.assert_close(gemm(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+def test_widths_that_are_not_whole_panel_pairs_are_refused():
+    assert not small_m_gemm.panel_gemm_applies(torch.randn(48, 32))
+    with pytest.raises(ValueError, match="no panel GEMM"):
+        small_m_gemm.PanelGemm(torch.randn(48, 32))
+
+
+def test_without_a_compiler_the_layers_keep_onednn(monkeypatch, tmp_path):
+    """No `cc` on the machine: load() is None and SmallBatchGemm reorders for oneDNN."""
+    monkeypatch.setattr(small_m_gemm, "_tried", False)
+    monkeypatch.setattr(small_m_gemm, "_library", None)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    assert small_m_gemm.load() is None
+    weight = torch.randn(64, 32)
+    if not small_batch_gemm_available(weight):
+        pytest.skip("torch built without oneDNN")
+    gemm = SmallBatchGemm(weight)
+    assert gemm.panels is None and gemm.reordered is not None
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(gemm(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
