@@ -55,6 +55,7 @@ output lengths of running requests (unknown to the engine; the measured finish r
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -107,10 +108,7 @@ class QueueDelayEstimator:
         docstring): the median ratio of the last steps, 1.0 before SLOWDOWN_MIN_STEPS."""
         if len(self._ratios) < SLOWDOWN_MIN_STEPS:
             return 1.0
-        ordered = sorted(self._ratios)
-        middle = len(ordered) // 2
-        return (ordered[middle] if len(ordered) % 2
-                else (ordered[middle - 1] + ordered[middle]) / 2)
+        return statistics.median(self._ratios)
 
     def finish_rate(self, num_finished: int, now: float) -> float:
         """Requests finished per second over the last window (0 before any finish)."""
