@@ -25,7 +25,7 @@ from tidal.ipc.messages import WorkerConfig
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "numba", "torch", "triton", "reference")  # = tidal.kernels.BACKENDS
+ATTENTION_BACKENDS = ("auto", "cpu", "numba", "torch", "triton", "reference")  # = tidal.kernels.BACKENDS
 EXECUTOR_BACKENDS = ("mp", "ray")
 
 
@@ -203,9 +203,9 @@ class ParallelConfig:
     device: str = "auto"
     """auto (cuda when available, else cpu), cpu or cuda."""
     attention_backend: str = "auto"
-    """auto (Triton on CUDA; on the CPU the numba decode kernel for float32/float64, the
-    gathered torch path otherwise), numba, torch, triton, or reference (the plain
-    per-request specification: slow, for tests)."""
+    """auto (Triton on CUDA; on the CPU the C decode kernel for float32 where it builds, the
+    numba one for float32/float64, the gathered torch path otherwise), cpu, numba, torch,
+    triton, or reference (the plain per-request specification: slow, for tests)."""
     enforce_eager: bool = False
     """Never capture CUDA graphs."""
     cpu_threads: int | None = None

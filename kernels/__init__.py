@@ -5,6 +5,8 @@
     torch      vectorised torch ops, decodes gathered in chunks (`torch_attention.py`)
     numba      the torch backend's prefills, decodes in a compiled kernel that reads the
                paged cache in place (`numba_attention.py`; CPU, float32/float64)
+    cpu        numba's, with float32 decodes in a C kernel that prefetches the paged rows
+               (`cpu_attention.py`, `decode_attention.c`; AVX-512 and a C compiler)
     triton     Triton kernels, no host sync, CUDA-graph capturable (`triton_attention.py`)
 
 All of them must equal the reference. A step drives a backend like this (the model runner):
@@ -28,7 +30,7 @@ import torch
 
 from tidal.kernels.metadata import AttentionMetadata
 
-BACKENDS = ("auto", "numba", "torch", "triton", "reference")
+BACKENDS = ("auto", "cpu", "numba", "torch", "triton", "reference")
 """Names `select_attention_backend` accepts (the engine config keeps the same tuple of
 strings, `engine_core.config.ATTENTION_BACKENDS`, without importing torch)."""
 
@@ -100,8 +102,9 @@ def select_attention_backend(name: str, device_type: str,
                              dtype: torch.dtype) -> AttentionBackend:
     """The backend called `name` for tensors of `dtype` on `device_type`.
 
-    `auto` takes Triton on CUDA; elsewhere the numba backend when numba is installed and
-    `dtype` is float32/float64, else the torch backend. A backend that cannot run these
+    `auto` takes Triton on CUDA; on the CPU the cpu backend for float32 where its C kernel
+    builds, else the numba backend when numba is installed and `dtype` is float32/float64,
+    else the torch backend. A backend that cannot run these
     tensors, or an unknown name, is a ValueError naming `attention_backend`."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
@@ -112,6 +115,11 @@ def select_attention_backend(name: str, device_type: str,
         from tidal.kernels.numba_attention import NumbaBackend
 
         return NumbaBackend()
+    if name == "cpu":
+        _check_cpu(device_type, dtype)
+        from tidal.kernels.cpu_attention import CpuBackend
+
+        return CpuBackend()
     if name == "torch":
         from tidal.kernels.torch_attention import TorchBackend
 
@@ -129,7 +137,7 @@ def _auto_backend(device_type: str, dtype: torch.dtype) -> str:
     if device_type == "cuda":
         return "triton"
     if device_type == "cpu" and dtype in NUMBA_DTYPES and _numba_installed():
-        return "numba"
+        return "cpu" if dtype == torch.float32 and _cpu_kernel_builds() else "numba"
     return "torch"
 
 
@@ -143,6 +151,22 @@ def _check_numba(device_type: str, dtype: torch.dtype) -> None:
     if not _numba_installed():
         raise ValueError("attention_backend 'numba' needs the numba package, which is not "
                          "installed; use auto or torch")
+
+
+def _check_cpu(device_type: str, dtype: torch.dtype) -> None:
+    if device_type != "cpu" or dtype != torch.float32:
+        raise ValueError(f"attention_backend 'cpu' takes float32 on the CPU only, not {dtype} "
+                         f"on {device_type}; use auto")
+    _check_numba(device_type, dtype)  # what the C kernel does not take goes to numba's
+    if not _cpu_kernel_builds():
+        raise ValueError("attention_backend 'cpu' needs a C compiler and an AVX-512 CPU, "
+                         "which this machine lacks; use auto or numba")
+
+
+def _cpu_kernel_builds() -> bool:
+    from tidal.kernels.cpu_attention import available
+
+    return available()
 
 
 def _numba_installed() -> bool:

@@ -47,6 +47,31 @@ def test_small_batch_gemm_takes_the_panels_and_no_onednn_copy():
     torch.testing.assert_close(gemm(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
 
 
+@needs_kernel
+@pytest.mark.parametrize("narrow", [torch.bfloat16, torch.float16])
+def test_weights_a_narrower_type_holds_exactly_are_stored_in_it_with_the_same_products(narrow):
+    """A checkpoint saved in bfloat16 (or float16) and widened to float32 at load is stored
+    back in its own type, and the products equal those of float32 panels bit for bit."""
+    torch.manual_seed(2)
+    weight = (torch.randn(96, 200) * 0.05).to(narrow).to(torch.float32)
+    narrow_gemm = small_m_gemm.PanelGemm(weight)
+    wide_gemm = small_m_gemm.PanelGemm(weight, torch.float32)
+    assert narrow_gemm.panels.dtype == narrow and wide_gemm.panels.dtype == torch.float32
+    for rows in (1, 5, 12, 29):
+        x, other = torch.randn(rows, 200), torch.randn(rows, 96)
+        assert torch.equal(narrow_gemm(x), wide_gemm(x))
+        assert torch.equal(narrow_gemm(x, other, "mul"), wide_gemm(x, other, "mul"))
+
+
+def test_storage_is_the_narrowest_type_that_loses_nothing():
+    halves = torch.tensor([[0.5, -1.25, 3.0]])
+    assert small_m_gemm.exact_storage_dtype(halves) == torch.bfloat16
+    fp16_only = torch.tensor([[1.0 + 2.0 ** -10]])  # 10 mantissa bits: float16, not bfloat16
+    assert small_m_gemm.exact_storage_dtype(fp16_only) == torch.float16
+    assert small_m_gemm.exact_storage_dtype(torch.tensor([[0.1]])) == torch.float32
+    assert small_m_gemm.exact_storage_dtype(torch.tensor([[70000.0 + 2.0 ** -4]])) == torch.float32
+
+
 def test_widths_that_are_not_whole_panel_pairs_are_refused():
     assert not small_m_gemm.panel_gemm_applies(torch.randn(48, 32))
     with pytest.raises(ValueError, match="no panel GEMM"):

@@ -13,16 +13,20 @@ import torch
 
 from kernel_cases import assert_matches, make_case, poisoned_like
 from tidal.engine_core.config import ATTENTION_BACKENDS
-from tidal.kernels import BACKENDS, select_attention_backend
+from tidal.kernels import BACKENDS, cpu_attention, select_attention_backend
+from tidal.kernels.cpu_attention import CpuBackend
 from tidal.kernels.metadata import AttentionMetadata
 from tidal.kernels.numba_attention import NumbaAttentionPlan, NumbaBackend, balanced_order
 from tidal.kernels.reference import ReferenceBackend, paged_attention_ref, write_kv_ref
 from tidal.kernels.torch_attention import TorchAttentionPlan, TorchBackend, write_kv_torch
 
 
-@pytest.fixture(params=[NumbaBackend, TorchBackend], ids=["numba", "torch"])
+@pytest.fixture(params=[CpuBackend, NumbaBackend, TorchBackend], ids=["cpu", "numba", "torch"])
 def backend(request):
-    """Run the test with decodes through the numba kernel, then through the torch path."""
+    """Run the test with decodes through the C kernel (float32; numba's for float64), the
+    numba kernel, then the torch path."""
+    if request.param is CpuBackend and not cpu_attention.available():
+        pytest.skip("no C compiler or no AVX-512 on this machine")
     return request.param()
 
 
@@ -112,13 +116,16 @@ def test_backend_selection_by_name():
     assert isinstance(select_attention_backend("reference", "cpu", torch.float32),
                       ReferenceBackend)
     for name in BACKENDS[1:]:
+        if name == "cpu" and not cpu_attention.available():
+            continue
         backend = select_attention_backend(name, "cpu", torch.float32)
         assert backend.name == name
         assert backend.can_capture_cuda_graphs == (name == "triton")
 
 
-def test_auto_takes_numba_on_cpu_for_float32_and_float64_and_torch_otherwise():
-    assert select_attention_backend("auto", "cpu", torch.float32).name == "numba"
+def test_auto_takes_the_c_kernel_for_float32_numba_for_float64_and_torch_otherwise():
+    c_kernel = "cpu" if cpu_attention.available() else "numba"
+    assert select_attention_backend("auto", "cpu", torch.float32).name == c_kernel
     assert select_attention_backend("auto", "cpu", torch.float64).name == "numba"
     assert select_attention_backend("auto", "cpu", torch.bfloat16).name == "torch"
     assert select_attention_backend("auto", "cpu", torch.float16).name == "torch"
@@ -132,6 +139,31 @@ def test_auto_takes_numba_on_cpu_for_float32_and_float64_and_torch_otherwise():
 def test_numba_where_it_cannot_run_is_an_error_naming_the_field(device_type, dtype, reason):
     with pytest.raises(ValueError, match=f"attention_backend 'numba' .*{reason}"):
         select_attention_backend("numba", device_type, dtype)
+
+
+@pytest.mark.parametrize("device_type, dtype, reason", [
+    ("cpu", torch.float64, "float32 on the CPU only"),
+    ("cuda", torch.float32, "float32 on the CPU only"),
+])
+def test_cpu_where_it_cannot_run_is_an_error_naming_the_field(device_type, dtype, reason):
+    with pytest.raises(ValueError, match=f"attention_backend 'cpu' .*{reason}"):
+        select_attention_backend("cpu", device_type, dtype)
+
+
+@pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler or no AVX-512")
+@pytest.mark.parametrize("head_dim, num_heads, num_kv_heads", [
+    (64, 9, 3),  # SmolLM2's geometry
+    (128, 4, 1),
+    (16, 12, 1),  # a group of 12: two work items of 8 and 4 heads per KV head
+    (24, 4, 2),  # a head size the C kernel does not take: numba's kernel instead
+])
+def test_c_kernel_equals_reference_across_head_sizes_and_groups(head_dim, num_heads,
+                                                                num_kv_heads):
+    case = make_case([1, 1, 1, 3, 1], [1, 45, 300, 9, 17], num_heads, num_kv_heads, head_dim,
+                     16, torch.float32, num_pad_tokens=1)
+    expected = paged_attention_ref(*case.args(), out=poisoned_like(case.query))
+    out = attend(CpuBackend(), case, out=poisoned_like(case.query))
+    assert_matches(out, expected, case.owned_rows())
 
 
 def test_unknown_backend_is_an_error_naming_the_field():

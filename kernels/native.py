@@ -1,0 +1,76 @@
+"""C kernels of this folder, compiled on first use with the machine's C compiler and loaded
+with ctypes: the panel GEMM (`small_m_gemm.c`) and the paged decode attention
+(`decode_attention.c`).
+
+A source is compiled with `$CC` (else `cc`) and `-O3 -march=native -fopenmp` into tidal's cache
+folder (`$TIDAL_CACHE_DIR/kernels`, else `~/.cache/tidal/kernels`), under a name keyed by the
+source, the compiler and flags and this CPU's flags, and loaded from there after (a build takes
+0.1-0.3 s). A machine without a compiler, a build that fails or a library built for a CPU its
+kernel cannot use (each source exports an `..._available()` that says) gives None, and the
+caller keeps its other path. The libraries' OpenMP loops link `libgomp.so.1`; loaded after
+torch, that name is torch's own runtime already in the process, so their threads are torch's
+(`torch.get_num_threads()` sets the count).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+
+
+def build_and_load(source: Path, available: str) -> ctypes.CDLL | None:
+    """`source` compiled for this machine and loaded, or None where it cannot be (no
+    compiler, a failed build, or the library's `available()` function returning 0)."""
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        return None
+    path = cache_folder() / f"{source.stem}-{_build_key(source, compiler)}.so"
+    try:
+        if not path.is_file():
+            _compile(source, compiler, path)
+        library = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as e:
+        logger.info("%s not built (%s); its callers keep their other path", source.name, e)
+        return None
+    return library if getattr(library, available)() else None
+
+
+def cache_folder() -> Path:
+    """$TIDAL_CACHE_DIR/kernels, else under $XDG_CACHE_HOME or ~/.cache (tidal's cache)."""
+    base = os.environ.get("TIDAL_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "tidal")
+    return Path(base) / "kernels"
+
+
+def _build_key(source: Path, compiler: str) -> str:
+    """The source, the compiler and flags, and this CPU (`-march=native`)."""
+    digest = hashlib.sha256(source.read_bytes())
+    digest.update(" ".join((compiler, *FLAGS)).encode())
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            digest.update(next((line for line in f if line.startswith("flags")), "").encode())
+    except OSError:
+        pass
+    return digest.hexdigest()[:16]
+
+
+def _compile(source: Path, compiler: str, path: Path) -> None:
+    """Build into a temporary file beside `path`, then rename: processes starting at once
+    each see a whole library or none."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+        built = Path(scratch) / path.name
+        subprocess.run([compiler, *FLAGS, "-o", str(built), str(source)], check=True,
+                       capture_output=True, timeout=120)
+        os.replace(built, path)
