@@ -112,6 +112,101 @@ PAIR(f32, 4)
 PAIR(bf16, 2)
 PAIR(f16, 2)
 
+/* 4-bit blocks (wtype 3): a weight that is exactly m + d q over each run of 32 k of a column
+ * (q in 0..15, d and m float16 values: a GGUF Q4_1 checkpoint de-quantized to float32) is
+ * stored as those parts. A pair is K / 32 blocks of Q4_BLOCK_BYTES:
+ *
+ *     float d[32], m[32]      columns 0-31 of the pair (256 bytes)
+ *     uint8 q[32][16]         row k, byte j: column j's q in the low nibble, 16 + j's high
+ *
+ * and each weight is widened as fl(fl(d q) + m), two roundings, the way the de-quantizer
+ * computed the float32 values (numpy's d * q + m): the explicit-rounding intrinsics keep the
+ * compiler from fusing them into one multiply-add. So again the products are those of the
+ * float32 weights, from 6 bits a weight instead of 32. */
+#define ROUND (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define Q4_BLOCK_BYTES 768
+#define Q4_HEADER(w)                                                                         \
+    const float *dm = (const float *)(w);                                                    \
+    __m512 d0 = _mm512_loadu_ps(dm), d1 = _mm512_loadu_ps(dm + 16);                          \
+    __m512 m0 = _mm512_loadu_ps(dm + 32), m1 = _mm512_loadu_ps(dm + 48)
+#define Q4_ROW(w, k, b0, b1)                                                                 \
+    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((w) + 256 + 16 * (k)))); \
+    v16 b0 = (v16)_mm512_add_round_ps(                                                       \
+        _mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))), \
+                            d0, ROUND), m0, ROUND);                                          \
+    v16 b1 = (v16)_mm512_add_round_ps(                                                       \
+        _mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d1, ROUND), m1, ROUND)
+
+/* 8-bit blocks (wtype 4): a weight that is exactly d q over each run of 32 k of a column (q in
+ * -128..127, d a float16 value: GGUF Q8_0 de-quantized, numpy's d * q) is stored as float
+ * d[32] (128 bytes) and int8 q[32][32] (row k: columns 0-31), widened as fl(d q). */
+#define Q8_BLOCK_BYTES 1152
+#define Q8_HEADER(w)                                                                         \
+    const float *dm = (const float *)(w);                                                    \
+    __m512 d0 = _mm512_loadu_ps(dm), d1 = _mm512_loadu_ps(dm + 16)
+#define Q8_ROW(w, k, b0, b1)                                                                 \
+    const __m128i *qk = (const __m128i *)((w) + 128 + 32 * (k));                             \
+    v16 b0 = (v16)_mm512_mul_round_ps(                                                       \
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qk))), d0, ROUND);          \
+    v16 b1 = (v16)_mm512_mul_round_ps(                                                       \
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qk + 1))), d1, ROUND)
+
+#define ROW_BLOCK_Q(RB, T)                                                                   \
+static void rows_##RB##_##T(const float *x, long K, const unsigned char *w, float *y, long N, \
+                            const float *other, int op, const char *prefetch) {            \
+    v16 a0[RB], a1[RB];                                                                      \
+    for (int i = 0; i < RB; i++) { a0[i] = (v16){0}; a1[i] = (v16){0}; }                    \
+    for (long kb = 0; kb < K; kb += 32, w += T##_BLOCK_BYTES) {                              \
+        T##_HEADER(w);                                                                       \
+        if (prefetch)                                                                        \
+            for (int l = 0; l < T##_BLOCK_BYTES; l += 64)                                    \
+                __builtin_prefetch(prefetch + kb / 32 * T##_BLOCK_BYTES + l, 0, 2);          \
+        for (long k = 0; k < 32; k++) {                                                      \
+            T##_ROW(w, k, b0, b1);                                                           \
+            for (int i = 0; i < RB; i++) {                                                   \
+                float xi = x[i * K + kb + k];                                                \
+                a0[i] += xi * b0;                                                            \
+                a1[i] += xi * b1;                                                            \
+            }                                                                                \
+        }                                                                                    \
+    }                                                                                        \
+    for (int i = 0; i < RB; i++) {                                                           \
+        finish16(y + i * N, other ? other + i * N : 0, op, a0[i]);                           \
+        finish16(y + i * N + 16, other ? other + i * N + 16 : 0, op, a1[i]);                 \
+    }                                                                                        \
+}
+
+/* A pair of blocks against all M rows in row blocks of 12, 8, 4, 1; the first row block
+ * prefetches the whole next pair. */
+#define PAIR_Q(T)                                                                            \
+ROW_BLOCK_Q(12, T)                                                                           \
+ROW_BLOCK_Q(8, T)                                                                            \
+ROW_BLOCK_Q(4, T)                                                                            \
+ROW_BLOCK_Q(1, T)                                                                            \
+static void pair_##T(const float *x, long M, long K, const void *w0, float *y, long N,     \
+                     const float *other, int op, const void *next) {                        \
+    long m = 0;                                                                              \
+    int block = 0;                                                                           \
+    while (m < M) {                                                                          \
+        long left = M - m;                                                                   \
+        const char *pf = next && block == 0 ? (const char *)next : 0;                       \
+        const float *o = other ? other + m * N : 0;                                          \
+        const float *xm = x + m * K;                                                         \
+        float *ym = y + m * N;                                                               \
+        if (left >= 12) { rows_12_##T(xm, K, w0, ym, N, o, op, pf); m += 12; }              \
+        else if (left >= 8) { rows_8_##T(xm, K, w0, ym, N, o, op, pf); m += 8; }            \
+        else if (left >= 4) { rows_4_##T(xm, K, w0, ym, N, o, op, pf); m += 4; }            \
+        else { rows_1_##T(xm, K, w0, ym, N, o, op, pf); m += 1; }                           \
+        block++;                                                                             \
+    }                                                                                        \
+}
+PAIR_Q(Q4)
+PAIR_Q(Q8)
+
+/* Rows taken against all the weights before the next rows start: a prefill's [ROW_CHUNK, K]
+ * slice of x stays in L2 while the weights stream past it once per chunk. */
+#define ROW_CHUNK 256
+
 typedef void (*pair_fn)(const float *, long, long, const void *, float *, long,
                         const float *, int, const void *);
 #else
@@ -122,21 +217,28 @@ typedef void (*pair_fn)(const float *, long, long, const void *, float *, long,
 int tidal_panel_gemm_available(void) { return TIDAL_PANEL_GEMM; }
 
 /* x [M, K], wp [N / 16][K][16] of weight type `wtype` (0 float32, 1 bfloat16, 2 float16; N
- * a multiple of 32), y and other [M, N], all contiguous; op 0: y = x W^T, 1: y = x W^T + other,
+ * a multiple of 32), or 3 / 4: [N / 32][K / 32] 4-bit / 8-bit blocks (K a multiple of 32), y and other [M, N], all contiguous; op 0: y = x W^T, 1: y = x W^T + other,
  * 2: y = x W^T * other. */
 void tidal_panel_gemm(const float *x, long M, long K, const void *wp, int wtype, long N,
                       float *y, const float *other, int op) {
 #if TIDAL_PANEL_GEMM
-    static const pair_fn pairs_by_type[3] = {pair_f32, pair_bf16, pair_f16};
-    static const size_t size_by_type[3] = {4, 2, 2};
+    static const pair_fn pairs_by_type[5] = {pair_f32, pair_bf16, pair_f16, pair_Q4, pair_Q8};
     pair_fn pair = pairs_by_type[wtype];
-    size_t pair_bytes = (size_t)32 * K * size_by_type[wtype];
+    size_t pair_bytes = wtype == 3 ? (size_t)K / 32 * Q4_BLOCK_BYTES
+                      : wtype == 4 ? (size_t)K / 32 * Q8_BLOCK_BYTES
+                      : (size_t)32 * K * (wtype == 0 ? 4 : 2);
     long pairs = N / 32;
-    #pragma omp parallel for schedule(static)
-    for (long p = 0; p < pairs; p++) {
-        const char *w0 = (const char *)wp + p * pair_bytes;
-        const char *next = p + 1 < pairs ? w0 + pair_bytes : 0;
-        pair(x, M, K, w0, y + 32 * p, N, other ? other + 32 * p : 0, op, next);
+    #pragma omp parallel
+    for (long m = 0; m < M; m += ROW_CHUNK) {
+        long rows = M - m < ROW_CHUNK ? M - m : ROW_CHUNK;
+        const float *xm = x + m * K, *om = other ? other + m * N : 0;
+        float *ym = y + m * N;
+        #pragma omp for schedule(static)
+        for (long p = 0; p < pairs; p++) {
+            const char *w0 = (const char *)wp + p * pair_bytes;
+            const char *next = p + 1 < pairs ? w0 + pair_bytes : 0;
+            pair(xm, rows, K, w0, ym + 32 * p, N, om ? om + 32 * p : 0, op, next);
+        }
     }
 #else
     (void)x; (void)M; (void)K; (void)wp; (void)wtype; (void)N; (void)y; (void)other; (void)op;

@@ -72,6 +72,55 @@ def test_storage_is_the_narrowest_type_that_loses_nothing():
     assert small_m_gemm.exact_storage_dtype(torch.tensor([[70000.0 + 2.0 ** -4]])) == torch.float32
 
 
+def q4_weight(n=96, k=128, seed=3):
+    """A weight made the way transformers de-quantizes a GGUF Q4_1 tensor: per run of 32 k of
+    a column, fl(fl(d q) + m), q in 0..15 (0 and 15 both present), d and m float16 values."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.01).half().float()
+    m = (-torch.rand(n, k // 32, 1, generator=g) * 0.05).half().float()
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15
+    return (d * q + m).reshape(n, k)
+
+
+def q8_weight(n=96, k=128, seed=4):
+    """GGUF Q8_0 de-quantized: fl(d q), q in -127..127 (127 present), d a float16 value."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.001).half().float()
+    q = torch.randint(-127, 128, (n, k // 32, 32), generator=g).float()
+    q[..., 0] = 127
+    return (d * q).reshape(n, k)
+
+
+@needs_kernel
+@pytest.mark.parametrize("make, kind", [(q4_weight, 3), (q8_weight, 4)])
+def test_weights_made_of_quantized_blocks_are_stored_as_them_with_the_same_products(make, kind):
+    """A de-quantized GGUF weight keeps its 4- or 8-bit blocks; up to BLOCK_ROWS rows read
+    them, more rows the float32 panels, and every product equals the float32 panels' bit for
+    bit (each weight is rebuilt exactly before it is multiplied)."""
+    weight = make()
+    blocks = small_m_gemm.PanelGemm(weight)
+    wide = small_m_gemm.PanelGemm(weight, torch.float32)
+    assert blocks._blocks_type == kind and wide.blocks is None
+    assert blocks.blocks.numel() < weight.numel() * 4 // 3  # 6 or 9 bits a weight, not 32
+    for rows in (1, 5, 12, 13, 29, small_m_gemm.BLOCK_ROWS, small_m_gemm.BLOCK_ROWS + 1):
+        x, other = torch.randn(rows, weight.shape[1]), torch.randn(rows, weight.shape[0])
+        assert torch.equal(blocks(x), wide(x))
+        assert torch.equal(blocks(x, other, "add"), wide(x, other, "add"))
+
+
+def test_a_weight_that_blocks_would_change_is_not_stored_as_blocks():
+    """One value a float32 ulp off its block's grid: the 4-bit form cannot hold it."""
+    weight = q4_weight()
+    assert small_m_gemm.q4_blocks(weight) is not None
+    weight[5, 70] = torch.nextafter(weight[5, 70], torch.tensor(1.0))
+    assert small_m_gemm.q4_blocks(weight) is None
+    assert small_m_gemm.q8_blocks(q4_weight()) is None  # an offset grid is not Q8_0's
+    assert small_m_gemm.q4_blocks(torch.randn(64, 64)) is None
+    assert small_m_gemm.q8_blocks(torch.randn(64, 64)) is None
+    assert small_m_gemm.q4_blocks(q4_weight()[:, :48].contiguous()) is None  # K: 1.5 blocks
+
+
 def test_widths_that_are_not_whole_panel_pairs_are_refused():
     assert not small_m_gemm.panel_gemm_applies(torch.randn(48, 32))
     with pytest.raises(ValueError, match="no panel GEMM"):
