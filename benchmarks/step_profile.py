@@ -10,7 +10,8 @@ Loads MODEL_DIR into an in-process `Worker` (no daemon, no sockets) and measures
     measurement before the model runs and one after;
   * one decode step at `--batch` requests of `--context` tokens (inputs, forward, LM head,
     sampler): the median of `--steps`, against its two floors, weight bytes / read bandwidth
-    and 2 x parameters x batch / GEMM FLOP/s;
+    and 2 x parameters x batch / GEMM FLOP/s, and against the bytes the step actually reads
+    (a de-quantized GGUF's layers stay 4- or 8-bit blocks, `kernels/small_m_gemm.py`);
   * one `--prefill`-token prefill: tokens/s against GEMM FLOP/s / (2 x decoder-layer
     parameters);
   * with `--profile`, a torch.profiler table of the decode step by operator.
@@ -38,6 +39,7 @@ import torch  # noqa: E402
 
 from tidal.ipc.messages import (BatchPlan, CachedRequestData, NewRequestData, SamplingParams,
                                 WorkerConfig, pack_token_ids)
+from tidal.workers.layers import GemmLayer
 from tidal.workers.worker import Worker
 
 BLOCK_SIZE = 16
@@ -85,6 +87,15 @@ class Bench:
         # a prefill token goes through the decoder layers only (logits for one row at the end)
         self.layer_params = sum(p.numel() for p in
                                 self.worker.runner.model.model.layers.parameters())
+
+    def bytes_streamed(self, rows: int) -> int:
+        """Weight bytes one forward of `rows` rows reads: each linear layer's weight as the
+        path for that many rows stores it, plus the other parameters (norms)."""
+        model = self.worker.runner.model
+        gemms = [m for m in model.modules() if isinstance(m, GemmLayer)]
+        in_gemms = {id(m.weight) for m in gemms}
+        rest = sum(p.nbytes for p in model.parameters() if id(p) not in in_gemms)
+        return rest + sum(m.weight_bytes_read(rows) for m in gemms)
 
     def _run(self, **fields) -> float:
         self.step_id += 1
@@ -156,6 +167,10 @@ def main(argv=None) -> int:
           f"(floor {floor * 1e3:.2f} ms = weights / bandwidth: {floor / step:.0%} of it; "
           f"GEMM bound {compute * 1e3:.2f} ms = 2 x parameters x batch / GEMM FLOP/s: "
           f"{compute / step:.0%})")
+    stored = bench.bytes_streamed(a.batch)
+    print(f"  weights as the step reads them at batch {a.batch} (4/8-bit blocks, narrower or "
+          f"float32 panels): {stored / 1e6:.0f} MB, floor {stored / bw * 1e3:.2f} ms: "
+          f"{stored / bw / step:.0%} of the step")
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU]) as prof:

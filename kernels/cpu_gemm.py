@@ -73,6 +73,13 @@ class SmallBatchGemm:
         self.reordered = None if self.panels is not None else (
             torch.ops.mkldnn._reorder_linear_weight(weight.detach(), REORDER_ROWS))
 
+    def bytes_read(self, rows: int) -> int:
+        """Bytes of weight a product of `rows` rows streams (the weight as that path stores
+        it: 4- or 8-bit blocks, narrower panels or float32)."""
+        if self.panels is not None and rows <= SMALL_BATCH_ROWS:
+            return self.panels.bytes_read(rows)
+        return self.weight.nbytes
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = _rows(x)
         if not 0 < rows <= SMALL_BATCH_ROWS:

@@ -208,6 +208,12 @@ class PanelGemm:
                     break
         self._kernel = load().tidal_panel_gemm
 
+    def bytes_read(self, rows: int) -> int:
+        """Bytes of weight a product of `rows` rows streams: its blocks' or its panels'."""
+        if self.blocks is not None and rows <= BLOCK_ROWS:
+            return self.blocks.nbytes
+        return self.panels.nbytes
+
     def __call__(self, x2: torch.Tensor, other: torch.Tensor | None = None,
                  op: str | None = None) -> torch.Tensor:
         """x2 [rows, in] contiguous float32 -> [rows, out]; `op` "add"/"mul" with `other`

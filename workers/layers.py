@@ -83,6 +83,12 @@ class GemmLayer(nn.Module):
         self.cpu_gemm = SmallBatchGemm(self.weight)
         return True
 
+    def weight_bytes_read(self, rows: int) -> int:
+        """Bytes of weight a product of `rows` rows streams on the path it takes."""
+        if self.cpu_gemm is not None:
+            return self.cpu_gemm.bytes_read(rows)
+        return self.weight.nbytes
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T, no bias."""
         if self.cpu_gemm is not None:
@@ -145,6 +151,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         rows = [size // self.tp.size for size in self.output_sizes]
         self.shard_gemms = [SmallBatchGemm(w) for w in self.weight.detach().split(rows)]
         return True
+
+    def weight_bytes_read(self, rows: int) -> int:
+        if self.shard_gemms is not None:
+            return sum(gemm.bytes_read(rows) for gemm in self.shard_gemms)
+        return super().weight_bytes_read(rows)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.shard_gemms is not None:

@@ -109,6 +109,15 @@ def test_weights_made_of_quantized_blocks_are_stored_as_them_with_the_same_produ
         assert torch.equal(blocks(x, other, "add"), wide(x, other, "add"))
 
 
+@needs_kernel
+def test_bytes_read_follow_the_path_each_row_count_takes():
+    weight = q4_weight()  # 96 x 128: 12 KiB of blocks against 48 KiB of float32
+    gemm = SmallBatchGemm(weight)
+    assert gemm.bytes_read(1) == gemm.bytes_read(small_m_gemm.BLOCK_ROWS) == 3 * 4 * 768
+    assert gemm.bytes_read(small_m_gemm.BLOCK_ROWS + 1) == 96 * 128 * 4  # float32 panels
+    assert gemm.bytes_read(10_000) == weight.nbytes  # F.linear on the float32 weight
+
+
 def test_a_weight_that_blocks_would_change_is_not_stored_as_blocks():
     """One value a float32 ulp off its block's grid: the 4-bit form cannot hold it."""
     weight = q4_weight()
