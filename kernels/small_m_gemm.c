@@ -18,6 +18,7 @@
  * equal F.linear's to float32 rounding; the add and mul of op 1 and 2 are applied to the
  * finished sums, so they equal the separate ops bit for bit.
  */
+#include <math.h>
 #include <stddef.h>
 #include <string.h>
 
@@ -202,6 +203,95 @@ static void pair_##T(const float *x, long M, long K, const void *w0, float *y, l
 }
 PAIR_Q(Q4)
 PAIR_Q(Q8)
+
+/* Finding the blocks (at load): one column's run of 32 weights w, checked against the float16
+ * d (and m) its quantizer chose. fl(fl(d q) + m) and fl(d q) are computed with the
+ * explicit-rounding intrinsics, as the kernel widens them, and q = round((w - m) / d) (half
+ * to even, as torch's round) clamped to the type's range. */
+static inline float rebuilt(float d, float q, float m, int offset) {
+    __m128 product = _mm_mul_round_ss(_mm_set_ss(d), _mm_set_ss(q), ROUND);
+    return _mm_cvtss_f32(offset ? _mm_add_round_ss(product, _mm_set_ss(m), ROUND) : product);
+}
+
+static inline float half_to_float(unsigned short h) { return _cvtsh_ss(h); }
+static inline unsigned short float_to_half(float f) {
+    return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+}
+
+/* Whether the run w[0], w[stride], ... (32 values) is exactly fl(fl(d q) + m) (Q4_1: offset 1,
+ * q 0..15) or fl(d q) (Q8_0: offset 0, q -128..127) for float16 d and m; if so writes d, m
+ * and the 32 q. d is tried at the float16 nearest (max - min) / 15 (or max |w| / 127), which
+ * the quantizer stored, and at the two float16 values either side. */
+static int find_run(const float *w, long stride, int offset, float *d_out, float *m_out,
+                    int *q_out) {
+    float lo = w[0], hi = w[0], top = 0;
+    for (int i = 0; i < 32; i++) {
+        float v = w[i * stride];
+        lo = v < lo ? v : lo;
+        hi = v > hi ? v : hi;
+        top = fabsf(v) > top ? fabsf(v) : top;
+    }
+    float m = offset ? lo : 0.0f;
+    if (offset && half_to_float(float_to_half(lo)) != lo) return 0;
+    int q_min = offset ? 0 : -128, q_max = offset ? 15 : 127;
+    unsigned short guess = float_to_half(offset ? (hi - lo) / 15.0f : top / 127.0f);
+    static const int steps[5] = {0, -1, 1, -2, 2};
+    for (int s = 0; s < 5; s++) {
+        float d = half_to_float((unsigned short)(guess + steps[s]));
+        if (!(d >= 0.0f) || isinf(d)) continue;
+        int ok = 1;
+        for (int i = 0; i < 32 && ok; i++) {
+            float v = w[i * stride];
+            float q = d > 0.0f ? nearbyintf((v - m) / d) : 0.0f;
+            q = q < q_min ? q_min : q > q_max ? q_max : q;
+            q_out[i] = (int)q;
+            ok = rebuilt(d, q, m, offset) == v;
+        }
+        if (ok) { *d_out = d; *m_out = m; return 1; }
+    }
+    return 0;
+}
+
+/* w [N, K] float32 (N, K multiples of 32) -> out, the kernel's 4-bit (kind 3) or 8-bit (kind 4)
+ * blocks, [N / 32][K / 32] of Q4_BLOCK_BYTES / Q8_BLOCK_BYTES; returns 1, or 0 (out undefined)
+ * where some run of 32 is not exactly made of such parts. */
+int tidal_find_blocks(const float *w, long N, long K, int kind, unsigned char *out) {
+    int offset = kind == 3;
+    size_t block_bytes = offset ? Q4_BLOCK_BYTES : Q8_BLOCK_BYTES;
+    long runs = N / 32 * (K / 32);
+    int found = 1; /* cleared by the first run that is not made of blocks */
+    #pragma omp parallel for schedule(static)
+    for (long r = 0; r < runs; r++) {
+        int still;
+        #pragma omp atomic read
+        still = found;
+        if (!still) continue;
+        long pair = r / (K / 32), kb = r % (K / 32);
+        unsigned char *block = out + r * block_bytes;
+        float *d = (float *)block, *m = d + 32, no_offset;
+        int q[32][32]; /* [column][k] */
+        for (int c = 0; c < 32 && still; c++)
+            still = find_run(w + (pair * 32 + c) * K + kb * 32, 1, offset, &d[c],
+                             offset ? &m[c] : &no_offset, q[c]);
+        if (!still) {
+            #pragma omp atomic write
+            found = 0;
+            continue;
+        }
+        if (offset) {
+            unsigned char *nibbles = block + 256; /* row k, byte j: column j low, 16 + j high */
+            for (int k = 0; k < 32; k++)
+                for (int j = 0; j < 16; j++)
+                    nibbles[16 * k + j] = (unsigned char)(q[j][k] | (q[16 + j][k] << 4));
+        } else {
+            signed char *bytes = (signed char *)(block + 128); /* row k: columns 0-31 */
+            for (int k = 0; k < 32; k++)
+                for (int c = 0; c < 32; c++)
+                    bytes[32 * k + c] = (signed char)q[c][k];
+        }
+    }
+    return found;
+}
 
 /* Rows taken against all the weights before the next rows start: a prefill's [ROW_CHUNK, K]
  * slice of x stays in L2 while the weights stream past it once per chunk. */

@@ -65,6 +65,9 @@ def _build_and_load() -> ctypes.CDLL | None:
                                          ctypes.c_void_p, ctypes.c_int, ctypes.c_long,
                                          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     library.tidal_panel_gemm.restype = None
+    library.tidal_find_blocks.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
+                                          ctypes.c_int, ctypes.c_void_p]
+    library.tidal_find_blocks.restype = ctypes.c_int
     return library
 
 
@@ -91,82 +94,28 @@ def q4_blocks(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight as 4-bit blocks for the kernel (`small_m_gemm.c`, wtype 3), or None unless
     every value is exactly fl(fl(d q) + m) over its run of 32 k, q in 0..15 and d, m float16
     values: what a GGUF Q4_1 tensor becomes when de-quantized to float32 (transformers' GGUF
-    loading; the SmolLM2 of this project's benchmarks). The quantizer set m to the block's
-    minimum (its q is 0) and d to (max - min) / 15 rounded to float16, so d is looked for
-    among the float16 values next to that. The check recomputes every weight from its parts
-    in float32, as the kernel does: a weight it accepts is stored without loss."""
-    found = _blocks(weight, lambda blocks: blocks.amin(-1, keepdim=True),
-                    lambda blocks, low: (blocks.amax(-1, keepdim=True) - low) / 15, 0, 15)
-    if found is None:
-        return None
-    q, scale, low = found
-    n, k = weight.shape
-    q = q.to(torch.uint8).reshape(n // 32, 2, 16, k // 32, 32)  # [pair, half, j, block, k]
-    nibbles = (q[:, 0] | (q[:, 1] << 4)).permute(0, 2, 3, 1)  # [pair, block, k, j]
-    return _pack_blocks(torch.stack((scale, low)), nibbles, n, k)
+    loading; the SmolLM2 of this project's benchmarks). The check (`tidal_find_blocks`)
+    rebuilds every weight from its parts as the kernel does, so a weight it accepts is stored
+    without loss; one pass over the weight (SmolLM2's 135M values: 0.1 s)."""
+    return _find_blocks(weight, _Q4, 768)
 
 
 def q8_blocks(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight as 8-bit blocks (wtype 4), or None unless every value is exactly fl(d q)
     over its run of 32 k, q in -128..127 and d a float16 value: a GGUF Q8_0 tensor
-    de-quantized (the quantizer's d is max |w| / 127, rounded to float16)."""
-    found = _blocks(weight, lambda blocks: None,
-                    lambda blocks, _: blocks.abs().amax(-1, keepdim=True) / 127, -128, 127)
-    if found is None:
-        return None
-    q, scale, _ = found
+    de-quantized."""
+    return _find_blocks(weight, _Q8, 1152)
+
+
+def _find_blocks(weight: torch.Tensor, kind: int, block_bytes: int) -> torch.Tensor | None:
     n, k = weight.shape
-    q = q.to(torch.int8).reshape(n // 32, 32, k // 32, 32).permute(0, 2, 3, 1)  # [pair, block, k, col]
-    return _pack_blocks(scale[None], q.contiguous().view(torch.uint8), n, k)
-
-
-def _blocks(weight, offset_of, scale_guess, q_min, q_max):
-    """(q, d, m) with weight == fl(fl(d q) + m) exactly over every run of 32 k (m None: no
-    offset, weight == fl(d q)), d and m float16 values; None where no such parts exist. q and
-    the weight are [N, K / 32, 32], d and m [N, K / 32, 1].
-
-    The guess for d is right for every block of the GGUF tensors tried; a block it misses
-    tries the float16 values next to it, and a tensor where more than 1% of the blocks miss
-    is not made of blocks (a few full passes over it: 0.3 s for SmolLM2's 28M-value
-    embedding, 4 s when every block tried five values)."""
-    n, k = weight.shape
-    if n % 32 or k % 32:
+    library = load()
+    if library is None or n % 32 or k % 32 or weight.dtype != torch.float32:
         return None
-    blocks = weight.detach().reshape(n, k // 32, 32)
-    low = offset_of(blocks)
-    if low is not None and not torch.equal(low.to(torch.float16).to(torch.float32), low):
-        return None
-    shifted = blocks if low is None else blocks - low
-
-    def exact(d, shifted, blocks, low):
-        q = torch.where(d > 0, shifted / d, 0.0).round_().clamp_(q_min, q_max)
-        made = d * q if low is None else d * q + low
-        return q, (made == blocks).all(-1)
-
-    scale = scale_guess(blocks, low).to(torch.float16).to(torch.float32)
-    q, hit = exact(scale, shifted, blocks, low)
-    if hit.numel() - int(hit.sum()) > hit.numel() // 100:
-        return None
-    for row, block in (~hit).nonzero().tolist():  # the float16 values next to the guess
-        one = (slice(row, row + 1), slice(block, block + 1))
-        bits = scale[one].to(torch.float16).view(torch.int16)
-        for step in (-1, 1, -2, 2):
-            d = (bits + step).view(torch.float16).to(torch.float32)
-            q_one, hit_one = exact(d, shifted[one], blocks[one], None if low is None else low[one])
-            if hit_one.all():
-                scale[one], q[one] = d, q_one
-                break
-        else:
-            return None
-    return q, scale, low
-
-
-def _pack_blocks(parts: torch.Tensor, values: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """[N / 32, K / 32, bytes]: per pair and run of 32 k, the float32 `parts` ([P, N, K / 32,
-    1]: d, or d and m) of the pair's 32 columns, then its `values` bytes ([pair, block, ...])."""
-    header = parts.reshape(len(parts), n // 32, 32, k // 32).permute(1, 3, 0, 2).contiguous()
-    return torch.cat((header.view(torch.uint8).reshape(n // 32, k // 32, -1),
-                      values.reshape(n // 32, k // 32, -1)), dim=-1).contiguous()
+    w = weight.detach().contiguous()
+    out = torch.empty(n // 32, k // 32, block_bytes, dtype=torch.uint8)
+    found = library.tidal_find_blocks(w.data_ptr(), n, k, kind, out.data_ptr())
+    return out if found else None
 
 
 def pack_panels(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -118,6 +118,7 @@ def test_bytes_read_follow_the_path_each_row_count_takes():
     assert gemm.bytes_read(10_000) == weight.nbytes  # F.linear on the float32 weight
 
 
+@needs_kernel
 def test_a_weight_that_blocks_would_change_is_not_stored_as_blocks():
     """One value a float32 ulp off its block's grid: the 4-bit form cannot hold it."""
     weight = q4_weight()
