@@ -24,7 +24,8 @@ Results equal `F.linear`'s up to float32 rounding (a different summation order).
 
 On a CPU with AVX-512 and a C compiler, the panel kernel of `small_m_gemm.py` takes these
 batches instead of oneDNN (16-31% faster at 8-64 rows on the Xeon: it prefetches the weight
-stream that oneDNN's kernel waits on); oneDNN stays the path everywhere else.
+stream that oneDNN's kernel waits on); with AVX2 it takes a de-quantized GGUF weight's 4/8-bit
+blocks at up to 8 rows; oneDNN stays the path everywhere else.
 
 `add` and `mul` fold the elementwise op that follows a projection in a decoder layer (the
 residual add after o_proj and down_proj, `silu(gate) * up` in the MLP) into the GEMM as a
@@ -66,17 +67,21 @@ class SmallBatchGemm:
             raise ValueError(f"no oneDNN path for a {weight.dtype} {tuple(weight.shape)} "
                              f"weight on {weight.device}")
         self.weight = weight
-        self.panels = PanelGemm(weight) if panel_gemm_applies(weight) else None
-        """The AVX-512 panel kernel (`small_m_gemm.py`) where it builds here: it then takes
-        every small batch, and no oneDNN copy is made (it is 6% slower than oneDNN at 256
-        rows, level at 128, 16-31% faster at 8-64)."""
-        self.reordered = None if self.panels is not None else (
+        panels = PanelGemm(weight) if panel_gemm_applies(weight) else None
+        self.panels = panels if panels is not None and panels.max_rows > 0 else None
+        """The panel kernel (`small_m_gemm.py`) where it builds here and takes this weight: it
+        takes batches of up to `panel_rows` rows (every small batch with AVX-512: 16-31%
+        faster than oneDNN at 8-64 rows, level at 128, 6% slower at 256)."""
+        self.panel_rows = self.panels.max_rows if self.panels is not None else 0
+        self.reordered = None if self.panel_rows >= SMALL_BATCH_ROWS else (
             torch.ops.mkldnn._reorder_linear_weight(weight.detach(), REORDER_ROWS))
+        """oneDNN's copy, for the small batches the panels do not take (None where they
+        take them all)."""
 
     def bytes_read(self, rows: int) -> int:
         """Bytes of weight a product of `rows` rows streams (the weight as that path stores
         it: 4- or 8-bit blocks, narrower panels or float32)."""
-        if self.panels is not None and rows <= SMALL_BATCH_ROWS:
+        if 0 < rows <= self.panel_rows and rows <= SMALL_BATCH_ROWS:
             return self.panels.bytes_read(rows)
         return self.weight.nbytes
 
@@ -85,7 +90,7 @@ class SmallBatchGemm:
         if not 0 < rows <= SMALL_BATCH_ROWS:
             return F.linear(x, self.weight)
         x2 = x.reshape(rows, x.shape[-1]).contiguous()
-        if self.panels is not None:
+        if rows <= self.panel_rows:
             y = self.panels(x2)
         else:
             y = torch.ops.mkldnn._linear_pointwise(x2, self.reordered, None, "none", [], "")
@@ -106,7 +111,7 @@ class SmallBatchGemm:
             return y + other if op == "add" else y * other
         x2 = x.reshape(rows, x.shape[-1]).contiguous()
         other2 = other.reshape(rows, other.shape[-1]).contiguous()
-        if self.panels is not None:
+        if rows <= self.panel_rows:
             y = self.panels(x2, other2, op)
         else:
             y = torch.ops.mkldnn._linear_pointwise.binary(x2, other2, self.reordered, None, op)

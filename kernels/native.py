@@ -2,7 +2,8 @@
 with ctypes: the panel GEMM (`small_m_gemm.c`) and the paged decode attention
 (`decode_attention.c`).
 
-A source is compiled with `$CC` (else `cc`) and `-O3 -march=native -fopenmp` into tidal's cache
+A source is compiled with `$CC` (else `cc`) and `-O3 -march=native -fopenmp` (or
+`-march=$TIDAL_KERNEL_MARCH`) into tidal's cache
 folder (`$TIDAL_CACHE_DIR/kernels`, else `~/.cache/tidal/kernels`), under a name keyed by the
 source, the compiler and flags and this CPU's flags, and loaded from there after (a build takes
 0.1-0.3 s). A machine without a compiler, a build that fails or a library built for a CPU its
@@ -28,10 +29,17 @@ logger = logging.getLogger(__name__)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 
+def flags() -> tuple[str, ...]:
+    """FLAGS, with `-march=$TIDAL_KERNEL_MARCH` where that is set: another CPU's build run on
+    this one (`haswell`: the AVX2 paths on an AVX-512 machine), for tests and measurements."""
+    march = os.environ.get("TIDAL_KERNEL_MARCH")
+    return tuple(f"-march={march}" if march and f == "-march=native" else f for f in FLAGS)
+
+
 def build_and_load(source: Path, available: str) -> ctypes.CDLL | None:
     """`source` compiled for this machine and loaded, or None where it cannot be (no
     compiler, a failed build, or the library's `available()` function returning 0)."""
-    compiler = os.environ.get("CC") or "cc"
+    compiler = compiler_name()
     if shutil.which(compiler) is None:
         return None
     path = cache_folder() / f"{source.stem}-{_build_key(source, compiler)}.so"
@@ -45,6 +53,11 @@ def build_and_load(source: Path, available: str) -> ctypes.CDLL | None:
     return library if getattr(library, available)() else None
 
 
+def compiler_name() -> str:
+    """The C compiler: $CC, else cc."""
+    return os.environ.get("CC") or "cc"
+
+
 def cache_folder() -> Path:
     """$TIDAL_CACHE_DIR/kernels, else under $XDG_CACHE_HOME or ~/.cache (tidal's cache)."""
     base = os.environ.get("TIDAL_CACHE_DIR") or os.path.join(
@@ -56,7 +69,7 @@ def cache_folder() -> Path:
 def _build_key(source: Path, compiler: str) -> str:
     """The source, the compiler and flags, and this CPU (`-march=native`)."""
     digest = hashlib.sha256(source.read_bytes())
-    digest.update(" ".join((compiler, *FLAGS)).encode())
+    digest.update(" ".join((compiler, *flags())).encode())
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             digest.update(next((line for line in f if line.startswith("flags")), "").encode())
@@ -71,6 +84,6 @@ def _compile(source: Path, compiler: str, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
         built = Path(scratch) / path.name
-        subprocess.run([compiler, *FLAGS, "-o", str(built), str(source)], check=True,
+        subprocess.run([compiler, *flags(), "-o", str(built), str(source)], check=True,
                        capture_output=True, timeout=120)
         os.replace(built, path)

@@ -22,41 +22,98 @@
 #include <stddef.h>
 #include <string.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
 #define TIDAL_PANEL_GEMM 1
-typedef float v16 __attribute__((vector_size(64)));
 
-static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
-static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+/* A row k of a panel pair, 32 weights, is NV vectors of VL floats: two zmm with AVX-512, four
+ * ymm with AVX2. Only these macros and the widening below differ between the two. */
+#if defined(__AVX512F__)
+typedef __m512 vec;
+#define NV 2
+#define VL 16
+#define VLOAD _mm512_loadu_ps
+#define VSTORE _mm512_storeu_ps
+#define VSET1 _mm512_set1_ps
+#define VZERO _mm512_setzero_ps
+#define VFMA _mm512_fmadd_ps
+#define VADD _mm512_add_ps
+#define VMUL _mm512_mul_ps
+#else
+typedef __m256 vec;
+#define NV 4
+#define VL 8
+#define VLOAD _mm256_loadu_ps
+#define VSTORE _mm256_storeu_ps
+#define VSET1 _mm256_set1_ps
+#define VZERO _mm256_setzero_ps
+#define VFMA _mm256_fmadd_ps
+#define VADD _mm256_add_ps
+#define VMUL _mm256_mul_ps
+#endif
 
-/* Sixteen weights of a panel row as float32, by storage type. bfloat16 is the top half of a
- * float32, so widening it is a 16-bit shift and exact; so is float16's conversion. */
-static inline v16 weights_f32(const void *w, long i) { return load16((const float *)w + i); }
-static inline v16 weights_f16(const void *w, long i) {
-    __m256i h = _mm256_loadu_si256((const __m256i *)((const unsigned short *)w + i));
-    return (v16)_mm512_cvtph_ps(h);
+/* fl(q d): the product rounded to float32 before anything adds to it. The empty asm hides the
+ * product from the compiler, which would otherwise fuse it with a following add into one
+ * multiply-add (one rounding) under GCC's default -ffp-contract=fast. */
+static inline vec rounded_product(vec q, vec d) {
+    vec p = VMUL(q, d);
+    __asm__("" : "+x"(p));
+    return p;
 }
 
-/* Row k of a panel pair as two float32 vectors (columns 0-15, 16-31). float32 and float16
- * pairs are two panels, w1 = w0 + 16 K; a bfloat16 pair is one [K][16][2] array with column j
- * at 2j and column 16 + j at 2j + 1, so one 64-byte load holds both rows: a 16-bit shift left
- * widens columns 0-15, masking the low half widens 16-31 (two cheap integer ops instead of
- * two zero-extending shuffles plus two shifts: 10% at 256 rows, where the FMA ports are busy). */
-#define PAIR_ROW_f32(w0, w1, k, b0, b1) \
-    v16 b0 = weights_f32(w0, 16 * (k)), b1 = weights_f32(w1, 16 * (k))
-#define PAIR_ROW_f16(w0, w1, k, b0, b1) \
-    v16 b0 = weights_f16(w0, 16 * (k)), b1 = weights_f16(w1, 16 * (k))
-#define PAIR_ROW_bf16(w0, w1, k, b0, b1)                                                    \
-    __m512i both_##k = _mm512_loadu_si512((const unsigned short *)(w0) + 32 * (k));        \
-    v16 b0 = (v16)_mm512_castsi512_ps(_mm512_slli_epi32(both_##k, 16));                     \
-    v16 b1 = (v16)_mm512_castsi512_ps(_mm512_and_si512(both_##k, _mm512_set1_epi32((int)0xFFFF0000u)))
+/* Row k of a pair as float32, b[0..NV): columns 0-31 in order, by storage type. float32 and
+ * float16 pairs are two panels, w1 = w0 + 16 K. A bfloat16 pair is one [K][16][2] array with
+ * column j at 2j and column 16 + j at 2j + 1, so 64 bytes hold the whole row: a 16-bit shift
+ * left widens columns 0-15, masking the low half widens 16-31 (bfloat16 is the top half of a
+ * float32: exact), two cheap integer ops where zero-extending shuffles cost 10% at 256 rows on
+ * AVX-512, where the FMA ports are busy. float16 widens exactly too (vcvtph2ps). */
+#if defined(__AVX512F__)
+#define PAIR_ROW_f32(w0, w1, k, b)                                                           \
+    vec b[2] = {VLOAD((const float *)(w0) + 16 * (k)), VLOAD((const float *)(w1) + 16 * (k))}
+#define HALVES16(w, k) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const unsigned short *)(w) + 16 * (k))))
+#define PAIR_ROW_f16(w0, w1, k, b) vec b[2] = {HALVES16(w0, k), HALVES16(w1, k)}
+#define PAIR_ROW_bf16(w0, w1, k, b)                                                          \
+    __m512i both = _mm512_loadu_si512((const unsigned short *)(w0) + 32 * (k));            \
+    vec b[2] = {_mm512_castsi512_ps(_mm512_slli_epi32(both, 16)),                            \
+                _mm512_castsi512_ps(_mm512_and_si512(both, _mm512_set1_epi32((int)0xFFFF0000u)))}
+#else
+#define PAIR_ROW_f32(w0, w1, k, b)                                                           \
+    const float *f0 = (const float *)(w0) + 16 * (k), *f1 = (const float *)(w1) + 16 * (k);  \
+    vec b[4] = {VLOAD(f0), VLOAD(f0 + 8), VLOAD(f1), VLOAD(f1 + 8)}
+#define HALVES8(w, k, j) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const unsigned short *)(w) + 16 * (k) + 8 * (j))))
+#define PAIR_ROW_f16(w0, w1, k, b)                                                           \
+    vec b[4] = {HALVES8(w0, k, 0), HALVES8(w0, k, 1), HALVES8(w1, k, 0), HALVES8(w1, k, 1)}
+#define PAIR_ROW_bf16(w0, w1, k, b)                                                          \
+    const __m256i *both = (const __m256i *)((const unsigned short *)(w0) + 32 * (k));      \
+    __m256i lo = _mm256_loadu_si256(both), hi = _mm256_loadu_si256(both + 1);               \
+    __m256i top = _mm256_set1_epi32((int)0xFFFF0000u);                                       \
+    vec b[4] = {_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)),                              \
+                _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16)),                              \
+                _mm256_castsi256_ps(_mm256_and_si256(lo, top)),                              \
+                _mm256_castsi256_ps(_mm256_and_si256(hi, top))}
+#endif
 
-static inline void finish16(float *y, const float *other, int op, v16 acc) {
-    if (op == 1) acc += load16(other);
-    else if (op == 2) acc *= load16(other);
-    store16(y, acc);
+/* y (VL columns of one row) = acc, + other (op 1) or * other (op 2). */
+static inline void finish(float *y, const float *other, int op, vec acc) {
+    if (op == 1) acc = VADD(acc, VLOAD(other));
+    else if (op == 2) acc = VMUL(acc, VLOAD(other));
+    VSTORE(y, acc);
 }
+
+/* RB rows' sums over k of x[i, k] * b[j] (the row of the pair ROW(k) defines), held in
+ * registers over the whole loop, then finished into y. */
+#define ACCUMULATE(RB, x, K, k0, kn, ROW, a)                                                 \
+    for (long k = (k0); k < (kn); k++) {                                                     \
+        ROW;                                                                                 \
+        for (int i = 0; i < RB; i++) {                                                       \
+            vec xi = VSET1((x)[i * (K) + k]);                                                \
+            for (int j = 0; j < NV; j++) a[i][j] = VFMA(xi, b[j], a[i][j]);                 \
+        }                                                                                    \
+    }
+#define FINISH(RB, a, y, N, other, op)                                                       \
+    for (int i = 0; i < RB; i++)                                                             \
+        for (int j = 0; j < NV; j++)                                                         \
+            finish((y) + i * (N) + VL * j, (other) ? (other) + i * (N) + VL * j : 0, op, a[i][j]);
 
 /* RB rows of x against panels w0, w1 (K x 16 each, of type T); `prefetch` (or NULL): K cache
  * lines (64 bytes apart) of the next pair to bring into L2 meanwhile. */
@@ -64,32 +121,33 @@ static inline void finish16(float *y, const float *other, int op, v16 acc) {
 static void rows_##RB##_##T(const float *x, long K, const void *w0, const void *w1,        \
                             float *y, long N, const float *other, int op,                  \
                             const char *prefetch) {                                        \
-    v16 a0[RB], a1[RB];                                                                      \
+    vec a[RB][NV];                                                                           \
     (void)w1; /* a bfloat16 pair reads both panels from w0 */                                \
-    for (int i = 0; i < RB; i++) { a0[i] = (v16){0}; a1[i] = (v16){0}; }                    \
-    for (long k = 0; k < K; k++) {                                                           \
-        PAIR_ROW_##T(w0, w1, k, b0, b1);                                                     \
-        if (prefetch) __builtin_prefetch(prefetch + 64 * k, 0, 2);                           \
-        for (int i = 0; i < RB; i++) {                                                       \
-            float xi = x[i * K + k];                                                         \
-            a0[i] += xi * b0;                                                                \
-            a1[i] += xi * b1;                                                                \
-        }                                                                                    \
-    }                                                                                        \
-    for (int i = 0; i < RB; i++) {                                                           \
-        finish16(y + i * N, other ? other + i * N : 0, op, a0[i]);                           \
-        finish16(y + i * N + 16, other ? other + i * N + 16 : 0, op, a1[i]);                 \
-    }                                                                                        \
+    for (int i = 0; i < RB; i++) for (int j = 0; j < NV; j++) a[i][j] = VZERO();            \
+    ACCUMULATE(RB, x, K, 0, K, PAIR_ROW_##T(w0, w1, k, b);                                   \
+               if (prefetch) __builtin_prefetch(prefetch + 64 * k, 0, 2), a)                 \
+    FINISH(RB, a, y, N, other, op)                                                           \
 }
+
+/* The row-block functions of one type, and a call of the largest that fits `left` rows
+ * (returns the rows it took). A block holds its rows' sums in registers beside the row of
+ * weights: AVX-512's 32 zmm take 12 rows (24 sums, 2 weight vectors), AVX2's 16 ymm take 2
+ * (8 sums, 4 weight vectors; 3 rows spill). */
+#if defined(__AVX512F__)
+#define ROW_BLOCKS(MAKE, T) MAKE(12, T) MAKE(8, T) MAKE(4, T) MAKE(1, T)
+#define DISPATCH(T, left, args)                                                              \
+    ((left) >= 12 ? (rows_12_##T args, 12) : (left) >= 8 ? (rows_8_##T args, 8)            \
+     : (left) >= 4 ? (rows_4_##T args, 4) : (rows_1_##T args, 1))
+#else
+#define ROW_BLOCKS(MAKE, T) MAKE(2, T) MAKE(1, T)
+#define DISPATCH(T, left, args) ((left) >= 2 ? (rows_2_##T args, 2) : (rows_1_##T args, 1))
+#endif
 
 /* One pair of panels (32 output columns) against all M rows, in row blocks of 12, 8, 4, 1.
  * A pair is 32 K `SIZE`-byte weights, 2 K cache lines for float32 and K for 16-bit types:
  * the first (and for float32 the second) row block prefetches K lines of the next pair. */
 #define PAIR(T, SIZE)                                                                        \
-ROW_BLOCK(12, T)                                                                             \
-ROW_BLOCK(8, T)                                                                              \
-ROW_BLOCK(4, T)                                                                              \
-ROW_BLOCK(1, T)                                                                              \
+ROW_BLOCKS(ROW_BLOCK, T)                                                                     \
 static void pair_##T(const float *x, long M, long K, const void *w0, float *y, long N,     \
                      const float *other, int op, const void *next) {                        \
     const void *w1 = (const char *)w0 + (size_t)16 * K * SIZE;                              \
@@ -102,10 +160,7 @@ static void pair_##T(const float *x, long M, long K, const void *w0, float *y, l
         const float *o = other ? other + m * N : 0;                                          \
         const float *xm = x + m * K;                                                         \
         float *ym = y + m * N;                                                               \
-        if (left >= 12) { rows_12_##T(xm, K, w0, w1, ym, N, o, op, pf); m += 12; }          \
-        else if (left >= 8) { rows_8_##T(xm, K, w0, w1, ym, N, o, op, pf); m += 8; }        \
-        else if (left >= 4) { rows_4_##T(xm, K, w0, w1, ym, N, o, op, pf); m += 4; }        \
-        else { rows_1_##T(xm, K, w0, w1, ym, N, o, op, pf); m += 1; }                       \
+        m += DISPATCH(T, left, (xm, K, w0, w1, ym, N, o, op, pf));                          \
         block++;                                                                             \
     }                                                                                        \
 }
@@ -124,66 +179,65 @@ PAIR(f16, 2)
  * computed the float32 values (numpy's d * q + m): the explicit-rounding intrinsics keep the
  * compiler from fusing them into one multiply-add. So again the products are those of the
  * float32 weights, from 6 bits a weight instead of 32. */
-#define ROUND (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define Q4_BLOCK_BYTES 768
-#define Q4_HEADER(w)                                                                         \
-    const float *dm = (const float *)(w);                                                    \
-    __m512 d0 = _mm512_loadu_ps(dm), d1 = _mm512_loadu_ps(dm + 16);                          \
-    __m512 m0 = _mm512_loadu_ps(dm + 32), m1 = _mm512_loadu_ps(dm + 48)
-#define Q4_ROW(w, k, b0, b1)                                                                 \
-    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((w) + 256 + 16 * (k)))); \
-    v16 b0 = (v16)_mm512_add_round_ps(                                                       \
-        _mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))), \
-                            d0, ROUND), m0, ROUND);                                          \
-    v16 b1 = (v16)_mm512_add_round_ps(                                                       \
-        _mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d1, ROUND), m1, ROUND)
-
-/* 8-bit blocks (wtype 4): a weight that is exactly d q over each run of 32 k of a column (q in
- * -128..127, d a float16 value: GGUF Q8_0 de-quantized, numpy's d * q) is stored as float
- * d[32] (128 bytes) and int8 q[32][32] (row k: columns 0-31), widened as fl(d q). */
 #define Q8_BLOCK_BYTES 1152
-#define Q8_HEADER(w)                                                                         \
+
+/* Row k of a block as float32 vectors b[0..NV), columns 0-31: 4-bit fl(fl(d q) + m), 8-bit
+ * fl(d q); d (and m) are the block's header, re-read from L1 per row. */
+#if defined(__AVX512F__)
+#define Q4_ROW(w, k, b)                                                                      \
     const float *dm = (const float *)(w);                                                    \
-    __m512 d0 = _mm512_loadu_ps(dm), d1 = _mm512_loadu_ps(dm + 16)
-#define Q8_ROW(w, k, b0, b1)                                                                 \
+    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((w) + 256 + 16 * (k)))); \
+    vec b[2] = {VADD(rounded_product(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))), \
+                                     VLOAD(dm)), VLOAD(dm + 32)),                            \
+                VADD(rounded_product(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), VLOAD(dm + 16)), \
+                     VLOAD(dm + 48))}
+#define Q8_ROW(w, k, b)                                                                      \
+    const float *dm = (const float *)(w);                                                    \
     const __m128i *qk = (const __m128i *)((w) + 128 + 32 * (k));                             \
-    v16 b0 = (v16)_mm512_mul_round_ps(                                                       \
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qk))), d0, ROUND);          \
-    v16 b1 = (v16)_mm512_mul_round_ps(                                                       \
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qk + 1))), d1, ROUND)
+    vec b[2] = {rounded_product(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qk))), VLOAD(dm)), \
+                rounded_product(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qk + 1))), VLOAD(dm + 16))}
+#else
+/* Eight 4-bit weights from 8 bytes (low or high nibbles), or eight 8-bit ones. */
+static inline vec q4_eight(const unsigned char *bytes, int high, const float *d, const float *m) {
+    __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)bytes));
+    q = high ? _mm256_srli_epi32(q, 4) : _mm256_and_si256(q, _mm256_set1_epi32(15));
+    return VADD(rounded_product(_mm256_cvtepi32_ps(q), VLOAD(d)), VLOAD(m));
+}
+static inline vec q8_eight(const unsigned char *bytes, const float *d) {
+    __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)bytes));
+    return rounded_product(_mm256_cvtepi32_ps(q), VLOAD(d));
+}
+#define Q4_ROW(w, k, b)                                                                      \
+    const float *dm = (const float *)(w);                                                    \
+    const unsigned char *qk = (w) + 256 + 16 * (k);                                          \
+    vec b[4] = {q4_eight(qk, 0, dm, dm + 32), q4_eight(qk + 8, 0, dm + 8, dm + 40),          \
+                q4_eight(qk, 1, dm + 16, dm + 48), q4_eight(qk + 8, 1, dm + 24, dm + 56)}
+#define Q8_ROW(w, k, b)                                                                      \
+    const float *dm = (const float *)(w);                                                    \
+    const unsigned char *qk = (w) + 128 + 32 * (k);                                          \
+    vec b[4] = {q8_eight(qk, dm), q8_eight(qk + 8, dm + 8), q8_eight(qk + 16, dm + 16),      \
+                q8_eight(qk + 24, dm + 24)}
+#endif
 
 #define ROW_BLOCK_Q(RB, T)                                                                   \
 static void rows_##RB##_##T(const float *x, long K, const unsigned char *w, float *y, long N, \
                             const float *other, int op, const char *prefetch) {            \
-    v16 a0[RB], a1[RB];                                                                      \
-    for (int i = 0; i < RB; i++) { a0[i] = (v16){0}; a1[i] = (v16){0}; }                    \
+    vec a[RB][NV];                                                                           \
+    for (int i = 0; i < RB; i++) for (int j = 0; j < NV; j++) a[i][j] = VZERO();            \
     for (long kb = 0; kb < K; kb += 32, w += T##_BLOCK_BYTES) {                              \
-        T##_HEADER(w);                                                                       \
         if (prefetch)                                                                        \
             for (int l = 0; l < T##_BLOCK_BYTES; l += 64)                                    \
                 __builtin_prefetch(prefetch + kb / 32 * T##_BLOCK_BYTES + l, 0, 2);          \
-        for (long k = 0; k < 32; k++) {                                                      \
-            T##_ROW(w, k, b0, b1);                                                           \
-            for (int i = 0; i < RB; i++) {                                                   \
-                float xi = x[i * K + kb + k];                                                \
-                a0[i] += xi * b0;                                                            \
-                a1[i] += xi * b1;                                                            \
-            }                                                                                \
-        }                                                                                    \
+        ACCUMULATE(RB, x + kb, K, 0, 32, T##_ROW(w, k, b), a)                                \
     }                                                                                        \
-    for (int i = 0; i < RB; i++) {                                                           \
-        finish16(y + i * N, other ? other + i * N : 0, op, a0[i]);                           \
-        finish16(y + i * N + 16, other ? other + i * N + 16 : 0, op, a1[i]);                 \
-    }                                                                                        \
+    FINISH(RB, a, y, N, other, op)                                                           \
 }
 
 /* A pair of blocks against all M rows in row blocks of 12, 8, 4, 1; the first row block
  * prefetches the whole next pair. */
 #define PAIR_Q(T)                                                                            \
-ROW_BLOCK_Q(12, T)                                                                           \
-ROW_BLOCK_Q(8, T)                                                                            \
-ROW_BLOCK_Q(4, T)                                                                            \
-ROW_BLOCK_Q(1, T)                                                                            \
+ROW_BLOCKS(ROW_BLOCK_Q, T)                                                                   \
 static void pair_##T(const float *x, long M, long K, const void *w0, float *y, long N,     \
                      const float *other, int op, const void *next) {                        \
     long m = 0;                                                                              \
@@ -194,10 +248,7 @@ static void pair_##T(const float *x, long M, long K, const void *w0, float *y, l
         const float *o = other ? other + m * N : 0;                                          \
         const float *xm = x + m * K;                                                         \
         float *ym = y + m * N;                                                               \
-        if (left >= 12) { rows_12_##T(xm, K, w0, ym, N, o, op, pf); m += 12; }              \
-        else if (left >= 8) { rows_8_##T(xm, K, w0, ym, N, o, op, pf); m += 8; }            \
-        else if (left >= 4) { rows_4_##T(xm, K, w0, ym, N, o, op, pf); m += 4; }            \
-        else { rows_1_##T(xm, K, w0, ym, N, o, op, pf); m += 1; }                           \
+        m += DISPATCH(T, left, (xm, K, w0, ym, N, o, op, pf));                              \
         block++;                                                                             \
     }                                                                                        \
 }
@@ -209,8 +260,9 @@ PAIR_Q(Q8)
  * explicit-rounding intrinsics, as the kernel widens them, and q = round((w - m) / d) (half
  * to even, as torch's round) clamped to the type's range. */
 static inline float rebuilt(float d, float q, float m, int offset) {
-    __m128 product = _mm_mul_round_ss(_mm_set_ss(d), _mm_set_ss(q), ROUND);
-    return _mm_cvtss_f32(offset ? _mm_add_round_ss(product, _mm_set_ss(m), ROUND) : product);
+    float product = d * q;
+    __asm__("" : "+x"(product)); /* rounded to float32 before the add, never fused */
+    return offset ? product + m : product;
 }
 
 static inline float half_to_float(unsigned short h) { return _cvtsh_ss(h); }
@@ -303,8 +355,18 @@ typedef void (*pair_fn)(const float *, long, long, const void *, float *, long,
 #define TIDAL_PANEL_GEMM 0
 #endif
 
-/* 1 where this build has the kernel (compiled for a CPU with AVX-512), else 0. */
+/* 1 where this build has the kernel (compiled for a CPU with AVX-512, or AVX2 with FMA and
+ * F16C), else 0. */
 int tidal_panel_gemm_available(void) { return TIDAL_PANEL_GEMM; }
+
+/* Floats in one of the build's vector registers: 16 (AVX-512) or 8 (AVX2); 0 without it. */
+int tidal_panel_gemm_vector_floats(void) {
+#if TIDAL_PANEL_GEMM
+    return VL;
+#else
+    return 0;
+#endif
+}
 
 /* x [M, K], wp [N / 16][K][16] of weight type `wtype` (0 float32, 1 bfloat16, 2 float16; N
  * a multiple of 32), or 3 / 4: [N / 32][K / 32] 4-bit / 8-bit blocks (K a multiple of 32), y and other [M, N], all contiguous; op 0: y = x W^T, 1: y = x W^T + other,

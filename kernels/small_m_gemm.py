@@ -1,5 +1,6 @@
 """The panel GEMM of `small_m_gemm.c`: float32 linear layers for decode batches on AVX-512
-CPUs, where it beats oneDNN (`cpu_gemm.py`) by streaming the weights with prefetches.
+CPUs, where it beats oneDNN (`cpu_gemm.py`) by streaming the weights with prefetches, and on
+AVX2 CPUs for a de-quantized GGUF's 4/8-bit blocks at a few rows.
 
 Measured on this project's 2-core Xeon VM (AVX-512, two threads), SmolLM2-135M's four layer
 shapes in 30 layers, each weight streamed from memory (BENCHMARKS.md, "On the Xeon again"):
@@ -14,9 +15,11 @@ and the kernel widens it back in registers: the same float32 products from half 
 (2026-12-02, same loop, bfloat16 against float32 panels: 1 row 6.6 / 14.6 ms, 8 rows 8.4 /
 17.8, 32 rows 20.9 / 26.4, 128 and 256 rows level).
 
-The C source is built by `native.build_and_load` (the machine's C compiler, cached on disk);
-a machine without a compiler, or a CPU without AVX-512 (the kernel's registers are 16-float
-vectors), keeps oneDNN: `load()` returns None.
+The C source is built by `native.build_and_load` (the machine's C compiler, cached on disk)
+for AVX-512 or, failing that, AVX2 with FMA and F16C (the same arithmetic in 8-float vectors:
+bit-identical results, tested); a machine without a compiler or without AVX2 keeps oneDNN:
+`load()` returns None. With AVX2 only, the panels take a weight's blocks up to
+AVX2_BLOCK_ROWS rows and nothing else (`_reach`).
 """
 
 from __future__ import annotations
@@ -29,18 +32,23 @@ import torch
 
 from tidal.kernels import native
 
-PANEL_ROWS = 128
-"""Most rows that take the panel kernel (above, oneDNN's kernel is level or faster)."""
 SOURCE = Path(__file__).with_name("small_m_gemm.c")
 
 _OPS = {None: 0, "add": 1, "mul": 2}
 _WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _Q4, _Q8 = 3, 4  # the kernel's weight types for 4-bit and 8-bit blocks
 BLOCK_ROWS = 48
-"""Most rows that take a weight's 4- or 8-bit blocks where it has them; more rows take its
-float panels. Widening the blocks costs arithmetic that pays while the weight stream is the
-bound (SmolLM2's layers, 2 threads: 5.6 against 16.3 ms at 1 row, 25.8 / 30.0 at 32, 36.6 /
-39.1 at 48, level at 64)."""
+"""With AVX-512, the most rows that take a weight's 4- or 8-bit blocks where it has them; more
+rows take its float panels. Widening the blocks costs arithmetic that pays while the weight
+stream is the bound (SmolLM2's layers, 2 threads: 5.6 against 16.3 ms at 1 row, 25.8 / 30.0 at
+32, 36.6 / 39.1 at 48, level at 64)."""
+AVX2_BLOCK_ROWS = 8
+"""With AVX2 only (16 ymm registers: row blocks of 2, not 12), the most rows that take the
+blocks; the float panels are not kept there and oneDNN takes every other small batch. The AVX2
+build run on the Xeon, SmolLM2's layers: blocks 4.9 / 19.3 / 36.0 ms at 1 / 8 / 16 rows against
+oneDNN's 21.3 / 28.0 / 31.4 (oneDNN with AVX-512 there; on an AVX2 CPU it runs at about half
+that rate, so 8 is the cautious bound until measured on one)."""
+
 _library: ctypes.CDLL | None = None
 _tried = False
 
@@ -130,10 +138,19 @@ def pack_panels(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> tor
     return w.reshape(n // 16, 16, k).transpose(1, 2).to(dtype).contiguous()
 
 
+def _reach() -> tuple[int, int]:
+    """(most rows the blocks take, most rows the float panels take) with this machine's build:
+    AVX-512 (BLOCK_ROWS, any), AVX2 (AVX2_BLOCK_ROWS, 0: no float panels)."""
+    if load().tidal_panel_gemm_vector_floats() >= 16:
+        return BLOCK_ROWS, 1 << 62
+    return AVX2_BLOCK_ROWS, 0
+
+
 class PanelGemm:
     """`x @ weight.T` (and with a fused add or mul) through the panel kernel, for inputs of
-    1..PANEL_ROWS rows (the caller routes the rest elsewhere). The panels are stored in
-    `exact_storage_dtype(weight)`: results are float32 either way."""
+    1..`max_rows` rows (the caller routes the rest elsewhere): the weight's 4- or 8-bit blocks
+    where it has them, up to a row count, and float panels in `exact_storage_dtype(weight)`;
+    results are float32 either way."""
 
     def __init__(self, weight: torch.Tensor, storage: torch.dtype | None = None):
         """`storage`: the panels' type (default `exact_storage_dtype(weight)`)."""
@@ -144,24 +161,35 @@ class PanelGemm:
             raise ValueError(f"storage must be one of {sorted(map(str, _WEIGHT_TYPES))}, "
                              f"got {storage}")
         self.out_features, self.in_features = weight.shape
-        self.panels = pack_panels(weight, storage or exact_storage_dtype(weight))
-        self._weight_type = _WEIGHT_TYPES[self.panels.dtype]
         self.blocks, self._blocks_type = None, 0
         """The weight's 4- or 8-bit blocks where it is exactly made of them (`q4_blocks`,
-        `q8_blocks`), for inputs of up to BLOCK_ROWS rows; None otherwise."""
+        `q8_blocks`); None otherwise, or when `storage` asks for float panels."""
         if storage is None:
             for find, kind in ((q4_blocks, _Q4), (q8_blocks, _Q8)):
                 self.blocks = find(weight)
                 if self.blocks is not None:
                     self._blocks_type = kind
                     break
+        block_rows, panel_rows = _reach()
+        self._block_rows = block_rows if self.blocks is not None else 0
+        keep_panels = storage is not None or panel_rows > 0
+        self.panels = pack_panels(weight, storage or exact_storage_dtype(weight)) if keep_panels else None
+        """Float panels (None on an AVX2 build unless `storage` is given)."""
+        self._weight_type = _WEIGHT_TYPES[self.panels.dtype] if keep_panels else 0
+        self.max_rows = max(self._block_rows, (panel_rows or 1 << 62) if keep_panels else 0)
+        """The most rows a call takes (0: none, the weight is no use to this build)."""
         self._kernel = load().tidal_panel_gemm
 
     def bytes_read(self, rows: int) -> int:
         """Bytes of weight a product of `rows` rows streams: its blocks' or its panels'."""
-        if self.blocks is not None and rows <= BLOCK_ROWS:
-            return self.blocks.nbytes
-        return self.panels.nbytes
+        return self._weights_for(rows)[0].nbytes
+
+    def _weights_for(self, rows: int) -> tuple[torch.Tensor, int]:
+        if self.blocks is not None and rows <= self._block_rows:
+            return self.blocks, self._blocks_type
+        if self.panels is None or rows > self.max_rows:
+            raise ValueError(f"{rows} rows: this panel GEMM takes at most {self.max_rows}")
+        return self.panels, self._weight_type
 
     def __call__(self, x2: torch.Tensor, other: torch.Tensor | None = None,
                  op: str | None = None) -> torch.Tensor:
@@ -169,9 +197,7 @@ class PanelGemm:
         [rows, out] contiguous applies it to the finished product."""
         rows = x2.shape[0]
         y = torch.empty(rows, self.out_features, dtype=torch.float32)
-        weights, weight_type = (
-            (self.blocks, self._blocks_type) if self.blocks is not None and rows <= BLOCK_ROWS
-            else (self.panels, self._weight_type))
+        weights, weight_type = self._weights_for(rows)
         self._kernel(x2.data_ptr(), rows, self.in_features, weights.data_ptr(),
                      weight_type, self.out_features, y.data_ptr(),
                      other.data_ptr() if other is not None else None, _OPS[op])

@@ -1,17 +1,25 @@
 """The panel GEMM (`kernels/small_m_gemm.py`): the product equals F.linear's to float32
-rounding for every row count up to PANEL_ROWS (its 12/8/4/1-row blocks and their tails), the
-fused add and mul equal the separate ops bit for bit, and a machine where it cannot be built
-keeps oneDNN."""
+rounding for every row count up to 128 (its row blocks and their tails), the fused add and
+mul equal the separate ops bit for bit, weights stored narrower (bfloat16, float16, GGUF 4/8-bit
+blocks) give the float32 products bit for bit, the AVX2 build equals the AVX-512 one bit for
+bit, and a machine where it cannot be built keeps oneDNN."""
+
+import ctypes
+import shutil
+import subprocess
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tidal.kernels import small_m_gemm
+from tidal.kernels import native, small_m_gemm
 from tidal.kernels.cpu_gemm import SmallBatchGemm, small_batch_gemm_available
 
 needs_kernel = pytest.mark.skipif(small_m_gemm.load() is None,
-                                  reason="no C compiler or no AVX-512 on this machine")
+                                  reason="no C compiler or no AVX2 on this machine")
+needs_avx512 = pytest.mark.skipif(
+    small_m_gemm.load() is None or small_m_gemm.load().tidal_panel_gemm_vector_floats() < 16,
+    reason="the float panels take every small batch with AVX-512 only")
 
 
 @needs_kernel
@@ -19,9 +27,8 @@ needs_kernel = pytest.mark.skipif(small_m_gemm.load() is None,
 def test_product_equals_f_linear_for_every_row_count(shape):
     torch.manual_seed(0)
     weight = torch.randn(*shape) * 0.05
-    gemm = small_m_gemm.PanelGemm(weight)
-    for rows in [1, 2, 3, 4, 5, 7, 8, 11, 12, 13, 20, 24, 25, 32, 33, 64, 127,
-                 small_m_gemm.PANEL_ROWS]:
+    gemm = small_m_gemm.PanelGemm(weight, torch.float32)
+    for rows in [1, 2, 3, 4, 5, 7, 8, 11, 12, 13, 20, 24, 25, 32, 33, 64, 127, 128]:
         x = torch.randn(rows, shape[1])
         torch.testing.assert_close(gemm(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
 
@@ -30,7 +37,7 @@ def test_product_equals_f_linear_for_every_row_count(shape):
 def test_fused_add_and_mul_equal_the_separate_ops_bit_for_bit():
     torch.manual_seed(1)
     weight = torch.randn(128, 96)
-    gemm = small_m_gemm.PanelGemm(weight)
+    gemm = small_m_gemm.PanelGemm(weight, torch.float32)
     for rows in (1, 9, 30):
         x, other = torch.randn(rows, 96), torch.randn(rows, 128)
         y = gemm(x)
@@ -38,7 +45,7 @@ def test_fused_add_and_mul_equal_the_separate_ops_bit_for_bit():
         assert torch.equal(gemm(x, other, "mul"), y * other)
 
 
-@needs_kernel
+@needs_avx512
 def test_small_batch_gemm_takes_the_panels_and_no_onednn_copy():
     weight = torch.randn(64, 32)
     gemm = SmallBatchGemm(weight)
@@ -54,7 +61,8 @@ def test_weights_a_narrower_type_holds_exactly_are_stored_in_it_with_the_same_pr
     back in its own type, and the products equal those of float32 panels bit for bit."""
     torch.manual_seed(2)
     weight = (torch.randn(96, 200) * 0.05).to(narrow).to(torch.float32)
-    narrow_gemm = small_m_gemm.PanelGemm(weight)
+    assert small_m_gemm.exact_storage_dtype(weight) == narrow
+    narrow_gemm = small_m_gemm.PanelGemm(weight, narrow)
     wide_gemm = small_m_gemm.PanelGemm(weight, torch.float32)
     assert narrow_gemm.panels.dtype == narrow and wide_gemm.panels.dtype == torch.float32
     for rows in (1, 5, 12, 29):
@@ -96,14 +104,16 @@ def q8_weight(n=96, k=128, seed=4):
 @pytest.mark.parametrize("make, kind", [(q4_weight, 3), (q8_weight, 4)])
 def test_weights_made_of_quantized_blocks_are_stored_as_them_with_the_same_products(make, kind):
     """A de-quantized GGUF weight keeps its 4- or 8-bit blocks; up to BLOCK_ROWS rows read
-    them, more rows the float32 panels, and every product equals the float32 panels' bit for
-    bit (each weight is rebuilt exactly before it is multiplied)."""
+    them (AVX2_BLOCK_ROWS with AVX2), more rows the float panels (AVX-512 only), and every
+    product equals the float32 panels' bit for bit (each weight is rebuilt exactly before it
+    is multiplied)."""
     weight = make()
     blocks = small_m_gemm.PanelGemm(weight)
     wide = small_m_gemm.PanelGemm(weight, torch.float32)
     assert blocks._blocks_type == kind and wide.blocks is None
     assert blocks.blocks.numel() < weight.numel() * 4 // 3  # 6 or 9 bits a weight, not 32
-    for rows in (1, 5, 12, 13, 29, small_m_gemm.BLOCK_ROWS, small_m_gemm.BLOCK_ROWS + 1):
+    reach = small_m_gemm._reach()[0]
+    for rows in [r for r in (1, 5, 12, 13, 29, reach, reach + 1) if r <= blocks.max_rows]:
         x, other = torch.randn(rows, weight.shape[1]), torch.randn(rows, weight.shape[0])
         assert torch.equal(blocks(x), wide(x))
         assert torch.equal(blocks(x, other, "add"), wide(x, other, "add"))
@@ -113,9 +123,68 @@ def test_weights_made_of_quantized_blocks_are_stored_as_them_with_the_same_produ
 def test_bytes_read_follow_the_path_each_row_count_takes():
     weight = q4_weight()  # 96 x 128: 12 KiB of blocks against 48 KiB of float32
     gemm = SmallBatchGemm(weight)
-    assert gemm.bytes_read(1) == gemm.bytes_read(small_m_gemm.BLOCK_ROWS) == 3 * 4 * 768
-    assert gemm.bytes_read(small_m_gemm.BLOCK_ROWS + 1) == 96 * 128 * 4  # float32 panels
+    reach = small_m_gemm._reach()[0]
+    assert gemm.bytes_read(1) == gemm.bytes_read(reach) == 3 * 4 * 768
+    # then the float32 panels (AVX-512) or oneDNN's copy of the float32 weight (AVX2)
+    assert gemm.bytes_read(reach + 1) == 96 * 128 * 4
     assert gemm.bytes_read(10_000) == weight.nbytes  # F.linear on the float32 weight
+
+
+def _build_for(tmp_path, march: str) -> ctypes.CDLL:
+    """small_m_gemm.c built for another CPU (`-march`), loaded beside this machine's build."""
+    path = tmp_path / f"small_m_gemm-{march}.so"
+    compiler = native.compiler_name()
+    flags = [f if f != "-march=native" else f"-march={march}" for f in native.FLAGS]
+    subprocess.run([compiler, *flags, "-o", str(path), str(small_m_gemm.SOURCE)], check=True,
+                   capture_output=True, timeout=120)
+    library = ctypes.CDLL(str(path))
+    library.tidal_panel_gemm.argtypes = small_m_gemm.load().tidal_panel_gemm.argtypes
+    library.tidal_find_blocks.argtypes = small_m_gemm.load().tidal_find_blocks.argtypes
+    return library
+
+
+@needs_avx512
+def test_the_avx2_build_gives_the_avx512_builds_results_bit_for_bit(tmp_path):
+    """Every storage type, fused op and row-block tail: the 8-float build (an AVX2 CPU's, run
+    here) equals this machine's 16-float build bit for bit, blocks found included."""
+    avx2 = _build_for(tmp_path, "haswell")
+    assert avx2.tidal_panel_gemm_available() and avx2.tidal_panel_gemm_vector_floats() == 8
+    kernel = small_m_gemm.load()
+    plain = (torch.randn(96, 128) * 0.05).to(torch.bfloat16).to(torch.float32)
+    cases = [(small_m_gemm.pack_panels(plain, dtype), kind) for dtype, kind in
+             ((torch.float32, 0), (torch.bfloat16, 1), (torch.float16, 2))]
+    for make, kind, size in ((q4_weight, 3, 768), (q8_weight, 4, 1152)):
+        found = torch.empty(3, 4, size, dtype=torch.uint8)
+        weight = make()
+        assert avx2.tidal_find_blocks(weight.data_ptr(), 96, 128, kind, found.data_ptr())
+        assert torch.equal(found, small_m_gemm.q4_blocks(weight) if kind == 3
+                           else small_m_gemm.q8_blocks(weight))
+        cases.append((found, kind))
+    for packed, kind in cases:
+        for rows in (1, 2, 3, 13):
+            x, other = torch.randn(rows, 128), torch.randn(rows, 96)
+            for op in (0, 1, 2):
+                ys = [torch.empty(rows, 96) for _ in range(2)]
+                for library, y in zip((kernel, avx2), ys):
+                    library.tidal_panel_gemm(x.data_ptr(), rows, 128, packed.data_ptr(), kind,
+                                             96, y.data_ptr(), other.data_ptr(), op)
+                assert torch.equal(ys[0], ys[1]), (kind, rows, op)
+
+
+@needs_kernel
+def test_with_avx2_only_the_blocks_take_a_few_rows_and_onednn_the_rest(monkeypatch):
+    monkeypatch.setattr(small_m_gemm, "_reach", lambda: (small_m_gemm.AVX2_BLOCK_ROWS, 0))
+    if not small_batch_gemm_available(torch.randn(64, 32)):
+        pytest.skip("torch built without oneDNN")
+    plain = SmallBatchGemm(torch.randn(96, 128))
+    assert plain.panels is None and plain.reordered is not None  # nothing for the panels
+    weight = q4_weight()
+    gemm = SmallBatchGemm(weight)
+    assert gemm.panel_rows == small_m_gemm.AVX2_BLOCK_ROWS and gemm.panels.panels is None
+    assert gemm.reordered is not None
+    for rows in (1, small_m_gemm.AVX2_BLOCK_ROWS, small_m_gemm.AVX2_BLOCK_ROWS + 1, 40):
+        x = torch.randn(rows, 128)
+        torch.testing.assert_close(gemm(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
 
 
 @needs_kernel
