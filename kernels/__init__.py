@@ -6,7 +6,7 @@
     numba      the torch backend's prefills, decodes in a compiled kernel that reads the
                paged cache in place (`numba_attention.py`; CPU, float32/float64)
     cpu        numba's, with float32 decodes in a C kernel that prefetches the paged rows
-               (`cpu_attention.py`, `decode_attention.c`; AVX-512 and a C compiler)
+               (`cpu_attention.py`, `decode_attention.c`; AVX-512 or AVX2, and a C compiler)
     triton     Triton kernels, no host sync, CUDA-graph capturable (`triton_attention.py`)
 
 All of them must equal the reference. A step drives a backend like this (the model runner):
@@ -159,7 +159,7 @@ def _check_cpu(device_type: str, dtype: torch.dtype) -> None:
                          f"on {device_type}; use auto")
     _check_numba(device_type, dtype)  # what the C kernel does not take goes to numba's
     if not _cpu_kernel_builds():
-        raise ValueError("attention_backend 'cpu' needs a C compiler and an AVX-512 CPU, "
+        raise ValueError("attention_backend 'cpu' needs a C compiler and an AVX2 or AVX-512 CPU, "
                          "which this machine lacks; use auto or numba")
 
 

@@ -1,4 +1,4 @@
-/* Paged decode attention for float32 on an AVX-512 CPU: one new query token per request
+/* Paged decode attention for float32 on an AVX-512 or AVX2 CPU: one new query token per request
  * against every cached K/V of that request, read in place from the paged cache. Built and
  * loaded by cpu_attention.py; the same arithmetic as numba_attention.py's kernel.
  *
@@ -27,33 +27,58 @@
 #include <math.h>
 #include <stdlib.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #define TIDAL_DECODE_ATTENTION 1
 #define MAX_GROUP 8
 #define PREFETCH 32
 
-/* exp(x) for x <= 0, 16 lanes: x = n ln 2 + r with n = round(x / ln 2) and ln 2 in two parts
+/* VL floats a vector: a zmm with AVX-512, a ymm with AVX2; only these differ between them. */
+#if defined(__AVX512F__)
+typedef __m512 vec;
+#define VL 16
+#define V(op) _mm512_##op
+#define VI(op) _mm512_##op
+typedef __m512i veci;
+#define VCASTF _mm512_castsi512_ps
+#define VCASTI _mm512_castps_si512
+#define VFLOOR(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
+static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+#else
+typedef __m256 vec;
+#define VL 8
+#define V(op) _mm256_##op
+#define VI(op) _mm256_##op
+typedef __m256i veci;
+#define VCASTF _mm256_castsi256_ps
+#define VCASTI _mm256_castps_si256
+#define VFLOOR(x) _mm256_round_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
+static inline float vsum(vec v) {
+    __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    four = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_add_ss(four, _mm_movehdup_ps(four)));
+}
+#endif
+
+/* exp(x) for x <= 0, VL lanes: x = n ln 2 + r with n = round(x / ln 2) and ln 2 in two parts
  * (Cody and Waite), exp(r) by its degree-7 Taylor polynomial (|r| <= ln 2 / 2: error 2e-9),
  * and 2^n added to the exponent field. x is clamped at -87 (exp(-87) = 1.6e-38, just above
  * float32's smallest normal), so the exponent never underflows. As numba_attention.py's. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(
-        _mm512_fmadd_ps(x, _mm512_set1_ps(1.4426950408889634f), _mm512_set1_ps(0.5f)),
-        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 e = _mm512_set1_ps(1.0f / 5040);
-    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 720));
-    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 120));
-    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 24));
-    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 6));
-    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(0.5f));
-    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f));
-    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f));
-    __m512i exponent = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
-    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(e), exponent));
+static inline vec expv(vec x) {
+    x = V(max_ps)(x, V(set1_ps)(-87.0f));
+    vec n = VFLOOR(V(fmadd_ps)(x, V(set1_ps)(1.4426950408889634f), V(set1_ps)(0.5f)));
+    vec r = V(fnmadd_ps)(n, V(set1_ps)(0.693359375f), x);
+    r = V(fnmadd_ps)(n, V(set1_ps)(-2.12194440e-4f), r);
+    vec e = V(set1_ps)(1.0f / 5040);
+    e = V(fmadd_ps)(e, r, V(set1_ps)(1.0f / 720));
+    e = V(fmadd_ps)(e, r, V(set1_ps)(1.0f / 120));
+    e = V(fmadd_ps)(e, r, V(set1_ps)(1.0f / 24));
+    e = V(fmadd_ps)(e, r, V(set1_ps)(1.0f / 6));
+    e = V(fmadd_ps)(e, r, V(set1_ps)(0.5f));
+    e = V(fmadd_ps)(e, r, V(set1_ps)(1.0f));
+    e = V(fmadd_ps)(e, r, V(set1_ps)(1.0f));
+    veci exponent = VI(slli_epi32)(V(cvtps_epi32)(n), 23);
+    return VCASTF(VI(add_epi32)(VCASTI(e), exponent));
 }
 
 /* Row of position p of one KV head: `head` is the head's offset inside a position. */
@@ -62,101 +87,102 @@ static inline const float *row_at(const float *cache, const int *table, int p, i
     return cache + ((long)table[p / bs] * bs + p % bs) * pos_stride + head;
 }
 
-/* e = exp(row - max) in place over `len` scores; returns 1 / sum(e). */
+/* e = exp(row - max) in place over `len` scores; returns 1 / sum(e). The last partial
+ * vector goes through a copy padded with -inf (exp: 0), so it adds nothing to the sum. */
 static float softmax_row(float *row, int len, float top) {
-    __m512 t = _mm512_set1_ps(top), sum = _mm512_setzero_ps();
+    vec t = V(set1_ps)(top), sum = V(setzero_ps)();
     int p = 0;
-    for (; p + 16 <= len; p += 16) {
-        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + p), t));
-        _mm512_storeu_ps(row + p, e);
-        sum = _mm512_add_ps(sum, e);
+    for (; p + VL <= len; p += VL) {
+        vec e = expv(V(sub_ps)(V(loadu_ps)(row + p), t));
+        V(storeu_ps)(row + p, e);
+        sum = V(add_ps)(sum, e);
     }
     if (p < len) {
-        __mmask16 m = (__mmask16)((1u << (len - p)) - 1);
-        __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + p), t)));
-        _mm512_mask_storeu_ps(row + p, m, e);
-        sum = _mm512_add_ps(sum, e);
+        float tail[VL];
+        for (int i = 0; i < VL; i++) tail[i] = p + i < len ? row[p + i] : -INFINITY;
+        vec e = expv(V(sub_ps)(V(loadu_ps)(tail), t));
+        V(storeu_ps)(tail, e);
+        for (int i = 0; p + i < len; i++) row[p + i] = tail[i];
+        for (int i = len - p; i < VL; i++) tail[i] = 0.0f;
+        sum = V(add_ps)(sum, V(loadu_ps)(tail));
     }
-    return 1.0f / _mm512_reduce_add_ps(sum);
+    return 1.0f / vsum(sum);
 }
 
-/* One work item for head size D = 16 DV: `group` query heads q [group, D] sharing KV head
+/* One work item for head size D = VL DV: `group` query heads q [group, D] sharing KV head
  * offset `head`, over `seq_len` positions; writes out [group, D]. scores: group x seq_len
  * floats of scratch. */
-#define ITEM(DV)                                                                              \
-static void item_##DV(const float *q, const float *kc, const float *vc, const int *table,    \
+#define ITEM(DV)                                                                            \
+static void item_##DV(const float *q, const float *kc, const float *vc, const int *table,   \
                       int seq_len, int bs, long pos_stride, long head, int group,           \
-                      float scale, float *out, float *scores) {                              \
-    __m512 qv[MAX_GROUP][DV], acc[MAX_GROUP][DV];                                            \
-    float top[MAX_GROUP], inverse[MAX_GROUP];                                                \
-    for (int g = 0; g < group; g++) {                                                        \
-        top[g] = -INFINITY;                                                                  \
-        for (int c = 0; c < DV; c++) {                                                       \
-            qv[g][c] = _mm512_mul_ps(_mm512_loadu_ps(q + g * 16 * DV + 16 * c),              \
-                                     _mm512_set1_ps(scale));                                 \
-            acc[g][c] = _mm512_setzero_ps();                                                 \
-        }                                                                                    \
-    }                                                                                        \
-    for (int p = 0; p < seq_len; p++) {                                                      \
-        if (p + PREFETCH < seq_len) {                                                        \
+                      float scale, float *out, float *scores) {                             \
+    vec qv[MAX_GROUP][DV], acc[MAX_GROUP][DV];                                              \
+    float top[MAX_GROUP], inverse[MAX_GROUP];                                               \
+    for (int g = 0; g < group; g++) {                                                       \
+        top[g] = -INFINITY;                                                                 \
+        for (int c = 0; c < DV; c++) {                                                      \
+            qv[g][c] = V(mul_ps)(V(loadu_ps)(q + g * VL * DV + VL * c),                     \
+                                     V(set1_ps)(scale));                                    \
+            acc[g][c] = V(setzero_ps)();                                                    \
+        }                                                                                   \
+    }                                                                                       \
+    for (int p = 0; p < seq_len; p++) {                                                     \
+        if (p + PREFETCH < seq_len) {                                                       \
             const char *ahead = (const char *)row_at(kc, table, p + PREFETCH, bs, pos_stride, head); \
-            for (int c = 0; c < DV; c++) _mm_prefetch(ahead + 64 * c, _MM_HINT_T0);         \
-        }                                                                                    \
-        const float *k = row_at(kc, table, p, bs, pos_stride, head);                         \
-        __m512 kv[DV];                                                                        \
-        for (int c = 0; c < DV; c++) kv[c] = _mm512_loadu_ps(k + 16 * c);                    \
-        for (int g = 0; g < group; g++) {                                                    \
-            __m512 s = _mm512_mul_ps(qv[g][0], kv[0]);                                       \
-            for (int c = 1; c < DV; c++) s = _mm512_fmadd_ps(qv[g][c], kv[c], s);            \
-            float score = _mm512_reduce_add_ps(s);                                           \
-            scores[g * seq_len + p] = score;                                                 \
-            top[g] = score > top[g] ? score : top[g];                                        \
-        }                                                                                    \
-    }                                                                                        \
-    for (int g = 0; g < group; g++)                                                          \
-        inverse[g] = softmax_row(scores + g * seq_len, seq_len, top[g]);                     \
-    for (int p = 0; p < seq_len; p++) {                                                      \
-        if (p + PREFETCH < seq_len) {                                                        \
+            for (int l = 0; l < 4 * VL * DV; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0); \
+        }                                                                                   \
+        const float *k = row_at(kc, table, p, bs, pos_stride, head);                        \
+        vec kv[DV];                                                                         \
+        for (int c = 0; c < DV; c++) kv[c] = V(loadu_ps)(k + VL * c);                       \
+        for (int g = 0; g < group; g++) {                                                   \
+            vec s = V(mul_ps)(qv[g][0], kv[0]);                                             \
+            for (int c = 1; c < DV; c++) s = V(fmadd_ps)(qv[g][c], kv[c], s);               \
+            float score = vsum(s);                                                          \
+            scores[g * seq_len + p] = score;                                                \
+            top[g] = score > top[g] ? score : top[g];                                       \
+        }                                                                                   \
+    }                                                                                       \
+    for (int g = 0; g < group; g++)                                                         \
+        inverse[g] = softmax_row(scores + g * seq_len, seq_len, top[g]);                    \
+    for (int p = 0; p < seq_len; p++) {                                                     \
+        if (p + PREFETCH < seq_len) {                                                       \
             const char *ahead = (const char *)row_at(vc, table, p + PREFETCH, bs, pos_stride, head); \
-            for (int c = 0; c < DV; c++) _mm_prefetch(ahead + 64 * c, _MM_HINT_T0);         \
-        }                                                                                    \
-        const float *v = row_at(vc, table, p, bs, pos_stride, head);                         \
-        __m512 vv[DV];                                                                        \
-        for (int c = 0; c < DV; c++) vv[c] = _mm512_loadu_ps(v + 16 * c);                    \
-        for (int g = 0; g < group; g++) {                                                    \
-            __m512 w = _mm512_set1_ps(scores[g * seq_len + p]);                              \
-            for (int c = 0; c < DV; c++) acc[g][c] = _mm512_fmadd_ps(w, vv[c], acc[g][c]);   \
-        }                                                                                    \
-    }                                                                                        \
-    for (int g = 0; g < group; g++)                                                          \
-        for (int c = 0; c < DV; c++)                                                         \
-            _mm512_storeu_ps(out + g * 16 * DV + 16 * c,                                     \
-                             _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inverse[g])));          \
+            for (int l = 0; l < 4 * VL * DV; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0); \
+        }                                                                                   \
+        const float *v = row_at(vc, table, p, bs, pos_stride, head);                        \
+        vec vv[DV];                                                                         \
+        for (int c = 0; c < DV; c++) vv[c] = V(loadu_ps)(v + VL * c);                       \
+        for (int g = 0; g < group; g++) {                                                   \
+            vec w = V(set1_ps)(scores[g * seq_len + p]);                                    \
+            for (int c = 0; c < DV; c++) acc[g][c] = V(fmadd_ps)(w, vv[c], acc[g][c]);      \
+        }                                                                                   \
+    }                                                                                       \
+    for (int g = 0; g < group; g++)                                                         \
+        for (int c = 0; c < DV; c++)                                                        \
+            V(storeu_ps)(out + g * VL * DV + VL * c,                                        \
+                             V(mul_ps)(acc[g][c], V(set1_ps)(inverse[g])));                 \
 }
-ITEM(1)
-ITEM(2)
-ITEM(3)
-ITEM(4)
-ITEM(5)
-ITEM(6)
-ITEM(7)
-ITEM(8)
-ITEM(16)
+/* Head sizes 16..128 in steps of 16, and 256. */
+#if VL == 16
+ITEM(1) ITEM(2) ITEM(3) ITEM(4) ITEM(5) ITEM(6) ITEM(7) ITEM(8) ITEM(16)
+#else
+ITEM(2) ITEM(4) ITEM(6) ITEM(8) ITEM(10) ITEM(12) ITEM(14) ITEM(16) ITEM(32)
+#endif
 
 typedef void (*item_fn)(const float *, const float *, const float *, const int *, int, int,
                         long, long, int, float, float *, float *);
 
 static item_fn item_for(int head_dim) {
-    switch (head_dim) {
-    case 16: return item_1;
-    case 32: return item_2;
-    case 48: return item_3;
-    case 64: return item_4;
-    case 80: return item_5;
-    case 96: return item_6;
-    case 112: return item_7;
-    case 128: return item_8;
-    case 256: return item_16;
+    switch (head_dim / VL * (head_dim % VL == 0)) {
+#if VL == 16
+    case 1: return item_1; case 2: return item_2; case 3: return item_3; case 4: return item_4;
+    case 5: return item_5; case 6: return item_6; case 7: return item_7; case 8: return item_8;
+    case 16: return item_16;
+#else
+    case 2: return item_2; case 4: return item_4; case 6: return item_6; case 8: return item_8;
+    case 10: return item_10; case 12: return item_12; case 14: return item_14;
+    case 16: return item_16; case 32: return item_32;
+#endif
     default: return 0;
     }
 }
@@ -164,7 +190,7 @@ static item_fn item_for(int head_dim) {
 #define TIDAL_DECODE_ATTENTION 0
 #endif
 
-/* 1 where this build has the kernel (compiled for a CPU with AVX-512), else 0. */
+/* 1 where this build has the kernel (compiled for a CPU with AVX-512, or AVX2 and FMA), else 0. */
 int tidal_decode_attention_available(void) { return TIDAL_DECODE_ATTENTION; }
 
 /* 1 where tidal_decode_attention takes this head size (16..128 in steps of 16, or 256). */

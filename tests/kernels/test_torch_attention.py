@@ -13,7 +13,7 @@ import torch
 
 from kernel_cases import assert_matches, make_case, poisoned_like
 from tidal.engine_core.config import ATTENTION_BACKENDS
-from tidal.kernels import BACKENDS, cpu_attention, select_attention_backend
+from tidal.kernels import BACKENDS, cpu_attention, native, select_attention_backend
 from tidal.kernels.cpu_attention import CpuBackend
 from tidal.kernels.metadata import AttentionMetadata
 from tidal.kernels.numba_attention import NumbaAttentionPlan, NumbaBackend, balanced_order
@@ -164,6 +164,25 @@ def test_c_kernel_equals_reference_across_head_sizes_and_groups(head_dim, num_he
     expected = paged_attention_ref(*case.args(), out=poisoned_like(case.query))
     out = attend(CpuBackend(), case, out=poisoned_like(case.query))
     assert_matches(out, expected, case.owned_rows())
+
+
+@pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler or no AVX-512")
+def test_the_c_kernels_avx2_build_equals_reference(tmp_path, monkeypatch):
+    """decode_attention.c built for an AVX2 CPU (8-float vectors, run here: TIDAL_KERNEL_MARCH)
+    under CpuBackend."""
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TIDAL_KERNEL_MARCH", "haswell")
+    monkeypatch.setattr(cpu_attention, "_tried", False)
+    monkeypatch.setattr(cpu_attention, "_library", None)
+    assert cpu_attention.available()
+    assert [path.name.startswith("decode_attention-") for path in (tmp_path / "kernels").iterdir()]
+    assert "-march=haswell" in native.flags()
+    for head_dim, num_heads, num_kv_heads in ((64, 9, 3), (16, 12, 1), (128, 4, 2)):
+        case = make_case([1, 1, 3, 1], [1, 45, 9, 300], num_heads, num_kv_heads, head_dim, 16,
+                         torch.float32, num_pad_tokens=1)
+        expected = paged_attention_ref(*case.args(), out=poisoned_like(case.query))
+        out = attend(CpuBackend(), case, out=poisoned_like(case.query))
+        assert_matches(out, expected, case.owned_rows())
 
 
 def test_unknown_backend_is_an_error_naming_the_field():
