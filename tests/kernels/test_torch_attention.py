@@ -175,7 +175,7 @@ def test_the_c_kernels_avx2_build_equals_reference(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_attention, "_tried", False)
     monkeypatch.setattr(cpu_attention, "_library", None)
     assert cpu_attention.available()
-    assert [path.name.startswith("decode_attention-") for path in (tmp_path / "kernels").iterdir()]
+    assert any(path.name.startswith("decode_attention-") for path in (tmp_path / "kernels").iterdir())
     assert "-march=haswell" in native.flags()
     for head_dim, num_heads, num_kv_heads in ((64, 9, 3), (16, 12, 1), (128, 4, 2)):
         case = make_case([1, 1, 3, 1], [1, 45, 9, 300], num_heads, num_kv_heads, head_dim, 16,
