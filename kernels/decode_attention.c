@@ -1,11 +1,12 @@
-/* Paged decode attention for float32 on an AVX-512 or AVX2 CPU: one new query token per request
- * against every cached K/V of that request, read in place from the paged cache. Built and
- * loaded by cpu_attention.py; the same arithmetic as numba_attention.py's kernel.
+/* Paged attention for float32 on an AVX-512 or AVX2 CPU, one query row at a time: each row
+ * against the first `len` cached K/V of its request, read in place from the paged cache (a
+ * decode's row sees the whole sequence, row i of a prefill chunk the positions up to its own).
+ * Built and loaded by cpu_attention.py; the same arithmetic as numba_attention.py's kernel.
  *
  * Layouts: q and out [T, H, D]; key and value caches [num_blocks, block_size, KVH, D]; block
- * tables [S, max_blocks] int32; seq_lens [S] int32. Head h reads KV head h / (H / KVH).
+ * tables [S, max_blocks] int32. Head h reads KV head h / (H / KVH).
  *
- * Work item = (request, KV head, up to MAX_GROUP of the query heads that share it), taken by
+ * Work item = (query row, KV head, up to MAX_GROUP of the query heads that share it), taken by
  * the threads dynamically (lengths vary). An item makes two passes over its KV head's rows:
  *
  *   scores[g, p] = scale * q[g] . K[p]        then the row maximum, and for each head
@@ -20,7 +21,7 @@
  * 3 KV heads x 64 (30 layers' caches in turn, 2 threads), 0.92 ms a layer without it, 0.69
  * with 32 ahead (4: 0.81, 8: 0.73, 16: 0.72, 64: 0.70); numba's kernel 0.90.
  *
- * Positions at or past seq_len are never read (nor their block table entries), so the cache
+ * Positions at or past a row's len are never read (nor their block table entries), so the cache
  * may hold anything there. Results differ from the reference by float32 rounding only (sums
  * in a different order; exp16's polynomial has relative error 6e-8).
  */
@@ -203,11 +204,11 @@ int tidal_decode_attention_head_dim_ok(int head_dim) {
 #endif
 }
 
-/* Attend the query rows rows[i] of the requests requests[i] (i < n: rows of tables and
- * seq_lens), every seq_len >= 1; writes those rows of out. Returns 0, or -1 for a head size
+/* Attend query row rows[i] over the first lens[i] >= 1 positions of request requests[i] (a
+ * row of tables), i < n; writes those rows of out. Returns 0, or -1 for a head size
  * it does not take (out untouched) or -2 when scratch could not be allocated. */
 int tidal_decode_attention(const float *q, const float *key_cache, const float *value_cache,
-                           const int *tables, long max_blocks, const int *seq_lens,
+                           const int *tables, long max_blocks, const int *lens,
                            const long *requests, const long *rows, long n, int num_heads,
                            int num_kv_heads, int head_dim, int block_size, float scale,
                            float *out) {
@@ -230,7 +231,7 @@ int tidal_decode_attention(const float *q, const float *key_cache, const float *
             int kv_head = (int)(i / parts % num_kv_heads), part = (int)(i % parts);
             int first = kv_head * group + part * MAX_GROUP;
             int heads = group - part * MAX_GROUP < MAX_GROUP ? group - part * MAX_GROUP : MAX_GROUP;
-            int seq_len = seq_lens[request];
+            int seq_len = lens[i / (num_kv_heads * parts)];
             if ((long)heads * seq_len > capacity) {
                 free(scores);
                 capacity = (long)heads * seq_len;
@@ -247,7 +248,7 @@ int tidal_decode_attention(const float *q, const float *key_cache, const float *
     return failed ? -2 : 0;
 #else
     (void)q; (void)key_cache; (void)value_cache; (void)tables; (void)max_blocks;
-    (void)seq_lens; (void)requests; (void)rows; (void)n; (void)num_heads; (void)num_kv_heads;
+    (void)lens; (void)requests; (void)rows; (void)n; (void)num_heads; (void)num_kv_heads;
     (void)head_dim; (void)block_size; (void)scale; (void)out;
     return -1;
 #endif

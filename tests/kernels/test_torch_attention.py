@@ -167,6 +167,24 @@ def test_c_kernel_equals_reference_across_head_sizes_and_groups(head_dim, num_he
 
 
 @pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler or no AVX-512")
+def test_short_prefill_chunks_go_row_by_row_through_the_c_kernel_and_long_ones_to_sdpa():
+    """Chunks of up to ROW_CHUNK_TOKENS new tokens become rows of the C kernel, row i seeing
+    the positions up to its own; a longer chunk keeps SDPA. Both equal the reference."""
+    limit = cpu_attention.ROW_CHUNK_TOKENS
+    case = make_case([1, limit, limit + 1, 3], [40, limit + 10, limit + 1, 3], 9, 3, 64, 16,
+                     torch.float32, num_pad_tokens=1)
+    backend = CpuBackend()
+    plan = prepare(backend, case)
+    assert [chunk.request for chunk in plan.prefills] == [2]
+    assert len(plan.rows.requests) == 1 + limit + 3
+    first_row_of_chunk = (plan.rows.requests == 1) & (plan.rows.token_rows == 1)
+    assert plan.rows.lens[first_row_of_chunk].tolist() == [11]  # 10 cached + its own token
+    expected = paged_attention_ref(*case.args(), out=poisoned_like(case.query))
+    out = attend(backend, case, out=poisoned_like(case.query))
+    assert_matches(out, expected, case.owned_rows())
+
+
+@pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler or no AVX-512")
 def test_the_c_kernels_avx2_build_equals_reference(tmp_path, monkeypatch):
     """decode_attention.c built for an AVX2 CPU (8-float vectors, run here: TIDAL_KERNEL_MARCH)
     under CpuBackend."""
