@@ -32,30 +32,18 @@ from tidal.kernels.torch_attention import PrefillChunk, split_requests
 
 SOURCE = Path(__file__).with_name("decode_attention.c")
 
-_library: ctypes.CDLL | None = None
-_tried = False
-
-
 def load() -> ctypes.CDLL | None:
     """The compiled kernel (built the first time on this machine), or None where it cannot
-    run here; tried once per process."""
-    global _library, _tried
-    if not _tried:
-        _tried = True
-        _library = _build_and_load()
-    return _library
+    run here."""
+    return native.load(SOURCE, "tidal_decode_attention_available", _declare)
 
 
-def _build_and_load() -> ctypes.CDLL | None:
-    library = native.build_and_load(SOURCE, "tidal_decode_attention_available")
-    if library is None:
-        return None
+def _declare(library: ctypes.CDLL) -> None:
     p, n, i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
     library.tidal_decode_attention.argtypes = [p, p, p, p, n, p, p, p, n, i, i, i, i,
                                                ctypes.c_float, p]
     library.tidal_decode_attention.restype = ctypes.c_int
     library.tidal_decode_attention_head_dim_ok.argtypes = [i]
-    return library
 
 
 def available() -> bool:

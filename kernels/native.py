@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,23 @@ def flags() -> tuple[str, ...]:
     this one (`haswell`: the AVX2 paths on an AVX-512 machine), for tests and measurements."""
     march = os.environ.get("TIDAL_KERNEL_MARCH")
     return tuple(f"-march={march}" if march and f == "-march=native" else f for f in FLAGS)
+
+
+_loaded: dict[Path, ctypes.CDLL | None] = {}
+"""Each source's library (or None), as `load` found it; looked up once per process and kernel,
+at model load, never in a step's loop."""
+
+
+def load(source: Path, available: str,
+         declare: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL | None:
+    """`build_and_load(source, available)` the first time in this process, with `declare`
+    giving its functions their ctypes signatures; the same library (or None) after."""
+    if source not in _loaded:
+        library = build_and_load(source, available)
+        if library is not None:
+            declare(library)
+        _loaded[source] = library
+    return _loaded[source]
 
 
 def build_and_load(source: Path, available: str) -> ctypes.CDLL | None:

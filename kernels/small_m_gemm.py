@@ -49,26 +49,15 @@ build run on the Xeon, SmolLM2's layers: blocks 4.9 / 19.3 / 36.0 ms at 1 / 8 / 
 oneDNN's 21.3 / 28.0 / 31.4 (oneDNN with AVX-512 there; on an AVX2 CPU it runs at about half
 that rate, so 8 is the cautious bound until measured on one)."""
 
-_library: ctypes.CDLL | None = None
-_tried = False
-
-
 def load() -> ctypes.CDLL | None:
     """The compiled kernel (built the first time on this machine), or None where it cannot
-    run here; tried once per process."""
-    global _library, _tried
-    if not _tried:
-        _tried = True
-        _library = _build_and_load()
-    return _library
-
-
-def _build_and_load() -> ctypes.CDLL | None:
+    run here (or TIDAL_NO_PANEL_GEMM is set)."""
     if os.environ.get("TIDAL_NO_PANEL_GEMM"):
         return None
-    library = native.build_and_load(SOURCE, "tidal_panel_gemm_available")
-    if library is None:
-        return None
+    return native.load(SOURCE, "tidal_panel_gemm_available", _declare)
+
+
+def _declare(library: ctypes.CDLL) -> None:
     library.tidal_panel_gemm.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
                                          ctypes.c_void_p, ctypes.c_int, ctypes.c_long,
                                          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
@@ -76,7 +65,6 @@ def _build_and_load() -> ctypes.CDLL | None:
     library.tidal_find_blocks.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
                                           ctypes.c_int, ctypes.c_void_p]
     library.tidal_find_blocks.restype = ctypes.c_int
-    return library
 
 
 def panel_gemm_applies(weight: torch.Tensor) -> bool:

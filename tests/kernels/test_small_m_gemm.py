@@ -208,8 +208,7 @@ def test_widths_that_are_not_whole_panel_pairs_are_refused():
 
 def test_without_a_compiler_the_layers_keep_onednn(monkeypatch, tmp_path):
     """No `cc` on the machine: load() is None and SmallBatchGemm reorders for oneDNN."""
-    monkeypatch.setattr(small_m_gemm, "_tried", False)
-    monkeypatch.setattr(small_m_gemm, "_library", None)
+    monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     assert small_m_gemm.load() is None
     weight = torch.randn(64, 32)
