@@ -88,6 +88,16 @@ static inline const float *row_at(const float *cache, const int *table, int p, i
     return cache + ((long)table[p / bs] * bs + p % bs) * pos_stride + head;
 }
 
+/* Bring position p's row (`bytes` long) into L1 ahead of its use, where p < seq_len. Forced
+ * inline: GCC kept it a call in the item functions, 0.82 -> 1.07 ms a layer. */
+static inline __attribute__((always_inline)) void
+prefetch_row(const float *cache, const int *table, int p, int seq_len, int bs, long pos_stride,
+             long head, int bytes) {
+    if (p >= seq_len) return;
+    const char *row = (const char *)row_at(cache, table, p, bs, pos_stride, head);
+    for (int l = 0; l < bytes; l += 64) _mm_prefetch(row + l, _MM_HINT_T0);
+}
+
 /* e = exp(row - max) in place over `len` scores; returns 1 / sum(e). The last partial
  * vector goes through a copy padded with -inf (exp: 0), so it adds nothing to the sum. */
 static float softmax_row(float *row, int len, float top) {
@@ -128,10 +138,7 @@ static void item_##DV(const float *q, const float *kc, const float *vc, const in
         }                                                                                   \
     }                                                                                       \
     for (int p = 0; p < seq_len; p++) {                                                     \
-        if (p + PREFETCH < seq_len) {                                                       \
-            const char *ahead = (const char *)row_at(kc, table, p + PREFETCH, bs, pos_stride, head); \
-            for (int l = 0; l < 4 * VL * DV; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0); \
-        }                                                                                   \
+        prefetch_row(kc, table, p + PREFETCH, seq_len, bs, pos_stride, head, 4 * VL * DV);  \
         const float *k = row_at(kc, table, p, bs, pos_stride, head);                        \
         vec kv[DV];                                                                         \
         for (int c = 0; c < DV; c++) kv[c] = V(loadu_ps)(k + VL * c);                       \
@@ -146,10 +153,7 @@ static void item_##DV(const float *q, const float *kc, const float *vc, const in
     for (int g = 0; g < group; g++)                                                         \
         inverse[g] = softmax_row(scores + g * seq_len, seq_len, top[g]);                    \
     for (int p = 0; p < seq_len; p++) {                                                     \
-        if (p + PREFETCH < seq_len) {                                                       \
-            const char *ahead = (const char *)row_at(vc, table, p + PREFETCH, bs, pos_stride, head); \
-            for (int l = 0; l < 4 * VL * DV; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0); \
-        }                                                                                   \
+        prefetch_row(vc, table, p + PREFETCH, seq_len, bs, pos_stride, head, 4 * VL * DV);  \
         const float *v = row_at(vc, table, p, bs, pos_stride, head);                        \
         vec vv[DV];                                                                         \
         for (int c = 0; c < DV; c++) vv[c] = V(loadu_ps)(v + VL * c);                       \

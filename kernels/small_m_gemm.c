@@ -1,13 +1,13 @@
 /* y[M, N] = x[M, K] W^T (op 1: + other, op 2: * other) for float32 and a few rows: the
- * decode steps' linear layers on an AVX-512 CPU. Built and loaded by small_m_gemm.py.
+ * decode steps' linear layers on an AVX-512 or AVX2 CPU. Built and loaded by small_m_gemm.py.
  *
  * W is packed once at load as panels of 16 output columns, wp[N / 16][K][16], so one panel
  * is a contiguous K x 64-byte stream (bfloat16 weights: pairs of panels interleaved, see
  * PAIR_ROW_bf16). float32, bfloat16 and float16 weights are all widened to float32 before
  * any arithmetic, so a weight stored narrow gives the products of its float32 values.
- * Each thread takes a run of panel pairs (32 columns); for a pair it sweeps the rows in blocks of 12, 8, 4 and 1, every block holding its
- * 12 x 32 (or fewer) sums in registers over the whole K loop, one broadcast row element
- * times two panel vectors per step.
+ * Each thread takes a run of panel pairs (32 columns); for a pair it sweeps the rows in
+ * blocks (12, 8, 4, 1 with AVX-512; 2, 1 with AVX2), every block holding its rows' 32 sums in
+ * registers over the whole K loop, one broadcast row element times the pair's row per step.
  *
  * Why not oneDNN: a decode step streams every weight from memory once, and oneDNN's kernel
  * pulls them at 5.5 GB/s a core at 32 rows (87-92 GFLOP/s a thread, against 131-140 when the
@@ -176,8 +176,8 @@ PAIR(f16, 2)
  *     uint8 q[32][16]         row k, byte j: column j's q in the low nibble, 16 + j's high
  *
  * and each weight is widened as fl(fl(d q) + m), two roundings, the way the de-quantizer
- * computed the float32 values (numpy's d * q + m): the explicit-rounding intrinsics keep the
- * compiler from fusing them into one multiply-add. So again the products are those of the
+ * computed the float32 values (numpy's d * q + m): `rounded_product` keeps the compiler from
+ * fusing them into one multiply-add. So again the products are those of the
  * float32 weights, from 6 bits a weight instead of 32. */
 #define Q4_BLOCK_BYTES 768
 #define Q8_BLOCK_BYTES 1152
@@ -256,9 +256,9 @@ PAIR_Q(Q4)
 PAIR_Q(Q8)
 
 /* Finding the blocks (at load): one column's run of 32 weights w, checked against the float16
- * d (and m) its quantizer chose. fl(fl(d q) + m) and fl(d q) are computed with the
- * explicit-rounding intrinsics, as the kernel widens them, and q = round((w - m) / d) (half
- * to even, as torch's round) clamped to the type's range. */
+ * d (and m) its quantizer chose. fl(fl(d q) + m) and fl(d q) are rounded as the kernel widens
+ * them, and q = round((w - m) / d) (half to even, as torch's round) clamped to the type's
+ * range. */
 static inline float rebuilt(float d, float q, float m, int offset) {
     float product = d * q;
     __asm__("" : "+x"(product)); /* rounded to float32 before the add, never fused */
@@ -270,15 +270,14 @@ static inline unsigned short float_to_half(float f) {
     return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
 }
 
-/* Whether the run w[0], w[stride], ... (32 values) is exactly fl(fl(d q) + m) (Q4_1: offset 1,
+/* Whether the run w[0..32) is exactly fl(fl(d q) + m) (Q4_1: offset 1,
  * q 0..15) or fl(d q) (Q8_0: offset 0, q -128..127) for float16 d and m; if so writes d, m
  * and the 32 q. d is tried at the float16 nearest (max - min) / 15 (or max |w| / 127), which
  * the quantizer stored, and at the two float16 values either side. */
-static int find_run(const float *w, long stride, int offset, float *d_out, float *m_out,
-                    int *q_out) {
+static int find_run(const float *w, int offset, float *d_out, float *m_out, int *q_out) {
     float lo = w[0], hi = w[0], top = 0;
     for (int i = 0; i < 32; i++) {
-        float v = w[i * stride];
+        float v = w[i];
         lo = v < lo ? v : lo;
         hi = v > hi ? v : hi;
         top = fabsf(v) > top ? fabsf(v) : top;
@@ -293,7 +292,7 @@ static int find_run(const float *w, long stride, int offset, float *d_out, float
         if (!(d >= 0.0f) || isinf(d)) continue;
         int ok = 1;
         for (int i = 0; i < 32 && ok; i++) {
-            float v = w[i * stride];
+            float v = w[i];
             float q = d > 0.0f ? nearbyintf((v - m) / d) : 0.0f;
             q = q < q_min ? q_min : q > q_max ? q_max : q;
             q_out[i] = (int)q;
@@ -323,7 +322,7 @@ int tidal_find_blocks(const float *w, long N, long K, int kind, unsigned char *o
         float *d = (float *)block, *m = d + 32, no_offset;
         int q[32][32]; /* [column][k] */
         for (int c = 0; c < 32 && still; c++)
-            still = find_run(w + (pair * 32 + c) * K + kb * 32, 1, offset, &d[c],
+            still = find_run(w + (pair * 32 + c) * K + kb * 32, offset, &d[c],
                              offset ? &m[c] : &no_offset, q[c]);
         if (!still) {
             #pragma omp atomic write
@@ -369,8 +368,9 @@ int tidal_panel_gemm_vector_floats(void) {
 }
 
 /* x [M, K], wp [N / 16][K][16] of weight type `wtype` (0 float32, 1 bfloat16, 2 float16; N
- * a multiple of 32), or 3 / 4: [N / 32][K / 32] 4-bit / 8-bit blocks (K a multiple of 32), y and other [M, N], all contiguous; op 0: y = x W^T, 1: y = x W^T + other,
- * 2: y = x W^T * other. */
+ * a multiple of 32), or 3 / 4: [N / 32][K / 32] 4-bit / 8-bit blocks (K a multiple of 32);
+ * y and other [M, N]; all contiguous. op 0: y = x W^T, 1: y = x W^T + other, 2: y = x W^T *
+ * other. */
 void tidal_panel_gemm(const float *x, long M, long K, const void *wp, int wtype, long N,
                       float *y, const float *other, int op) {
 #if TIDAL_PANEL_GEMM
