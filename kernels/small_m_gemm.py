@@ -37,6 +37,9 @@ SOURCE = Path(__file__).with_name("small_m_gemm.c")
 _OPS = {None: 0, "add": 1, "mul": 2}
 _WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _Q4, _Q8 = 3, 4  # the kernel's weight types for 4-bit and 8-bit blocks
+_BLOCK_BYTES = {_Q4: 768, _Q8: 1152}
+"""Bytes of one run of 32 inputs over a pair's 32 columns (`small_m_gemm.c`'s
+Q4_BLOCK_BYTES, Q8_BLOCK_BYTES)."""
 BLOCK_ROWS = 48
 """With AVX-512, the most rows that take a weight's 4- or 8-bit blocks where it has them; more
 rows take its float panels. Widening the blocks costs arithmetic that pays while the weight
@@ -93,23 +96,23 @@ def q4_blocks(weight: torch.Tensor) -> torch.Tensor | None:
     loading; the SmolLM2 of this project's benchmarks). The check (`tidal_find_blocks`)
     rebuilds every weight from its parts as the kernel does, so a weight it accepts is stored
     without loss; one pass over the weight (SmolLM2's 135M values: 0.1 s)."""
-    return _find_blocks(weight, _Q4, 768)
+    return _find_blocks(weight, _Q4)
 
 
 def q8_blocks(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight as 8-bit blocks (wtype 4), or None unless every value is exactly fl(d q)
     over its run of 32 k, q in -128..127 and d a float16 value: a GGUF Q8_0 tensor
     de-quantized."""
-    return _find_blocks(weight, _Q8, 1152)
+    return _find_blocks(weight, _Q8)
 
 
-def _find_blocks(weight: torch.Tensor, kind: int, block_bytes: int) -> torch.Tensor | None:
+def _find_blocks(weight: torch.Tensor, kind: int) -> torch.Tensor | None:
     n, k = weight.shape
     library = load()
     if library is None or n % 32 or k % 32 or weight.dtype != torch.float32:
         return None
     w = weight.detach().contiguous()
-    out = torch.empty(n // 32, k // 32, block_bytes, dtype=torch.uint8)
+    out = torch.empty(n // 32, k // 32, _BLOCK_BYTES[kind], dtype=torch.uint8)
     found = library.tidal_find_blocks(w.data_ptr(), n, k, kind, out.data_ptr())
     return out if found else None
 

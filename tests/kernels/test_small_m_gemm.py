@@ -5,8 +5,6 @@ blocks) give the float32 products bit for bit, the AVX2 build equals the AVX-512
 bit, and a machine where it cannot be built keeps oneDNN."""
 
 import ctypes
-import shutil
-import subprocess
 
 import pytest
 import torch
@@ -130,26 +128,23 @@ def test_bytes_read_follow_the_path_each_row_count_takes():
     assert gemm.bytes_read(10_000) == weight.nbytes  # F.linear on the float32 weight
 
 
-def _build_for(tmp_path, march: str) -> ctypes.CDLL:
-    """small_m_gemm.c built for another CPU (`-march`), loaded beside this machine's build."""
-    path = tmp_path / f"small_m_gemm-{march}.so"
-    compiler = native.compiler_name()
-    flags = [f if f != "-march=native" else f"-march={march}" for f in native.FLAGS]
-    subprocess.run([compiler, *flags, "-o", str(path), str(small_m_gemm.SOURCE)], check=True,
-                   capture_output=True, timeout=120)
-    library = ctypes.CDLL(str(path))
-    library.tidal_panel_gemm.argtypes = small_m_gemm.load().tidal_panel_gemm.argtypes
-    library.tidal_find_blocks.argtypes = small_m_gemm.load().tidal_find_blocks.argtypes
+def _build_for(monkeypatch, tmp_path, march: str) -> ctypes.CDLL:
+    """small_m_gemm.c built for another CPU (TIDAL_KERNEL_MARCH), loaded beside this machine's
+    build (which `small_m_gemm.load()` keeps)."""
+    monkeypatch.setenv("TIDAL_KERNEL_MARCH", march)
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
+    library = native.build_and_load(small_m_gemm.SOURCE, "tidal_panel_gemm_available")
+    small_m_gemm._declare(library)
     return library
 
 
 @needs_avx512
-def test_the_avx2_build_gives_the_avx512_builds_results_bit_for_bit(tmp_path):
+def test_the_avx2_build_gives_the_avx512_builds_results_bit_for_bit(monkeypatch, tmp_path):
     """Every storage type, fused op and row-block tail: the 8-float build (an AVX2 CPU's, run
     here) equals this machine's 16-float build bit for bit, blocks found included."""
-    avx2 = _build_for(tmp_path, "haswell")
-    assert avx2.tidal_panel_gemm_available() and avx2.tidal_panel_gemm_vector_floats() == 8
     kernel = small_m_gemm.load()
+    avx2 = _build_for(monkeypatch, tmp_path, "haswell")
+    assert avx2.tidal_panel_gemm_available() and avx2.tidal_panel_gemm_vector_floats() == 8
     plain = (torch.randn(96, 128) * 0.05).to(torch.bfloat16).to(torch.float32)
     cases = [(small_m_gemm.pack_panels(plain, dtype), kind) for dtype, kind in
              ((torch.float32, 0), (torch.bfloat16, 1), (torch.float16, 2))]
