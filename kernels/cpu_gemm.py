@@ -81,13 +81,19 @@ class SmallBatchGemm:
     def bytes_read(self, rows: int) -> int:
         """Bytes of weight a product of `rows` rows streams (the weight as that path stores
         it: 4- or 8-bit blocks, narrower panels or float32)."""
-        if 0 < rows <= self.panel_rows and rows <= SMALL_BATCH_ROWS:
+        if self._panels_take(rows):
             return self.panels.bytes_read(rows)
         return self.weight.nbytes
 
+    def _panels_take(self, rows: int) -> bool:
+        """Whether the panel kernel takes a product of `rows` rows: up to `panel_rows` of a
+        small batch, and every size where it runs on AMX."""
+        return 0 < rows <= self.panel_rows and (rows <= SMALL_BATCH_ROWS
+                                                or self.panels.takes_any_rows)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = _rows(x)
-        if not 0 < rows <= SMALL_BATCH_ROWS:
+        if not (0 < rows <= SMALL_BATCH_ROWS or self._panels_take(rows)):
             return F.linear(x, self.weight)
         x2 = x.reshape(rows, x.shape[-1]).contiguous()
         if rows <= self.panel_rows:
@@ -106,7 +112,7 @@ class SmallBatchGemm:
 
     def _binary(self, x: torch.Tensor, other: torch.Tensor, op: str) -> torch.Tensor:
         rows = _rows(x)
-        if not 0 < rows <= SMALL_BATCH_ROWS:
+        if not (0 < rows <= SMALL_BATCH_ROWS or self._panels_take(rows)):
             y = F.linear(x, self.weight)
             return y + other if op == "add" else y * other
         x2 = x.reshape(rows, x.shape[-1]).contiguous()

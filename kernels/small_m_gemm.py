@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from tidal.kernels import native
+from tidal.kernels.amx_gemm import AmxBlockGemm
 
 SOURCE = Path(__file__).with_name("small_m_gemm.c")
 
@@ -45,6 +46,11 @@ BLOCK_ROWS = 48
 rows take its float panels. Widening the blocks costs arithmetic that pays while the weight
 stream is the bound (SmolLM2's layers, 2 threads: 5.6 against 16.3 ms at 1 row, 25.8 / 30.0 at
 32, 36.6 / 39.1 at 48, level at 64)."""
+AMX_BLOCK_ROWS = 28
+"""Where AMX is here (`amx_gemm.py`), the most rows that take the blocks through the panel
+kernel; more take the AMX kernel (SmolLM2 decode step, Xeon: 50.5 / 52.8 ms at 24 rows with
+the blocks / AMX, 63.9 / 60.7 at 32, 80.9 / 76.3 at 40, 122.8 ms on float panels / 102.2 at
+64)."""
 AVX2_BLOCK_ROWS = 8
 """With AVX2 only (16 ymm registers: row blocks of 2, not 12), the most rows that take the
 blocks; the float panels are not kept there and oneDNN takes every other small batch. The AVX2
@@ -140,7 +146,8 @@ def _reach() -> tuple[int, int]:
 class PanelGemm:
     """`x @ weight.T` (and with a fused add or mul) through the panel kernel, for inputs of
     1..`max_rows` rows (the caller routes the rest elsewhere): the weight's 4- or 8-bit blocks
-    where it has them, up to a row count, and float panels in `exact_storage_dtype(weight)`;
+    where it has them, up to a row count, then on a CPU with AMX the same blocks through
+    `amx_gemm.py` for any number of rows, else float panels in `exact_storage_dtype(weight)`;
     results are float32 either way."""
 
     def __init__(self, weight: torch.Tensor, storage: torch.dtype | None = None):
@@ -161,19 +168,36 @@ class PanelGemm:
                 if self.blocks is not None:
                     self._blocks_type = kind
                     break
+        self.amx = (AmxBlockGemm.from_blocks(self.blocks, self._blocks_type, *weight.shape)
+                    if self.blocks is not None else None)
+        """The blocks as the AMX kernel's tiles, where AMX is here: then it takes every product
+        above the block rows (prefill chunks, large decode batches) and no float panels are
+        kept."""
         block_rows, panel_rows = _reach()
         self._block_rows = block_rows if self.blocks is not None else 0
+        if self.amx is not None:
+            self._block_rows, panel_rows = min(block_rows, AMX_BLOCK_ROWS), 0
         keep_panels = storage is not None or panel_rows > 0
         self.panels = pack_panels(weight, storage or exact_storage_dtype(weight)) if keep_panels else None
         """Float panels (None on an AVX2 build unless `storage` is given)."""
         self._weight_type = _WEIGHT_TYPES[self.panels.dtype] if keep_panels else 0
-        self.max_rows = max(self._block_rows, (panel_rows or 1 << 62) if keep_panels else 0)
+        self.max_rows = (1 << 62 if self.amx is not None else
+                         max(self._block_rows, (panel_rows or 1 << 62) if keep_panels else 0))
         """The most rows a call takes (0: none, the weight is no use to this build)."""
+        self.takes_any_rows = self.amx is not None
+        """Whether this is the best path for a product of any size, prefill chunks included
+        (AMX); else the caller keeps large inputs for its own."""
         self._kernel = load().tidal_panel_gemm
 
     def bytes_read(self, rows: int) -> int:
-        """Bytes of weight a product of `rows` rows streams: its blocks' or its panels'."""
+        """Bytes of weight a product of `rows` rows streams: its blocks', AMX tiles' or
+        panels'."""
+        if self._takes_amx(rows):
+            return self.amx.bytes_read()
         return self._weights_for(rows)[0].nbytes
+
+    def _takes_amx(self, rows: int) -> bool:
+        return self.amx is not None and rows > self._block_rows
 
     def _weights_for(self, rows: int) -> tuple[torch.Tensor, int]:
         if self.blocks is not None and rows <= self._block_rows:
@@ -187,6 +211,8 @@ class PanelGemm:
         """x2 [rows, in] contiguous float32 -> [rows, out]; `op` "add"/"mul" with `other`
         [rows, out] contiguous applies it to the finished product."""
         rows = x2.shape[0]
+        if self._takes_amx(rows):
+            return self.amx(x2, other, op)
         y = torch.empty(rows, self.out_features, dtype=torch.float32)
         weights, weight_type = self._weights_for(rows)
         self._kernel(x2.data_ptr(), rows, self.in_features, weights.data_ptr(),

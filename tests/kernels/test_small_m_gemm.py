@@ -13,6 +13,13 @@ import torch.nn.functional as F
 from tidal.kernels import native, small_m_gemm
 from tidal.kernels.cpu_gemm import SmallBatchGemm, small_batch_gemm_available
 
+@pytest.fixture(autouse=True)
+def _panels_without_amx(monkeypatch):
+    """These tests specify the panel kernel's own paths; on a CPU with AMX a GGUF weight's
+    larger products go to `amx_gemm.py` instead (its tests: test_amx_gemm.py)."""
+    monkeypatch.setenv("TIDAL_NO_AMX", "1")
+
+
 needs_kernel = pytest.mark.skipif(small_m_gemm.load() is None,
                                   reason="no C compiler or no AVX2 on this machine")
 needs_avx512 = pytest.mark.skipif(
