@@ -22,11 +22,14 @@
  * Packing (tidal_amx_pack, once at load): column tile c (16 columns), run b is one B tile,
  * [16][32] bfloat16: row p holds, for each column n, q[n][2p] and q[n][2p + 1] side by side
  * (TDPBF16PS pairs k two by two). Tiles of a column tile follow one another over b, so a
- * column tile's weights are one stream of K / 32 KB; d and m as [N / 16][K / 32][16] floats.
+ * column tile's weights are one stream. 4-bit q are stored as nibbles (256 bytes a tile) and
+ * widened to bfloat16 per column pair and call (widen_tile): a quarter of the bytes read;
+ * 8-bit q as bfloat16. d as [N / 16][K / 32][16] floats, m as tiles of its own (below).
  *
- * Why: SmolLM2's prefill spends 75% of its time in these GEMMs, and float32 on AVX-512 runs
- * at ~390 GFLOP/s on this project's 2-vCPU Xeon, where AMX multiplies bfloat16 at ~2500
- * (oneDNN, same shapes). Three products per weight leave ~2x to gain (BENCHMARKS.md).
+ * Why: SmolLM2's prefill spent 75% of its time in these GEMMs, and float32 on AVX-512 runs at
+ * ~400 GFLOP/s on this project's 2-vCPU Xeon, where AMX multiplies bfloat16 at ~2500 (oneDNN,
+ * same shapes). With three products a weight and the scaling, SmolLM2's layer shapes run at
+ * 590-810 GFLOP/s here (BENCHMARKS.md, "AMX for a GGUF's weights").
  */
 #include <stddef.h>
 #include <stdlib.h>
@@ -34,6 +37,7 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
 #include <immintrin.h>
+#include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #define TIDAL_AMX 1
@@ -41,8 +45,15 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
-/* The tile registers: 0-2 the three bfloat16 parts of 16 rows of x over one run, 3 the run's
- * B tile, 4 the sums. Each is 16 rows of 64 bytes. */
+/* Rows of x a tile holds. A row tile's sums over two column tiles are 2 x RT float32
+ * vectors, held in registers (the compiler spills a few of the 32). SmolLM2's four layer
+ * shapes at 512 rows, two threads: 5.25 ms with the scaling below software-pipelined, 6.6-7.0
+ * with each run's products scaled as soon as stored (the vector loads then wait on the tile
+ * store, and the tiles on the vector loads), 7.6 with 12-row tiles and no spills. */
+#define RT 16
+
+/* The tile registers: 0-2 the three bfloat16 parts of RT rows of x over one run, 3 and 6 the
+ * run's B tiles of two column tiles, 4 and 5 their sums. */
 typedef struct {
     unsigned char palette_id, start_row, reserved[14];
     unsigned short colsb[16];
@@ -55,20 +66,27 @@ static void configure_tiles(void) {
     cfg.palette_id = 1;
     for (int t = 0; t < 7; t++) {
         cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
+        cfg.rows[t] = t == 3 || t == 6 ? 16 : RT;
     }
     _tile_loadconfig(&cfg);
 }
 
-/* The bfloat16 parts of x, [3][Mp][K] with Mp = M rounded up to 16 (zero rows), and of its
- * sums over each run, [3][Mp][Rp] (Rp: the runs rounded up to 32, zeros after). Kept
+/* The bfloat16 parts of x, [Mp / RT][runs][3][RT][32] with Mp = M rounded up to RT (zero
+ * rows): a row tile's three parts of a run are 3 RT 64-byte rows one after the other. And of
+ * its sums over each run, [3][Mp][Rp] (Rp: the runs rounded up to 32, zeros after). Kept
  * between calls and grown as needed (a prefill's 4.7 MB allocated afresh each call costs its
  * page faults each call); a worker calls from one thread at a time. */
-static unsigned short *parts, *sum_parts;
-static size_t parts_size, sum_parts_size;
+static unsigned short *parts, *sum_parts, *expanded;
+static size_t parts_size, sum_parts_size, expanded_size;
 
 static int reserve(long Mp, long K, long Rp) {
     size_t need = (size_t)3 * Mp * K, need_sums = (size_t)3 * Mp * Rp;
+    size_t need_expanded = (size_t)omp_get_max_threads() * 2 * (K / 32) * 512;
+    if (need_expanded > expanded_size) {
+        free(expanded);
+        expanded = aligned_alloc(64, need_expanded * 2);
+        expanded_size = expanded ? need_expanded : 0;
+    }
     if (need > parts_size) {
         free(parts);
         parts = aligned_alloc(64, need * 2);
@@ -79,7 +97,7 @@ static int reserve(long Mp, long K, long Rp) {
         sum_parts = aligned_alloc(64, need_sums * 2);
         sum_parts_size = sum_parts ? need_sums : 0;
     }
-    return parts != NULL && sum_parts != NULL;
+    return parts != NULL && sum_parts != NULL && expanded != NULL;
 }
 
 /* 16 floats -> their top 16 bits (bfloat16 by truncation). */
@@ -109,9 +127,8 @@ static void split_rows(const float *x, long M, long Mp, long K, long Rp, int sum
             float run = 0.0f;
             for (long h = k; h < k + 32; h += 16) {
                 __m512 v = i < M ? _mm512_loadu_ps(x + i * K + h) : _mm512_setzero_ps();
-                /* tile-ready: row tile i / 16, run k / 32, part, row i % 16, 16 of 32 */
-                unsigned short *at = parts + (((i / 16) * runs + k / 32) * 3 * 16 + i % 16) * 32 + (h - k);
-                split3(v, at, at + 512, at + 1024);
+                unsigned short *at = parts + (((i / RT) * runs + k / 32) * 3 * RT + i % RT) * 32 + (h - k);
+                split3(v, at, at + RT * 32, at + 2 * RT * 32);
                 run += _mm512_reduce_add_ps(v);
             }
             row_sums[k / 32] = run;
@@ -123,46 +140,72 @@ static void split_rows(const float *x, long M, long Mp, long K, long Rp, int sum
     }
 }
 
-/* 16 rows (r0..) by the column tiles c, c + 1: for each run the three products into tiles 4
+/* A 4-bit B tile (256 bytes: byte j holds tile element j % 32 + 64 (j / 32) in its low
+ * nibble and that + 32 in its high one) widened to its 512 bfloat16, q -> bf16(q) by a
+ * 16-entry table lookup (vpermw). */
+static inline void widen_tile(const unsigned char *q4, unsigned short *tile) {
+    static const unsigned short bf16_of[32] = {
+        0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+        0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+    const __m512i table = _mm512_loadu_si512(bf16_of);
+    for (int g = 0; g < 8; g++) {
+        __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q4 + 32 * g)));
+        __m512i lo = _mm512_and_si512(bytes, _mm512_set1_epi16(15));
+        __m512i hi = _mm512_srli_epi16(bytes, 4);
+        _mm512_store_si512(tile + 64 * g, _mm512_permutexvar_epi16(lo, table));
+        _mm512_store_si512(tile + 64 * g + 32, _mm512_permutexvar_epi16(hi, table));
+    }
+}
+
+/* RT rows (r0..) by the column tiles c, c + 1: for each run the three products into tiles 4
  * and 5 (two independent chains of tile products, interleaved: one chain's three would wait
- * on each other's latency), stored and scaled by d into float32 sums in L1; then m times the
- * run sums the same way, and the finish into y. */
-static void tile_rows(long r0, long M, long Mp, long K, long c, const unsigned short *tiles,
+ * on each other's latency), stored, and scaled by d into float32 sums held in registers; then
+ * m times the run sums the same way, and the finish into y. */
+static void tile_rows(long r0, long M, long Mp, long K, long c, const unsigned short *b0,
                       const float *d, const unsigned short *mt, long N, float *y,
                       const float *other, int op) {
     long runs = K / 32;
-    const unsigned short *a = parts + (r0 / 16) * runs * 1536;
-    const unsigned short *b0 = tiles + (size_t)c * runs * 512, *b1 = b0 + (size_t)runs * 512;
+    const unsigned short *a = parts + (r0 / RT) * runs * (3 * RT * 32);
+    const unsigned short *b1 = b0 + (size_t)runs * 512;
     const float *d0 = d + (size_t)c * runs * 16, *d1 = d0 + (size_t)runs * 16;
-    float sums[2][16][16] __attribute__((aligned(64)));
-    float acc[2][16][16] __attribute__((aligned(64)));
-    memset(acc, 0, sizeof acc);
-    for (long r = 0; r < runs; r++) {
-        _tile_loadd(0, a + 1536 * r, 64);
-        _tile_loadd(1, a + 1536 * r + 512, 64);
-        _tile_loadd(2, a + 1536 * r + 1024, 64);
-        _tile_loadd(3, b0 + 512 * r, 64);
-        _tile_loadd(6, b1 + 512 * r, 64);
-        _tile_zero(4);
-        _tile_zero(5);
-        _tile_dpbf16ps(4, 0, 3);
-        _tile_dpbf16ps(5, 0, 6);
-        _tile_dpbf16ps(4, 1, 3);
-        _tile_dpbf16ps(5, 1, 6);
-        _tile_dpbf16ps(4, 2, 3);
-        _tile_dpbf16ps(5, 2, 6);
-        _tile_stored(4, sums[0], 64);
-        _tile_stored(5, sums[1], 64);
-        __m512 dv0 = _mm512_loadu_ps(d0 + 16 * r), dv1 = _mm512_loadu_ps(d1 + 16 * r);
-        for (int i = 0; i < 16; i++) {
-            _mm512_store_ps(acc[0][i], _mm512_fmadd_ps(_mm512_load_ps(sums[0][i]), dv0,
-                                                       _mm512_load_ps(acc[0][i])));
-            _mm512_store_ps(acc[1][i], _mm512_fmadd_ps(_mm512_load_ps(sums[1][i]), dv1,
-                                                       _mm512_load_ps(acc[1][i])));
+    float sums[2][2][RT][16] __attribute__((aligned(64)));
+    __m512 acc0[RT], acc1[RT];
+    for (int i = 0; i < RT; i++) acc0[i] = acc1[i] = _mm512_setzero_ps();
+    /* Software-pipelined: run r's products are stored to sums[r % 2] and scaled one run
+     * later, so the vector loads read a store that has long left the tiles, while the tile
+     * unit works on run r + 1. */
+    for (long r = 0; r <= runs; r++) {
+        if (r < runs) {
+            const unsigned short *ar = a + r * (3 * RT * 32);
+            _tile_loadd(0, ar, 64);
+            _tile_loadd(1, ar + RT * 32, 64);
+            _tile_loadd(2, ar + 2 * RT * 32, 64);
+            _tile_loadd(3, b0 + 512 * r, 64);
+            _tile_loadd(6, b1 + 512 * r, 64);
+            _tile_zero(4);
+            _tile_zero(5);
+            _tile_dpbf16ps(4, 0, 3);
+            _tile_dpbf16ps(5, 0, 6);
+            _tile_dpbf16ps(4, 1, 3);
+            _tile_dpbf16ps(5, 1, 6);
+            _tile_dpbf16ps(4, 2, 3);
+            _tile_dpbf16ps(5, 2, 6);
+        }
+        if (r > 0) {
+            long p = r - 1;
+            __m512 dv0 = _mm512_loadu_ps(d0 + 16 * p), dv1 = _mm512_loadu_ps(d1 + 16 * p);
+            for (int i = 0; i < RT; i++) {
+                acc0[i] = _mm512_fmadd_ps(_mm512_load_ps(sums[p % 2][0][i]), dv0, acc0[i]);
+                acc1[i] = _mm512_fmadd_ps(_mm512_load_ps(sums[p % 2][1][i]), dv1, acc1[i]);
+            }
+        }
+        if (r < runs) {
+            _tile_stored(4, sums[r % 2][0], 64);
+            _tile_stored(5, sums[r % 2][1], 64);
         }
     }
     if (mt) {
-        /* m times the run sums: [16 rows][runs] by [runs][16 columns], both exact in
+        /* m times the run sums: [RT rows][runs] by [runs][16 columns], both exact in
          * bfloat16 parts (three of a sum, two of a float16 m), six tile products a group of
          * 32 runs and column tile. */
         long groups = (runs + 31) / 32, Rp = groups * 32;
@@ -185,26 +228,32 @@ static void tile_rows(long r0, long M, long Mp, long K, long c, const unsigned s
                 _tile_dpbf16ps(5, 2, 6);
             }
         }
-        _tile_stored(4, sums[0], 64);
-        _tile_stored(5, sums[1], 64);
-        for (int j = 0; j < 2; j++)
-            for (int i = 0; i < 16; i++)
-                _mm512_store_ps(acc[j][i], _mm512_add_ps(_mm512_load_ps(acc[j][i]),
-                                                         _mm512_load_ps(sums[j][i])));
-    }
-    for (int i = 0; i < 16 && r0 + i < M; i++)
-        for (int j = 0; j < 2; j++) {
-            long at = (r0 + i) * N + 16 * (c + j);
-            __m512 v = _mm512_load_ps(acc[j][i]);
-            if (op == 1) v = _mm512_add_ps(v, _mm512_loadu_ps(other + at));
-            else if (op == 2) v = _mm512_mul_ps(v, _mm512_loadu_ps(other + at));
-            _mm512_storeu_ps(y + at, v);
+        _tile_stored(4, sums[0][0], 64);
+        _tile_stored(5, sums[0][1], 64);
+        for (int i = 0; i < RT; i++) {
+            acc0[i] = _mm512_add_ps(acc0[i], _mm512_load_ps(sums[0][0][i]));
+            acc1[i] = _mm512_add_ps(acc1[i], _mm512_load_ps(sums[0][1][i]));
         }
+    }
+    for (int i = 0; i < RT && r0 + i < M; i++) {
+        long at = (r0 + i) * N + 16 * c;
+        __m512 v0 = acc0[i], v1 = acc1[i];
+        if (op == 1) {
+            v0 = _mm512_add_ps(v0, _mm512_loadu_ps(other + at));
+            v1 = _mm512_add_ps(v1, _mm512_loadu_ps(other + at + 16));
+        } else if (op == 2) {
+            v0 = _mm512_mul_ps(v0, _mm512_loadu_ps(other + at));
+            v1 = _mm512_mul_ps(v1, _mm512_loadu_ps(other + at + 16));
+        }
+        _mm512_storeu_ps(y + at, v0);
+        _mm512_storeu_ps(y + at + 16, v1);
+    }
 }
 
 /* Rows taken against all the weights before the next rows start: the chunk's three parts
- * (ROW_CHUNK x K x 6 bytes: 1.2 MB at K = 1536) stay in L2 while the B tiles stream past. */
-#define ROW_CHUNK 128
+ * (ROW_CHUNK x K x 6 bytes: 1.2 MB at K = 1536) stay in L2 while the B tiles stream past
+ * (128 rows: 5.1 ms for the shapes above, 64: 5.3, 256: 5.8, 512: 6.9). */
+#define ROW_CHUNK (RT * 8)
 #endif
 
 /* 1 where this build has AMX (compiled for a CPU with AMX-BF16 and AVX-512) and Linux lets
@@ -261,12 +310,19 @@ int tidal_amx_pack(const unsigned char *blocks, int kind, long N, long K,
                 for (int k = 0; k < 32; k++) {
                     int q = kind == 3 ? (block[256 + 16 * k + n] >> (4 * half)) & 15
                                       : (int)(signed char)block[128 + 32 * k + col];
-                    float qf = (float)q;
-                    unsigned int bits;
-                    memcpy(&bits, &qf, 4);
-                    tile[(k / 2) * 32 + 2 * n + (k % 2)] = (unsigned short)(bits >> 16);
+                    int e = (k / 2) * 32 + 2 * n + (k % 2); /* element in the tile */
                     if (kind == 3) {
-                        float product = d[col] * qf; /* exact: 11 x 4 bits */
+                        unsigned char *q4 = (unsigned char *)tiles + ((size_t)c * runs + r) * 256;
+                        int j = e % 32 + 32 * (e / 64), high = e % 64 >= 32;
+                        q4[j] = (unsigned char)(high ? (q4[j] & 15) | (q << 4) : (q4[j] & 0xF0) | q);
+                    } else {
+                        float qf = (float)q;
+                        unsigned int bits;
+                        memcpy(&bits, &qf, 4);
+                        tile[e] = (unsigned short)(bits >> 16);
+                    }
+                    if (kind == 3) {
+                        float product = d[col] * (float)q; /* exact: 11 x 4 bits */
                         __asm__("" : "+x"(product));
                         float w = product + m[col];
                         exact = exact && (double)w == (double)product + (double)m[col];
@@ -288,7 +344,7 @@ int tidal_amx_pack(const unsigned char *blocks, int kind, long N, long K,
 int tidal_amx_gemm(const float *x, long M, long K, const unsigned short *tiles, const float *d,
                    const unsigned short *m, long N, float *y, const float *other, int op) {
 #if TIDAL_AMX
-    long Mp = (M + 15) / 16 * 16, Rp = (K / 32 + 31) / 32 * 32;
+    long Mp = (M + RT - 1) / RT * RT, Rp = (K / 32 + 31) / 32 * 32, runs = K / 32;
     if (!reserve(Mp, K, Rp)) return -1;
     #pragma omp parallel
     {
@@ -297,9 +353,19 @@ int tidal_amx_gemm(const float *x, long M, long K, const unsigned short *tiles, 
         for (long r0 = 0; r0 < Mp; r0 += ROW_CHUNK) {
             long rn = Mp - r0 < ROW_CHUNK ? Mp - r0 : ROW_CHUNK;
             #pragma omp for schedule(static)
-            for (long c = 0; c < N / 16; c += 2)
-                for (long r = r0; r < r0 + rn; r += 16)
-                    tile_rows(r, M, Mp, K, c, tiles, d, m, N, y, other, op);
+            for (long c = 0; c < N / 16; c += 2) {
+                /* the pair's B tiles: 4-bit ones widened once for all the chunk's row tiles
+                 * (a quarter of the bytes from memory), 8-bit ones stored as bfloat16 */
+                const unsigned short *b = tiles + (size_t)c * runs * 512;
+                if (m) {
+                    unsigned short *wide = expanded + (size_t)omp_get_thread_num() * 2 * runs * 512;
+                    const unsigned char *q4 = (const unsigned char *)tiles + (size_t)c * runs * 256;
+                    for (long t = 0; t < 2 * runs; t++) widen_tile(q4 + 256 * t, wide + 512 * t);
+                    b = wide;
+                }
+                for (long r = r0; r < r0 + rn; r += RT)
+                    tile_rows(r, M, Mp, K, c, b, d, m, N, y, other, op);
+            }
         }
         _tile_release();
     }

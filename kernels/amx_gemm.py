@@ -7,12 +7,13 @@ The input is split into three bfloat16 parts that sum to it exactly and the weig
 small integers, so the tile products are exact and only the float32 additions round, in
 another order than F.linear's (the error against a float64 product is below F.linear's on
 the shapes tested). Measured on this project's 2-vCPU Xeon (Sapphire Rapids, two threads),
-SmolLM2-135M's four layer shapes, weights in cache (BENCHMARKS.md, "AMX for prefill"):
+SmolLM2-135M's four layer shapes, one layer's weights in cache (BENCHMARKS.md, "AMX for a
+GGUF's weights"):
 
-    rows        64        128       256       512
-    panels      1.18 ms   2.67 ms   4.56 ms   9.18 ms
-    F.linear    1.53 ms   2.48 ms   5.09 ms   9.10 ms
-    AMX         0.84 ms   1.77 ms   3.46 ms   6.56 ms
+    rows        32        64        128       256       512
+    panels      0.81 ms   1.28 ms   2.28 ms   4.83 ms   10.21 ms
+    F.linear    1.07 ms   1.61 ms   2.65 ms   5.16 ms    9.20 ms
+    AMX         0.48 ms   0.79 ms   1.44 ms   2.81 ms    6.16 ms
 
 Built by `native.build_and_load` like the other kernels; `load()` is None on a CPU without
 AMX (every AMD CPU, Intel before Sapphire Rapids), where the kernel's build has no tiles, where
@@ -61,7 +62,8 @@ class AmxBlockGemm:
     def __init__(self, tiles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
                  out_features: int, in_features: int):
         self.tiles, self.scales, self.offsets = tiles, scales, offsets
-        """B tiles [N / 16][K / 32][16][32] of q as bfloat16 (int16 storage), d
+        """B tiles of q: [N / 16][K / 32][256] bytes of 4-bit q (widened to bfloat16 in the
+        kernel), or [N / 16][K / 32][16][32] bfloat16 (int16 storage) of 8-bit q; d
         [N / 16][K / 32][16] float32, and m as bfloat16 tiles
         [N / 16][groups of 32 runs][2][16][32] (None for 8-bit blocks: no m)."""
         self.out_features, self.in_features = out_features, in_features
@@ -77,7 +79,8 @@ class AmxBlockGemm:
         if library is None or kind not in (_Q4, _Q8):
             return None
         n, k = out_features, in_features
-        tiles = torch.empty(n // 16, k // 32, 16, 32, dtype=torch.int16)
+        tiles = (torch.empty(n // 16, k // 32, 256, dtype=torch.uint8) if kind == _Q4 else
+                 torch.empty(n // 16, k // 32, 16, 32, dtype=torch.int16))
         scales = torch.empty(n // 16, k // 32, 16, dtype=torch.float32)
         offsets = (torch.empty(n // 16, (k // 32 + 31) // 32, 2, 16, 32, dtype=torch.int16)
                    if kind == _Q4 else None)
