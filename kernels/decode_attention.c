@@ -191,6 +191,110 @@ static item_fn item_for(int head_dim) {
     default: return 0;
     }
 }
+
+/* Prefill chunks: rows r of one request's chunk at positions start + r (start = seq_len -
+ * q_len), row r seeing positions 0..start + r. Row by row (the item above) each query row
+ * reads its request's K and V again and reduces every score across a vector; here K is first
+ * transposed once per call into kt [KVH][blocks of VL positions][D][VL], so a score vector is
+ * VL positions' dot products from D multiply-adds with no reduction, and an item takes QV
+ * query vectors (rows x heads of one KV head) at once: each K column and V row is loaded once
+ * for all of them, QV x DV sums held in registers in the second pass. Two passes as above:
+ * scores, softmax per query vector, then the weighted sum of V. */
+#if VL == 16
+#define PREFILL_REGISTERS 24
+#else
+#define PREFILL_REGISTERS 12
+#endif
+#define PREFILL_QV(DV) (PREFILL_REGISTERS / (DV) > 0 ? PREFILL_REGISTERS / (DV) : 1)
+
+/* The largest of row[0..len), len >= 1. */
+static inline float row_max(const float *row, int len) {
+    vec m = V(set1_ps)(-INFINITY);
+    int p = 0;
+    for (; p + VL <= len; p += VL) m = V(max_ps)(m, V(loadu_ps)(row + p));
+    float lanes[VL], top = -INFINITY;
+    V(storeu_ps)(lanes, m);
+    for (int i = 0; i < VL; i++) top = lanes[i] > top ? lanes[i] : top;
+    for (; p < len; p++) top = row[p] > top ? row[p] : top;
+    return top;
+}
+
+#define PREFILL_ITEM(DV)                                                                    \
+static void prefill_##DV(const float *const *qs, float *const *outs, const int *limits,    \
+                         int nq, const float *kt, const float *vc, const int *table, int bs, \
+                         long pos_stride, long head, float scale, float *scores, int stride) { \
+    enum { QV = PREFILL_QV(DV), D = VL * (DV) };                                            \
+    /* the item's query vectors times scale; past nq, copies of the last (computed, never  \
+     * written), so every loop below runs QV wide */                                        \
+    float qb[QV][D] __attribute__((aligned(64)));                                           \
+    int len = 0;                                                                            \
+    for (int v = 0; v < QV; v++) {                                                          \
+        const float *src = qs[v < nq ? v : nq - 1];                                         \
+        for (int d = 0; d < D; d++) qb[v][d] = src[d] * scale;                              \
+    }                                                                                       \
+    for (int v = 0; v < nq; v++) len = limits[v] + 1 > len ? limits[v] + 1 : len;          \
+    for (int b = 0; b * VL < len; b++) {                                                    \
+        const float *kb = kt + (long)b * D * VL;                                            \
+        vec s[QV];                                                                          \
+        for (int v = 0; v < QV; v++) s[v] = V(setzero_ps)();                                \
+        for (int d = 0; d < D; d++) {                                                       \
+            vec kd = V(loadu_ps)(kb + d * VL);                                              \
+            for (int v = 0; v < QV; v++) s[v] = V(fmadd_ps)(V(set1_ps)(qb[v][d]), kd, s[v]); \
+        }                                                                                   \
+        for (int v = 0; v < nq; v++) V(storeu_ps)(scores + v * stride + b * VL, s[v]);     \
+    }                                                                                       \
+    float inverse[QV];                                                                      \
+    for (int v = 0; v < nq; v++) {                                                          \
+        float *row = scores + v * stride, top = row_max(row, limits[v] + 1);                \
+        inverse[v] = softmax_row(row, limits[v] + 1, top);                                  \
+        for (int p = limits[v] + 1; p < len; p++) row[p] = 0.0f;                            \
+    }                                                                                       \
+    for (int v = nq; v < QV; v++) { /* the copies: weights 0 */                             \
+        inverse[v] = 0.0f;                                                                  \
+        for (int p = 0; p < len; p++) scores[v * stride + p] = 0.0f;                        \
+    }                                                                                       \
+    vec acc[QV][DV];                                                                        \
+    for (int v = 0; v < QV; v++)                                                            \
+        for (int c = 0; c < DV; c++) acc[v][c] = V(setzero_ps)();                           \
+    for (int p = 0; p < len; p++) {                                                         \
+        prefetch_row(vc, table, p + PREFETCH, len, bs, pos_stride, head, 4 * D);           \
+        const float *vr = row_at(vc, table, p, bs, pos_stride, head);                       \
+        vec vv[DV];                                                                         \
+        for (int c = 0; c < DV; c++) vv[c] = V(loadu_ps)(vr + VL * c);                      \
+        for (int v = 0; v < QV; v++) {                                                      \
+            vec w = V(set1_ps)(scores[v * stride + p]);                                     \
+            for (int c = 0; c < DV; c++) acc[v][c] = V(fmadd_ps)(w, vv[c], acc[v][c]);      \
+        }                                                                                   \
+    }                                                                                       \
+    for (int v = 0; v < nq; v++)                                                            \
+        for (int c = 0; c < DV; c++)                                                        \
+            V(storeu_ps)(outs[v] + VL * c, V(mul_ps)(acc[v][c], V(set1_ps)(inverse[v])));   \
+}
+#if VL == 16
+PREFILL_ITEM(1) PREFILL_ITEM(2) PREFILL_ITEM(3) PREFILL_ITEM(4) PREFILL_ITEM(5)
+PREFILL_ITEM(6) PREFILL_ITEM(7) PREFILL_ITEM(8) PREFILL_ITEM(16)
+#else
+PREFILL_ITEM(2) PREFILL_ITEM(4) PREFILL_ITEM(6) PREFILL_ITEM(8) PREFILL_ITEM(10)
+PREFILL_ITEM(12) PREFILL_ITEM(14) PREFILL_ITEM(16) PREFILL_ITEM(32)
+#endif
+
+typedef void (*prefill_fn)(const float *const *, float *const *, const int *, int,
+                           const float *, const float *, const int *, int, long, long, float,
+                           float *, int);
+
+/* (function, query vectors an item takes) for a head size, or (0, 0). */
+static prefill_fn prefill_for(int head_dim, int *qv) {
+    switch (head_dim / VL * (head_dim % VL == 0)) {
+#define CASE(DV) case DV: *qv = PREFILL_QV(DV); return prefill_##DV;
+#if VL == 16
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(16)
+#else
+    CASE(2) CASE(4) CASE(6) CASE(8) CASE(10) CASE(12) CASE(14) CASE(16) CASE(32)
+#endif
+#undef CASE
+    default: *qv = 0; return 0;
+    }
+}
 #else
 #define TIDAL_DECODE_ATTENTION 0
 #endif
@@ -254,6 +358,71 @@ int tidal_decode_attention(const float *q, const float *key_cache, const float *
     (void)q; (void)key_cache; (void)value_cache; (void)tables; (void)max_blocks;
     (void)lens; (void)requests; (void)rows; (void)n; (void)num_heads; (void)num_kv_heads;
     (void)head_dim; (void)block_size; (void)scale; (void)out;
+    return -1;
+#endif
+}
+
+/* One prefill chunk of one request: q_len query rows q[q_row0 + r] at positions seq_len -
+ * q_len + r, each over the positions up to its own, K and V read through `table` (the
+ * request's block-table row); writes those rows of out. Returns 0, -1 for a head size it
+ * does not take (out untouched), -2 when scratch could not be allocated. */
+int tidal_prefill_attention(const float *q, const float *key_cache, const float *value_cache,
+                            const int *table, int q_len, int seq_len, long q_row0,
+                            int num_heads, int num_kv_heads, int head_dim, int block_size,
+                            float scale, float *out) {
+#if TIDAL_DECODE_ATTENTION
+    int qv;
+    prefill_fn item = prefill_for(head_dim, &qv);
+    if (!item) return -1;
+    int group = num_heads / num_kv_heads, start = seq_len - q_len;
+    long pos_stride = (long)num_kv_heads * head_dim;
+    long blocks = (seq_len + VL - 1) / VL, block_floats = (long)head_dim * VL;
+    float *kt = aligned_alloc(64, (size_t)num_kv_heads * blocks * block_floats * sizeof(float));
+    if (!kt) return -2;
+    int vectors = q_len * group, per_head = (vectors + qv - 1) / qv;
+    int stride = (int)(blocks * VL), failed = 0;
+    #pragma omp parallel
+    {
+        /* K transposed: kt[h][b][d][j] = K[position b VL + j][h][d], zeros past seq_len */
+        #pragma omp for schedule(static)
+        for (long hb = 0; hb < num_kv_heads * blocks; hb++) {
+            long h = hb / blocks, b = hb % blocks;
+            float *dst = kt + hb * block_floats;
+            for (int j = 0; j < VL; j++) {
+                long p = b * VL + j;
+                const float *k = p < seq_len
+                    ? row_at(key_cache, table, (int)p, block_size, pos_stride, h * head_dim) : 0;
+                for (int d = 0; d < head_dim; d++) dst[d * VL + j] = k ? k[d] : 0.0f;
+            }
+        }
+        float *scores = malloc((size_t)qv * stride * sizeof(float));
+        if (!scores) failed = 1;
+        #pragma omp for schedule(dynamic)
+        for (long i = 0; i < (long)num_kv_heads * per_head; i++) {
+            if (!scores) continue;
+            int h = (int)(i / per_head), first = (int)(i % per_head) * qv;
+            int nq = vectors - first < qv ? vectors - first : qv;
+            const float *qs[32];
+            float *outs[32];
+            int limits[32];
+            for (int v = 0; v < nq; v++) {
+                int r = (first + v) / group, g = (first + v) % group;
+                long at = ((q_row0 + r) * num_heads + (long)h * group + g) * head_dim;
+                qs[v] = q + at;
+                outs[v] = out + at;
+                limits[v] = start + r;
+            }
+            item(qs, outs, limits, nq, kt + (long)h * blocks * block_floats, value_cache,
+                 table, block_size, pos_stride, (long)h * head_dim, scale, scores, stride);
+        }
+        free(scores);
+    }
+    free(kt);
+    return failed ? -2 : 0;
+#else
+    (void)q; (void)key_cache; (void)value_cache; (void)table; (void)q_len; (void)seq_len;
+    (void)q_row0; (void)num_heads; (void)num_kv_heads; (void)head_dim; (void)block_size;
+    (void)scale; (void)out;
     return -1;
 #endif
 }

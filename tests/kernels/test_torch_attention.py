@@ -159,23 +159,26 @@ def test_cpu_where_it_cannot_run_is_an_error_naming_the_field(device_type, dtype
 ])
 def test_c_kernel_equals_reference_across_head_sizes_and_groups(head_dim, num_heads,
                                                                 num_kv_heads):
-    case = make_case([1, 1, 1, 3, 1], [1, 45, 300, 9, 17], num_heads, num_kv_heads, head_dim,
-                     16, torch.float32, num_pad_tokens=1)
+    """Decodes and a short chunk row by row; two long chunks (one whole prompt, one after 70
+    cached positions) through the blocked kernel, whose items cut across rows and heads."""
+    case = make_case([1, 1, 1, 3, 1, 40, 29], [1, 45, 300, 9, 17, 40, 99], num_heads,
+                     num_kv_heads, head_dim, 16, torch.float32, num_pad_tokens=1)
     expected = paged_attention_ref(*case.args(), out=poisoned_like(case.query))
     out = attend(CpuBackend(), case, out=poisoned_like(case.query))
     assert_matches(out, expected, case.owned_rows())
 
 
 @pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler or no AVX-512")
-def test_short_prefill_chunks_go_row_by_row_through_the_c_kernel_and_long_ones_to_sdpa():
+def test_short_prefill_chunks_go_row_by_row_and_long_ones_to_the_blocked_kernel():
     """Chunks of up to ROW_CHUNK_TOKENS new tokens become rows of the C kernel, row i seeing
-    the positions up to its own; a longer chunk keeps SDPA. Both equal the reference."""
+    the positions up to its own; a longer chunk goes whole to its blocked kernel, none to
+    SDPA. Both equal the reference."""
     limit = cpu_attention.ROW_CHUNK_TOKENS
     case = make_case([1, limit, limit + 1, 3], [40, limit + 10, limit + 1, 3], 9, 3, 64, 16,
                      torch.float32, num_pad_tokens=1)
     backend = CpuBackend()
     plan = prepare(backend, case)
-    assert [chunk.request for chunk in plan.prefills] == [2]
+    assert [chunk.request for chunk in plan.chunks] == [2] and plan.prefills == []
     assert len(plan.rows.requests) == 1 + limit + 3
     first_row_of_chunk = (plan.rows.requests == 1) & (plan.rows.token_rows == 1)
     assert plan.rows.lens[first_row_of_chunk].tolist() == [11]  # 10 cached + its own token
@@ -195,8 +198,8 @@ def test_the_c_kernels_avx2_build_equals_reference(tmp_path, monkeypatch):
     assert any(path.name.startswith("decode_attention-") for path in (tmp_path / "kernels").iterdir())
     assert "-march=haswell" in native.flags()
     for head_dim, num_heads, num_kv_heads in ((64, 9, 3), (16, 12, 1), (128, 4, 2)):
-        case = make_case([1, 1, 3, 1], [1, 45, 9, 300], num_heads, num_kv_heads, head_dim, 16,
-                         torch.float32, num_pad_tokens=1)
+        case = make_case([1, 1, 3, 1, 33], [1, 45, 9, 300, 50], num_heads, num_kv_heads,
+                         head_dim, 16, torch.float32, num_pad_tokens=1)
         expected = paged_attention_ref(*case.args(), out=poisoned_like(case.query))
         out = attend(CpuBackend(), case, out=poisoned_like(case.query))
         assert_matches(out, expected, case.owned_rows())
@@ -324,3 +327,15 @@ def test_the_kernels_float32_exp_is_exact_to_float32_rounding_and_never_underflo
     assert far[3] == 1.0
     doubles = np.linspace(-700.0, 0.0, 1001)
     np.testing.assert_allclose(exp_rows(doubles.copy(), 0.0), np.exp(doubles), rtol=1e-15)
+
+
+@pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler or no AVX-512")
+def test_c_kernels_write_a_strided_output_through_a_copy():
+    """An `out` the kernels cannot write in place (a strided view) gets the rows both C
+    kernels own, and nothing else."""
+    case = make_case([1, 3, 40], [30, 3, 60], 9, 3, 64, 16, torch.float32, num_pad_tokens=1)
+    expected = paged_attention_ref(*case.args(), out=poisoned_like(case.query))
+    wide = poisoned_like(torch.cat([case.query, case.query], dim=2))
+    out = wide[:, :, ::2]
+    attend(CpuBackend(), case, out=out)
+    assert_matches(out, expected, case.owned_rows())
