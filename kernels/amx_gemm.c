@@ -1,8 +1,8 @@
 /* y[M, N] = x[M, K] W^T (op 1: + other, op 2: * other) on Intel AMX, for a weight made of
  * GGUF blocks: every run of 32 k of a column exactly d q + m (Q4_1: q in 0..15, d and m
- * float16 values) or d q (Q8_0: q in -128..127). The prefill steps' linear layers of a
- * de-quantized GGUF model (SmolLM2 in this project's benchmarks). Built and loaded by
- * amx_gemm.py.
+ * float16 values) or d q (Q8_0: q in -128..127): a de-quantized GGUF model's linear layers
+ * (SmolLM2 in this project's benchmarks) in prefill chunks and large decode batches. Built
+ * and loaded by amx_gemm.py.
  *
  * AMX multiplies bfloat16 tiles into float32 sums (TDPBF16PS). Neither x nor the float32
  * weight is bfloat16, but both sides can be made exact:
@@ -10,7 +10,9 @@
  *   - q is a small integer: exactly a bfloat16 (8 significant bits hold -128..127).
  *   - x = x1 + x2 + x3 exactly, each a bfloat16: x1 is x with its low 16 bits cleared (its top
  *     8 significant bits), x2 the same of x - x1, x3 = x - x1 - x2, which has at most 8
- *     significant bits left. Each subtraction is exact in float32.
+ *     significant bits left. Each subtraction is exact in float32. (A part below float32's
+ *     normal range, from an input under ~1e-33, is flushed to zero by the tile unit: an error
+ *     far below the sum's own rounding.)
  *
  * so over one run b of 32 k, sum_k x[k] w[n, k] = d[n, b] (sum_k x1 q + x2 q + x3 q)
  * + m[n, b] sum_k x[k]: three tile products of exact bfloat16 values (each product exact in
