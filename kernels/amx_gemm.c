@@ -159,9 +159,20 @@ static inline void widen_tile(const unsigned char *q4, unsigned short *tile) {
     }
 }
 
+/* Tiles 0-2 (three parts of the rows) times B tiles 3 and 6 into sums 4 and 5, the two
+ * column tiles' chains interleaved: one chain's three products would wait on each other's
+ * latency. */
+static inline __attribute__((always_inline)) void both_products(void) {
+    _tile_dpbf16ps(4, 0, 3);
+    _tile_dpbf16ps(5, 0, 6);
+    _tile_dpbf16ps(4, 1, 3);
+    _tile_dpbf16ps(5, 1, 6);
+    _tile_dpbf16ps(4, 2, 3);
+    _tile_dpbf16ps(5, 2, 6);
+}
+
 /* RT rows (r0..) by the column tiles c, c + 1: for each run the three products into tiles 4
- * and 5 (two independent chains of tile products, interleaved: one chain's three would wait
- * on each other's latency), stored, and scaled by d into float32 sums held in registers; then
+ * and 5 (both_products), stored, and scaled by d into float32 sums held in registers; then
  * m times the run sums the same way, and the finish into y. */
 static void tile_rows(long r0, long M, long Mp, long K, long c, const unsigned short *b0,
                       const float *d, const unsigned short *mt, long N, float *y,
@@ -186,12 +197,7 @@ static void tile_rows(long r0, long M, long Mp, long K, long c, const unsigned s
             _tile_loadd(6, b1 + 512 * r, 64);
             _tile_zero(4);
             _tile_zero(5);
-            _tile_dpbf16ps(4, 0, 3);
-            _tile_dpbf16ps(5, 0, 6);
-            _tile_dpbf16ps(4, 1, 3);
-            _tile_dpbf16ps(5, 1, 6);
-            _tile_dpbf16ps(4, 2, 3);
-            _tile_dpbf16ps(5, 2, 6);
+            both_products();
         }
         if (r > 0) {
             long p = r - 1;
@@ -222,12 +228,7 @@ static void tile_rows(long r0, long M, long Mp, long K, long c, const unsigned s
             for (int h = 0; h < 2; h++) {
                 _tile_loadd(3, m0 + 1024 * g + 512 * h, 64);
                 _tile_loadd(6, m1 + 1024 * g + 512 * h, 64);
-                _tile_dpbf16ps(4, 0, 3);
-                _tile_dpbf16ps(5, 0, 6);
-                _tile_dpbf16ps(4, 1, 3);
-                _tile_dpbf16ps(5, 1, 6);
-                _tile_dpbf16ps(4, 2, 3);
-                _tile_dpbf16ps(5, 2, 6);
+                both_products();
             }
         }
         _tile_stored(4, sums[0][0], 64);
