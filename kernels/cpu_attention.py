@@ -1,20 +1,21 @@
-"""`attention_backend=cpu`: the numba backend with its float32 decodes (and prefill chunks of
-up to ROW_CHUNK_TOKENS) in the C kernel of `decode_attention.c`, the CPU default where that
-kernel builds (a C compiler and AVX-512, or AVX2 with FMA: the same arithmetic in 8-float
-vectors).
+"""`attention_backend=cpu`: the numba backend with its float32 decodes and prefill chunks in
+the C kernels of `decode_attention.c`, the CPU default where they build (a C compiler and
+AVX-512, or AVX2 with FMA: the same arithmetic in 8-float vectors).
 
-Both kernels read K and V once, in place in the paged cache; the C one prefetches each KV
-head's rows through the block table ahead of its loops, which the numba kernel cannot, and
-splits the work by request and KV head instead of by request only. Measured on the 2-vCPU
-Xeon (SmolLM2-135M's geometry, 9 query and 3 KV heads of 64, 32 requests x 257 positions, 30
-layers' caches in turn, 2 threads): 0.69 ms a layer against numba's 0.90; its AVX2 build, run
-there, 0.85 (level with numba's in a whole decode step).
+Decodes and short prefill chunks go row by row: each row reads its K and V once, in place in
+the paged cache, prefetching each KV head's rows through the block table ahead of its loops,
+which the numba kernel cannot, and splitting the work by request and KV head instead of by
+request only. Measured on the 2-vCPU Xeon (SmolLM2-135M's geometry, 9 query and 3 KV heads of
+64, 32 requests x 257 positions, 30 layers' caches in turn, 2 threads): 0.69 ms a layer
+against numba's 0.90; its AVX2 build, run there, 0.85 (level with numba's in a whole decode
+step). Longer prefill chunks go through the blocked kernel (`tidal_prefill_attention`,
+AVX-512 builds: ROW_CHUNK_TOKENS) or, in AVX2 builds, the torch backend's SDPA path
+(AVX2_ROW_CHUNK_TOKENS).
 
-What the C kernel does not take goes to the numba kernel unchanged: float64, head sizes other
-than 16..128 in steps of 16 and 256. Longer prefill chunks take the torch backend's SDPA
-path, as under `numba`. Results differ from the reference by float32 rounding only.
+What the C kernels do not take goes to the numba kernel unchanged: float64, head sizes other
+than 16..128 in steps of 16 and 256. Results differ from the reference by float32 rounding
+only.
 """
-
 from __future__ import annotations
 
 import ctypes
@@ -46,6 +47,7 @@ def _declare(library: ctypes.CDLL) -> None:
     library.tidal_prefill_attention.argtypes = [p, p, p, p, i, i, n, i, i, i, i,
                                                 ctypes.c_float, p]
     library.tidal_prefill_attention.restype = ctypes.c_int
+    library.tidal_prefill_attention_available.restype = ctypes.c_int
     library.tidal_decode_attention_head_dim_ok.argtypes = [i]
 
 
@@ -68,13 +70,14 @@ class RowAttention:
 
 @dataclass
 class CpuAttentionPlan:
-    """`CpuBackend`'s view of one step: the rows the C kernel takes one by one (None: none)
-    and the prefill chunks its blocked kernel takes; nothing is left for SDPA."""
+    """`CpuBackend`'s view of one step: the rows the C kernel takes one by one (None: none),
+    the prefill chunks its blocked kernel takes (AVX-512 builds), and those left for SDPA (AVX2
+    builds' long chunks)."""
 
     block_tables: np.ndarray  # [num_seqs, max_blocks] int32: the metadata's, all requests
     rows: RowAttention | None
     chunks: list[PrefillChunk]  # more than ROW_CHUNK_TOKENS new tokens each
-    prefills: list[PrefillChunk] = field(default_factory=list)  # SDPA's: none
+    prefills: list[PrefillChunk] = field(default_factory=list)  # more than AVX2_ROW_CHUNK_TOKENS
 
 
 ROW_CHUNK_TOKENS = 16
@@ -84,6 +87,11 @@ kernel (`tidal_prefill_attention`: K transposed once, up to 24 query vectors an 
 geometry, one layer, one prompt, 2 threads (Xeon, 2026-12-02): 17 new tokens over 40 0.025 ms
 either way; 128 tokens 0.149 ms blocked, 0.218 in rows, 0.262 with SDPA; 512 tokens 1.44 /
 3.04 / 2.65 ms."""
+
+AVX2_ROW_CHUNK_TOKENS = 128
+"""Without the blocked kernel (AVX2 builds), prefill chunks of up to this many new tokens go
+row by row, longer ones through SDPA (the AVX2 build run on the Xeon, one layer: 128 tokens
+0.30 ms in rows or SDPA; 512 tokens 4.35 in rows, 2.83 with SDPA)."""
 
 
 class CpuBackend(NumbaBackend):
@@ -106,28 +114,30 @@ class CpuBackend(NumbaBackend):
                 or not library.tidal_decode_attention_head_dim_ok(head_dim)):
             return super().prepare(meta, block_size, num_kv_heads, head_dim, dtype)
         decodes, chunks = split_requests(meta)
+        blocked_kernel = library.tidal_prefill_attention_available()
+        row_limit = ROW_CHUNK_TOKENS if blocked_kernel else AVX2_ROW_CHUNK_TOKENS
         seq_lens = meta.seq_lens.tolist()
         requests = [request for request, _ in decodes]
         token_rows = [row for _, row in decodes]
         lens = [seq_lens[request] for request in requests]
-        blocked = []
+        blocked, sdpa = [], []
         for chunk in chunks:
             q_len = chunk.q_end - chunk.q_start
-            if q_len > ROW_CHUNK_TOKENS:
-                blocked.append(chunk)
+            if q_len > row_limit:
+                (blocked if blocked_kernel else sdpa).append(chunk)
                 continue
             requests += [chunk.request] * q_len
             token_rows += range(chunk.q_start, chunk.q_end)
             lens += range(chunk.seq_len - q_len + 1, chunk.seq_len + 1)
         block_tables = np.ascontiguousarray(meta.block_tables.numpy())
         if not requests:
-            return CpuAttentionPlan(block_tables, None, blocked)
+            return CpuAttentionPlan(block_tables, None, blocked, sdpa)
         lens_array = np.array(lens, dtype=np.int32)
         order = np.argsort(-lens_array, kind="stable")
         return CpuAttentionPlan(block_tables, RowAttention(
             requests=np.array(requests, dtype=np.int64)[order],
             token_rows=np.array(token_rows, dtype=np.int64)[order],
-            lens=lens_array[order]), blocked)
+            lens=lens_array[order]), blocked, sdpa)
 
     def _attend_decodes(self, query, key_cache, value_cache,
                         plan: CpuAttentionPlan | NumbaAttentionPlan, scale: float,

@@ -199,12 +199,15 @@ static item_fn item_for(int head_dim) {
  * VL positions' dot products from D multiply-adds with no reduction, and an item takes QV
  * query vectors (rows x heads of one KV head) at once: each K column and V row is loaded once
  * for all of them, QV x DV sums held in registers in the second pass. Two passes as above:
- * scores, softmax per query vector, then the weighted sum of V. */
+ * scores, softmax per query vector, then the weighted sum of V.
+ *
+ * AVX-512 builds only: the second pass's sums need registers that AVX2's 16 do not have (an
+ * item of one query vector there; built for AVX2 and run on the Xeon it took 5.0 ms for a
+ * 512-token prompt's layer against SDPA's 2.8 and the rows' 4.35), so AVX2 machines keep the
+ * rows for short chunks and SDPA for long ones (cpu_attention.py). */
 #if VL == 16
+#define TIDAL_PREFILL_ATTENTION 1
 #define PREFILL_REGISTERS 24
-#else
-#define PREFILL_REGISTERS 12
-#endif
 #define PREFILL_QV(DV) (PREFILL_REGISTERS / (DV) > 0 ? PREFILL_REGISTERS / (DV) : 1)
 
 /* The largest of row[0..len), len >= 1. */
@@ -270,13 +273,8 @@ static void prefill_##DV(const float *const *qs, float *const *outs, const int *
         for (int c = 0; c < DV; c++)                                                        \
             V(storeu_ps)(outs[v] + VL * c, V(mul_ps)(acc[v][c], V(set1_ps)(inverse[v])));   \
 }
-#if VL == 16
 PREFILL_ITEM(1) PREFILL_ITEM(2) PREFILL_ITEM(3) PREFILL_ITEM(4) PREFILL_ITEM(5)
 PREFILL_ITEM(6) PREFILL_ITEM(7) PREFILL_ITEM(8) PREFILL_ITEM(16)
-#else
-PREFILL_ITEM(2) PREFILL_ITEM(4) PREFILL_ITEM(6) PREFILL_ITEM(8) PREFILL_ITEM(10)
-PREFILL_ITEM(12) PREFILL_ITEM(14) PREFILL_ITEM(16) PREFILL_ITEM(32)
-#endif
 
 typedef void (*prefill_fn)(const float *const *, float *const *, const int *, int,
                            const float *, const float *, const int *, int, long, long, float,
@@ -286,18 +284,21 @@ typedef void (*prefill_fn)(const float *const *, float *const *, const int *, in
 static prefill_fn prefill_for(int head_dim, int *qv) {
     switch (head_dim / VL * (head_dim % VL == 0)) {
 #define CASE(DV) case DV: *qv = PREFILL_QV(DV); return prefill_##DV;
-#if VL == 16
     CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(16)
-#else
-    CASE(2) CASE(4) CASE(6) CASE(8) CASE(10) CASE(12) CASE(14) CASE(16) CASE(32)
-#endif
 #undef CASE
     default: *qv = 0; return 0;
     }
 }
 #else
+#define TIDAL_PREFILL_ATTENTION 0
+#endif /* VL == 16 */
+#else
 #define TIDAL_DECODE_ATTENTION 0
+#define TIDAL_PREFILL_ATTENTION 0
 #endif
+
+/* 1 where this build has the blocked prefill kernel (AVX-512), else 0. */
+int tidal_prefill_attention_available(void) { return TIDAL_PREFILL_ATTENTION; }
 
 /* 1 where this build has the kernel (compiled for a CPU with AVX-512, or AVX2 and FMA), else 0. */
 int tidal_decode_attention_available(void) { return TIDAL_DECODE_ATTENTION; }
@@ -365,12 +366,13 @@ int tidal_decode_attention(const float *q, const float *key_cache, const float *
 /* One prefill chunk of one request: q_len query rows q[q_row0 + r] at positions seq_len -
  * q_len + r, each over the positions up to its own, K and V read through `table` (the
  * request's block-table row); writes those rows of out. Returns 0, -1 for a head size it
- * does not take (out untouched), -2 when scratch could not be allocated. */
+ * does not take or a build without it (out untouched), -2 when scratch could not be
+ * allocated. */
 int tidal_prefill_attention(const float *q, const float *key_cache, const float *value_cache,
                             const int *table, int q_len, int seq_len, long q_row0,
                             int num_heads, int num_kv_heads, int head_dim, int block_size,
                             float scale, float *out) {
-#if TIDAL_DECODE_ATTENTION
+#if TIDAL_PREFILL_ATTENTION
     int qv;
     prefill_fn item = prefill_for(head_dim, &qv);
     if (!item) return -1;

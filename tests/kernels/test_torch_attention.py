@@ -168,7 +168,9 @@ def test_c_kernel_equals_reference_across_head_sizes_and_groups(head_dim, num_he
     assert_matches(out, expected, case.owned_rows())
 
 
-@pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler or no AVX-512")
+@pytest.mark.skipif(not cpu_attention.available()
+                    or not cpu_attention.load().tidal_prefill_attention_available(),
+                    reason="no C compiler or no AVX-512")
 def test_short_prefill_chunks_go_row_by_row_and_long_ones_to_the_blocked_kernel():
     """Chunks of up to ROW_CHUNK_TOKENS new tokens become rows of the C kernel, row i seeing
     the positions up to its own; a longer chunk goes whole to its blocked kernel, none to
@@ -190,16 +192,21 @@ def test_short_prefill_chunks_go_row_by_row_and_long_ones_to_the_blocked_kernel(
 @pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler or no AVX-512")
 def test_the_c_kernels_avx2_build_equals_reference(tmp_path, monkeypatch):
     """decode_attention.c built for an AVX2 CPU (8-float vectors, run here: TIDAL_KERNEL_MARCH)
-    under CpuBackend."""
+    under CpuBackend: no blocked prefill kernel there, so a chunk of up to
+    AVX2_ROW_CHUNK_TOKENS goes row by row and a longer one to SDPA."""
     monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TIDAL_KERNEL_MARCH", "haswell")
     monkeypatch.setattr(native, "_loaded", {})
     assert cpu_attention.available()
     assert any(path.name.startswith("decode_attention-") for path in (tmp_path / "kernels").iterdir())
     assert "-march=haswell" in native.flags()
+    assert not cpu_attention.load().tidal_prefill_attention_available()
+    long = cpu_attention.AVX2_ROW_CHUNK_TOKENS + 1
     for head_dim, num_heads, num_kv_heads in ((64, 9, 3), (16, 12, 1), (128, 4, 2)):
-        case = make_case([1, 1, 3, 1, 33], [1, 45, 9, 300, 50], num_heads, num_kv_heads,
-                         head_dim, 16, torch.float32, num_pad_tokens=1)
+        case = make_case([1, 1, 3, 1, 33, long], [1, 45, 9, 300, 50, long + 5], num_heads,
+                         num_kv_heads, head_dim, 16, torch.float32, num_pad_tokens=1)
+        plan = prepare(CpuBackend(), case)
+        assert plan.chunks == [] and [chunk.request for chunk in plan.prefills] == [5]
         expected = paged_attention_ref(*case.args(), out=poisoned_like(case.query))
         out = attend(CpuBackend(), case, out=poisoned_like(case.query))
         assert_matches(out, expected, case.owned_rows())
