@@ -95,9 +95,9 @@ row by row, longer ones through SDPA (the AVX2 build run on the Xeon, one layer:
 
 
 class CpuBackend(NumbaBackend):
-    """Decodes and short prefill chunks through the C kernel where it applies (float32, a
-    head size it takes), long prefill chunks through SDPA; the numba backend's plan and
-    kernel otherwise. CPU tensors only."""
+    """Decodes and short prefill chunks through the C row kernel where it applies (float32, a
+    head size it takes), longer prefill chunks through its blocked kernel (AVX-512 builds) or
+    SDPA (AVX2 builds); the numba backend's plan and kernel otherwise. CPU tensors only."""
 
     name = "cpu"
 

@@ -184,10 +184,13 @@ class PanelGemm:
         self.max_rows = (1 << 62 if self.amx is not None else
                          max(self._block_rows, (panel_rows or 1 << 62) if keep_panels else 0))
         """The most rows a call takes (0: none, the weight is no use to this build)."""
-        self.takes_any_rows = self.amx is not None
+        self._kernel = load().tidal_panel_gemm
+
+    @property
+    def takes_any_rows(self) -> bool:
         """Whether this is the best path for a product of any size, prefill chunks included
         (AMX); else the caller keeps large inputs for its own."""
-        self._kernel = load().tidal_panel_gemm
+        return self.amx is not None
 
     def bytes_read(self, rows: int) -> int:
         """Bytes of weight a product of `rows` rows streams: its blocks', AMX tiles' or
