@@ -259,9 +259,12 @@ def test_core_restarted_at_the_same_address_is_attached_again(long_llama, tmp_pa
         core.stop()
 
 
-HEALED = [{"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
+# 1200 tokens: a fault sent right after both streams' first token must land while they run.
+# At 400 one CI run saw both streams end before the SIGSTOP (the test's reader threads got
+# their first line late on 2 busy cores, and the tiny model decodes 2 requests at ~1-2 ms).
+HEALED = [{"prompt": "Once upon a time", "max_tokens": 1200, "ignore_eos": True,
            "temperature": 0},
-          {"prompt": "The capital of", "max_tokens": 400, "ignore_eos": True,
+          {"prompt": "The capital of", "max_tokens": 1200, "ignore_eos": True,
            "temperature": 1.0, "top_p": 0.9, "seed": 77}]
 
 
@@ -273,6 +276,9 @@ def assert_streams_go_on_through(server: LiveServer, fault: int, expected: list)
     streams = [Stream(server.base_url, body) for body in HEALED]
     assert all(s.first.wait(60) and not s.broken for s in streams)
     os.kill(old_core, fault)  # alone: its workers see it go (SIGKILL) or stall (SIGSTOP)
+    # a stream that had all its tokens already would pass without going through the fault
+    assert all(len(s.lines) < HEALED[0]["max_tokens"] for s in streams), \
+        "a stream ended before the fault landed: make HEALED longer"
     for got, want in zip(streams, expected):
         assert got.finish(180).ended_well(), got.lines[-3:]
         assert got.text() == want.text()
