@@ -22,8 +22,10 @@ included: on an AMD EPYC VM whose memory the host backs at first touch, populati
 21.6 s in one call, and a step's fresh 4 MB tensor waited all of it (`LLM`'s ready time went
 from 2-3 s to 39 s). In 4 MB calls the longest wait was 40 ms, for 23.8 s in all.
 
-The thread works only while `idle` is set: the worker process clears it while a step runs
-(`workers/proc.py`), so committing never competes with the steps for the CPU or the lock.
+The thread works only while `idle` is set: the worker process sets it once no plan has come
+for `IDLE_AFTER_MS` and clears it when one does (`workers/proc.py`), so committing never
+competes with the steps, nor with the engine core planning the next one, for the CPU or the
+lock.
 Beside the steps it did: at nice 19, next to the steps' spinning OpenMP threads, it got the
 CPU so rarely that it held the lock for up to a second per chunk, and SmolLM2's decode steps
 at batch 5-12 took 0.3-1.5 s until it was done (113 s for 4 GiB); at the worker's priority
