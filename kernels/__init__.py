@@ -59,6 +59,15 @@ class AttentionBackend(abc.ABC):
         took (0 when there is nothing to do)."""
         return 0.0
 
+    def kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """One layer's K (or V) cache, uninitialised: shape [num_blocks, block_size,
+        num_kv_heads, head_dim], the shape every backend and the reference index, stored in
+        whatever order this backend reads fastest (head_dim always the contiguous one). Here,
+        as the shape says; `CpuBackend` keeps each KV head's rows of a block together."""
+        return torch.empty(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype,
+                           device=device)
+
     def prepare(self, meta: AttentionMetadata, block_size: int, num_kv_heads: int,
                 head_dim: int, dtype: torch.dtype) -> object | None:
         """The step's plan: what `attend` needs beyond the metadata, derived once per step

@@ -41,10 +41,10 @@ def load() -> ctypes.CDLL | None:
 
 def _declare(library: ctypes.CDLL) -> None:
     p, n, i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-    library.tidal_decode_attention.argtypes = [p, p, p, p, n, p, p, p, n, i, i, i, i,
+    library.tidal_decode_attention.argtypes = [p, p, p, p, n, p, p, p, n, i, i, i, i, n, n, n,
                                                ctypes.c_float, p]
     library.tidal_decode_attention.restype = ctypes.c_int
-    library.tidal_prefill_attention.argtypes = [p, p, p, p, i, i, n, i, i, i, i,
+    library.tidal_prefill_attention.argtypes = [p, p, p, p, i, i, n, i, i, i, i, n, n, n,
                                                 ctypes.c_float, p]
     library.tidal_prefill_attention.restype = ctypes.c_int
     library.tidal_prefill_attention_available.restype = ctypes.c_int
@@ -107,11 +107,34 @@ class CpuBackend(NumbaBackend):
         load()
         return super().warm_up(dtype) + (time.perf_counter() - start)
 
+    def kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Stored head-major, [num_blocks, num_kv_heads, block_size, head_dim] (the tensor is
+        that storage seen through the shape every backend indexes), where the C kernels take
+        these tensors: a KV head's rows of one block are then one contiguous run of
+        block_size x head_dim floats, which the hardware prefetcher follows, where
+        position-major they are head_dim floats every num_kv_heads x head_dim. Measured with
+        `tidal_decode_attention` on the 2-vCPU Xeon, 30 layers' caches in turn: the 7M
+        model's geometry (4 query and 2 KV heads of 64), 256 requests x 256 positions,
+        5.4 -> 4.3 ms a layer; 32 requests 0.29 -> 0.20; SmolLM2's (9 and 3 heads), 32 x 257,
+        0.40 -> 0.35."""
+        if not self._takes(dtype, head_dim):
+            return super().kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype,
+                                    device)
+        return torch.empty(num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype,
+                           device=device).transpose(1, 2)
+
+    @staticmethod
+    def _takes(dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether the C kernels take caches of this dtype and head size."""
+        library = load()
+        return (library is not None and dtype == torch.float32
+                and bool(library.tidal_decode_attention_head_dim_ok(head_dim)))
+
     def prepare(self, meta: AttentionMetadata, block_size: int, num_kv_heads: int,
                 head_dim: int, dtype: torch.dtype) -> CpuAttentionPlan | NumbaAttentionPlan:
         library = load()
-        if (library is None or dtype != torch.float32
-                or not library.tidal_decode_attention_head_dim_ok(head_dim)):
+        if not self._takes(dtype, head_dim):
             return super().prepare(meta, block_size, num_kv_heads, head_dim, dtype)
         decodes, chunks = split_requests(meta)
         blocked_kernel = library.tidal_prefill_attention_available()
@@ -150,11 +173,17 @@ class CpuBackend(NumbaBackend):
         if plan.rows is None and not plan.chunks:
             return
         q = query.detach().contiguous()
-        key, value = key_cache.detach().contiguous(), value_cache.detach().contiguous()
+        key, value = key_cache.detach(), value_cache.detach()
+        if key.stride() != value.stride() or key.stride(3) != 1:
+            raise ValueError(f"the K and V caches must share one layout with head_dim "
+                             f"contiguous, got strides {key.stride()} and {value.stride()}")
         direct = out.is_contiguous() and out.dtype == torch.float32
         result = out if direct else torch.empty_like(q)
         library, tables = load(), plan.block_tables
-        geometry = (q.shape[1], key.shape[2], q.shape[2], key.shape[1], scale)
+        # heads, KV heads, head size, block size, then the caches' strides: block, position,
+        # KV head (any order: `kv_cache`)
+        geometry = (q.shape[1], key.shape[2], q.shape[2], key.shape[1], *key.stride()[:3],
+                    scale)
         written = []
         if plan.rows is not None:
             rows = plan.rows

@@ -3,7 +3,9 @@
  * decode's row sees the whole sequence, row i of a prefill chunk the positions up to its own).
  * Built and loaded by cpu_attention.py; the same arithmetic as numba_attention.py's kernel.
  *
- * Layouts: q and out [T, H, D]; key and value caches [num_blocks, block_size, KVH, D]; block
+ * Layouts: q and out [T, H, D]; key and value caches [num_blocks, block_size, KVH, D] in any
+ * order of the first three (strides in floats: block, position, KV head; D contiguous; K and
+ * V alike): the cpu backend stores them head-major, [num_blocks, KVH, block_size, D]; block
  * tables [S, max_blocks] int32. Head h reads KV head h / (H / KVH).
  *
  * Work item = (query row, KV head, up to MAX_GROUP of the query heads that share it), taken by
@@ -14,12 +16,12 @@
  *   out[g]       = sum_p e[g, p] V[p] / sum_p e[g, p]
  *
  * so each K and V row is read once for all heads of its group (q and the group's output
- * accumulators stay in registers). A KV head's row of one position is D floats inside a
- * position's KVH x D, so positions are `KVH * D` floats apart and blocks anywhere: the
- * hardware prefetcher does not follow them. Each pass prefetches the row PREFETCH positions
- * ahead through the block table: measured on the 2-vCPU Xeon, 32 requests x 257 positions x
- * 3 KV heads x 64 (30 layers' caches in turn, 2 threads), 0.92 ms a layer without it, 0.69
- * with 32 ahead (4: 0.81, 8: 0.73, 16: 0.72, 64: 0.70); numba's kernel 0.90.
+ * accumulators stay in registers). A KV head's rows are contiguous within a block (head-major)
+ * or D floats every KVH x D (position-major), and blocks lie anywhere: the hardware prefetcher
+ * does not follow them from block to block. Each pass prefetches the row PREFETCH positions
+ * ahead through the block table: measured on the 2-vCPU Xeon (position-major), 32 requests x
+ * 257 positions x 3 KV heads x 64 (30 layers' caches in turn, 2 threads), 0.92 ms a layer
+ * without it, 0.69 with 32 ahead (4: 0.81, 8: 0.73, 16: 0.72, 64: 0.70); numba's kernel 0.90.
  *
  * Positions at or past a row's len are never read (nor their block table entries), so the cache
  * may hold anything there. Results differ from the reference by float32 rounding only (sums
@@ -82,19 +84,23 @@ static inline vec expv(vec x) {
     return VCASTF(VI(add_epi32)(VCASTI(e), exponent));
 }
 
-/* Row of position p of one KV head: `head` is the head's offset inside a position. */
-static inline const float *row_at(const float *cache, const int *table, int p, int bs,
-                                  long pos_stride, long head) {
-    return cache + ((long)table[p / bs] * bs + p % bs) * pos_stride + head;
+/* Where a cache's rows are: `bs` positions a block, and the strides (in floats) of a block and
+ * of a position; a KV head's offset (its index times the head stride) is passed beside it. */
+typedef struct { int bs; long block, pos; } layout_t;
+
+/* Row of position p of one KV head: `head` is the head's offset inside a block's position. */
+static inline const float *row_at(const float *cache, const int *table, int p, layout_t at,
+                                  long head) {
+    return cache + (long)table[p / at.bs] * at.block + (long)(p % at.bs) * at.pos + head;
 }
 
 /* Bring position p's row (`bytes` long) into L1 ahead of its use, where p < seq_len. Forced
  * inline: GCC kept it a call in the item functions, 0.82 -> 1.07 ms a layer. */
 static inline __attribute__((always_inline)) void
-prefetch_row(const float *cache, const int *table, int p, int seq_len, int bs, long pos_stride,
-             long head, int bytes) {
+prefetch_row(const float *cache, const int *table, int p, int seq_len, layout_t at, long head,
+             int bytes) {
     if (p >= seq_len) return;
-    const char *row = (const char *)row_at(cache, table, p, bs, pos_stride, head);
+    const char *row = (const char *)row_at(cache, table, p, at, head);
     for (int l = 0; l < bytes; l += 64) _mm_prefetch(row + l, _MM_HINT_T0);
 }
 
@@ -125,7 +131,7 @@ static float softmax_row(float *row, int len, float top) {
  * floats of scratch. */
 #define ITEM(DV)                                                                            \
 static void item_##DV(const float *q, const float *kc, const float *vc, const int *table,   \
-                      int seq_len, int bs, long pos_stride, long head, int group,           \
+                      int seq_len, layout_t at, long head, int group,                       \
                       float scale, float *out, float *scores) {                             \
     vec qv[MAX_GROUP][DV], acc[MAX_GROUP][DV];                                              \
     float top[MAX_GROUP], inverse[MAX_GROUP];                                               \
@@ -138,8 +144,8 @@ static void item_##DV(const float *q, const float *kc, const float *vc, const in
         }                                                                                   \
     }                                                                                       \
     for (int p = 0; p < seq_len; p++) {                                                     \
-        prefetch_row(kc, table, p + PREFETCH, seq_len, bs, pos_stride, head, 4 * VL * DV);  \
-        const float *k = row_at(kc, table, p, bs, pos_stride, head);                        \
+        prefetch_row(kc, table, p + PREFETCH, seq_len, at, head, 4 * VL * DV);             \
+        const float *k = row_at(kc, table, p, at, head);                                    \
         vec kv[DV];                                                                         \
         for (int c = 0; c < DV; c++) kv[c] = V(loadu_ps)(k + VL * c);                       \
         for (int g = 0; g < group; g++) {                                                   \
@@ -153,8 +159,8 @@ static void item_##DV(const float *q, const float *kc, const float *vc, const in
     for (int g = 0; g < group; g++)                                                         \
         inverse[g] = softmax_row(scores + g * seq_len, seq_len, top[g]);                    \
     for (int p = 0; p < seq_len; p++) {                                                     \
-        prefetch_row(vc, table, p + PREFETCH, seq_len, bs, pos_stride, head, 4 * VL * DV);  \
-        const float *v = row_at(vc, table, p, bs, pos_stride, head);                        \
+        prefetch_row(vc, table, p + PREFETCH, seq_len, at, head, 4 * VL * DV);             \
+        const float *v = row_at(vc, table, p, at, head);                                    \
         vec vv[DV];                                                                         \
         for (int c = 0; c < DV; c++) vv[c] = V(loadu_ps)(v + VL * c);                       \
         for (int g = 0; g < group; g++) {                                                   \
@@ -174,8 +180,8 @@ ITEM(1) ITEM(2) ITEM(3) ITEM(4) ITEM(5) ITEM(6) ITEM(7) ITEM(8) ITEM(16)
 ITEM(2) ITEM(4) ITEM(6) ITEM(8) ITEM(10) ITEM(12) ITEM(14) ITEM(16) ITEM(32)
 #endif
 
-typedef void (*item_fn)(const float *, const float *, const float *, const int *, int, int,
-                        long, long, int, float, float *, float *);
+typedef void (*item_fn)(const float *, const float *, const float *, const int *, int,
+                        layout_t, long, int, float, float *, float *);
 
 static item_fn item_for(int head_dim) {
     switch (head_dim / VL * (head_dim % VL == 0)) {
@@ -224,8 +230,8 @@ static inline float row_max(const float *row, int len) {
 
 #define PREFILL_ITEM(DV)                                                                    \
 static void prefill_##DV(const float *const *qs, float *const *outs, const int *limits,    \
-                         int nq, const float *kt, const float *vc, const int *table, int bs, \
-                         long pos_stride, long head, float scale, float *scores, int stride) { \
+                         int nq, const float *kt, const float *vc, const int *table,        \
+                         layout_t at, long head, float scale, float *scores, int stride) {  \
     enum { QV = PREFILL_QV(DV), D = VL * (DV) };                                            \
     /* the item's query vectors times scale; past nq, copies of the last (computed, never  \
      * written), so every loop below runs QV wide */                                        \
@@ -260,8 +266,8 @@ static void prefill_##DV(const float *const *qs, float *const *outs, const int *
     for (int v = 0; v < QV; v++)                                                            \
         for (int c = 0; c < DV; c++) acc[v][c] = V(setzero_ps)();                           \
     for (int p = 0; p < len; p++) {                                                         \
-        prefetch_row(vc, table, p + PREFETCH, len, bs, pos_stride, head, 4 * D);           \
-        const float *vr = row_at(vc, table, p, bs, pos_stride, head);                       \
+        prefetch_row(vc, table, p + PREFETCH, len, at, head, 4 * D);                      \
+        const float *vr = row_at(vc, table, p, at, head);                                   \
         vec vv[DV];                                                                         \
         for (int c = 0; c < DV; c++) vv[c] = V(loadu_ps)(vr + VL * c);                      \
         for (int v = 0; v < QV; v++) {                                                      \
@@ -277,7 +283,7 @@ PREFILL_ITEM(1) PREFILL_ITEM(2) PREFILL_ITEM(3) PREFILL_ITEM(4) PREFILL_ITEM(5)
 PREFILL_ITEM(6) PREFILL_ITEM(7) PREFILL_ITEM(8) PREFILL_ITEM(16)
 
 typedef void (*prefill_fn)(const float *const *, float *const *, const int *, int,
-                           const float *, const float *, const int *, int, long, long, float,
+                           const float *, const float *, const int *, layout_t, long, float,
                            float *, int);
 
 /* (function, query vectors an item takes) for a head size, or (0, 0). */
@@ -319,15 +325,15 @@ int tidal_decode_attention_head_dim_ok(int head_dim) {
 int tidal_decode_attention(const float *q, const float *key_cache, const float *value_cache,
                            const int *tables, long max_blocks, const int *lens,
                            const long *requests, const long *rows, long n, int num_heads,
-                           int num_kv_heads, int head_dim, int block_size, float scale,
-                           float *out) {
+                           int num_kv_heads, int head_dim, int block_size, long block_stride,
+                           long pos_stride, long head_stride, float scale, float *out) {
 #if TIDAL_DECODE_ATTENTION
     item_fn item = item_for(head_dim);
     if (!item) return -1;
     int group = num_heads / num_kv_heads;
     int parts = (group + MAX_GROUP - 1) / MAX_GROUP; /* items per KV head */
     long items = n * num_kv_heads * parts;
-    long pos_stride = (long)num_kv_heads * head_dim;
+    layout_t at = {block_size, block_stride, pos_stride};
     int failed = 0;
     #pragma omp parallel
     {
@@ -348,8 +354,8 @@ int tidal_decode_attention(const float *q, const float *key_cache, const float *
                 if (!scores) { capacity = 0; failed = 1; continue; }
             }
             item(q + (row * num_heads + first) * head_dim, key_cache, value_cache,
-                 tables + request * max_blocks, seq_len, block_size, pos_stride,
-                 (long)kv_head * head_dim, heads, scale, out + (row * num_heads + first) * head_dim,
+                 tables + request * max_blocks, seq_len, at, kv_head * head_stride, heads, scale,
+                 out + (row * num_heads + first) * head_dim,
                  scores);
         }
         free(scores);
@@ -358,7 +364,8 @@ int tidal_decode_attention(const float *q, const float *key_cache, const float *
 #else
     (void)q; (void)key_cache; (void)value_cache; (void)tables; (void)max_blocks;
     (void)lens; (void)requests; (void)rows; (void)n; (void)num_heads; (void)num_kv_heads;
-    (void)head_dim; (void)block_size; (void)scale; (void)out;
+    (void)head_dim; (void)block_size; (void)block_stride; (void)pos_stride; (void)head_stride;
+    (void)scale; (void)out;
     return -1;
 #endif
 }
@@ -371,13 +378,14 @@ int tidal_decode_attention(const float *q, const float *key_cache, const float *
 int tidal_prefill_attention(const float *q, const float *key_cache, const float *value_cache,
                             const int *table, int q_len, int seq_len, long q_row0,
                             int num_heads, int num_kv_heads, int head_dim, int block_size,
-                            float scale, float *out) {
+                            long block_stride, long pos_stride, long head_stride, float scale,
+                            float *out) {
 #if TIDAL_PREFILL_ATTENTION
     int qv;
     prefill_fn item = prefill_for(head_dim, &qv);
     if (!item) return -1;
     int group = num_heads / num_kv_heads, start = seq_len - q_len;
-    long pos_stride = (long)num_kv_heads * head_dim;
+    layout_t at = {block_size, block_stride, pos_stride};
     long blocks = (seq_len + VL - 1) / VL, block_floats = (long)head_dim * VL;
     float *kt = aligned_alloc(64, (size_t)num_kv_heads * blocks * block_floats * sizeof(float));
     if (!kt) return -2;
@@ -393,7 +401,7 @@ int tidal_prefill_attention(const float *q, const float *key_cache, const float 
             for (int j = 0; j < VL; j++) {
                 long p = b * VL + j;
                 const float *k = p < seq_len
-                    ? row_at(key_cache, table, (int)p, block_size, pos_stride, h * head_dim) : 0;
+                    ? row_at(key_cache, table, (int)p, at, h * head_stride) : 0;
                 for (int d = 0; d < head_dim; d++) dst[d * VL + j] = k ? k[d] : 0.0f;
             }
         }
@@ -415,7 +423,7 @@ int tidal_prefill_attention(const float *q, const float *key_cache, const float 
                 limits[v] = start + r;
             }
             item(qs, outs, limits, nq, kt + (long)h * blocks * block_floats, value_cache,
-                 table, block_size, pos_stride, (long)h * head_dim, scale, scores, stride);
+                 table, at, (long)h * head_stride, scale, scores, stride);
         }
         free(scores);
     }
@@ -424,7 +432,7 @@ int tidal_prefill_attention(const float *q, const float *key_cache, const float 
 #else
     (void)q; (void)key_cache; (void)value_cache; (void)table; (void)q_len; (void)seq_len;
     (void)q_row0; (void)num_heads; (void)num_kv_heads; (void)head_dim; (void)block_size;
-    (void)scale; (void)out;
+    (void)block_stride; (void)pos_stride; (void)head_stride; (void)scale; (void)out;
     return -1;
 #endif
 }

@@ -47,15 +47,22 @@ def write_kv_torch(
     value_cache: torch.Tensor,  # same shape as key_cache
     slot_mapping: torch.Tensor,  # [num_tokens] int64; slot < 0 means "do not write"
 ) -> None:
-    """Scatter each token's K and V into its cache slot (in place), as `write_kv_ref`."""
-    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    """Scatter each token's K and V into its cache slot (in place), as `write_kv_ref`. The
+    caches may be stored in any order (`AttentionBackend.kv_cache`)."""
+    block_size, num_kv_heads, head_dim = key_cache.shape[1:]
     slots = slot_mapping.long()
     if key.shape[0] and bool((slots < 0).any()):
         keep = slots >= 0
         slots, key, value = slots[keep], key[keep], value[keep]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(key_cache.dtype))
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(
-        0, slots, value.to(value_cache.dtype))
+    if key_cache.is_contiguous() and value_cache.is_contiguous():
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots,
+                                                               key.to(key_cache.dtype))
+        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(
+            0, slots, value.to(value_cache.dtype))
+        return
+    blocks, offsets = slots // block_size, slots % block_size
+    key_cache[blocks, offsets] = key.to(key_cache.dtype)
+    value_cache[blocks, offsets] = value.to(value_cache.dtype)
 
 
 class PrefillChunk(NamedTuple):
@@ -241,8 +248,8 @@ def _prefill(query, key_cache, value_cache, table, chunk: PrefillChunk, scale, o
     num_blocks = (seq_len + block_size - 1) // block_size
     blocks = table[:num_blocks].long()
     # [blocks, block_size, kv_heads, d] -> [kv_heads, seq_len, d]
-    k = key_cache[blocks].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1).to(acc)
-    v = value_cache[blocks].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1).to(acc)
+    k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1).to(acc)
+    v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1).to(acc)
     q = query[q_start:q_end].transpose(0, 1).to(acc)  # [heads, q_len, d]
     # 4-D [1, heads, tokens, d]: on the CPU only batched inputs take the fused (flash)
     # kernel, ~5x faster at 512 tokens than the unfused fallback that 3-D inputs get

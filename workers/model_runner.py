@@ -142,7 +142,8 @@ class ModelRunner:
                 * self.head_dim * elem)
 
     def allocate_kv_cache(self, num_blocks: int) -> list[KVCache]:
-        """K and V tensors per layer, [num_blocks, block_size, kv_heads, head_dim].
+        """K and V tensors per layer, [num_blocks, block_size, kv_heads, head_dim] (stored as
+        the attention backend reads them fastest: `AttentionBackend.kv_cache`).
 
         Left uninitialised (zero-filling the CPU default of 4 GiB took 2-3 s; on the CPU
         `init_kv_cache` makes the pages resident without writing them): attention reads,
@@ -154,10 +155,10 @@ class ModelRunner:
         Only the null block 0, which padding rows and padded block tables point at, is
         zeroed so that nothing ever sees NaN there.
         """
-        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),
-                   torch.empty(shape, dtype=self.dtype, device=self.device))
-                  for _ in range(self.model.num_layers)]
+        geometry = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim, self.dtype,
+                    self.device)
+        cache = self.attention_backend.kv_cache
+        caches = [(cache(*geometry), cache(*geometry)) for _ in range(self.model.num_layers)]
         for key_cache, value_cache in caches:
             key_cache[0].zero_()
             value_cache[0].zero_()

@@ -46,9 +46,19 @@ def prepare(backend, case):
                            key_cache.shape[3], key_cache.dtype)
 
 
+def stored_as(backend, cache: torch.Tensor) -> torch.Tensor:
+    """A copy of a case's cache (NaN in every slot nobody may read) in the layout the backend
+    allocates for the model runner (`AttentionBackend.kv_cache`)."""
+    copy = backend.kv_cache(*cache.shape, cache.dtype, cache.device)
+    return copy.copy_(cache)
+
+
 def attend(backend, case, out=None):
-    """One step of one layer: prepare, then attend."""
-    return backend.attend(case.query, case.key_cache, case.value_cache, metadata(case),
+    """One step of one layer, over caches stored as `backend` stores them: prepare, then
+    attend."""
+    key_cache, value_cache = stored_as(backend, case.key_cache), stored_as(backend,
+                                                                          case.value_cache)
+    return backend.attend(case.query, key_cache, value_cache, metadata(case),
                           prepare(backend, case), case.scale, out)
 
 
@@ -100,6 +110,29 @@ def test_write_kv_torch_equals_reference(dtype):
     write_kv_torch(key, value, caches[2], caches[3], slots)
     torch.testing.assert_close(caches[2], caches[0], equal_nan=True, rtol=0, atol=0)
     torch.testing.assert_close(caches[3], caches[1], equal_nan=True, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler or no AVX-512")
+def test_cpu_backend_stores_its_float32_caches_head_major_and_writes_them_as_the_reference():
+    """Where its C kernels take the cache (float32, a head size they take), each KV head's rows
+    of a block lie together ([blocks, KV heads, block size, head_dim] in memory, seen through
+    the usual shape); otherwise the plain layout. K/V writes land where the reference's do."""
+    backend = CpuBackend()
+    cache = backend.kv_cache(5, 16, 3, 64, torch.float32, torch.device("cpu"))
+    assert cache.shape == (5, 16, 3, 64) and cache.stride() == (3 * 16 * 64, 64, 16 * 64, 1)
+    for dtype, head_dim in ((torch.float64, 64), (torch.float32, 24)):
+        plain = backend.kv_cache(5, 16, 3, head_dim, dtype, torch.device("cpu"))
+        assert plain.is_contiguous()
+    gen = torch.Generator().manual_seed(3)
+    key, value = torch.randn(2, 7, 3, 64, generator=gen)
+    slots = torch.tensor([5, 16, 17, -1, 79, 0, 33])
+    expected = [torch.zeros(5, 16, 3, 64) for _ in range(2)]
+    write_kv_ref(key, value, *expected, slots)
+    caches = [backend.kv_cache(5, 16, 3, 64, torch.float32, torch.device("cpu")).zero_()
+              for _ in range(2)]
+    backend.write_kv(key, value, *caches, slots)
+    for got, want in zip(caches, expected):
+        assert torch.equal(got, want)
 
 
 def test_write_kv_torch_no_tokens():
