@@ -49,6 +49,8 @@ def _declare(library: ctypes.CDLL) -> None:
     library.tidal_prefill_attention.restype = ctypes.c_int
     library.tidal_prefill_attention_available.restype = ctypes.c_int
     library.tidal_decode_attention_head_dim_ok.argtypes = [i]
+    library.tidal_write_kv.argtypes = [p, p, n, n, n, n, p, p, p, n, i, i, i, n, n, n]
+    library.tidal_write_kv.restype = None
 
 
 def available() -> bool:
@@ -130,6 +132,27 @@ class CpuBackend(NumbaBackend):
         library = load()
         return (library is not None and dtype == torch.float32
                 and bool(library.tidal_decode_attention_head_dim_ok(head_dim)))
+
+    def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        """float32 K/V into float32 caches by `tidal_write_kv` (row copies through both
+        tensors' strides: indexing a head-major cache from torch took 25 us a layer at 32
+        tokens, 0.41 ms at 2048, against 16 us / 0.22 ms for a plain cache's index_copy_);
+        anything else as the torch backend."""
+        library = load()
+        tensors = (key, value, key_cache, value_cache)
+        if (library is None or any(t.dtype != torch.float32 for t in tensors)
+                or key.stride(2) != 1 or value.stride(2) != 1 or key_cache.stride(3) != 1
+                or key_cache.stride() != value_cache.stride()
+                or key.shape[1:] != key_cache.shape[2:] or value.shape != key.shape
+                or slot_mapping.shape != key.shape[:1]):
+            super().write_kv(key, value, key_cache, value_cache, slot_mapping)
+            return
+        slots = slot_mapping.to(torch.int64).contiguous()
+        library.tidal_write_kv(key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1),
+                               value.stride(0), value.stride(1), key_cache.data_ptr(),
+                               value_cache.data_ptr(), slots.data_ptr(), key.shape[0],
+                               key.shape[1], key.shape[2], key_cache.shape[1],
+                               *key_cache.stride()[:3])
 
     def prepare(self, meta: AttentionMetadata, block_size: int, num_kv_heads: int,
                 head_dim: int, dtype: torch.dtype) -> CpuAttentionPlan | NumbaAttentionPlan:

@@ -436,3 +436,25 @@ int tidal_prefill_attention(const float *q, const float *key_cache, const float 
     return -1;
 #endif
 }
+
+/* Write token t's K and V rows (num_kv_heads x head_dim floats each, strides in floats: token,
+ * head; head_dim contiguous) into cache slot slots[t] (position slots[t] % block_size of
+ * block slots[t] / block_size; the caches' strides as tidal_decode_attention's), for t < n;
+ * a slot < 0 is skipped. A loop of row copies: one step's K/V are at most a few MB. */
+void tidal_write_kv(const float *key, const float *value, long key_token, long key_head,
+                    long value_token, long value_head, float *key_cache, float *value_cache,
+                    const long *slots, long n, int num_kv_heads, int head_dim, int block_size,
+                    long block_stride, long pos_stride, long head_stride) {
+    for (long t = 0; t < n; t++) {
+        long slot = slots[t];
+        if (slot < 0) continue;
+        long at = slot / block_size * block_stride + slot % block_size * pos_stride;
+        for (int h = 0; h < num_kv_heads; h++) {
+            float *k = key_cache + at + h * head_stride, *v = value_cache + at + h * head_stride;
+            const float *ks = key + t * key_token + h * key_head;
+            const float *vs = value + t * value_token + h * value_head;
+            for (int d = 0; d < head_dim; d++) k[d] = ks[d];
+            for (int d = 0; d < head_dim; d++) v[d] = vs[d];
+        }
+    }
+}

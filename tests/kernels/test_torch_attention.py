@@ -116,7 +116,8 @@ def test_write_kv_torch_equals_reference(dtype):
 def test_cpu_backend_stores_its_float32_caches_head_major_and_writes_them_as_the_reference():
     """Where its C kernels take the cache (float32, a head size they take), each KV head's rows
     of a block lie together ([blocks, KV heads, block size, head_dim] in memory, seen through
-    the usual shape); otherwise the plain layout. K/V writes land where the reference's do."""
+    the usual shape); otherwise the plain layout. K/V writes (strided rows, int32 slots, a
+    skipped one) land where the reference's do."""
     backend = CpuBackend()
     cache = backend.kv_cache(5, 16, 3, 64, torch.float32, torch.device("cpu"))
     assert cache.shape == (5, 16, 3, 64) and cache.stride() == (3 * 16 * 64, 64, 16 * 64, 1)
@@ -124,8 +125,9 @@ def test_cpu_backend_stores_its_float32_caches_head_major_and_writes_them_as_the
         plain = backend.kv_cache(5, 16, 3, head_dim, dtype, torch.device("cpu"))
         assert plain.is_contiguous()
     gen = torch.Generator().manual_seed(3)
-    key, value = torch.randn(2, 7, 3, 64, generator=gen)
-    slots = torch.tensor([5, 16, 17, -1, 79, 0, 33])
+    qkv = torch.randn(7, 9, 64, generator=gen)  # K and V are views into a fused projection
+    key, value = qkv[:, 3:6], qkv[:, 6:9]
+    slots = torch.tensor([5, 16, 17, -1, 79, 0, 33], dtype=torch.int32)
     expected = [torch.zeros(5, 16, 3, 64) for _ in range(2)]
     write_kv_ref(key, value, *expected, slots)
     caches = [backend.kv_cache(5, 16, 3, 64, torch.float32, torch.device("cpu")).zero_()
