@@ -68,3 +68,30 @@ def test_pages_are_committed_only_while_the_worker_is_idle(monkeypatch):
     idle.set()
     thread.join(60)
     assert not thread.is_alive() and sum(calls) >= 3 * host_memory.CHUNK_BYTES
+
+
+def _huge_page_bytes() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        line = next(line for line in f if line.startswith("AnonHugePages:"))
+    return int(line.split()[1]) * 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
+                    or "[never]" in open("/sys/kernel/mm/transparent_hugepage/enabled").read(),
+                    reason="no transparent huge pages on this kernel")
+def test_committed_pages_are_2_mb_pages_and_untouched_ones_are_not_advised():
+    """What the thread commits it asks 2 MB pages for, chunk by chunk (the decode attention's
+    page walks); a cache nobody commits (a worker never idle) keeps the kernel's default."""
+    size = 16 * host_memory.CHUNK_BYTES
+    before = _huge_page_bytes()
+    untouched = torch.empty(size // 4, dtype=torch.float32)
+    untouched.zero_()  # faulted in by use: 4 KB pages (THP "madvise" mode)
+    committed = torch.empty(size // 4, dtype=torch.float32)
+    thread = host_memory.commit_pages([committed], "test cache")
+    if thread is None:
+        pytest.skip("no MADV_POPULATE_WRITE here: the cache is zero-filled at once")
+    thread.join(60)
+    grown = _huge_page_bytes() - before
+    if "[always]" not in open("/sys/kernel/mm/transparent_hugepage/enabled").read():
+        assert grown <= size  # none of `untouched`
+    assert grown >= size // 2, grown  # the kernel may be short of 2 MB pages for a few
