@@ -69,6 +69,11 @@ class RowAttention:
     token_rows: np.ndarray  # [n] int64: query rows
     lens: np.ndarray  # [n] int32
 
+    def addresses(self) -> tuple[int, int, int]:
+        """The three arrays' data addresses (lens, requests, token_rows), as the kernel takes
+        them: found once a step (numpy's `.ctypes.data` builds an object each time)."""
+        return self.lens.ctypes.data, self.requests.ctypes.data, self.token_rows.ctypes.data
+
 
 @dataclass
 class CpuAttentionPlan:
@@ -80,6 +85,14 @@ class CpuAttentionPlan:
     rows: RowAttention | None
     chunks: list[PrefillChunk]  # more than ROW_CHUNK_TOKENS new tokens each
     prefills: list[PrefillChunk] = field(default_factory=list)  # more than AVX2_ROW_CHUNK_TOKENS
+    row_call: tuple = ()
+    """The row kernel's arguments that every layer shares (block tables and rows, as
+    addresses), made once for the step."""
+
+    def __post_init__(self) -> None:
+        if self.rows is not None:
+            self.row_call = (self.block_tables.ctypes.data, self.block_tables.shape[1],
+                             *self.rows.addresses(), len(self.rows.requests))
 
 
 ROW_CHUNK_TOKENS = 16
@@ -209,14 +222,13 @@ class CpuBackend(NumbaBackend):
                     scale)
         written = []
         if plan.rows is not None:
-            rows = plan.rows
             status = library.tidal_decode_attention(
-                q.data_ptr(), key.data_ptr(), value.data_ptr(), tables.ctypes.data,
-                tables.shape[1], rows.lens.ctypes.data, rows.requests.ctypes.data,
-                rows.token_rows.ctypes.data, len(rows.requests), *geometry, result.data_ptr())
+                q.data_ptr(), key.data_ptr(), value.data_ptr(), *plan.row_call, *geometry,
+                result.data_ptr())
             if status != 0:
                 raise MemoryError(f"decode attention kernel failed (status {status})")
-            written.append(torch.from_numpy(rows.token_rows))
+            if not direct:
+                written.append(torch.from_numpy(plan.rows.token_rows))
         for chunk in plan.chunks:
             status = library.tidal_prefill_attention(
                 q.data_ptr(), key.data_ptr(), value.data_ptr(),

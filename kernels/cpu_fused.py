@@ -18,18 +18,42 @@ calling thread (a `prange` fork/join would cost more than the work at decode siz
   (tested) for float32 and float64.
 
 Compiled on first use per dtype and cached on disk next to this file (`cache=True`);
-`warm_up` does it at start-up.
+`warm_up` does it at start-up. Where a C compiler is at hand, float32 calls go to the same
+arithmetic in C instead (`layer_ops.c`, through ctypes: numba's dispatch cost ~10 us a call,
+the whole of a decode step's RMSNorm of a few rows); numba keeps float64 and machines
+without a compiler.
 """
 
 from __future__ import annotations
 
+import ctypes
+from pathlib import Path
+
 import numpy as np
 import torch
+
+from tidal.kernels import native
 
 try:
     from numba import njit
 except ImportError:  # pragma: no cover - numba is a dependency; tolerate its absence
     njit = None
+
+
+SOURCE = Path(__file__).with_name("layer_ops.c")
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    p, n, i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+    library.tidal_rms_norm.argtypes = [p, n, i, p, ctypes.c_float, p]
+    library.tidal_rms_norm.restype = None
+    library.tidal_rotate_split.argtypes = [p, n, i, i, n, n, p, p, n, i, p, p]
+    library.tidal_rotate_split.restype = None
+
+
+def _c_ops() -> ctypes.CDLL | None:
+    """`layer_ops.c` built and loaded (once), or None without a C compiler."""
+    return native.load(SOURCE, "tidal_layer_ops_available", _declare)
 
 
 def available() -> bool:
@@ -39,14 +63,19 @@ def available() -> bool:
 
 def rms_norm_applies(x: torch.Tensor) -> bool:
     """Whether `rms_norm` takes this activation: float32 on the CPU, rows contiguous."""
-    return (njit is not None and x.dtype == torch.float32 and x.device.type == "cpu"
-            and x.dim() >= 1 and x.is_contiguous())
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1
+            and x.is_contiguous() and (njit is not None or _c_ops() is not None))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * x / sqrt(mean(x^2, last dim) + eps) for float32 `x` (`rms_norm_applies`)."""
     out = torch.empty_like(x)
     hidden = x.shape[-1]
+    library = _c_ops()
+    if library is not None and weight.dtype == torch.float32 and weight.is_contiguous():
+        library.tidal_rms_norm(x.data_ptr(), x.numel() // hidden if hidden else 0, hidden,
+                               weight.data_ptr(), eps, out.data_ptr())
+        return out
     _rms_norm_kernel(x.detach().view(-1, hidden).numpy(), weight.detach().numpy(),
                      np.float32(eps), out.view(-1, hidden).numpy())
     return out
@@ -55,8 +84,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rotate_applies(qk: torch.Tensor) -> bool:
     """Whether `rotate_split` takes this [tokens, heads, head_dim] tensor: float32 or
     float64 on the CPU, head_dim contiguous (any token and head strides)."""
-    return (njit is not None and qk.device.type == "cpu" and qk.dim() == 3
-            and qk.dtype in (torch.float32, torch.float64) and qk.stride(-1) == 1)
+    return (qk.device.type == "cpu" and qk.dim() == 3 and qk.stride(-1) == 1
+            and ((qk.dtype == torch.float32 and _c_ops() is not None)
+                 or (njit is not None and qk.dtype in (torch.float32, torch.float64))))
 
 
 def rotate_split(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -67,13 +97,23 @@ def rotate_split(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     tokens, heads, head_dim = qk.shape
     q = torch.empty((tokens, num_heads, head_dim), dtype=qk.dtype)
     k = torch.empty((tokens, heads - num_heads, head_dim), dtype=qk.dtype)
+    library = _c_ops() if qk.dtype == torch.float32 else None
+    if library is not None and tokens:
+        cos, sin = cos.reshape(tokens, -1), sin.reshape(tokens, -1)
+        if cos.stride(1) == 1 and sin.stride() == cos.stride():
+            library.tidal_rotate_split(qk.data_ptr(), tokens, heads, head_dim, qk.stride(0),
+                                       qk.stride(1), cos.data_ptr(), sin.data_ptr(),
+                                       cos.stride(0), num_heads, q.data_ptr(), k.data_ptr())
+            return q, k
     _rotate_kernel(qk.detach().numpy(), cos.detach().reshape(tokens, -1).numpy(),
                    sin.detach().reshape(tokens, -1).numpy(), q.numpy(), k.numpy())
     return q, k
 
 
 def warm_up() -> None:
-    """Compile (or load from the disk cache) both kernels for the dtypes they take."""
+    """Build (or load from the disk cache) the C kernels and compile the numba ones for the
+    dtypes they take."""
+    _c_ops()
     if njit is None:
         return
     rms_norm(torch.ones(1, 4), torch.ones(4), 1e-6)
