@@ -1,6 +1,7 @@
 """The compiled RMSNorm and rotary of `kernels/cpu_fused.py` stand in for the torch ops of
 `workers/layers.py`: the rotation bit for bit (float32 and float64, strided input), the
-norm to float32 rounding, and the float64 norm keeps transformers' exact ops."""
+norm to float32 rounding, and the float64 norm keeps transformers' exact ops. Each test runs
+with float32 in C (`layer_ops.c`, where a compiler is here) and in numba (`engine`)."""
 
 import pytest
 import torch
@@ -9,6 +10,17 @@ from tidal.kernels import cpu_fused
 from tidal.workers.layers import RMSNorm, RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(not cpu_fused.available(), reason="numba not installed")
+
+
+@pytest.fixture(autouse=True, params=["c", "numba"])
+def engine(request, monkeypatch):
+    """float32 through layer_ops.c, then with no C library (numba's kernels)."""
+    if request.param == "c":
+        if cpu_fused._c_ops() is None:
+            pytest.skip("no C compiler here")
+    else:
+        monkeypatch.setattr(cpu_fused, "_c_ops", lambda: None)
+    return request.param
 
 
 def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
