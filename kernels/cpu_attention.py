@@ -129,10 +129,11 @@ class CpuBackend(NumbaBackend):
         these tensors: a KV head's rows of one block are then one contiguous run of
         block_size x head_dim floats, which the hardware prefetcher follows, where
         position-major they are head_dim floats every num_kv_heads x head_dim. Measured with
-        `tidal_decode_attention` on the 2-vCPU Xeon, 30 layers' caches in turn: the 7M
-        model's geometry (4 query and 2 KV heads of 64), 256 requests x 256 positions,
-        5.4 -> 4.3 ms a layer; 32 requests 0.29 -> 0.20; SmolLM2's (9 and 3 heads), 32 x 257,
-        0.40 -> 0.35."""
+        `tidal_decode_attention` on the 2-vCPU Xeon, 32 requests x 256-257 positions, 30
+        layers' caches in turn (read from memory): SmolLM2's geometry (9 query and 3 KV heads
+        of 64) 0.75-0.80 -> 0.65-0.67 ms a layer, 20 GB/s where a plain read of memory gets 22;
+        the 7M model's (4 and 2 heads) 0.50-0.52 -> 0.40-0.41. Four layers' caches (in the L3
+        cache): 7M, 256 requests 5.4 -> 4.3 ms a layer, 32 requests 0.29 -> 0.20."""
         if not self._takes(dtype, head_dim):
             return super().kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype,
                                     device)
