@@ -49,8 +49,8 @@ def _declare(library: ctypes.CDLL) -> None:
     library.tidal_prefill_attention.restype = ctypes.c_int
     library.tidal_prefill_attention_available.restype = ctypes.c_int
     library.tidal_decode_attention_head_dim_ok.argtypes = [i]
-    library.tidal_write_kv.argtypes = [p, p, n, n, n, n, p, p, p, n, i, i, i, n, n, n]
-    library.tidal_write_kv.restype = None
+    library.tidal_write_kv.argtypes = [p, p, n, n, n, n, p, p, p, n, i, i, i, n, n, n, n]
+    library.tidal_write_kv.restype = ctypes.c_long
 
 
 def available() -> bool:
@@ -85,7 +85,7 @@ class CpuAttentionPlan:
     rows: RowAttention | None
     chunks: list[PrefillChunk]  # more than ROW_CHUNK_TOKENS new tokens each
     prefills: list[PrefillChunk] = field(default_factory=list)  # more than AVX2_ROW_CHUNK_TOKENS
-    row_call: tuple = ()
+    row_call: tuple = field(init=False, default=())
     """The row kernel's arguments that every layer shares (block tables and rows, as
     addresses), made once for the step."""
 
@@ -162,11 +162,14 @@ class CpuBackend(NumbaBackend):
             super().write_kv(key, value, key_cache, value_cache, slot_mapping)
             return
         slots = slot_mapping.to(torch.int64).contiguous()
-        library.tidal_write_kv(key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1),
-                               value.stride(0), value.stride(1), key_cache.data_ptr(),
-                               value_cache.data_ptr(), slots.data_ptr(), key.shape[0],
-                               key.shape[1], key.shape[2], key_cache.shape[1],
-                               *key_cache.stride()[:3])
+        bad = library.tidal_write_kv(
+            key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1), value.stride(0),
+            value.stride(1), key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr(),
+            key.shape[0], key.shape[1], key.shape[2], key_cache.shape[1],
+            key_cache.shape[0] * key_cache.shape[1], *key_cache.stride()[:3])
+        if bad >= 0:
+            raise IndexError(f"slot_mapping[{bad}] = {int(slots[bad])} is past the cache's "
+                             f"{key_cache.shape[0] * key_cache.shape[1]} slots")
 
     def prepare(self, meta: AttentionMetadata, block_size: int, num_kv_heads: int,
                 head_dim: int, dtype: torch.dtype) -> CpuAttentionPlan | NumbaAttentionPlan:

@@ -440,11 +440,14 @@ int tidal_prefill_attention(const float *q, const float *key_cache, const float 
 /* Write token t's K and V rows (num_kv_heads x head_dim floats each, strides in floats: token,
  * head; head_dim contiguous) into cache slot slots[t] (position slots[t] % block_size of
  * block slots[t] / block_size; the caches' strides as tidal_decode_attention's), for t < n;
- * a slot < 0 is skipped. A loop of row copies: one step's K/V are at most a few MB. */
-void tidal_write_kv(const float *key, const float *value, long key_token, long key_head,
+ * a slot < 0 is skipped. Returns -1, or the first t whose slot is num_slots or more (then
+ * nothing is written). A loop of row copies: one step's K/V are at most a few MB. */
+long tidal_write_kv(const float *key, const float *value, long key_token, long key_head,
                     long value_token, long value_head, float *key_cache, float *value_cache,
                     const long *slots, long n, int num_kv_heads, int head_dim, int block_size,
-                    long block_stride, long pos_stride, long head_stride) {
+                    long num_slots, long block_stride, long pos_stride, long head_stride) {
+    for (long t = 0; t < n; t++)
+        if (slots[t] >= num_slots) return t;
     for (long t = 0; t < n; t++) {
         long slot = slots[t];
         if (slot < 0) continue;
@@ -457,4 +460,5 @@ void tidal_write_kv(const float *key, const float *value, long key_token, long k
             for (int d = 0; d < head_dim; d++) v[d] = vs[d];
         }
     }
+    return -1;
 }

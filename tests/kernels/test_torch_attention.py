@@ -135,6 +135,8 @@ def test_cpu_backend_stores_its_float32_caches_head_major_and_writes_them_as_the
     backend.write_kv(key, value, *caches, slots)
     for got, want in zip(caches, expected):
         assert torch.equal(got, want)
+    with pytest.raises(IndexError, match="slot_mapping"):  # past the 5 x 16 slots
+        backend.write_kv(key, value, *caches, torch.tensor([1, 2, 3, 4, 80, 6, 7]))
 
 
 def test_write_kv_torch_no_tokens():
