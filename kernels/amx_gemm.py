@@ -33,7 +33,9 @@ from tidal.kernels import native
 SOURCE = Path(__file__).with_name("amx_gemm.c")
 
 _OPS = {None: 0, "add": 1, "mul": 2}
-_Q4, _Q8 = 3, 4  # small_m_gemm's block kinds, the same numbers in both C sources
+"""The post-op argument of both C GEMMs (this one and small_m_gemm.c): nothing, or `other`
+added to / multiplied with the finished product."""
+_Q4, _Q8 = 3, 4  # the block kinds, the same numbers in both C sources
 
 
 def load() -> ctypes.CDLL | None:

@@ -31,13 +31,12 @@ from pathlib import Path
 import torch
 
 from tidal.kernels import native
-from tidal.kernels.amx_gemm import AmxBlockGemm
+from tidal.kernels.amx_gemm import _OPS, _Q4, _Q8, AmxBlockGemm
 
 SOURCE = Path(__file__).with_name("small_m_gemm.c")
 
-_OPS = {None: 0, "add": 1, "mul": 2}
 _WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_Q4, _Q8 = 3, 4  # the kernel's weight types for 4-bit and 8-bit blocks
+# _Q4, _Q8: the kernel's weight types for 4-bit and 8-bit blocks (amx_gemm's numbers)
 _BLOCK_BYTES = {_Q4: 768, _Q8: 1152}
 """Bytes of one run of 32 inputs over a pair's 32 columns (`small_m_gemm.c`'s
 Q4_BLOCK_BYTES, Q8_BLOCK_BYTES)."""
