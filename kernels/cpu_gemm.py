@@ -80,9 +80,10 @@ class SmallBatchGemm:
         self._panel_rows_direct = self.panel_rows if (
             self.panels is not None and self.panels.takes_any_rows) else min(
             self.panel_rows, SMALL_BATCH_ROWS)
-        """Row counts up to this go straight to the panels (`_panels_take`); a decode step's
-        contiguous [rows, in] input takes that path without the general one's reshapes
-        (~3 us a call, a few hundred calls a step)."""
+        """The most rows the panel kernel takes: up to `panel_rows` of a small batch, any
+        number where it runs on AMX. A decode step's contiguous [rows, in] input goes
+        straight there, without the general path's reshapes (~3 us a call, a few hundred
+        calls a step)."""
 
     def bytes_read(self, rows: int) -> int:
         """Bytes of weight a product of `rows` rows streams (the weight as that path stores
@@ -92,10 +93,8 @@ class SmallBatchGemm:
         return self.weight.nbytes
 
     def _panels_take(self, rows: int) -> bool:
-        """Whether the panel kernel takes a product of `rows` rows: up to `panel_rows` of a
-        small batch, and every size where it runs on AMX."""
-        return 0 < rows <= self.panel_rows and (rows <= SMALL_BATCH_ROWS
-                                                or self.panels.takes_any_rows)
+        """Whether the panel kernel takes a product of `rows` rows."""
+        return 0 < rows <= self._panel_rows_direct
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and 0 < x.shape[0] <= self._panel_rows_direct and x.is_contiguous():
