@@ -240,7 +240,8 @@ class CpuBackend(NumbaBackend):
                 chunk.q_start, *geometry, result.data_ptr())
             if status != 0:
                 raise MemoryError(f"prefill attention kernel failed (status {status})")
-            written.append(torch.arange(chunk.q_start, chunk.q_end))
+            if not direct:
+                written.append(torch.arange(chunk.q_start, chunk.q_end))
         if not direct:
             index = torch.cat(written)
             out.index_copy_(0, index, result.index_select(0, index).to(out.dtype))

@@ -55,6 +55,7 @@ steps: committing in those ~1-3 ms gaps took the CPU the engine core was plannin
 step on, and a saturated offline run of the 7M model took 10% longer (5.70-6.36 s against
 5.17-5.80 s over four runs each, 2-vCPU Xeon, 2026-12-02)."""
 
+
 class WorkerProcess:
     """Sockets, handshake and step loop of one rank; `run()` returns the exit code."""
 
