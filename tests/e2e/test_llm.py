@@ -178,6 +178,7 @@ def generate_signalling_the_daemon(llm: LLM, prompts, params, sig: int) -> list:
     worker.start()
     wait_until(lambda: llm._llm.num_generated_tokens > num_tokens_before, 30,
                "the first tokens")
+    assert worker.is_alive(), "generate() ended before the fault: give it longer requests"
     os.kill(llm.daemon_pid, sig)
     worker.join(timeout=150)
     assert not worker.is_alive(), "generate() did not return after the engine died"
@@ -199,9 +200,11 @@ def assert_daemon_faults_are_healed_then_final(llm: LLM) -> None:
     and seeded sampling: the same seed and positions draw the same numbers); the old
     daemon's workers are gone. With its restarts used up, a third fault is final: every
     request ends with "error", later calls raise, close() leaves no process behind."""
-    long = [SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True),
-            SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True, stop=["zzzz"]),
-            SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=150,
+    # 480 tokens (the model's max_model_len is 512): long enough that each fault lands
+    # mid-generation on a busy machine (150 ended first once steps took ~0.5 ms)
+    long = [SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True),
+            SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True, stop=["zzzz"]),
+            SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=480,
                            ignore_eos=True)]
     prompts = [[5, 6, 7], [9, 10, 11, 12], [5, 6, 7]]
     expected = llm.generate(prompts, long, use_tqdm=False)
