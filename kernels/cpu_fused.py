@@ -51,7 +51,7 @@ def _declare(library: ctypes.CDLL) -> None:
     library.tidal_rotate_split.restype = None
 
 
-def _c_ops() -> ctypes.CDLL | None:
+def c_library() -> ctypes.CDLL | None:
     """`layer_ops.c` built and loaded (once), or None without a C compiler."""
     return native.load(SOURCE, "tidal_layer_ops_available", _declare)
 
@@ -64,14 +64,14 @@ def available() -> bool:
 def rms_norm_applies(x: torch.Tensor) -> bool:
     """Whether `rms_norm` takes this activation: float32 on the CPU, rows contiguous."""
     return (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1
-            and x.is_contiguous() and (njit is not None or _c_ops() is not None))
+            and x.is_contiguous() and (njit is not None or c_library() is not None))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * x / sqrt(mean(x^2, last dim) + eps) for float32 `x` (`rms_norm_applies`)."""
     out = torch.empty_like(x)
     hidden = x.shape[-1]
-    library = _c_ops()
+    library = c_library()
     if library is not None and weight.dtype == torch.float32 and weight.is_contiguous():
         library.tidal_rms_norm(x.data_ptr(), x.numel() // hidden if hidden else 0, hidden,
                                weight.data_ptr(), eps, out.data_ptr())
@@ -85,7 +85,7 @@ def rotate_applies(qk: torch.Tensor) -> bool:
     """Whether `rotate_split` takes this [tokens, heads, head_dim] tensor: float32 or
     float64 on the CPU, head_dim contiguous (any token and head strides)."""
     return (qk.device.type == "cpu" and qk.dim() == 3 and qk.stride(-1) == 1
-            and ((qk.dtype == torch.float32 and _c_ops() is not None)
+            and ((qk.dtype == torch.float32 and c_library() is not None)
                  or (njit is not None and qk.dtype in (torch.float32, torch.float64))))
 
 
@@ -97,7 +97,7 @@ def rotate_split(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     tokens, heads, head_dim = qk.shape
     q = torch.empty((tokens, num_heads, head_dim), dtype=qk.dtype)
     k = torch.empty((tokens, heads - num_heads, head_dim), dtype=qk.dtype)
-    library = _c_ops() if qk.dtype == torch.float32 else None
+    library = c_library() if qk.dtype == torch.float32 else None
     if library is not None and tokens:
         cos, sin = cos.reshape(tokens, -1), sin.reshape(tokens, -1)
         if cos.stride(1) == 1 and sin.stride() == cos.stride():
@@ -113,7 +113,7 @@ def rotate_split(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 def warm_up() -> None:
     """Build (or load from the disk cache) the C kernels and compile the numba ones for the
     dtypes they take."""
-    _c_ops()
+    c_library()
     if njit is None:
         return
     rms_norm(torch.ones(1, 4), torch.ones(4), 1e-6)

@@ -92,6 +92,13 @@ class SmallBatchGemm:
             return self.panels.bytes_read(rows)
         return self.weight.nbytes
 
+    def panels_for(self, rows: int) -> tuple[torch.Tensor, int] | None:
+        """(float panels, their type number) where the panel kernel takes every product of
+        1..`rows` contiguous rows from them (`PanelGemm.float_panels`); else None."""
+        if self.panels is None or rows > self._panel_rows_direct:
+            return None
+        return self.panels.float_panels()
+
     def _panels_take(self, rows: int) -> bool:
         """Whether the panel kernel takes a product of `rows` rows."""
         return 0 < rows <= self._panel_rows_direct

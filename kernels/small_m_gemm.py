@@ -198,6 +198,13 @@ class PanelGemm:
             return self.amx.bytes_read()
         return self._weights_for(rows)[0].nbytes
 
+    def float_panels(self) -> tuple[torch.Tensor, int] | None:
+        """(panels, their kernel type number) where every product this GEMM computes reads
+        float panels (no 4/8-bit blocks, no AMX); else None."""
+        if self.blocks is not None or self.amx is not None or self.panels is None:
+            return None
+        return self.panels, self._weight_type
+
     def _takes_amx(self, rows: int) -> bool:
         return self.amx is not None and rows > self._block_rows
 

@@ -89,6 +89,12 @@ class GemmLayer(nn.Module):
             return self.cpu_gemm.bytes_read(rows)
         return self.weight.nbytes
 
+    def panels_for(self, rows: int) -> tuple[torch.Tensor, int] | None:
+        """The CPU GEMM's float panels and type number where they take every product of up
+        to `rows` rows (`SmallBatchGemm.panels_for`), for the fused decoder layers; else
+        None."""
+        return self.cpu_gemm.panels_for(rows) if self.cpu_gemm is not None else None
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T, no bias."""
         if self.cpu_gemm is not None:
@@ -161,6 +167,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         if self.shard_gemms is not None:
             return torch.cat([gemm(x) for gemm in self.shard_gemms], dim=-1)
         return F.linear(x, self.weight)
+
+    def shard_panels_for(self, rows: int) -> list[tuple[torch.Tensor, int]] | None:
+        """Each shard's float panels and type number (gate, up) where they take every
+        product of up to `rows` rows; else None."""
+        if self.shard_gemms is None or self.bias is not None:
+            return None
+        panels = [gemm.panels_for(rows) for gemm in self.shard_gemms]
+        return None if None in panels else panels
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for the two shards (gate, up) of this projection of x, as the MLP

@@ -16,10 +16,10 @@ pytestmark = pytest.mark.skipif(not cpu_fused.available(), reason="numba not ins
 def engine(request, monkeypatch):
     """float32 through layer_ops.c, then with no C library (numba's kernels)."""
     if request.param == "c":
-        if cpu_fused._c_ops() is None:
+        if cpu_fused.c_library() is None:
             pytest.skip("no C compiler here")
     else:
-        monkeypatch.setattr(cpu_fused, "_c_ops", lambda: None)
+        monkeypatch.setattr(cpu_fused, "c_library", lambda: None)
     return request.param
 
 

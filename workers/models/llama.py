@@ -18,10 +18,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import os
+
 import torch
 from torch import nn
 
 from tidal.kernels import AttentionBackend
+from tidal.kernels.cpu_gemm import SMALL_BATCH_ROWS
+from tidal.kernels.fused_layers import FusedLayers, LayerShape, LayerWeights
 from tidal.workers.attention import AttentionInputs, KVCache, PagedAttention
 from tidal.workers.distributed import PipelineParallel, TensorParallel
 from tidal.workers.layers import (
@@ -234,6 +238,22 @@ class LlamaDecoderLayer(nn.Module):
         h = self.self_attn(rope, self.input_layernorm(x), kv_cache, attn_inputs, residual=x)
         return self.mlp(self.post_attention_layernorm(h), residual=h)
 
+    def fused_weights(self, rows: int) -> LayerWeights | None:
+        """This layer's weights as the fused C layers read them (`kernels/fused_layers.py`):
+        where every projection has float panels that take up to `rows` rows (one rank, CPU
+        GEMMs) and there are no biases or per-head norms; else None."""
+        attn, mlp = self.self_attn, self.mlp
+        norms = (self.input_layernorm.weight.detach(), self.post_attention_layernorm.weight.detach())
+        if attn.qk_norm or any(n.dtype != torch.float32 or not n.is_contiguous() for n in norms):
+            return None
+        projections = [m.panels_for(rows) if m.bias is None else None
+                       for m in (attn.qkv_proj, attn.o_proj, mlp.down_proj)]
+        gate_up = mlp.gate_up_proj.shard_panels_for(rows)
+        if None in projections or gate_up is None or attn.o_proj.tp.size != 1:
+            return None
+        qkv, o, down = projections
+        return LayerWeights(*norms, qkv, o, *gate_up, down)
+
 
 class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, tp: TensorParallel, backend: AttentionBackend,
@@ -249,6 +269,27 @@ class LlamaModel(nn.Module):
                                      for i in pp.layers(args.num_hidden_layers)})
         if pp.is_last:
             self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.args = args
+        self.fused: FusedLayers | None = None
+        """Every layer in one C call a step, for the steps it takes (`fuse_layers`)."""
+
+    def fuse_layers(self) -> bool:
+        """Run the decoder layers of steps of up to SMALL_BATCH_ROWS tokens in one C call
+        (`kernels/fused_layers.py`) where every layer's parts have their C kernels here, on
+        one pipeline stage; True when that took. TIDAL_NO_FUSED_LAYERS=1 keeps the layers'
+        own calls (to compare)."""
+        if os.environ.get("TIDAL_NO_FUSED_LAYERS") or self.pp.size != 1:
+            return False
+        if not FusedLayers.available():
+            return False
+        weights = [layer.fused_weights(SMALL_BATCH_ROWS) for layer in self.layers.values()]
+        if not weights or None in weights:
+            return False
+        a, attn = self.args, next(iter(self.layers.values())).self_attn
+        shape = LayerShape(a.hidden_size, attn.num_heads, attn.num_kv_heads, a.head_dim,
+                           a.intermediate_size, a.rms_norm_eps, a.head_dim ** -0.5)
+        self.fused = FusedLayers(weights, shape, SMALL_BATCH_ROWS)
+        return True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], attn_inputs: AttentionInputs,
@@ -258,6 +299,10 @@ class LlamaModel(nn.Module):
         stage but the first)."""
         h = self.embed_tokens(input_ids) if self.pp.is_first else hidden
         rope = self.rotary.tables(positions, h.dtype)  # gathered once for every layer
+        if self.fused is not None and self.fused.takes(h, attn_inputs.plan):
+            self.fused(h, rope.cos, rope.sin, kv_caches, attn_inputs.meta.slot_mapping,
+                       attn_inputs.plan)  # h: this step's own embeddings, updated in place
+            return self.norm(h)
         for layer, kv_cache in zip(self.layers.values(), kv_caches):
             h = layer(rope, h, kv_cache, attn_inputs)
         return self.norm(h) if self.pp.is_last else h
@@ -312,7 +357,9 @@ class LlamaForCausalLM(nn.Module):
     def use_cpu_gemm(self) -> int:
         """Give every linear layer the CPU's small-batch GEMM (`kernels/cpu_gemm.py`), once
         the weights are loaded; returns how many layers took it (0 off the CPU or float32)."""
-        return sum(m.use_cpu_gemm() for m in self.modules() if isinstance(m, GemmLayer))
+        taken = sum(m.use_cpu_gemm() for m in self.modules() if isinstance(m, GemmLayer))
+        self.model.fuse_layers()
+        return taken
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], attn_inputs: AttentionInputs,

@@ -1,0 +1,229 @@
+"""A Llama decoder's layers in one C call per step on the CPU (`decoder_layers.c`): the same
+kernels the layers otherwise call one by one from Python (the panel GEMM, RMSNorm and rotary
+rotation in C, the K/V write and the C attention's rows and chunks), in the same order, with
+no Python between them.
+
+Why: steps of a few tokens of a small model were mostly Python. The 7M-parameter Llama of the
+benchmarks (hidden 256, 4 layers), a decode step of 4 requests on the 2-vCPU Xeon: 1.75 ms,
+of which ~1 ms module dispatch, output allocation and ctypes argument conversion around ~40
+kernel calls (cProfile and a per-part timer, 2026-12-02; BENCHMARKS.md, "One C call for the
+decoder layers").
+
+`FusedLayers` takes a step when every part of it has its kernel here: float32 activations,
+at most `max_tokens` tokens (the panel GEMM's direct path), the `cpu` attention backend's plan
+with no chunk left for SDPA. Otherwise (and for other dtypes, GGUF blocks, AMX, tensor or
+pipeline parallelism, biases, per-head norms: the model decides, `workers/models/llama.py`)
+the layers run from Python as before. Results equal that path's but for silu, whose exp is
+this file's own polynomial (within 2 ulp of the C library's expf; torch's is within 1):
+float32 rounding, as between any two GEMM libraries.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tidal.kernels import cpu_attention, cpu_fused, native, small_m_gemm
+
+SOURCE = Path(__file__).with_name("decoder_layers.c")
+
+_p, _n, _i, _f = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+
+
+class _Kernels(ctypes.Structure):
+    _fields_ = [(name, _p) for name in ("gemm", "norm", "rotate", "write_kv", "rows", "chunk")]
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [("hidden", _i), ("num_heads", _i), ("num_kv_heads", _i), ("head_dim", _i),
+                ("intermediate", _i), ("block_size", _i), ("eps", _f), ("scale", _f),
+                ("num_slots", _n), ("block_stride", _n), ("pos_stride", _n),
+                ("head_stride", _n)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _p) for name in ("input_norm", "post_norm", "qkv", "o", "gate", "up",
+                                         "down", "key_cache", "value_cache")] + [
+        (name, _i) for name in ("qkv_type", "o_type", "gate_type", "up_type", "down_type")]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("tokens", _n), ("cos", _p), ("sin", _p), ("table_stride", _n),
+                ("slots", _p), ("tables", _p), ("max_blocks", _n), ("lens", _p),
+                ("requests", _p), ("rows", _p), ("n_rows", _n), ("chunks", _p),
+                ("n_chunks", _n)]
+
+
+class _Scratch(ctypes.Structure):
+    _fields_ = [(name, _p) for name in ("xn", "qkv", "q", "k", "attn", "h2", "gate", "m")]
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    P = ctypes.POINTER
+    library.tidal_decoder_layers.argtypes = [P(_Kernels), P(_Shape), P(_Layer), _i, P(_Step),
+                                             P(_Scratch), _p]
+    library.tidal_decoder_layers.restype = _n
+    library.tidal_silu.argtypes = [_p, _n]
+    library.tidal_silu.restype = None
+    library.tidal_exp.argtypes = [_p, _n, _p]
+    library.tidal_exp.restype = None
+
+
+def load() -> ctypes.CDLL | None:
+    """`decoder_layers.c` built and loaded (once), or None without a C compiler."""
+    return native.load(SOURCE, "tidal_decoder_layers_available", _declare)
+
+
+def _kernels() -> _Kernels | None:
+    """The addresses of the kernels a layer calls, or None where one of them is not built."""
+    gemm, ops, attention = small_m_gemm.load(), cpu_fused.c_library(), cpu_attention.load()
+    if gemm is None or ops is None or attention is None:
+        return None
+    address = lambda fn: ctypes.cast(fn, _p).value  # noqa: E731
+    return _Kernels(address(gemm.tidal_panel_gemm), address(ops.tidal_rms_norm),
+                    address(ops.tidal_rotate_split), address(attention.tidal_write_kv),
+                    address(attention.tidal_decode_attention),
+                    address(attention.tidal_prefill_attention))
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer's weights as the fused call reads them: the two norms' float32
+    weights and each projection's float panels with their `small_m_gemm` type number."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: tuple[torch.Tensor, int]
+    o: tuple[torch.Tensor, int]
+    gate: tuple[torch.Tensor, int]
+    up: tuple[torch.Tensor, int]
+    down: tuple[torch.Tensor, int]
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """The decoder's sizes (one rank's, all layers alike)."""
+
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    scale: float
+
+
+class FusedLayers:
+    """Every decoder layer of a model in one call a step (`__call__`), for the steps it
+    `takes`."""
+
+    def __init__(self, layers: list[LayerWeights], shape: LayerShape, max_tokens: int):
+        self.library, self.kernels = load(), _kernels()
+        if self.library is None or self.kernels is None:
+            raise ValueError("the fused decoder layers need the C kernels, not built here")
+        self.weights, self.shape, self.max_tokens = layers, shape, max_tokens
+        self._caches: tuple[int, ...] = ()
+        self._layers = self._shape = None
+        self._scratch: list[torch.Tensor] = []
+        self._scratch_rows = 0
+
+    @staticmethod
+    def available() -> bool:
+        """Whether this machine builds every kernel the call needs."""
+        return load() is not None and _kernels() is not None
+
+    def takes(self, hidden: torch.Tensor, plan: object) -> bool:
+        """Whether this step's activations and attention plan are the fused call's: float32
+        rows, at most `max_tokens` of them, every query row for the C attention."""
+        return (isinstance(plan, cpu_attention.CpuAttentionPlan) and not plan.prefills
+                and hidden.dtype == torch.float32 and hidden.is_contiguous()
+                and 0 < hidden.shape[0] <= self.max_tokens)
+
+    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 slot_mapping: torch.Tensor, plan: cpu_attention.CpuAttentionPlan) -> None:
+        """Run every layer over `hidden` [tokens, hidden] in place (a step `takes`); cos/sin
+        [tokens, 1, head_dim / 2] float32, the caches as the `cpu` backend lays them out."""
+        tokens = hidden.shape[0]
+        self._bind(kv_caches)
+        scratch = self._scratch_for(tokens)
+        slots = slot_mapping.to(torch.int64).contiguous()
+        cos, sin = cos.reshape(tokens, -1), sin.reshape(tokens, -1)
+        chunks = np.array([(c.request, c.q_end - c.q_start, c.seq_len, c.q_start)
+                           for c in plan.chunks], dtype=np.int64).reshape(-1, 4)
+        tables = plan.block_tables
+        if plan.rows is not None:
+            _, _, lens, requests, rows, n_rows = plan.row_call
+        else:
+            lens = requests = rows = None
+            n_rows = 0
+        step = _Step(tokens, cos.data_ptr(), sin.data_ptr(), cos.stride(0), slots.data_ptr(),
+                     tables.ctypes.data, tables.shape[1], lens, requests, rows, n_rows,
+                     chunks.ctypes.data, len(chunks))
+        status = self.library.tidal_decoder_layers(
+            ctypes.byref(self.kernels), ctypes.byref(self._shape), self._layers,
+            len(self.weights), ctypes.byref(step), ctypes.byref(scratch), hidden.data_ptr())
+        if status < 0:
+            bad = -1 - status
+            raise IndexError(f"slot_mapping[{bad}] = {int(slots[bad])} is past the cache's "
+                             f"{self._shape.num_slots} slots")
+        if status > 0:
+            raise MemoryError(f"decode attention kernel failed (status {status})")
+
+    def _bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The per-layer structs for these caches (made again only when they change)."""
+        caches = tuple(t.data_ptr() for pair in kv_caches for t in pair)
+        if caches == self._caches:
+            return
+        key_cache = kv_caches[0][0]
+        if any(k.stride() != key_cache.stride() or v.stride() != key_cache.stride()
+               or k.dtype != torch.float32 or v.dtype != torch.float32
+               for k, v in kv_caches) or key_cache.stride(3) != 1:
+            raise ValueError("the fused decoder layers need float32 caches of one layout, "
+                             "head_dim contiguous")
+        s = self.shape
+        self._shape = _Shape(s.hidden, s.num_heads, s.num_kv_heads, s.head_dim,
+                             s.intermediate, key_cache.shape[1], s.eps, s.scale,
+                             key_cache.shape[0] * key_cache.shape[1], *key_cache.stride()[:3])
+        layers = (_Layer * len(self.weights))()
+        for entry, w, (k, v) in zip(layers, self.weights, kv_caches):
+            projections = (w.qkv, w.o, w.gate, w.up, w.down)
+            entry.input_norm, entry.post_norm = w.input_norm.data_ptr(), w.post_norm.data_ptr()
+            entry.qkv, entry.o, entry.gate, entry.up, entry.down = (
+                panels.data_ptr() for panels, _ in projections)
+            entry.key_cache, entry.value_cache = k.data_ptr(), v.data_ptr()
+            (entry.qkv_type, entry.o_type, entry.gate_type, entry.up_type,
+             entry.down_type) = (kind for _, kind in projections)
+        self._layers, self._caches = layers, caches
+
+    def _scratch_for(self, tokens: int) -> _Scratch:
+        """Scratch buffers for `tokens` rows (grown as needed, kept between steps)."""
+        if tokens > self._scratch_rows:
+            s = self.shape
+            q_width, kv_width = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+            widths = (s.hidden, q_width + 2 * kv_width, q_width, kv_width, q_width, s.hidden,
+                      s.intermediate, s.intermediate)
+            rows = max(tokens, min(2 * self._scratch_rows, self.max_tokens))
+            self._scratch = [torch.empty(rows, w, dtype=torch.float32) for w in widths]
+            self._scratch_rows = rows
+            self._scratch_struct = _Scratch(*(t.data_ptr() for t in self._scratch))
+        return self._scratch_struct
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """The fused call's silu of a float32 tensor (a copy), for tests."""
+    out = x.detach().to(torch.float32).contiguous().clone()
+    load().tidal_silu(out.data_ptr(), out.numel())
+    return out
+
+
+def exp(x: torch.Tensor) -> torch.Tensor:
+    """The fused call's exp of a float32 tensor, for tests."""
+    x = x.detach().to(torch.float32).contiguous()
+    out = torch.empty_like(x)
+    load().tidal_exp(x.data_ptr(), x.numel(), out.data_ptr())
+    return out

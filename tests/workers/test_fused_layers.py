@@ -1,0 +1,102 @@
+"""The decoder layers in one C call (`kernels/fused_layers.py`) compute what the layers' own
+calls compute, to float32 rounding, on every kind of step it takes, and leave the others to
+the layers."""
+
+import numpy as np
+import pytest
+import torch
+
+from tidal.ipc.messages import SamplingParams
+from tidal.kernels import fused_layers
+from tiny_models import make_tiny_model
+from worker_test_utils import (
+    PlanScript,
+    chunked_logits,
+    hf_logits,
+    loaded_worker,
+    prompt_ids,
+    rel_err,
+)
+
+pytestmark = pytest.mark.skipif(not fused_layers.FusedLayers.available(),
+                                reason="the C kernels (a compiler, AVX-512 or AVX2) are not here")
+
+
+def test_exp_is_within_two_ulp_of_the_exact_value():
+    x = torch.linspace(-88.0, 88.0, 400_001, dtype=torch.float32)
+    got = fused_layers.exp(x).to(torch.float64)
+    exact = torch.exp(x.to(torch.float64))
+    ulp = torch.from_numpy(np.spacing(exact.to(torch.float32).numpy())).to(torch.float64)
+    assert ((got - exact).abs() / ulp).max().item() <= 2.0
+
+
+def test_silu_equals_torch_to_float32_rounding():
+    g = torch.randn(10_003, generator=torch.Generator().manual_seed(0)) * 6
+    g[:3] = torch.tensor([0.0, -90.0, 90.0])
+    ours, ref = fused_layers.silu(g), torch.nn.functional.silu(g)
+    assert torch.allclose(ours, ref, rtol=2e-6, atol=1e-30)
+    assert ours[1].item() == pytest.approx(0.0, abs=1e-30) and ours[2].item() == 90.0
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model_factory):
+    return tiny_model_factory("llama")
+
+
+def fused_worker(path):
+    worker = loaded_worker(path, "float32", max_num_batched_tokens=1024, max_model_len=512)
+    assert worker.runner.model.model.fused is not None, "the tiny Llama takes the fused call"
+    return worker
+
+
+def test_logits_equal_the_layers_calls_and_transformers_in_every_kind_of_step(llama):
+    """Chunks of 1 (decode-like rows), 7 (short chunks: rows), 64 and 200 (the blocked prefill
+    kernel) go through the fused call; the same worker with it switched off gives the same
+    logits to float32 rounding, and both match transformers as the issue-3 test asks."""
+    tokens = prompt_ids(n=200)
+    ref = hf_logits(llama, "float32", tokens)
+    worker = fused_worker(llama)
+    fused = worker.runner.model.model.fused
+    for chunk in (1, 7, 64, 200):
+        ours = chunked_logits(worker, tokens, chunk, req_id=f"f{chunk}")
+        worker.runner.batch.remove(f"f{chunk}")
+        worker.runner.model.model.fused = None
+        plain = chunked_logits(worker, tokens, chunk, req_id=f"p{chunk}")
+        worker.runner.batch.remove(f"p{chunk}")
+        worker.runner.model.model.fused = fused
+        assert rel_err(ours, plain) < 1e-6, chunk
+        assert rel_err(ours, ref) < 1e-5, chunk
+
+
+def run_greedy(worker, prompts, chunk):
+    script = PlanScript()
+    for i, prompt in enumerate(prompts):
+        script.add(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=12,
+                                                   ignore_eos=True))
+    return script.run(worker, chunk=chunk)
+
+
+@pytest.mark.parametrize("chunk", [16, 150])
+def test_mixed_batches_sample_what_the_layers_calls_sample(llama, chunk):
+    """Several requests of different lengths decoding while others prefill, in chunks of 16
+    (rows) or 150 (blocked kernel; two such chunks make a 300-token step, past the fused
+    call's 256: the layers take that one): greedy tokens equal with and without it."""
+    prompts = [prompt_ids(seed=s, n=n) for s, n in enumerate((3, 40, 150, 150, 17))]
+    worker = fused_worker(llama)
+    fused = worker.runner.model.model.fused
+    with_fused = run_greedy(worker, prompts, chunk)
+    worker.runner.model.model.fused = None
+    without = run_greedy(loaded_worker(llama, "float32", max_num_batched_tokens=1024,
+                                       max_model_len=512), prompts, chunk)
+    assert fused is not None and with_fused == without
+
+
+def test_a_slot_past_the_cache_is_an_index_error(llama):
+    """As the layers' own K/V write (tidal_write_kv's bound): the step fails loudly."""
+    worker = fused_worker(llama)
+    runner = worker.runner
+    num_blocks = runner.kv_caches[0][0].shape[0]
+    script = PlanScript(first_block=num_blocks - 1)  # the 20-token prompt's second block
+    script.add("late", prompt_ids(n=20))  # is past the cache's last one
+    with pytest.raises(IndexError, match="past the cache"):
+        runner.compute_logits_all(script.plan())
