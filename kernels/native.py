@@ -1,6 +1,9 @@
 """C kernels of this folder, compiled on first use with the machine's C compiler and loaded
-with ctypes: the panel GEMM (`small_m_gemm.c`) and the paged decode attention
-(`decode_attention.c`).
+with ctypes: the panel GEMM (`small_m_gemm.c`), the paged decode and prefill attention
+(`decode_attention.c`), RMSNorm and the rotary rotation (`layer_ops.c`), the AMX GEMM of a
+GGUF's blocks (`amx_gemm.c`) and the decoder layers in one call (`decoder_layers.c`, which
+calls the others' functions through pointers its caller passes: each library is built and
+keyed on its own source alone).
 
 A source is compiled with `$CC` (else `cc`) and `-O3 -march=native -fopenmp` (or
 `-march=$TIDAL_KERNEL_MARCH`) into tidal's cache
