@@ -8,7 +8,6 @@ import torch
 
 from tidal.ipc.messages import SamplingParams
 from tidal.kernels import fused_layers
-from tiny_models import make_tiny_model
 from worker_test_utils import (
     PlanScript,
     chunked_logits,

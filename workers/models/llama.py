@@ -243,7 +243,8 @@ class LlamaDecoderLayer(nn.Module):
         where every projection has float panels that take up to `rows` rows (one rank, CPU
         GEMMs) and there are no biases or per-head norms; else None."""
         attn, mlp = self.self_attn, self.mlp
-        norms = (self.input_layernorm.weight.detach(), self.post_attention_layernorm.weight.detach())
+        norms = (self.input_layernorm.weight.detach(),
+                 self.post_attention_layernorm.weight.detach())
         if attn.qk_norm or any(n.dtype != torch.float32 or not n.is_contiguous() for n in norms):
             return None
         projections = [m.panels_for(rows) if m.bias is None else None
