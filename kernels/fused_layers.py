@@ -130,6 +130,7 @@ class FusedLayers:
         self._layers = self._shape = None
         self._scratch: list[torch.Tensor] = []
         self._scratch_rows = 0
+        self._scratch_struct: _Scratch | None = None
 
     @staticmethod
     def available() -> bool:

@@ -16,9 +16,8 @@ LM head on a last stage without the embedding loads `model.embed_tokens.weight` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import os
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -288,7 +287,7 @@ class LlamaModel(nn.Module):
             return False
         a, attn = self.args, next(iter(self.layers.values())).self_attn
         shape = LayerShape(a.hidden_size, attn.num_heads, attn.num_kv_heads, a.head_dim,
-                           a.intermediate_size, a.rms_norm_eps, a.head_dim ** -0.5)
+                           a.intermediate_size, a.rms_norm_eps, attn.attn.scale)
         self.fused = FusedLayers(weights, shape, SMALL_BATCH_ROWS)
         return True
 
