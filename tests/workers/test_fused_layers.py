@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tidal.ipc.messages import SamplingParams
-from tidal.kernels import fused_layers
+from tidal.kernels import fused_layers, small_m_gemm
 from worker_test_utils import (
     PlanScript,
     chunked_logits,
@@ -37,6 +37,17 @@ def test_silu_equals_torch_to_float32_rounding():
     assert ours[1].item() == pytest.approx(0.0, abs=1e-30) and ours[2].item() == 90.0
 
 
+def float_panels_here() -> bool:
+    """Whether this build keeps float32 weights as panels (AVX-512): the fused call needs
+    them; an AVX2 build keeps oneDNN for float32 and the layers run from Python."""
+    library = small_m_gemm.load()
+    return library is not None and library.tidal_panel_gemm_vector_floats() >= 16
+
+
+needs_float_panels = pytest.mark.skipif(not float_panels_here(),
+                                        reason="no float panels in this build (AVX2)")
+
+
 @pytest.fixture(scope="module")
 def llama(tiny_model_factory):
     return tiny_model_factory("llama")
@@ -48,6 +59,7 @@ def fused_worker(path):
     return worker
 
 
+@needs_float_panels
 def test_logits_equal_the_layers_calls_and_transformers_in_every_kind_of_step(llama):
     """Chunks of 1 (decode-like rows), 7 (short chunks: rows), 64 and 200 (the blocked prefill
     kernel) go through the fused call; the same worker with it switched off gives the same
@@ -75,6 +87,7 @@ def run_greedy(worker, prompts, chunk):
     return script.run(worker, chunk=chunk)
 
 
+@needs_float_panels
 @pytest.mark.parametrize("chunk", [16, 150])
 def test_mixed_batches_sample_what_the_layers_calls_sample(llama, chunk):
     """Several requests of different lengths decoding while others prefill, in chunks of 16
@@ -90,6 +103,7 @@ def test_mixed_batches_sample_what_the_layers_calls_sample(llama, chunk):
     assert fused is not None and with_fused == without
 
 
+@needs_float_panels
 def test_a_slot_past_the_cache_is_an_index_error(llama):
     """As the layers' own K/V write (tidal_write_kv's bound): the step fails loudly."""
     worker = fused_worker(llama)
