@@ -14,7 +14,7 @@ at most `max_tokens` tokens (the panel GEMM's direct path), the `cpu` attention 
 with no chunk left for SDPA. Otherwise (and for other dtypes, GGUF blocks, AMX, tensor or
 pipeline parallelism, biases, per-head norms: the model decides, `workers/models/llama.py`)
 the layers run from Python as before. Results equal that path's but for silu, whose exp is
-this file's own polynomial (within 2 ulp of the C library's expf; torch's is within 1):
+`decoder_layers.c`'s own polynomial (within 2 ulp of the exact value; torch's within 1):
 float32 rounding, as between any two GEMM libraries.
 """
 
