@@ -58,6 +58,13 @@ def available() -> bool:
     return load() is not None
 
 
+def slot_past_cache(slots: torch.Tensor, bad: int, num_slots: int) -> IndexError:
+    """The error for `tidal_write_kv`'s answer `bad` (the first token whose slot is past the
+    cache), as torch's indexing would raise it."""
+    return IndexError(f"slot_mapping[{bad}] = {int(slots[bad])} is past the cache's "
+                      f"{num_slots} slots")
+
+
 @dataclass
 class RowAttention:
     """Query rows for the C kernel, as host arrays: each row attends over the first `lens`
@@ -168,8 +175,7 @@ class CpuBackend(NumbaBackend):
             key.shape[0], key.shape[1], key.shape[2], key_cache.shape[1],
             key_cache.shape[0] * key_cache.shape[1], *key_cache.stride()[:3])
         if bad >= 0:
-            raise IndexError(f"slot_mapping[{bad}] = {int(slots[bad])} is past the cache's "
-                             f"{key_cache.shape[0] * key_cache.shape[1]} slots")
+            raise slot_past_cache(slots, bad, key_cache.shape[0] * key_cache.shape[1])
 
     def prepare(self, meta: AttentionMetadata, block_size: int, num_kv_heads: int,
                 head_dim: int, dtype: torch.dtype) -> CpuAttentionPlan | NumbaAttentionPlan:

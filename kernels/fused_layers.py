@@ -169,9 +169,7 @@ class FusedLayers:
             ctypes.byref(self.kernels), ctypes.byref(self._shape), self._layers,
             len(self.weights), ctypes.byref(step), ctypes.byref(scratch), hidden.data_ptr())
         if status < 0:
-            bad = -1 - status
-            raise IndexError(f"slot_mapping[{bad}] = {int(slots[bad])} is past the cache's "
-                             f"{self._shape.num_slots} slots")
+            raise cpu_attention.slot_past_cache(slots, -1 - status, self._shape.num_slots)
         if status > 0:
             raise MemoryError(f"decode attention kernel failed (status {status})")
 
