@@ -171,7 +171,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def shard_panels_for(self, rows: int) -> list[tuple[torch.Tensor, int]] | None:
         """Each shard's float panels and type number (gate, up) where they take every
         product of up to `rows` rows; else None."""
-        if self.shard_gemms is None or self.bias is not None:
+        if self.shard_gemms is None:
             return None
         panels = [gemm.panels_for(rows) for gemm in self.shard_gemms]
         return None if None in panels else panels

@@ -244,10 +244,11 @@ class LlamaDecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         norms = (self.input_layernorm.weight.detach(),
                  self.post_attention_layernorm.weight.detach())
-        if attn.qk_norm or any(n.dtype != torch.float32 or not n.is_contiguous() for n in norms):
+        linear = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if (attn.qk_norm or any(m.bias is not None for m in linear)
+                or any(n.dtype != torch.float32 or not n.is_contiguous() for n in norms)):
             return None
-        projections = [m.panels_for(rows) if m.bias is None else None
-                       for m in (attn.qkv_proj, attn.o_proj, mlp.down_proj)]
+        projections = [m.panels_for(rows) for m in (attn.qkv_proj, attn.o_proj, mlp.down_proj)]
         gate_up = mlp.gate_up_proj.shard_panels_for(rows)
         if None in projections or gate_up is None or attn.o_proj.tp.size != 1:
             return None
