@@ -342,10 +342,12 @@ def test_silent_frontend_is_failed_detached_and_blocks_freed(daemon, zctx, promp
         watcher.hello()
         silent.hello()
         watcher.add("w-0", prompts[0], eos_token_id=eos_id)
-        # 64 requests x 480 tokens with 8 running at a time: 3840 steps, far more than the
-        # engine can do within the timeout even on a fast machine.
+        # 256 requests x 480 tokens with 8 running at a time: 15360 steps, far more than the
+        # engine can do within the timeout even on a fast machine (64 requests, 3840 steps,
+        # all finished inside the 3 s once this tiny model's steps took ~0.5 ms in one C
+        # call, and nothing was left to cut).
         silent.heartbeat = False
-        for i in range(64):
+        for i in range(256):
             silent.add(f"s-{i}", prompts[i % len(prompts)], max_tokens=480, ignore_eos=True)
         t0 = time.monotonic()
         watcher.wait_finished(["w-0"])
