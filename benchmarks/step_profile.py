@@ -39,6 +39,7 @@ import torch  # noqa: E402
 
 from tidal.ipc.messages import (BatchPlan, CachedRequestData, NewRequestData, SamplingParams,
                                 WorkerConfig, pack_token_ids)
+from tidal.workers.host_memory import keep_freed_memory
 from tidal.workers.layers import GemmLayer
 from tidal.workers.worker import Worker
 
@@ -148,6 +149,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
+    keep_freed_memory()  # as the worker process does
     # NOTE: on a shared VM the machine's speed drifts by 20-40% over minutes, so the floors
     # use the best of a measurement before and one after the model's runs
     bw, flops = read_bandwidth(), gemm_flops()

@@ -80,8 +80,10 @@ class WorkerProcess:
 
     def run(self) -> int:
         try:
+            from tidal.workers.host_memory import keep_freed_memory
             from tidal.workers.worker import Worker
 
+            keep_freed_memory()  # before any step's temporaries (host_memory.py says why)
             self.worker = Worker(self.config)
             self.worker.load()
             self.worker.determine_num_kv_blocks()
