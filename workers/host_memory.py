@@ -123,12 +123,14 @@ def keep_freed_memory() -> bool:
     the next one. glibc gives blocks of 128 KB and up pages of their own and returns them
     when freed (its threshold adapts upward, but not reliably), so a step faulted its
     temporaries in afresh, ~3 us a 4 KB page on this project's Xeon VM: in an offline run of
-    the 7M model (200 requests) the worker took 251k minor faults, 12.2k in each 2048-token
-    step (~35 ms of a 100-140 ms step); with this, 82k, 3.3k a step (what is left: the KV
-    cache faulted in by first use, `commit_pages`). Blocks up to MMAP_THRESHOLD now come from
-    the heap, and up to TRIM_THRESHOLD of its top is kept. What stays resident is the largest
-    step's temporaries (tens of MB); the KV cache and anything over 32 MB keep pages of their
-    own.
+    the 7M model (200 requests) the worker's steps took 251k minor faults, 12.2k in each
+    2048-token step (~35 ms of a 100-140 ms step); with this, 82k, 3.3k a step (what is left:
+    the KV cache faulted in by first use, `commit_pages`); whole worker processes of three such
+    runs each, loading included, 164k-329k faults without and 148k-151k with. Blocks up to
+    MMAP_THRESHOLD now come from the heap, and up to TRIM_THRESHOLD of its top is kept. What
+    stays resident is the largest step's temporaries (tens of MB); the KV cache and anything
+    over 32 MB keep pages of their own. (SmolLM2's offline run, whose faults are its loading,
+    was level with and without it.)
     """
     if not sys.platform.startswith("linux"):
         return False
