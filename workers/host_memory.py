@@ -48,6 +48,7 @@ is never idle (offline, saturated) faults its cache in by use instead; an in-pro
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import sys
@@ -132,11 +133,8 @@ def keep_freed_memory() -> bool:
     over 32 MB keep pages of their own. (SmolLM2's offline run, whose faults are its loading,
     was level with and without it.)
     """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
+    mallopt = getattr(_linux_libc(), "mallopt", None)
+    if mallopt is None:
         return False
     return all([mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1,
                 mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1,
@@ -161,10 +159,18 @@ def _populate_write(address: int, nbytes: int) -> bool:
 
 def _madvise(start: int, nbytes: int, advice: int) -> bool:
     """madvise(start, nbytes, advice) == 0 (False where there is no such call)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
+    libc = _linux_libc()
+    if libc is None:
         return False
     return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(nbytes), advice) == 0
+
+
+@functools.cache
+def _linux_libc() -> ctypes.CDLL | None:
+    """This process's C library on Linux (errno kept for ctypes.get_errno), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import subprocess
 import sys
 import threading
 
@@ -108,10 +109,9 @@ def test_committed_pages_are_2_mb_pages_and_untouched_ones_are_not_advised():
 
 
 _STEP_TEMPORARIES = """
-import resource, sys, torch
+import resource, torch
 from tidal.workers.host_memory import keep_freed_memory
-if sys.argv[1] == "keep":
-    assert keep_freed_memory()
+assert keep_freed_memory()
 def step():  # a prefill step's activations: allocated, used, freed
     gate_up = torch.ones(2048, 1536)
     hidden = torch.ones(2048, 768) * gate_up[:, :768]
@@ -129,8 +129,6 @@ def test_freed_step_temporaries_are_reused_without_page_faults():
     """With keep_freed_memory, once the heap has grown to fit them, steps of 12.6 MB + 2 x 6.3
     MB temporaries fault in no fresh pages (glibc 2.36's defaults: 6,112 faults every step,
     ~3 us each on this project's Xeon VM)."""
-    import subprocess
-
-    faults = int(subprocess.run([sys.executable, "-c", _STEP_TEMPORARIES, "keep"], check=True,
+    faults = int(subprocess.run([sys.executable, "-c", _STEP_TEMPORARIES], check=True,
                                 capture_output=True, text=True).stdout)
     assert faults < 100  # a few for Python's own objects; one step's tensors are 6,144 pages
