@@ -121,12 +121,18 @@ class SmallBatchGemm:
             return self.panels.bytes_read(rows)
         return self.weight.nbytes
 
-    def panels_for(self, rows: int) -> tuple[torch.Tensor, int] | None:
-        """(float panels, their type number) where the panel kernel takes every product of
-        1..`rows` contiguous rows from them (`PanelGemm.float_panels`); else None."""
-        if self.panels is None or rows > self._panel_rows_direct:
+    @property
+    def block_rows(self) -> int:
+        """The most rows whose products read the weight's 4/8-bit blocks (0: none do)."""
+        return self.panels.block_rows if self.panels is not None else 0
+
+    def kernel_weights(self, rows: int) -> tuple[torch.Tensor, int] | None:
+        """(weights, their panel-kernel type number) that a product of `rows` contiguous rows
+        reads where the panel kernel takes it (`PanelGemm.kernel_weights`): the same for
+        every row count on one side of `block_rows`; else None."""
+        if self.panels is None or not self._panels_take(rows):
             return None
-        return self.panels.float_panels()
+        return self.panels.kernel_weights(rows)
 
     def _panels_take(self, rows: int) -> bool:
         """Whether the panel kernel takes a product of `rows` rows."""

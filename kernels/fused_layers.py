@@ -10,12 +10,13 @@ kernel calls (cProfile and a per-part timer, 2026-12-02; BENCHMARKS.md, "One C c
 decoder layers").
 
 `FusedLayers` takes a step when every part of it has its kernel here: float32 activations,
-at most `max_tokens` tokens (the panel GEMM's direct path), the `cpu` attention backend's plan
-with no chunk left for SDPA. Otherwise (and for other dtypes, GGUF blocks, AMX, tensor or
-pipeline parallelism, biases, per-head norms: the model decides, `workers/models/llama.py`)
-the layers run from Python as before. Results equal that path's but for silu, whose exp is
-`decoder_layers.c`'s own polynomial (within 2 ulp of the exact value; torch's within 1):
-float32 rounding, as between any two GEMM libraries.
+`min_tokens` to `max_tokens` tokens (the row counts its weights serve: a de-quantized GGUF's
+4/8-bit blocks up to the panel kernel's block rows, float panels above, one `FusedLayers`
+each), the `cpu` attention backend's plan with no chunk left for SDPA. Otherwise (and for
+other dtypes, AMX, tensor or pipeline parallelism, biases, per-head norms: the model decides,
+`workers/models/llama.py`) the layers run from Python as before. Results equal that path's but
+for silu, whose exp is `decoder_layers.c`'s own polynomial (within 2 ulp of the exact value;
+torch's within 1): float32 rounding, as between any two GEMM libraries.
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def _kernels() -> _Kernels | None:
 @dataclass(frozen=True)
 class LayerWeights:
     """One decoder layer's weights as the fused call reads them: the two norms' float32
-    weights and each projection's float panels with their `small_m_gemm` type number."""
+    weights and each projection's panel-kernel weights (4/8-bit blocks or float panels) with
+    their `small_m_gemm` type number."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -121,11 +123,14 @@ class FusedLayers:
     """Every decoder layer of a model in one call a step (`__call__`), for the steps it
     `takes`."""
 
-    def __init__(self, layers: list[LayerWeights], shape: LayerShape, max_tokens: int):
+    def __init__(self, layers: list[LayerWeights], shape: LayerShape, max_tokens: int,
+                 min_tokens: int = 1):
+        """For steps of `min_tokens` to `max_tokens` rows (the range the weights serve)."""
         self.library, self.kernels = load(), _kernels()
         if self.library is None or self.kernels is None:
             raise ValueError("the fused decoder layers need the C kernels, not built here")
-        self.weights, self.shape, self.max_tokens = layers, shape, max_tokens
+        self.weights, self.shape = layers, shape
+        self.min_tokens, self.max_tokens = max(min_tokens, 1), max_tokens
         self._caches: tuple[int, ...] = ()
         self._layers = self._shape = None
         self._scratch: list[torch.Tensor] = []
@@ -139,10 +144,10 @@ class FusedLayers:
 
     def takes(self, hidden: torch.Tensor, plan: object) -> bool:
         """Whether this step's activations and attention plan are the fused call's: float32
-        rows, at most `max_tokens` of them, every query row for the C attention."""
+        rows, `min_tokens` to `max_tokens` of them, every query row for the C attention."""
         return (isinstance(plan, cpu_attention.CpuAttentionPlan) and not plan.prefills
                 and hidden.dtype == torch.float32 and hidden.is_contiguous()
-                and 0 < hidden.shape[0] <= self.max_tokens)
+                and self.min_tokens <= hidden.shape[0] <= self.max_tokens)
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]],

@@ -44,7 +44,10 @@ BLOCK_ROWS = 48
 """With AVX-512, the most rows that take a weight's 4- or 8-bit blocks where it has them; more
 rows take its float panels. Widening the blocks costs arithmetic that pays while the weight
 stream is the bound (SmolLM2's layers, 2 threads: 5.6 against 16.3 ms at 1 row, 25.8 / 30.0 at
-32, 36.6 / 39.1 at 48, level at 64)."""
+32, 36.6 / 39.1 at 48, level at 64). On a 2-vCPU Zen 4 EPYC, whose memory reads faster, the
+crossing comes sooner (SmolLM2 decode steps through the fused layers, interleaved: blocks
+15.7 / 24.5 / 34.9 ms at 4 / 8 / 12 requests against float panels' 24.6 / 37.9 / 43.7, level
+at 16-24, 87.8 / 82.5 at 32); 48 stays, the Xeon's figure."""
 AMX_BLOCK_ROWS = 28
 """Where AMX is here (`amx_gemm.py`), the most rows that take the blocks through the panel
 kernel; more take the AMX kernel (SmolLM2 decode step, Xeon: 50.5 / 52.8 ms at 24 rows with
@@ -198,12 +201,18 @@ class PanelGemm:
             return self.amx.bytes_read()
         return self._weights_for(rows)[0].nbytes
 
-    def float_panels(self) -> tuple[torch.Tensor, int] | None:
-        """(panels, their kernel type number) where every product this GEMM computes reads
-        float panels (no 4/8-bit blocks, no AMX); else None."""
-        if self.blocks is not None or self.amx is not None or self.panels is None:
+    @property
+    def block_rows(self) -> int:
+        """The most rows whose products read the 4/8-bit blocks (0: none do); products of
+        more rows read the float panels (or AMX tiles)."""
+        return self._block_rows if self.blocks is not None else 0
+
+    def kernel_weights(self, rows: int) -> tuple[torch.Tensor, int] | None:
+        """(weights, their kernel type number) that a product of `rows` rows reads in this
+        kernel: the blocks or the float panels; None where AMX or nothing here takes it."""
+        if rows <= 0 or rows > self.max_rows or self._takes_amx(rows):
             return None
-        return self.panels, self._weight_type
+        return self._weights_for(rows)
 
     def _takes_amx(self, rows: int) -> bool:
         return self.amx is not None and rows > self._block_rows

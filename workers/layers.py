@@ -89,11 +89,16 @@ class GemmLayer(nn.Module):
             return self.cpu_gemm.bytes_read(rows)
         return self.weight.nbytes
 
-    def panels_for(self, rows: int) -> tuple[torch.Tensor, int] | None:
-        """The CPU GEMM's float panels and type number where they take every product of up
-        to `rows` rows (`SmallBatchGemm.panels_for`), for the fused decoder layers; else
-        None."""
-        return self.cpu_gemm.panels_for(rows) if self.cpu_gemm is not None else None
+    def block_rows(self) -> set[int]:
+        """The row counts up to which this weight's products read its 4/8-bit blocks (empty:
+        none, or no CPU GEMM): above them they read other weights."""
+        rows = self.cpu_gemm.block_rows if self.cpu_gemm is not None else 0
+        return {rows} if rows else set()
+
+    def kernel_weights(self, rows: int) -> tuple[torch.Tensor, int] | None:
+        """The weights and panel-kernel type number a product of `rows` rows reads
+        (`SmallBatchGemm.kernel_weights`), for the fused decoder layers; else None."""
+        return self.cpu_gemm.kernel_weights(rows) if self.cpu_gemm is not None else None
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T, no bias."""
@@ -168,13 +173,18 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             return torch.cat([gemm(x) for gemm in self.shard_gemms], dim=-1)
         return F.linear(x, self.weight)
 
-    def shard_panels_for(self, rows: int) -> list[tuple[torch.Tensor, int]] | None:
-        """Each shard's float panels and type number (gate, up) where they take every
-        product of up to `rows` rows; else None."""
+    def block_rows(self) -> set[int]:
+        if self.shard_gemms is None:
+            return super().block_rows()
+        return {gemm.block_rows for gemm in self.shard_gemms} - {0}
+
+    def shard_kernel_weights(self, rows: int) -> list[tuple[torch.Tensor, int]] | None:
+        """Each shard's weights and panel-kernel type number (gate, up) for a product of
+        `rows` rows; else None."""
         if self.shard_gemms is None:
             return None
-        panels = [gemm.panels_for(rows) for gemm in self.shard_gemms]
-        return None if None in panels else panels
+        weights = [gemm.kernel_weights(rows) for gemm in self.shard_gemms]
+        return None if None in weights else weights
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for the two shards (gate, up) of this projection of x, as the MLP

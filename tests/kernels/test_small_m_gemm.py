@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tidal.kernels import native, small_m_gemm
+from tidal.kernels import cpu_gemm, native, small_m_gemm
 from tidal.kernels.cpu_gemm import SmallBatchGemm, small_batch_gemm_available
 
 @pytest.fixture(autouse=True)
@@ -51,10 +51,15 @@ def test_fused_add_and_mul_equal_the_separate_ops_bit_for_bit():
 
 
 @needs_avx512
-def test_small_batch_gemm_takes_the_panels_and_no_onednn_copy():
+@pytest.mark.parametrize("mkl_avx512", [True, False], ids=["intel", "elsewhere"])
+def test_small_batch_gemm_takes_the_panels_and_a_onednn_copy_only_for_prefills(monkeypatch,
+                                                                               mkl_avx512):
+    """The panels take every small batch; oneDNN's copy is kept only where it takes the
+    large products instead of MKL (`cpu_gemm.mkl_runs_avx512`)."""
+    monkeypatch.setattr(cpu_gemm, "mkl_runs_avx512", lambda: mkl_avx512)
     weight = torch.randn(64, 32)
     gemm = SmallBatchGemm(weight)
-    assert gemm.panels is not None and gemm.reordered is None
+    assert gemm.panels is not None and (gemm.reordered is None) is mkl_avx512
     x = torch.randn(2, 5, 32)  # any leading shape
     torch.testing.assert_close(gemm(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
 

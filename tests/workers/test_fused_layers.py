@@ -113,3 +113,33 @@ def test_a_slot_past_the_cache_is_an_index_error(llama):
     script.add("late", prompt_ids(n=20))  # is past the cache's last one
     with pytest.raises(IndexError, match="past the cache"):
         runner.compute_logits_all(script.plan())
+
+
+@needs_float_panels
+def test_a_quantized_models_few_row_steps_read_its_blocks_and_larger_ones_float_panels(
+        tiny_gguf_factory, tmp_path):
+    """A de-quantized GGUF's layers keep their 4-bit blocks for products of up to the panel
+    kernel's block rows and float panels above (AMX tiles, where AMX is here, which the fused
+    call leaves to the layers): one fused call for each range of steps, and each gives the
+    layers' own calls' logits (decode-like rows, short and long chunks)."""
+    from tidal.kernels import amx_gemm
+    from tidal.workers.gguf import gguf_folder
+
+    folder = gguf_folder(tiny_gguf_factory("Q4_1"), str(tmp_path))
+    worker = fused_worker(folder)
+    fused = worker.runner.model.model.fused
+    if amx_gemm.load() is not None:
+        assert [(f.min_tokens, f.max_tokens) for f in fused] == [(1, small_m_gemm.AMX_BLOCK_ROWS)]
+    else:
+        block_rows = small_m_gemm.BLOCK_ROWS
+        assert [(f.min_tokens, f.max_tokens) for f in fused] == [(1, block_rows),
+                                                                 (block_rows + 1, 256)]
+    tokens = prompt_ids(n=200)
+    for chunk in (1, 7, 64, 200):
+        ours = chunked_logits(worker, tokens, chunk, req_id=f"f{chunk}")
+        worker.runner.batch.remove(f"f{chunk}")
+        worker.runner.model.model.fused = None
+        plain = chunked_logits(worker, tokens, chunk, req_id=f"p{chunk}")
+        worker.runner.batch.remove(f"p{chunk}")
+        worker.runner.model.model.fused = fused
+        assert rel_err(ours, plain) < 1e-6, chunk
