@@ -49,6 +49,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from tidal.kernels import native
 from tidal.kernels.small_m_gemm import PanelGemm, panel_gemm_applies
 
 SMALL_BATCH_ROWS = 256
@@ -64,14 +65,9 @@ def mkl_runs_avx512() -> bool:
     """Whether `F.linear`'s float32 GEMM (MKL's sgemm) runs AVX-512 code here: on an Intel
     CPU with AVX-512 only, as MKL picks its kernels by vendor. On an AMD EPYC with AVX-512
     (Zen 4) perf shows its AVX2 kernel for Zen (`mkl_blas_def_sgemm_kernel_0_zen`), while
-    oneDNN picks its code by the instruction set alone. Read once per process from
-    /proc/cpuinfo (False where it cannot be read)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            info = f.read(1 << 16)
-    except OSError:
-        return False
-    return "GenuineIntel" in info and " avx512f" in info
+    oneDNN picks its code by the instruction set alone."""
+    return (native.cpu_vendor() == "GenuineIntel"
+            and torch.backends.cpu.get_cpu_capability().startswith("AVX512"))
 
 
 def small_batch_gemm_available(weight: torch.Tensor) -> bool:

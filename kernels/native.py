@@ -19,6 +19,7 @@ torch, that name is torch's own runtime already in the process, so their threads
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -72,6 +73,18 @@ def build_and_load(source: Path, available: str) -> ctypes.CDLL | None:
         logger.info("%s not built (%s); its callers keep their other path", source.name, e)
         return None
     return library if getattr(library, available)() else None
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"; "" where it cannot be
+    read): some kernel choices measured differently on this project's Xeon and EPYC VMs."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            line = next((line for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+    return line.partition(":")[2].strip()
 
 
 def compiler_name() -> str:

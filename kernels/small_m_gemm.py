@@ -47,7 +47,11 @@ stream is the bound (SmolLM2's layers, 2 threads: 5.6 against 16.3 ms at 1 row, 
 32, 36.6 / 39.1 at 48, level at 64). On a 2-vCPU Zen 4 EPYC, whose memory reads faster, the
 crossing comes sooner (SmolLM2 decode steps through the fused layers, interleaved: blocks
 15.7 / 24.5 / 34.9 ms at 4 / 8 / 12 requests against float panels' 24.6 / 37.9 / 43.7, level
-at 16-24, 87.8 / 82.5 at 32); 48 stays, the Xeon's figure."""
+at 16-24, 87.8 / 82.5 at 32): `AMD_BLOCK_ROWS` there."""
+AMD_BLOCK_ROWS = 16
+"""BLOCK_ROWS on an AMD CPU (measured on the Zen 4 EPYC VM: SmolLM2's offline run, tidal
+alone, two interleaved pairs, decode steps 71.1 / 77.4 ms a step with 48 against 66.2 / 74.4
+with 16, walls 32.7 / 35.9 against 32.3 / 34.3 s)."""
 AMX_BLOCK_ROWS = 28
 """Where AMX is here (`amx_gemm.py`), the most rows that take the blocks through the panel
 kernel; more take the AMX kernel (SmolLM2 decode step, Xeon: 50.5 / 52.8 ms at 24 rows with
@@ -137,11 +141,20 @@ def pack_panels(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> tor
     return w.reshape(n // 16, 16, k).transpose(1, 2).to(dtype).contiguous()
 
 
+def block_rows() -> int:
+    """The most rows whose products read a weight's 4/8-bit blocks with this machine's build
+    (where AMX is not): BLOCK_ROWS with AVX-512 (AMD_BLOCK_ROWS on an AMD CPU),
+    AVX2_BLOCK_ROWS with AVX2."""
+    if load().tidal_panel_gemm_vector_floats() < 16:
+        return AVX2_BLOCK_ROWS
+    return AMD_BLOCK_ROWS if native.cpu_vendor() == "AuthenticAMD" else BLOCK_ROWS
+
+
 def _reach() -> tuple[int, int]:
     """(most rows the blocks take, most rows the float panels take) with this machine's build:
-    AVX-512 (BLOCK_ROWS, any), AVX2 (AVX2_BLOCK_ROWS, 0: no float panels)."""
+    AVX-512 (`block_rows()`, any), AVX2 (AVX2_BLOCK_ROWS, 0: no float panels)."""
     if load().tidal_panel_gemm_vector_floats() >= 16:
-        return BLOCK_ROWS, 1 << 62
+        return block_rows(), 1 << 62
     return AVX2_BLOCK_ROWS, 0
 
 

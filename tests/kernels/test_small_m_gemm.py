@@ -113,7 +113,7 @@ def q8_weight(n=96, k=128, seed=4):
 @needs_kernel
 @pytest.mark.parametrize("make, kind", [(q4_weight, 3), (q8_weight, 4)])
 def test_weights_made_of_quantized_blocks_are_stored_as_them_with_the_same_products(make, kind):
-    """A de-quantized GGUF weight keeps its 4- or 8-bit blocks; up to BLOCK_ROWS rows read
+    """A de-quantized GGUF weight keeps its 4- or 8-bit blocks; up to `block_rows()` rows read
     them (AVX2_BLOCK_ROWS with AVX2), more rows the float panels (AVX-512 only), and every
     product equals the float32 panels' bit for bit (each weight is rebuilt exactly before it
     is multiplied)."""

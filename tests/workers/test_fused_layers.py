@@ -131,7 +131,7 @@ def test_a_quantized_models_few_row_steps_read_its_blocks_and_larger_ones_float_
     if amx_gemm.load() is not None:
         assert [(f.min_tokens, f.max_tokens) for f in fused] == [(1, small_m_gemm.AMX_BLOCK_ROWS)]
     else:
-        block_rows = small_m_gemm.BLOCK_ROWS
+        block_rows = small_m_gemm.block_rows()
         assert [(f.min_tokens, f.max_tokens) for f in fused] == [(1, block_rows),
                                                                  (block_rows + 1, 256)]
     tokens = prompt_ids(n=200)
