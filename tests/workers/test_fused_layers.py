@@ -67,16 +67,25 @@ def test_logits_equal_the_layers_calls_and_transformers_in_every_kind_of_step(ll
     tokens = prompt_ids(n=200)
     ref = hf_logits(llama, "float32", tokens)
     worker = fused_worker(llama)
-    fused = worker.runner.model.model.fused
     for chunk in (1, 7, 64, 200):
-        ours = chunked_logits(worker, tokens, chunk, req_id=f"f{chunk}")
-        worker.runner.batch.remove(f"f{chunk}")
-        worker.runner.model.model.fused = None
-        plain = chunked_logits(worker, tokens, chunk, req_id=f"p{chunk}")
-        worker.runner.batch.remove(f"p{chunk}")
-        worker.runner.model.model.fused = fused
+        ours, plain = fused_and_plain_logits(worker, tokens, chunk)
         assert rel_err(ours, plain) < 1e-6, chunk
         assert rel_err(ours, ref) < 1e-5, chunk
+
+
+def fused_and_plain_logits(worker, tokens, chunk):
+    """The prompt's logits fed `chunk` tokens a step, with the fused call and then with the
+    same worker's layers calling their kernels one by one."""
+    fused = worker.runner.model.model.fused
+    ours = chunked_logits(worker, tokens, chunk, req_id=f"f{chunk}")
+    worker.runner.batch.remove(f"f{chunk}")
+    worker.runner.model.model.fused = None
+    try:
+        plain = chunked_logits(worker, tokens, chunk, req_id=f"p{chunk}")
+        worker.runner.batch.remove(f"p{chunk}")
+    finally:
+        worker.runner.model.model.fused = fused
+    return ours, plain
 
 
 def run_greedy(worker, prompts, chunk):
@@ -136,10 +145,5 @@ def test_a_quantized_models_few_row_steps_read_its_blocks_and_larger_ones_float_
                                                                  (block_rows + 1, 256)]
     tokens = prompt_ids(n=200)
     for chunk in (1, 7, 64, 200):
-        ours = chunked_logits(worker, tokens, chunk, req_id=f"f{chunk}")
-        worker.runner.batch.remove(f"f{chunk}")
-        worker.runner.model.model.fused = None
-        plain = chunked_logits(worker, tokens, chunk, req_id=f"p{chunk}")
-        worker.runner.batch.remove(f"p{chunk}")
-        worker.runner.model.model.fused = fused
+        ours, plain = fused_and_plain_logits(worker, tokens, chunk)
         assert rel_err(ours, plain) < 1e-6, chunk
