@@ -79,12 +79,16 @@ def build_and_load(source: Path, available: str) -> ctypes.CDLL | None:
 def cpu_vendor() -> str:
     """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"; "" where it cannot be
     read): some kernel choices measured differently on this project's Xeon and EPYC VMs."""
+    return _cpuinfo_line("vendor_id").partition(":")[2].strip()
+
+
+def _cpuinfo_line(key: str) -> str:
+    """The first line of /proc/cpuinfo that starts with `key` ("" where there is none)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            line = next((line for line in f if line.startswith("vendor_id")), "")
+            return next((line for line in f if line.startswith(key)), "")
     except OSError:
         return ""
-    return line.partition(":")[2].strip()
 
 
 def compiler_name() -> str:
@@ -104,11 +108,7 @@ def _build_key(source: Path, compiler: str) -> str:
     """The source, the compiler and flags, and this CPU (`-march=native`)."""
     digest = hashlib.sha256(source.read_bytes())
     digest.update(" ".join((compiler, *flags())).encode())
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            digest.update(next((line for line in f if line.startswith("flags")), "").encode())
-    except OSError:
-        pass
+    digest.update(_cpuinfo_line("flags").encode())
     return digest.hexdigest()[:16]
 
 

@@ -153,9 +153,8 @@ def block_rows() -> int:
 def _reach() -> tuple[int, int]:
     """(most rows the blocks take, most rows the float panels take) with this machine's build:
     AVX-512 (`block_rows()`, any), AVX2 (AVX2_BLOCK_ROWS, 0: no float panels)."""
-    if load().tidal_panel_gemm_vector_floats() >= 16:
-        return block_rows(), 1 << 62
-    return AVX2_BLOCK_ROWS, 0
+    float_rows = 1 << 62 if load().tidal_panel_gemm_vector_floats() >= 16 else 0
+    return block_rows(), float_rows
 
 
 class PanelGemm:

@@ -330,7 +330,6 @@ class LlamaModel(nn.Module):
             h = layer(rope, h, kv_cache, attn_inputs)
         return self.norm(h) if self.pp.is_last else h
 
-
     def _fused_for(self, h: torch.Tensor, plan: object) -> FusedLayers | None:
         """The fused call that takes this step, if one does."""
         if self.fused is None:
