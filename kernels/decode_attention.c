@@ -101,14 +101,43 @@ static inline const float *row_at(const float *cache, const int *table, int p, l
     return cache + (long)table[p / at.bs] * at.block + (long)(p % at.bs) * at.pos + head;
 }
 
-/* Bring position p's row (`bytes` long) into L1 ahead of its use, where p < seq_len. Forced
- * inline: GCC kept it a call in the item functions, 0.82 -> 1.07 ms a layer. */
-static inline __attribute__((always_inline)) void
-prefetch_row(const float *cache, const int *table, int p, int seq_len, layout_t at, long head,
-             int bytes) {
-    if (p >= seq_len) return;
-    const char *row = (const char *)row_at(cache, table, p, at, head);
-    for (int l = 0; l < bytes; l += 64) _mm_prefetch(row + l, _MM_HINT_T1);
+/* A walk over one KV head's rows in position order, block by block: the block table is read
+ * once a block and a row costs no division (row_at's p / bs and p % bs, for the row and again
+ * for the prefetch, at every position). Measured on the 2-vCPU AMD EPYC (Zen 4) against
+ * row_at at every position, results bit for bit the same: SmolLM2's geometry (28 requests x
+ * 128-256 positions, 9 heads over 3) 0.79-0.86x the time with one layer's cache in L3,
+ * 0.96-0.98x with 30 layers' caches in turn (read from memory); the 7M model's (80 requests)
+ * 0.97-0.98x; 16 x 32 heads of 128 over 8, 500-1000 positions, 0.94x. `row` is position p's
+ * row while p < seq_len; a block past seq_len is never looked up, nor its table entry. The
+ * prefetching walk runs PREFETCH positions ahead of the reading one, and its prefetches go
+ * into L2 (prefetcht1), see the top of this file. */
+typedef struct { const float *cache; const int *table; layout_t at; long head; int p, i, seq_len;
+                 const float *row; } walk_t;
+
+static inline walk_t walk_from(const float *cache, const int *table, layout_t at, long head,
+                               int p, int seq_len) {
+    walk_t w = {cache, table, at, head, p, p % at.bs, seq_len, 0};
+    if (p < seq_len) w.row = row_at(cache, table, p, at, head);
+    return w;
+}
+
+static inline __attribute__((always_inline)) void walk_next(walk_t *w) {
+    w->p++;
+    if (++w->i < w->at.bs) {
+        w->row += w->at.pos;
+    } else {
+        w->i = 0;
+        w->row = w->p < w->seq_len
+            ? w->cache + (long)w->table[w->p / w->at.bs] * w->at.block + w->head : 0;
+    }
+}
+
+/* Prefetch the walk's row (`bytes` long) if it is inside the sequence, then step on.
+ * Forced inline: GCC kept such a helper a call in the item functions, 0.82 -> 1.07 ms a layer. */
+static inline __attribute__((always_inline)) void prefetch_walk(walk_t *w, int bytes) {
+    if (w->p < w->seq_len)
+        for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char *)w->row + l, _MM_HINT_T1);
+    walk_next(w);
 }
 
 /* e = exp(row - max) in place over `len` scores; returns 1 / sum(e). The last partial
@@ -150,9 +179,11 @@ static void item_##DV(const float *q, const float *kc, const float *vc, const in
             acc[g][c] = V(setzero_ps)();                                                    \
         }                                                                                   \
     }                                                                                       \
-    for (int p = 0; p < seq_len; p++) {                                                     \
-        prefetch_row(kc, table, p + PREFETCH, seq_len, at, head, 4 * VL * DV);             \
-        const float *k = row_at(kc, table, p, at, head);                                    \
+    walk_t kw = walk_from(kc, table, at, head, 0, seq_len);                                 \
+    walk_t ka = walk_from(kc, table, at, head, PREFETCH, seq_len);                          \
+    for (int p = 0; p < seq_len; p++, walk_next(&kw)) {                                     \
+        prefetch_walk(&ka, 4 * VL * DV);                                                    \
+        const float *k = kw.row;                                                            \
         vec kv[DV];                                                                         \
         for (int c = 0; c < DV; c++) kv[c] = V(loadu_ps)(k + VL * c);                       \
         for (int g = 0; g < group; g++) {                                                   \
@@ -165,9 +196,11 @@ static void item_##DV(const float *q, const float *kc, const float *vc, const in
     }                                                                                       \
     for (int g = 0; g < group; g++)                                                         \
         inverse[g] = softmax_row(scores + g * seq_len, seq_len, top[g]);                    \
-    for (int p = 0; p < seq_len; p++) {                                                     \
-        prefetch_row(vc, table, p + PREFETCH, seq_len, at, head, 4 * VL * DV);             \
-        const float *v = row_at(vc, table, p, at, head);                                    \
+    walk_t vw = walk_from(vc, table, at, head, 0, seq_len);                                 \
+    walk_t va = walk_from(vc, table, at, head, PREFETCH, seq_len);                          \
+    for (int p = 0; p < seq_len; p++, walk_next(&vw)) {                                     \
+        prefetch_walk(&va, 4 * VL * DV);                                                    \
+        const float *v = vw.row;                                                            \
         vec vv[DV];                                                                         \
         for (int c = 0; c < DV; c++) vv[c] = V(loadu_ps)(v + VL * c);                       \
         for (int g = 0; g < group; g++) {                                                   \
@@ -272,9 +305,11 @@ static void prefill_##DV(const float *const *qs, float *const *outs, const int *
     vec acc[QV][DV];                                                                        \
     for (int v = 0; v < QV; v++)                                                            \
         for (int c = 0; c < DV; c++) acc[v][c] = V(setzero_ps)();                           \
-    for (int p = 0; p < len; p++) {                                                         \
-        prefetch_row(vc, table, p + PREFETCH, len, at, head, 4 * D);                      \
-        const float *vr = row_at(vc, table, p, at, head);                                   \
+    walk_t vw = walk_from(vc, table, at, head, 0, len);                                     \
+    walk_t va = walk_from(vc, table, at, head, PREFETCH, len);                              \
+    for (int p = 0; p < len; p++, walk_next(&vw)) {                                         \
+        prefetch_walk(&va, 4 * D);                                                          \
+        const float *vr = vw.row;                                                           \
         vec vv[DV];                                                                         \
         for (int c = 0; c < DV; c++) vv[c] = V(loadu_ps)(vr + VL * c);                      \
         for (int v = 0; v < QV; v++) {                                                      \
