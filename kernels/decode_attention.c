@@ -108,7 +108,7 @@ static inline const float *row_at(const float *cache, const int *table, int p, l
  * 128-256 positions, 9 heads over 3) 0.79-0.86x the time with one layer's cache in L3,
  * 0.96-0.98x with 30 layers' caches in turn (read from memory); the 7M model's (80 requests)
  * 0.97-0.98x; 16 x 32 heads of 128 over 8, 500-1000 positions, 0.94x. `row` is position p's
- * row while p < seq_len; a block past seq_len is never looked up, nor its table entry. The
+ * row while p < seq_len; past it no table entry is read and `row` points into block 0. The
  * prefetching walk runs PREFETCH positions ahead of the reading one, and its prefetches go
  * into L2 (prefetcht1), see the top of this file. */
 typedef struct { const float *cache; const int *table; layout_t at; long head; int p, i, seq_len;
@@ -116,7 +116,7 @@ typedef struct { const float *cache; const int *table; layout_t at; long head; i
 
 static inline walk_t walk_from(const float *cache, const int *table, layout_t at, long head,
                                int p, int seq_len) {
-    walk_t w = {cache, table, at, head, p, p % at.bs, seq_len, 0};
+    walk_t w = {cache, table, at, head, p, p % at.bs, seq_len, cache + head};
     if (p < seq_len) w.row = row_at(cache, table, p, at, head);
     return w;
 }
@@ -127,8 +127,9 @@ static inline __attribute__((always_inline)) void walk_next(walk_t *w) {
         w->row += w->at.pos;
     } else {
         w->i = 0;
-        w->row = w->p < w->seq_len
-            ? w->cache + (long)w->table[w->p / w->at.bs] * w->at.block + w->head : 0;
+        /* past seq_len: block 0's row, never read, so that stepping on stays in bounds */
+        long block = w->p < w->seq_len ? w->table[w->p / w->at.bs] : 0;
+        w->row = w->cache + block * w->at.block + w->head;
     }
 }
 
