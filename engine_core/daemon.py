@@ -460,6 +460,9 @@ class EngineCoreDaemon:
             self.scheduler.add(request)
         except ValueError as e:
             self._refuse(client_id, msg.req_id, str(e))
+            return
+        if self.queue_estimator is not None:  # its intake slows the steps meanwhile
+            self.queue_estimator.note_arrival(request.num_prompt_tokens, time.monotonic())
 
     def _refuse(self, client_id: str, req_id: str, error: str) -> None:
         """Answer a bad request with its final output (an error naming the field); it never

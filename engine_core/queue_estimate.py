@@ -45,9 +45,25 @@ Both are priced by the cost model as measured on a machine at rest. Under a burs
 shared: on a CPU-only server the HTTP process parsing and tokenizing hundreds of prompts, and
 the client beside it, take cores from the workers, and every step runs slower than its price
 (the accepted requests of a 300-request burst waited 3.1 s for a 1 s limit, BENCHMARKS.md).
-So the step prices are multiplied by `slowdown()`: the median, over the last
-`SLOWDOWN_WINDOW` steps, of each step's measured time at the workers over the cost model's
-(`note_step`, from the engine core's step loop); 1 until `SLOWDOWN_MIN_STEPS` steps have run.
+So the step prices are multiplied by `slowdown(now)`, two factors:
+
+- **the intake now**: the serving cost model charges each arriving request's intake
+  (`StepCostModel.arrival_charge`, measured by `tidal tune profile`) to the steps that run
+  while it comes in; at a load of L seconds of intake per second (the charges of the requests
+  that reached the core in the last `ARRIVAL_WINDOW_S`, `note_arrival`), the steps ahead take
+  1 + L times their price for as long as the arrivals go on;
+- **what that leaves unexplained**: the median, over the last `SLOWDOWN_WINDOW` steps, of
+  each step's measured time at the workers over its price plus the intake charged to it
+  (`note_step`, from the engine core's step loop): a neighbour on the machine, a cost model
+  measured on a quieter day; 1 until `SLOWDOWN_MIN_STEPS` steps have run.
+
+  Measured (BENCHMARKS.md, "Admission, fifth round"): the median of measured over priced
+  alone, the first version, followed the intake a few steps late: 1 for a burst's first 0.3 s,
+  then 4.5x from its first three steps (a 38-token step at 8.4x its price) where the steps
+  that followed ran at 1.8-2.4x, and about 2x after the arrivals had stopped, when the steps
+  ran at 1.05-1.4x: estimates 0.3-1.3 s high through the middle of a 150 req/s burst, and
+  29-50% of the refused requests would have made it. With the intake as a factor of its own,
+  21% over six runs (1-45% a run), every accepted p90 within the limit.
 
 Not modelled: prefix-cache hits of queued prompts (counted in full: an overestimate), and the
 output lengths of running requests (unknown to the engine; the measured finish rate stands in).
@@ -66,6 +82,13 @@ SLOWDOWN_WINDOW = 8
 """How many of the last steps `slowdown()` takes its median from."""
 SLOWDOWN_MIN_STEPS = 3
 """Fewer measured steps than this leave the prices as the cost model has them."""
+ARRIVAL_WINDOW_S = 0.5
+"""The intake load is that of the requests that reached the engine core this many seconds
+back (at 150 requests/s, 75 of them)..."""
+ARRIVAL_MIN_SPAN_S = 0.1
+"""...over the time since the oldest of them, but never less than this: 0.1 s into a burst
+its rate is known from the arrivals so far (a full window would read it as a fifth of it for
+those 0.1 s), and one lone arrival counts as at most 10 a second."""
 
 
 @dataclass
@@ -92,23 +115,52 @@ class QueueDelayEstimator:
         self._finishes: deque[tuple[float, int]] = deque()
         """(time, scheduler.num_finished) samples, one per estimate, the last window_s."""
         self._ratios: deque[float] = deque(maxlen=SLOWDOWN_WINDOW)
-        """Measured over predicted time of the last steps."""
+        """Measured over priced time (intake included) of the last steps."""
+        self._arrivals: deque[tuple[float, float]] = deque()
+        """(time, intake charge in seconds) of the requests that arrived in the last
+        ARRIVAL_WINDOW_S."""
+        self._intake_since_step = 0.0
+        """Intake charged since the last step was timed: the next step's share."""
         self._pairs_per_token = 0.0
         """Attention pairs per queued prompt token, the last time any was queued: what a
         token admitted since the snapshot (or a new prompt) is priced with."""
 
+    def note_arrival(self, prompt_len: int, now: float) -> None:
+        """A request of `prompt_len` prompt tokens reached the engine core at `now`."""
+        charge = self.cost_model.arrival_charge(prompt_len)
+        self._arrivals.append((now, charge))
+        self._intake_since_step += charge
+
     def note_step(self, plan: BatchPlan, seconds: float) -> None:
-        """The workers took `seconds` for `plan` (the engine core's measure)."""
-        predicted = self.cost_model.step_time(plan)
+        """The workers took `seconds` for `plan` (the engine core's measure); the requests
+        that arrived since the last step was timed are charged to this one."""
+        predicted = self.cost_model.step_time(plan) + self._intake_since_step
+        self._intake_since_step = 0.0
         if predicted > 0 and seconds > 0:
             self._ratios.append(seconds / predicted)
 
-    def slowdown(self) -> float:
-        """How much slower than the cost model's prices steps run now (see the module
-        docstring): the median ratio of the last steps, 1.0 before SLOWDOWN_MIN_STEPS."""
+    def arrival_load(self, now: float) -> float:
+        """Seconds of intake per second: the charges of the last ARRIVAL_WINDOW_S's
+        arrivals over the time since the oldest of them (ARRIVAL_MIN_SPAN_S at least)."""
+        arrivals = self._arrivals
+        while arrivals and arrivals[0][0] <= now - ARRIVAL_WINDOW_S:
+            arrivals.popleft()
+        if not arrivals:
+            return 0.0
+        span = max(now - arrivals[0][0], ARRIVAL_MIN_SPAN_S)
+        return sum(charge for _, charge in arrivals) / span
+
+    def step_ratio(self) -> float:
+        """How much slower than priced (intake included) the last steps ran: their median
+        ratio, 1.0 before SLOWDOWN_MIN_STEPS."""
         if len(self._ratios) < SLOWDOWN_MIN_STEPS:
             return 1.0
         return statistics.median(self._ratios)
+
+    def slowdown(self, now: float) -> float:
+        """How much slower than the cost model's prices the steps ahead run (see the module
+        docstring): the intake now, times what the last steps leave unexplained."""
+        return self.step_ratio() * (1.0 + self.arrival_load(now))
 
     def finish_rate(self, num_finished: int, now: float) -> float:
         """Requests finished per second over the last window (0 before any finish)."""
@@ -143,7 +195,7 @@ class QueueDelayEstimator:
         if queued:
             self._pairs_per_token = pairs / queued
         chunk = max(scheduler.max_num_batched_tokens - num_decodes, 1)
-        slowdown = self.slowdown()
+        slowdown = self.slowdown(now)
         # a full step: its decodes, fixed part and streamed tokens, beside `chunk` prompt
         # tokens priced one by one (their attention pairs at the queue's average)
         step_fixed = (cost.served_predict(chunk, num_decodes, context, 0.0, num_decodes + 1)

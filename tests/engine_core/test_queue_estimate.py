@@ -108,16 +108,58 @@ def test_steps_slower_than_their_price_raise_the_estimate():
     assert COST.step_time(plan) == pytest.approx(0.110)
     for seconds in (0.220, 0.330):
         estimator.note_step(plan, seconds)
-    assert estimator.slowdown() == 1.0
+    assert estimator.slowdown(0.0) == 1.0
     estimator.note_step(plan, 0.275)
-    assert estimator.slowdown() == pytest.approx(2.5)
+    assert estimator.slowdown(0.0) == pytest.approx(2.5)
     est = estimator.estimate(sched, now=0.0)
     assert est.s_per_prompt_token == pytest.approx(2.5 * 0.00101)
     assert est.queue_delay_s == pytest.approx(2.5 * (0.010 + 0.303))
     for _ in range(SLOWDOWN_WINDOW - 1):  # the slow steps leave the window
         estimator.note_step(plan, 0.110)
     estimator.note_step(plan, 5.0)
-    assert estimator.slowdown() == pytest.approx(1.0)
+    assert estimator.slowdown(0.0) == pytest.approx(1.0)
+
+
+def test_the_intake_of_arriving_requests_slows_the_steps_ahead():
+    """The serving cost model charges 5 ms to the steps for each request arriving (plus 0.01
+    ms a prompt token). 40 requests of 50 tokens, one each 10 ms from t = 0, are 40 * 5.5 =
+    220 ms of intake: at t = 0.45, over the 0.45 s since the first, 0.489 s a second, so the
+    steps ahead are priced 1.489x; at t = 0.5 the first has left the window: 39 over 0.49 s;
+    once all are more than ARRIVAL_WINDOW_S old, 1x again. Ten of them in the first 0.05 s
+    of a burst count over ARRIVAL_MIN_SPAN_S: 55 ms in 0.1 s, 1.55x. A step measured at
+    110 + 55 ms while ten such requests came in ran at its price with their intake charged
+    (10 * 5.5 ms): a ratio of 1, where without the intake it would have counted as 1.5x."""
+    from tidal.engine_core.queue_estimate import ARRIVAL_WINDOW_S, SLOWDOWN_MIN_STEPS
+
+    burst = QueueDelayEstimator(StepCostModel(0.010, per_arrival_s=0.005,
+                                              per_arrival_prompt_token_s=0.00001))
+    for i in range(10):
+        burst.note_arrival(50, now=i * 0.005)
+    assert burst.slowdown(0.05) == pytest.approx(1.55)
+
+    served = StepCostModel(0.010, per_prefill_token_s=0.001, per_decode_req_s=0.002,
+                           per_arrival_s=0.005, per_arrival_prompt_token_s=0.00001)
+    sched = make_scheduler(max_num_batched_tokens=1000, max_num_seqs=4)
+    for i in range(3):
+        sched.add(make_request(i, 100))
+    estimator = QueueDelayEstimator(served)
+    for i in range(40):
+        estimator.note_arrival(50, now=i * 0.01)
+    assert estimator.arrival_load(0.45) == pytest.approx(0.220 / 0.45)
+    assert estimator.slowdown(0.45) == pytest.approx(1 + 0.220 / 0.45)
+    est = estimator.estimate(sched, now=0.45)
+    assert est.queue_delay_s == pytest.approx((1 + 0.220 / 0.45) * (0.010 + 0.303))
+    assert estimator.arrival_load(0.5) == pytest.approx(39 * 0.0055 / 0.49)
+    assert estimator.slowdown(0.4 + ARRIVAL_WINDOW_S) == pytest.approx(1.0)
+
+    other = make_scheduler(max_num_batched_tokens=1000)
+    other.add(make_request("measured", 100))
+    plan = other.schedule()  # one 100-token prefill: 110 ms
+    for _ in range(SLOWDOWN_MIN_STEPS):
+        for _ in range(10):
+            estimator.note_arrival(50, now=10.0)
+        estimator.note_step(plan, 0.110 + 0.055)
+    assert estimator.step_ratio() == pytest.approx(1.0)
 
 
 def test_finish_rate_forgets_old_samples():
