@@ -1,6 +1,7 @@
 """A live `tidal serve MODEL --max-num-seqs 1 --max-num-queued-reqs 2 --stream-interval 4
 --timeout-request-header 1 --timeout-request-body 1` (the server starts its own engine-core
-daemon): admission 503s, stream chunking, and read timeouts through the command line."""
+daemon): admission 503s, stream chunking, and read timeouts through the command line; and
+`--max-queue-delay` on a real engine core, with a fabricated step cost model."""
 
 import asyncio
 import json
@@ -93,3 +94,37 @@ def test_read_timeouts_reach_the_server(server):
     assert reply.startswith(b"HTTP/1.1 408"), reply
     assert json.loads(reply.partition(b"\r\n\r\n")[2])["error"]["code"] == 408
     assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
+
+
+def test_max_queue_delay_refuses_what_the_real_core_prices_over_the_limit(tiny_llama,
+                                                                           tmp_path):
+    """`--max-queue-delay 1` with a step cost model pricing 20 ms a prompt token (and 5 ms
+    of intake per arriving request) on a real engine core: a short prompt is served; one of
+    ~90 tokens is priced ~1.8 s and answered 503 with Retry-After at once (once
+    the core's first estimate has reached the HTTP process); short prompts are served after
+    it, so the core's step and arrival accounting ran without a fault."""
+    from tidal.engine_core.step_cost import StepCostModel
+
+    cost = tmp_path / "cost.json"
+    StepCostModel(0.001, per_prefill_token_s=0.020, per_arrival_s=0.005).save(str(cost))
+    srv = LiveServer([tiny_llama, *ENGINE_FLAGS, "--max-model-len", "256",
+                      "--max-queue-delay", "1", "--step-cost-model", str(cost)]).start()
+    try:
+        short = {"prompt": "Hello", "max_tokens": 4}
+        long = {"prompt": "word " * 30, "max_tokens": 1}  # ~90 tokens here
+
+        def refused() -> bool:
+            assert httpx.post(srv.base_url + "/v1/completions", json=short,
+                              timeout=60).status_code == 200
+            r = httpx.post(srv.base_url + "/v1/completions", json=long, timeout=60)
+            assert r.status_code in (200, 503), r.text
+            return r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+
+        deadline = time.monotonic() + 20
+        while not refused():
+            assert time.monotonic() < deadline, "the ~2 s prompt was never refused"
+        assert httpx.post(srv.base_url + "/v1/completions", json=short,
+                          timeout=60).status_code == 200
+        assert 'reason="max_queue_delay"}' in httpx.get(srv.base_url + "/metrics").text
+    finally:
+        srv.stop()
