@@ -156,9 +156,7 @@ def build_app(engine_factory: Callable[[], Awaitable[Any]],
         try:
             yield
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await _stop_tasks(tasks)
             app.state.serving.close()
             await engine.close()
             if app.state.serving.recorder is not None:
@@ -173,6 +171,21 @@ def build_app(engine_factory: Callable[[], Awaitable[Any]],
     app.add_middleware(ServerIndexMiddleware, index=settings.server_index)
     app.add_middleware(ReceivedAtMiddleware)  # added last: the outermost, so the first to run
     return app
+
+
+async def _stop_tasks(tasks: list[asyncio.Task]) -> None:
+    """Cancel the background tasks and wait until each has ended. A cancel can be lost: on
+    Python < 3.12 `asyncio.wait_for` swallows one that lands just as its inner call completes
+    (CPython gh-86296), and a loop around it then runs on; the admission refresh loop did,
+    hanging the server's shutdown (seen under load in CI). So they are cancelled again until
+    they have ended."""
+    while pending := [task for task in tasks if not task.done()]:
+        for task in pending:
+            task.cancel()
+        await asyncio.wait(pending, timeout=0.1)
+    for task in tasks:  # fetch each outcome (a loop's own failure is not shutdown's concern)
+        if not task.cancelled():
+            task.exception()
 
 
 def _start_state(app: FastAPI, engine, settings: ServerSettings) -> list[asyncio.Task]:

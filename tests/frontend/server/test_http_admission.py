@@ -449,3 +449,26 @@ def test_record_trace_writes_one_line_per_completion(tokenizer, tmp_path):
     assert all(r.prefix_hashes == full[0].prefix_hashes for r in full)
     (aborted,) = [r for r in requests if r.prompt_len != prompt_len]
     assert aborted.finish_reason == "abort" and 0 < aborted.output_len < 50
+
+
+def test_shutdown_ends_a_background_loop_that_lost_a_cancel():
+    """On Python < 3.12 `asyncio.wait_for` can swallow a cancel that lands as its inner call
+    completes, and the admission refresh loop around it then ran on: the server's shutdown
+    hung (CI, under load). A loop that swallows its first cancel still ends."""
+    from tidal.frontend.server.app import _stop_tasks
+
+    async def swallows_one_cancel():
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            pass  # lost, as wait_for can lose it
+        while True:
+            await asyncio.sleep(0.01)
+
+    async def main():
+        task = asyncio.ensure_future(swallows_one_cancel())
+        await asyncio.sleep(0.01)
+        await asyncio.wait_for(_stop_tasks([task]), 5)
+        assert task.cancelled()
+
+    asyncio.run(main())
