@@ -80,8 +80,11 @@ logger = logging.getLogger("tidal.serve")
 
 STATS_REFRESH_SECONDS = 0.5
 """How often each server process refreshes the core's count of other frontends' requests."""
-DELAY_REFRESH_SECONDS = 0.25
-"""How often it refreshes the core's queue estimate under --max-queue-delay."""
+DELAY_REFRESH_SECONDS = 0.05
+"""How long it waits after each answer before asking for the core's queue estimate again under
+--max-queue-delay. The core answers between steps, so under load this is one snapshot a step.
+At 0.25 s a 150 req/s burst's first half second was priced with the snapshot from before it
+(BENCHMARKS.md, admission, fifth round)."""
 ERROR_WINDOW = 100
 """How many of the last admitted requests' (actual - estimated) waits the margin is taken
 from; fewer than `ERROR_MIN_SAMPLES` give no margin."""

@@ -94,8 +94,10 @@ def test_waiting_for_a_free_slot_at_the_measured_finish_rate():
 def test_steps_slower_than_their_price_raise_the_estimate():
     """The first test's queue while the CPU is shared: steps are measured at 2x, 3x and 2.5x
     their price (10 + 100 ms for 100 prompt tokens), so every price is 2.5x (the median):
-    2.5 * 1.01 ms a prompt token, 2.5 * 10 ms for the own step. Two steps are not enough to
-    go by (the estimate stays the model's); the median takes no notice of one outlier."""
+    2.5 * 1.01 ms a prompt token, 2.5 * 10 ms for the own step. A step's ratio is taken when
+    the next step is timed (the requests that came in while it ran are read after it); two
+    are not enough to go by (the estimate stays the model's); the median takes no notice of
+    one outlier."""
     from tidal.engine_core.queue_estimate import SLOWDOWN_WINDOW
 
     other = make_scheduler(max_num_batched_tokens=1000)
@@ -106,10 +108,10 @@ def test_steps_slower_than_their_price_raise_the_estimate():
         sched.add(make_request(i, 100))
     estimator = QueueDelayEstimator(COST)
     assert COST.step_time(plan) == pytest.approx(0.110)
-    for seconds in (0.220, 0.330):
+    for seconds in (0.220, 0.330, 0.275):
         estimator.note_step(plan, seconds)
-    assert estimator.slowdown(0.0) == 1.0
-    estimator.note_step(plan, 0.275)
+    assert estimator.slowdown(0.0) == 1.0  # two ratios taken; the third waits for its intake
+    estimator.note_step(plan, 0.110)
     assert estimator.slowdown(0.0) == pytest.approx(2.5)
     est = estimator.estimate(sched, now=0.0)
     assert est.s_per_prompt_token == pytest.approx(2.5 * 0.00101)
@@ -117,6 +119,7 @@ def test_steps_slower_than_their_price_raise_the_estimate():
     for _ in range(SLOWDOWN_WINDOW - 1):  # the slow steps leave the window
         estimator.note_step(plan, 0.110)
     estimator.note_step(plan, 5.0)
+    estimator.note_step(plan, 0.110)
     assert estimator.slowdown(0.0) == pytest.approx(1.0)
 
 
@@ -127,8 +130,9 @@ def test_the_intake_of_arriving_requests_slows_the_steps_ahead():
     steps ahead are priced 1.489x; at t = 0.5 the first has left the window: 39 over 0.49 s;
     once all are more than ARRIVAL_WINDOW_S old, 1x again. Ten of them in the first 0.05 s
     of a burst count over ARRIVAL_MIN_SPAN_S: 55 ms in 0.1 s, 1.55x. A step measured at
-    110 + 55 ms while ten such requests came in ran at its price with their intake charged
-    (10 * 5.5 ms): a ratio of 1, where without the intake it would have counted as 1.5x."""
+    110 + 55 ms while ten such requests came in (read after it) ran at its price with their
+    intake charged (10 * 5.5 ms): a ratio of 1, where without the intake it would have
+    counted as 1.5x."""
     from tidal.engine_core.queue_estimate import ARRIVAL_WINDOW_S, SLOWDOWN_MIN_STEPS
 
     burst = QueueDelayEstimator(StepCostModel(0.010, per_arrival_s=0.005,
@@ -156,9 +160,10 @@ def test_the_intake_of_arriving_requests_slows_the_steps_ahead():
     other.add(make_request("measured", 100))
     plan = other.schedule()  # one 100-token prefill: 110 ms
     for _ in range(SLOWDOWN_MIN_STEPS):
-        for _ in range(10):
-            estimator.note_arrival(50, now=10.0)
         estimator.note_step(plan, 0.110 + 0.055)
+        for _ in range(10):  # read after the step: they came in while it ran
+            estimator.note_arrival(50, now=10.0)
+    estimator.note_step(plan, 0.110)  # the next step timed: the last one's ratio is taken
     assert estimator.step_ratio() == pytest.approx(1.0)
 
 
