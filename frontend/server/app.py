@@ -183,9 +183,7 @@ async def _stop_tasks(tasks: list[asyncio.Task]) -> None:
         for task in pending:
             task.cancel()
         await asyncio.wait(pending, timeout=0.1)
-    for task in tasks:  # fetch each outcome (a loop's own failure is not shutdown's concern)
-        if not task.cancelled():
-            task.exception()
+    await asyncio.gather(*tasks, return_exceptions=True)  # all ended: fetch their outcomes
 
 
 def _start_state(app: FastAPI, engine, settings: ServerSettings) -> list[asyncio.Task]:

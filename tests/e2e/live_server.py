@@ -11,6 +11,7 @@ import tempfile
 import time
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 # small, fast engine settings for a tiny CPU model
 ENGINE_FLAGS = ["--kv-cache-memory", "8MiB", "--max-num-batched-tokens", "512"]
@@ -90,3 +91,17 @@ class LiveServer(Proc):
         out = self.output()
         self.stop()
         raise RuntimeError(f"tidal serve not healthy within {timeout} s:\n{out[-4000:]}")
+
+
+def scrape(server: LiveServer, timeout: float = 10) -> tuple[dict, str]:
+    """({metric sample name: value summed over labels}, the answering server index)."""
+    r = httpx.get(server.base_url + "/metrics", timeout=timeout)
+    assert r.status_code == 200
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+            if "finished_reason" in sample.labels:  # also per finish reason
+                key = f"{sample.name}/{sample.labels['finished_reason']}"
+                values[key] = values.get(key, 0.0) + sample.value
+    return values, r.headers["x-tidal-server"]

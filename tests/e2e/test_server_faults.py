@@ -25,7 +25,7 @@ import threading
 import httpx
 import pytest
 
-from live_server import ENGINE_FLAGS, LiveServer, Proc
+from live_server import ENGINE_FLAGS, LiveServer, Proc, scrape
 from process_tree import wait_for as wait_until
 
 pytestmark = pytest.mark.slow  # live server subprocesses (still run by CI)
@@ -268,15 +268,10 @@ HEALED = [{"prompt": "Once upon a time", "max_tokens": 1200, "ignore_eos": True,
            "temperature": 1.0, "top_p": 0.9, "seed": 77}]
 
 
-def generated_tokens(base_url: str) -> float:
+def generated_tokens(server: LiveServer) -> float:
     """Tokens the engine core has generated since it started (the /metrics counter, which
     each scrape asks the core for: the core's count, not the HTTP process's)."""
-    r = httpx.get(base_url + "/metrics", timeout=30)
-    assert r.status_code == 200, r.text
-    for line in r.text.splitlines():
-        if line.startswith("tidal:generation_tokens_total"):
-            return float(line.split()[-1])
-    raise AssertionError("no tidal:generation_tokens_total in /metrics")
+    return scrape(server, timeout=30)[0]["tidal:generation_tokens_total"]
 
 
 def assert_streams_go_on_through(server: LiveServer, fault: int, expected: list) -> None:
@@ -292,10 +287,10 @@ def assert_streams_go_on_through(server: LiveServer, fault: int, expected: list)
     old_core = core_process(server.proc.pid)
     total = sum(body["max_tokens"] for body in HEALED)
     for _ in range(3):
-        before = generated_tokens(server.base_url)
+        before = generated_tokens(server)
         streams = [Stream(server.base_url, body) for body in HEALED]
         assert all(s.first.wait(60) and not s.broken for s in streams)
-        if generated_tokens(server.base_url) - before < total / 2:
+        if generated_tokens(server) - before < total / 2:
             os.kill(old_core, fault)  # alone: its workers see it go (SIGKILL) or stall (SIGSTOP)
             break
         assert all(s.finish(180).ended_well() for s in streams)

@@ -15,9 +15,8 @@ import time
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from live_server import ENGINE_FLAGS, LiveServer, Proc
+from live_server import ENGINE_FLAGS, LiveServer, Proc, scrape
 from tidal.frontend.llm import LLM
 from tidal.ipc.messages import SamplingParams
 
@@ -65,20 +64,6 @@ def greedy(llm, prompts, max_tokens=16) -> list[str]:
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0),
                         use_tqdm=False)
     return [o.outputs[0].text for o in outs]
-
-
-def scrape(server) -> tuple[dict, str]:
-    """({metric sample name: value summed over labels}, the answering server index)."""
-    r = httpx.get(server.base_url + "/metrics", timeout=10)
-    assert r.status_code == 200
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(r.text):
-        for sample in family.samples:
-            values[sample.name] = values.get(sample.name, 0.0) + sample.value
-            if "finished_reason" in sample.labels:  # also per finish reason
-                key = f"{sample.name}/{sample.labels['finished_reason']}"
-                values[key] = values.get(key, 0.0) + sample.value
-    return values, r.headers["x-tidal-server"]
 
 
 # ------------------------------------------------------------------ 1. the openai package
