@@ -151,8 +151,9 @@ class SchedulerConfig:
     first token (the work queued ahead of it, through the step cost model) exceeds this;
     None = off. Needs a step cost model (`tidal tune profile`)."""
     step_cost_model: str | None = None
-    """The step cost model file for `max_queue_delay`; None means the profile `tidal tune
-    profile` cached for this model, dtype, device, TP size, threads and attention backend."""
+    """The step cost model file for `max_queue_delay` and for the simulator's prediction after
+    preemptions; None means the profile `tidal tune profile` cached for this model, dtype,
+    device, TP size, threads and attention backend (without one, neither)."""
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs",

@@ -63,12 +63,13 @@ from tidal.engine_core.config import (
 from tidal.engine_core.core import EngineCore
 from tidal.engine_core.executor import WorkerError, WorkerFacts, make_executor
 from tidal.engine_core.model_files import model_folder
+from tidal.engine_core.preemption_advice import PreemptionAdvisor
 from tidal.engine_core.queue_estimate import QueueDelayEstimator
 from tidal.engine_core.request import Request, check_request
 from tidal.engine_core.restart_budget import RestartBudget
 from tidal.engine_core.scheduler import Scheduler
 from tidal.ipc.lifeline import watch_parent
-from tidal.engine_core.step_cost import StepCostModel, required_profile
+from tidal.engine_core.step_cost import StepCostModel, find_profile, required_profile
 from tidal.ipc.messages import (
     Abort,
     AddRequest,
@@ -145,6 +146,7 @@ class EngineCoreDaemon:
         self.sock = self.auth = self.executor = self.scheduler = self.info = None
         self.core: EngineCore | None = None  # the step loop, once the workers are up
         self.queue_estimator: QueueDelayEstimator | None = None  # with --max-queue-delay
+        self.advisor: PreemptionAdvisor | None = None  # with a step cost model
         self.vocab_size = 0  # the model's, reported by the workers at start-up
         self.model_dir = config.model.model  # the folder loaded (a GGUF file's: converted)
         self._wake_r, self._wake_w = socket.socketpair()
@@ -194,6 +196,7 @@ class EngineCoreDaemon:
             if self.queue_estimator is not None:  # steps timed against the cost model
                 on_step, clock = self.queue_estimator.note_step, time.monotonic
             self.core = EngineCore(self.scheduler, self.executor, self.depth, on_step, clock)
+            self.advisor = _preemption_advisor(self.config, self.scheduler)
         except InterruptedError:
             self._refuse_pending_hellos(f"engine core stopped during start-up: {self.stop_reason}")
             return EXIT_OK
@@ -252,6 +255,8 @@ class EngineCoreDaemon:
                     self._drain_frontends(block=self._is_idle())
                     self._expire_silent_frontends()
                     self._log_progress()
+                    if self.advisor is not None:
+                        self.advisor.poll(self.scheduler.num_preemptions, time.monotonic())
                     if self.stop_reason is None:
                         self._step()
                 except WorkerError as e:
@@ -333,6 +338,8 @@ class EngineCoreDaemon:
             self._broadcast_dead(reason)
 
     def _close(self) -> None:
+        if self.advisor is not None:
+            self.advisor.close()
         if self.executor is not None:
             self.executor.kill()
         if self.sock is not None:
@@ -463,6 +470,8 @@ class EngineCoreDaemon:
             return
         if self.queue_estimator is not None:  # its intake slows the steps meanwhile
             self.queue_estimator.note_arrival(request.num_prompt_tokens, time.monotonic())
+        if self.advisor is not None:
+            self.advisor.added(request)
 
     def _refuse(self, client_id: str, req_id: str, error: str) -> None:
         """Answer a bad request with its final output (an error naming the field); it never
@@ -582,6 +591,22 @@ def _queue_estimator(config: EngineConfig) -> QueueDelayEstimator | None:
     logger.info("--max-queue-delay %gs: step cost model %s (%s)",
                 config.scheduler.max_queue_delay, path, model.formula())
     return QueueDelayEstimator(model)
+
+
+def _preemption_advisor(config: EngineConfig, scheduler: Scheduler) -> PreemptionAdvisor | None:
+    """With a step cost model for this config, the advisor that simulates the traffic after
+    preemptions (engine_core/preemption_advice.py); else None (the preemption warning then
+    says how to get one)."""
+    path = find_profile(config)
+    if path is None:
+        return None
+    try:
+        StepCostModel.load(path)  # a file the simulator cannot read: say so now, not later
+    except ValueError as e:
+        logger.warning("no simulation after preemptions: %s", e)
+        return None
+    return PreemptionAdvisor(config, scheduler.num_kv_blocks, scheduler.max_model_len, path,
+                             scheduler.preemption_log, logger)
 
 
 def _client_id(identity: bytes) -> str:

@@ -5,6 +5,7 @@ a rate limit so a preemption storm cannot flood the log (the scheduler's counter
 from __future__ import annotations
 
 import logging
+import time
 
 from tidal.engine_core.config import EngineConfig
 from tidal.engine_core.request import Request
@@ -24,6 +25,19 @@ class PreemptionLog:
         self.num_suppressed = 0
         """Preemptions not logged since the last warning."""
         self._last_time: float | None = None
+        self._predicting = False
+        """A `PreemptionAdvisor` will simulate the traffic (there is a step cost model)."""
+        self._prediction: str | None = None
+        """The advisor's latest summary, with the wall-clock time it came."""
+
+    def expect_predictions(self) -> None:
+        """A `PreemptionAdvisor` watches this engine: warnings say a prediction will come."""
+        self._predicting = True
+
+    def set_prediction(self, summary: str, wall_time: float) -> None:
+        """The advisor's latest summary; quoted by the warnings from now on."""
+        stamp = time.strftime("%H:%M:%S", time.localtime(wall_time))
+        self._prediction = f"At {stamp} {summary}"
 
     def record(self, victim: Request, num_lost_tokens: int, num_running: int, usage: float,
                num_preemptions: int, now: float) -> None:
@@ -78,6 +92,16 @@ class PreemptionLog:
         tips.append(f"increase --tensor-parallel-size (now {tp}, e.g. to {tp * 2}) or "
                     f"--pipeline-parallel-size (now {pp}, e.g. to {pp * 2}) to spread the KV "
                     f"cache over more devices")
-        return ("To avoid it: " + "; or ".join(tips) + ". `tidal tune` picks these settings for "
-                "your traffic by simulating this scheduler on a request trace (record one with "
-                "`tidal serve --record-trace FILE`)")
+        return ("To avoid it: " + "; or ".join(tips) + ". " + self.simulator_note())
+
+    def simulator_note(self) -> str:
+        """What the simulator said of this traffic, or when it will, or how to get it."""
+        if self._prediction is not None:
+            return self._prediction
+        if self._predicting:
+            return ("The simulator will replay this traffic with each change on the step cost "
+                    "model once the preemptions stop (at most a minute) and say which helps")
+        return ("`tidal tune` picks these settings for your traffic by simulating this "
+                "scheduler on a request trace (record one with `tidal serve --record-trace "
+                "FILE`); after `tidal tune profile` with these engine flags, these warnings "
+                "say what the simulator predicts for the traffic that preempted")

@@ -66,7 +66,7 @@ class Request:
         "num_cached_tokens", "num_preemptions", "discard_before_step", "in_worker",
         "num_worker_tokens",
         "first_output_sent", "error", "add_time", "queue_time", "prompt_logprob_parts",
-        "next_prompt_logprob", "num_resumed_tokens",
+        "next_prompt_logprob", "num_resumed_tokens", "first_token_time", "finish_time",
     )
 
     def __init__(
@@ -129,6 +129,10 @@ class Request:
         self.error: str | None = None
         self.add_time = 0.0
         """Scheduler clock at add()."""
+        self.first_token_time = 0.0
+        """Scheduler clock when its first generated token came back (0 before)."""
+        self.finish_time = 0.0
+        """Scheduler clock when it finished (0 before)."""
         self.queue_time: float | None = None
         """Seconds from add() to the first admission."""
         self.prompt_logprob_parts: list[PromptLogprobs] | None = (

@@ -187,6 +187,7 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """Mark finished, free blocks, tell the workers; the caller unlinks the queues."""
         request.status = status
+        request.finish_time = self.clock()
         del self.requests[request.req_id]
         self.num_finished += 1
         self.kv_cache_manager.free(request)
@@ -449,6 +450,7 @@ class Scheduler:
             out = RequestOutput(req_id, _pack_one(token), None, None,
                                 None if lp is None else [lp])
             if not request.first_output_sent:
+                request.first_token_time = self.clock()
                 self._mark_first_output(request, out)
                 if request.prompt_logprob_parts is not None:
                     out.prompt_logprobs = _take_prompt_logprobs(request)

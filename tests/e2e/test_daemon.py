@@ -573,6 +573,42 @@ def test_hostile_requests_are_refused_to_their_sender_alone(daemon, zctx, prompt
 
 
 @pytest.mark.timeout(150)
+def test_preemptions_bring_the_simulators_prediction_into_the_log(tiny_llama, tmp_path, zctx,
+                                                                  prompts, reference, eos_id):
+    """With a step cost model (--step-cost-model) and a KV cache that preempts, the core has
+    the simulator replay the traffic once the preempted requests are done: its log gets the
+    table and the best change, and the tokens are the reference's all the same."""
+    from tidal.engine_core.step_cost import StepCostModel
+
+    cost = tmp_path / "cost.json"
+    StepCostModel(0.002, per_prefill_token_s=1e-5, per_decode_req_s=1e-4).save(str(cost))
+    d = Daemon(tiny_llama, str(tmp_path / "core.log"), "--max-num-batched-tokens", "32",
+               "--max-model-len", "128", "--num-gpu-blocks-override", "12",
+               "--step-cost-model", str(cost))
+    client = Client(zctx, d.address, "advice")
+    try:
+        client.hello()
+        assert _run_prompts(client, "a", prompts, eos_id) == reference, d.log_text()
+        preemptions = client.stats().num_preemptions
+        assert preemptions > 0
+        deadline = time.monotonic() + 60
+        while "Preemption advice" not in d.log_text():
+            assert time.monotonic() < deadline and d.proc.poll() is None, d.log_text()
+            client.stats()  # heartbeats the core meanwhile
+            time.sleep(0.2)
+        log = d.log_text()
+        assert "The simulator will replay this traffic" in log
+        advice = log[log.index("Preemption advice"):]
+        assert f"replaying the last {len(prompts)} requests" in advice
+        assert f"{preemptions} seen" in advice
+        assert "\n  as configured " in advice and "\n  --num-gpu-blocks-override 18 " in advice
+    finally:
+        client.close()
+        d.stop()
+    assert d.proc.returncode == 0, d.log_text()
+
+
+@pytest.mark.timeout(150)
 def test_sync_scheduling_same_tokens_then_sigterm(tiny_llama, tmp_path, zctx, prompts,
                                                    reference, eos_id):
     """Synchronous scheduling, every prompt chunked (32-token budget) and a KV cache so small
