@@ -7,8 +7,8 @@ first preemption seen; it ends once QUIET_S have passed without one and no reque
 preempted is still unfinished, or MAX_SPELL_S after it began. Its window is every request
 that arrived by then and was unfinished at any time since LOOKBACK_S before the spell began;
 once they have all finished (or FINISH_WAIT_S later), the core writes them as a
-`PreemptionWindow` (ipc/messages.py: lengths, prefix-block hashes and the times of first
-token and finish, never tokens) to a file and starts
+`PreemptionWindow` (ipc/messages.py: lengths, the prefix cache's block hashes and the times
+of first token and finish, never tokens) to a file and starts
 `python -m tidal.frontend.tune.advise FILE`: the simulator runs in its own process (at nice
 10, seconds of CPU), never in the step loop, and the engine core imports nothing of it. When
 the child answers, the core logs its table and quotes its summary in the preemption warnings
@@ -54,42 +54,45 @@ CHILD_TIMEOUT_S = 300.0
 """A simulation not done by then is killed (and said so)."""
 POLL_S = 0.5
 """The daemon loop calls `poll` every iteration; it does its work at most this often."""
-HASH_BLOCK_TOKENS = 16
-"""Tokens per hashed prompt block: the trace format's (frontend/tune/trace.py)."""
+MAX_FINISHED = 50_000
+"""Most finished requests remembered (about 1 KB each per 256 prompt tokens)."""
 ADVISOR_MODULE = "tidal.frontend.tune.advise"
 
 
-def prefix_hashes(token_ids: list[int], salt: str | None = None,
-                  block_tokens: int = HASH_BLOCK_TOKENS) -> list[str]:
-    """Chained 64-bit hashes (16 hex digits) of the full blocks of `token_ids`: two prompts
-    share their first k hashes exactly when they share their first k blocks (and salt).
-    Python's tuple hash: stable for ints, compared only within one window."""
-    parent = hash(salt)
-    out = []
-    for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
-        parent = hash((parent, tuple(token_ids[start:start + block_tokens])))
-        out.append(format(parent & 0xFFFF_FFFF_FFFF_FFFF, "016x"))
-    return out
+def window_request(request: Request, block_size: int) -> WindowRequest:
+    """What the simulator needs of one request. Its prefix hashes are the prefix cache's own
+    (`Request.block_hashes`, chained, salted, per `block_size` tokens: computed as its blocks
+    were), cut to the prompt's full blocks and to 64 bits; none with prefix caching off,
+    where sharing changes nothing."""
+    num_blocks = request.num_prompt_tokens // block_size
+    return WindowRequest(request.add_time, request.num_prompt_tokens,
+                         len(request.output_token_ids),
+                         [h[:8].hex() for h in request.block_hashes[:num_blocks]],
+                         request.priority, request.num_preemptions,
+                         request.first_token_time, request.finish_time)
 
 
 class RecentRequests:
-    """The requests the core saw lately: the unfinished ones, and those that finished in the
-    last `keep_s` seconds (by `Request.finish_time`, on the scheduler's clock)."""
+    """The requests the core saw lately: the unfinished ones (references), and those that
+    finished in the last `keep_s` seconds, as `WindowRequest`s (a few bytes per prompt block:
+    a finished request's tokens are not kept), at most MAX_FINISHED of them."""
 
-    def __init__(self, keep_s: float) -> None:
+    def __init__(self, keep_s: float, block_size: int) -> None:
         self.keep_s = keep_s
+        self.block_size = block_size
         self._unfinished: list[Request] = []
-        self._finished: deque[Request] = deque()
+        self._finished: deque[WindowRequest] = deque(maxlen=MAX_FINISHED)
 
     def add(self, request: Request) -> None:
         self._unfinished.append(request)
 
     def sweep(self, now: float) -> None:
-        """Move what finished since the last sweep; forget what finished before now - keep_s."""
+        """Record what finished since the last sweep; forget what finished before
+        now - keep_s (on the scheduler's clock)."""
         still = []
         for request in self._unfinished:
             if request.status.is_finished():
-                self._finished.append(request)
+                self._finished.append(window_request(request, self.block_size))
             else:
                 still.append(request)
         self._unfinished = still
@@ -99,19 +102,10 @@ class RecentRequests:
     def any_preempted_unfinished(self) -> bool:
         return any(r.num_preemptions for r in self._unfinished)
 
-    def since(self, start: float) -> list[Request]:
-        """Every request unfinished at some time since `start`, by arrival."""
-        finished = [r for r in self._finished if r.finish_time >= start]
-        return sorted(finished + self._unfinished, key=lambda r: r.add_time)
-
-
-def window_request(request: Request) -> WindowRequest:
-    """What the simulator needs of one request."""
-    return WindowRequest(request.add_time, request.num_prompt_tokens,
-                         len(request.output_token_ids),
-                         prefix_hashes(request.prompt_token_ids, request.cache_salt),
-                         request.priority, request.num_preemptions,
-                         request.first_token_time, request.finish_time)
+    def since(self, start: float) -> tuple[list[WindowRequest], list[Request]]:
+        """Every request unfinished at some time since `start`: those finished, as records,
+        and those still unfinished."""
+        return [r for r in self._finished if r.finish_time >= start], list(self._unfinished)
 
 
 class PreemptionAdvisor:
@@ -127,11 +121,13 @@ class PreemptionAdvisor:
         self.step_cost_model = step_cost_model
         self.preemption_log = preemption_log
         self.logger = logger
-        self.recent = RecentRequests(LOOKBACK_S + MAX_SPELL_S + 10 * POLL_S)
+        self.recent = RecentRequests(LOOKBACK_S + MAX_SPELL_S + 10 * POLL_S,
+                                     config.cache.block_size)
         self._num_preemptions = 0
         self._spell_start: float | None = None
         self._last_preemption = 0.0  # when poll last saw the count grow
-        self._window: list[Request] | None = None  # a spell's requests, until they finish
+        self._window: tuple[list[WindowRequest], list[Request]] | None = None
+        """A spell's requests (finished, unfinished) until the unfinished ones finish."""
         self._window_since = 0.0
         self._next_poll = 0.0
         self._quiet_until = 0.0  # no new spell before this (ADVICE_INTERVAL_S)
@@ -155,7 +151,7 @@ class PreemptionAdvisor:
             return
         if self._window is not None:
             if (now - self._window_since >= FINISH_WAIT_S
-                    or all(r.status.is_finished() for r in self._window)):
+                    or all(r.status.is_finished() for r in self._window[1])):
                 self._simulate(now)
             return
         if num_preemptions > self._num_preemptions:
@@ -177,11 +173,14 @@ class PreemptionAdvisor:
 
     def _simulate(self, now: float) -> None:
         """Write the window and start the advisor process."""
-        requests, self._window = self._window, None
-        num_unfinished = sum(not r.status.is_finished() for r in requests)
+        (finished, others), self._window = self._window, None
+        num_unfinished = sum(not r.status.is_finished() for r in others)
+        block_size = self.config.cache.block_size
+        requests = sorted(finished + [window_request(r, block_size) for r in others],
+                          key=lambda r: r.arrival_time)
         window = PreemptionWindow(encode_engine_config(self.config), self.num_kv_blocks,
-                                  self.max_model_len, self.step_cost_model,
-                                  [window_request(r) for r in requests], num_unfinished)
+                                  self.max_model_len, self.step_cost_model, requests,
+                                  num_unfinished, block_size)
         fd, self._window_file = tempfile.mkstemp(prefix="tidal-preemption-window-",
                                                  suffix=".msgpack")
         with os.fdopen(fd, "wb") as f:

@@ -666,8 +666,9 @@ class WindowRequest(msgspec.Struct, **_STRUCT):
     output_len: int
     """Tokens generated (so far, for a request still running when the window was taken)."""
     prefix_hashes: list[str]
-    """Chained 64-bit hashes (16 hex digits) of the prompt's full 16-token blocks, as in a
-    trace file (frontend/tune/trace.py): equal first k hashes = equal first k blocks."""
+    """Chained 64-bit hashes (16 hex digits) of the prompt's full blocks of
+    `PreemptionWindow.block_tokens` tokens (the prefix cache's hashes, cut to 64 bits):
+    equal first k hashes = equal first k blocks."""
     priority: int = 0
     num_preemptions: int = 0
     """Times the engine preempted it."""
@@ -690,6 +691,8 @@ class PreemptionWindow(msgspec.Struct, **_STRUCT):
     requests: list[WindowRequest]
     num_unfinished: int = 0
     """Requests still running when the window was taken (their output_len is a lower bound)."""
+    block_tokens: int = 16
+    """Tokens per hashed prompt block (the engine's block size)."""
 
 
 class PreemptionPrediction(msgspec.Struct, **_STRUCT):

@@ -7,4 +7,6 @@
 - `simulator`: the engine core's own `Scheduler` and block pool driven by a trace on simulated
   time, step durations from the cost model.
 - `tuner`: a grid search over scheduler and KV-cache settings against latency SLOs.
+- `advise`: the engine core's child process after a spell of preemptions: that traffic
+  replayed as configured and with each change the preemption warning suggests.
 """

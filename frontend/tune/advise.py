@@ -45,7 +45,7 @@ import numpy as np
 from tidal.engine_core.config import EngineConfig, decode_engine_config
 from tidal.engine_core.step_cost import StepCostModel
 from tidal.frontend.tune.simulator import simulate
-from tidal.frontend.tune.trace import Trace, TraceRequest, normalized
+from tidal.frontend.tune.trace import TRACE_BLOCK_TOKENS, Trace, TraceRequest, normalized
 from tidal.frontend.tune.tuner import format_bytes
 from tidal.ipc.messages import PreemptionPrediction, PreemptionWindow
 
@@ -87,10 +87,26 @@ def window_trace(window: PreemptionWindow, cost: StepCostModel) -> tuple[Trace, 
     requests = []
     for i in order:
         r = window.requests[i]
-        requests.append(TraceRequest(arrivals[i], r.prompt_len, r.output_len,
-                                     list(r.prefix_hashes), r.priority))
+        hashes = trace_hashes(r.prefix_hashes, window.block_tokens)
+        requests.append(TraceRequest(arrivals[i], r.prompt_len, r.output_len, hashes,
+                                     r.priority))
     trace = normalized(requests, {"source": "engine core preemption window", "clock": "epoch"})
     return trace, order
+
+
+def trace_hashes(hashes: list[str], block_tokens: int) -> list[str]:
+    """Chained hashes per `block_tokens`-token block as a trace's, per 16-token block
+    (TRACE_BLOCK_TOKENS; block sizes are powers of two). Smaller blocks: every k-th hash, which
+    chains all before it. Larger: each block's hash stands for its k sub-blocks, each
+    derived from it (two prompts that share half a large block share none of it here)."""
+    if block_tokens == TRACE_BLOCK_TOKENS:
+        return list(hashes)
+    if block_tokens < TRACE_BLOCK_TOKENS:
+        k = TRACE_BLOCK_TOKENS // block_tokens
+        return list(hashes[k - 1::k])
+    k = block_tokens // TRACE_BLOCK_TOKENS
+    return [f"{(int(h, 16) * 0x9E3779B97F4A7C15 + j) & 0xFFFF_FFFF_FFFF_FFFF:016x}"
+            for h in hashes for j in range(k)]
 
 
 def real_time_per_token(window: PreemptionWindow) -> np.ndarray:

@@ -9,30 +9,41 @@ import time
 from sched_utils import FakeWorker, make_request, make_scheduler, step
 from tidal.engine_core import preemption_advice
 from tidal.engine_core.preemption_advice import (
-    PreemptionAdvisor, RecentRequests, prefix_hashes,
+    PreemptionAdvisor, RecentRequests, window_request,
 )
 from tidal.engine_core.step_cost import StepCostModel
 
 LOGGER = "tidal.test.advice"
 
 
-def test_prefix_hashes_are_chained_per_16_token_block_and_salted():
-    a = list(range(40))
-    b = list(range(32)) + [99] * 8
-    c = list(range(16)) + [7] * 16
-    assert len(prefix_hashes(a)) == 2  # two full blocks; the last 8 tokens are not hashed
-    assert prefix_hashes(a) == prefix_hashes(b)
-    assert prefix_hashes(a)[0] == prefix_hashes(c)[0]
-    assert prefix_hashes(a)[1] != prefix_hashes(c)[1]
-    assert prefix_hashes(a, "salt")[0] != prefix_hashes(a)[0]
-    assert all(len(h) == 16 and int(h, 16) >= 0 for h in prefix_hashes(a))
+def test_a_finished_request_is_kept_as_lengths_times_and_its_prefix_cache_hashes():
+    """Two 40-token prompts sharing their first 32 tokens, block size 16: two full prompt
+    blocks each, both hashes shared (the prefix cache's chained hashes, cut to 64 bits);
+    a third sharing only the first block shares only the first hash."""
+    sched = make_scheduler()
+    now = [10.0]
+    sched.clock = lambda: now[0]
+    worker = FakeWorker(16)
+    prompts = [list(range(40)), list(range(32)) + [99] * 8, list(range(16)) + [7] * 24]
+    requests = [make_request(i, p, max_tokens=3) for i, p in enumerate(prompts)]
+    for r in requests:
+        sched.add(r)
+    while sched.has_unfinished_requests():
+        now[0] += 0.5
+        step(sched, worker)
+    a, b, c = (window_request(r, 16) for r in requests)
+    assert (a.arrival_time, a.prompt_len, a.output_len) == (10.0, 40, 3)
+    assert len(a.prefix_hashes) == 2 and all(len(h) == 16 for h in a.prefix_hashes)
+    assert a.prefix_hashes == b.prefix_hashes
+    assert c.prefix_hashes[0] == a.prefix_hashes[0] != c.prefix_hashes[1] != a.prefix_hashes[1]
+    assert 10.0 < a.first_token_time < a.finish_time <= now[0]
 
 
 def test_recent_requests_keep_the_unfinished_and_what_finished_within_the_window():
     sched = make_scheduler()
     now = [100.0]
     sched.clock = lambda: now[0]
-    recent = RecentRequests(keep_s=10.0)
+    recent = RecentRequests(keep_s=10.0, block_size=16)
     requests = [make_request(i, 20) for i in range(3)]
     for r in requests:
         sched.add(r)
@@ -41,10 +52,15 @@ def test_recent_requests_keep_the_unfinished_and_what_finished_within_the_window
     now[0] = 105.0
     sched.abort(["1"])  # at 105
     recent.sweep(now=105.5)
-    assert [r.req_id for r in recent.since(103.0)] == ["1", "2"]
-    assert [r.req_id for r in recent.since(0.0)] == ["0", "1", "2"]
+
+    def ids(start):
+        finished, unfinished = recent.since(start)
+        return [r.finish_time for r in finished], [r.req_id for r in unfinished]
+
+    assert ids(103.0) == ([105.0], ["2"])
+    assert ids(0.0) == ([100.0, 105.0], ["2"])
     recent.sweep(now=112.0)  # request 0 is forgotten after keep_s
-    assert [r.req_id for r in recent.since(0.0)] == ["1", "2"]
+    assert ids(0.0) == ([105.0], ["2"])
 
 
 def _pressured(tmp_path):

@@ -9,7 +9,7 @@ import msgspec
 
 from tidal.engine_core.config import encode_engine_config
 from tidal.engine_core.step_cost import StepCostModel
-from tidal.frontend.tune.advise import advise, changes
+from tidal.frontend.tune.advise import advise, changes, trace_hashes
 from tidal.ipc.messages import PreemptionPrediction, PreemptionWindow, WindowRequest
 
 from test_simulator import config
@@ -27,6 +27,17 @@ def _window(tmp_path, **overrides) -> PreemptionWindow:
     fields = dict(engine_config=encode_engine_config(engine), num_kv_blocks=5,
                   max_model_len=64, step_cost_model=str(cost), requests=requests)
     return PreemptionWindow(**{**fields, **overrides})
+
+
+def test_engine_block_hashes_become_16_token_block_hashes():
+    """Block size 8: every second hash (it chains the block before). 16: as they are. 32:
+    two derived hashes per block, equal where the blocks were."""
+    h = [f"{i:016x}" for i in range(1, 5)]
+    assert trace_hashes(h, 8) == [h[1], h[3]]
+    assert trace_hashes(h, 16) == h
+    big = trace_hashes(h[:2], 32)
+    assert len(big) == 4 and len(set(big)) == 4 and all(len(x) == 16 for x in big)
+    assert trace_hashes(h[:1], 32) == big[:2]
 
 
 def test_changes_are_the_warnings_flags_at_the_sizes_said():
