@@ -55,7 +55,7 @@ CHILD_TIMEOUT_S = 300.0
 POLL_S = 0.5
 """The daemon loop calls `poll` every iteration; it does its work at most this often."""
 MAX_FINISHED = 50_000
-"""Most finished requests remembered (about 1 KB each per 256 prompt tokens)."""
+"""Most finished requests remembered (about 200 bytes each, plus 8 per prompt block)."""
 ADVISOR_MODULE = "tidal.frontend.tune.advise"
 
 
@@ -67,15 +67,15 @@ def window_request(request: Request, block_size: int) -> WindowRequest:
     num_blocks = request.num_prompt_tokens // block_size
     return WindowRequest(request.add_time, request.num_prompt_tokens,
                          len(request.output_token_ids),
-                         [h[:8].hex() for h in request.block_hashes[:num_blocks]],
+                         b"".join(h[:8] for h in request.block_hashes[:num_blocks]),
                          request.priority, request.num_preemptions,
                          request.first_token_time, request.finish_time)
 
 
 class RecentRequests:
     """The requests the core saw lately: the unfinished ones (references), and those that
-    finished in the last `keep_s` seconds, as `WindowRequest`s (a few bytes per prompt block:
-    a finished request's tokens are not kept), at most MAX_FINISHED of them."""
+    finished in the last `keep_s` seconds, as `WindowRequest`s (8 bytes per prompt block: a
+    finished request's tokens are not kept), at most MAX_FINISHED of them."""
 
     def __init__(self, keep_s: float, block_size: int) -> None:
         self.keep_s = keep_s
@@ -134,18 +134,35 @@ class PreemptionAdvisor:
         self._child: subprocess.Popen | None = None
         self._child_started = 0.0
         self._window_file: str | None = None
-        preemption_log.expect_predictions()
+        self.broken = False
+        """poll failed (a full temp folder, no process to start): the advisor is off."""
+        preemption_log.expect_predictions(True)
 
     def added(self, request: Request) -> None:
         """The scheduler took a new request."""
         self.recent.add(request)
 
     def poll(self, num_preemptions: int, now: float) -> None:
-        """Called every loop iteration with the scheduler's preemption count."""
-        if now < self._next_poll:
+        """Called every loop iteration with the scheduler's preemption count. Never raises:
+        advice is not worth an engine, so a failure turns the advisor off with a warning."""
+        if now < self._next_poll or self.broken:
             return
         self._next_poll = now + POLL_S
+        try:
+            self._poll(num_preemptions, now)
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            self.logger.warning("preemption advice off: %s: %s", type(e).__name__, e)
+            self.broken = True
+            self._window = None
+            self._end_child()
+            self.preemption_log.expect_predictions(False)
+
+    def _poll(self, num_preemptions: int, now: float) -> None:
         self.recent.sweep(now)
+        grew = num_preemptions > self._num_preemptions
+        self._num_preemptions = num_preemptions  # counted even while a simulation runs
+        if grew:
+            self._last_preemption = now
         if self._child is not None:
             self._collect(now)
             return
@@ -154,11 +171,8 @@ class PreemptionAdvisor:
                     or all(r.status.is_finished() for r in self._window[1])):
                 self._simulate(now)
             return
-        if num_preemptions > self._num_preemptions:
-            self._last_preemption = now
-            if self._spell_start is None and now >= self._quiet_until:
-                self._spell_start = now
-        self._num_preemptions = num_preemptions
+        if grew and self._spell_start is None and now >= self._quiet_until:
+            self._spell_start = now
         if self._spell_start is not None and self._spell_over(now):
             self._window = self.recent.since(self._spell_start - LOOKBACK_S)
             self._window_since = now
@@ -185,6 +199,7 @@ class PreemptionAdvisor:
                                                  suffix=".msgpack")
         with os.fdopen(fd, "wb") as f:
             f.write(msgspec.msgpack.encode(window))
+        # the child deletes the file once read (so does _end_child: whoever comes first)
         self._child = subprocess.Popen([sys.executable, "-m", ADVISOR_MODULE,
                                         self._window_file],
                                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
@@ -225,7 +240,7 @@ class PreemptionAdvisor:
         if self._window_file is not None:
             try:
                 os.unlink(self._window_file)
-            except FileNotFoundError:
+            except OSError:  # the child removed it already
                 pass
             self._window_file = None
 

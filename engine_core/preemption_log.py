@@ -30,9 +30,10 @@ class PreemptionLog:
         self._prediction: str | None = None
         """The advisor's latest summary, with the wall-clock time it came."""
 
-    def expect_predictions(self) -> None:
-        """A `PreemptionAdvisor` watches this engine: warnings say a prediction will come."""
-        self._predicting = True
+    def expect_predictions(self, on: bool) -> None:
+        """Whether a `PreemptionAdvisor` watches this engine: warnings then say a prediction
+        will come."""
+        self._predicting = on
 
     def set_prediction(self, summary: str, wall_time: float) -> None:
         """The advisor's latest summary; quoted by the warnings from now on."""
@@ -100,7 +101,7 @@ class PreemptionLog:
             return self._prediction
         if self._predicting:
             return ("The simulator will replay this traffic with each change on the step cost "
-                    "model once the preemptions stop (at most a minute) and say which helps")
+                    "model once this spell of preemptions is over, and say which helps")
         return ("`tidal tune` picks these settings for your traffic by simulating this "
                 "scheduler on a request trace (record one with `tidal serve --record-trace "
                 "FILE`); after `tidal tune profile` with these engine flags, these warnings "

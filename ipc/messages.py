@@ -665,8 +665,8 @@ class WindowRequest(msgspec.Struct, **_STRUCT):
     prompt_len: int
     output_len: int
     """Tokens generated (so far, for a request still running when the window was taken)."""
-    prefix_hashes: list[str]
-    """Chained 64-bit hashes (16 hex digits) of the prompt's full blocks of
+    prefix_hashes: bytes
+    """Chained 64-bit hashes, 8 bytes each, of the prompt's full blocks of
     `PreemptionWindow.block_tokens` tokens (the prefix cache's hashes, cut to 64 bits):
     equal first k hashes = equal first k blocks."""
     priority: int = 0

@@ -20,7 +20,8 @@ can answer; a larger tensor or pipeline parallel size would need another cost mo
 Calibrated to the engine as it ran: the core sends each request's first-token and finish
 times, and the steps are priced at the cost model times the factor that makes the simulated
 median time per output token (as configured) equal the real one, found in up to
-CALIBRATION_ROUNDS simulations. Measured on the demo model through `tidal serve` at 4 req/s,
+CALIBRATION_ROUNDS simulations after the first (within SCALE_LIMITS, "capped" when held
+there). Measured on the demo model through `tidal serve` at 4 req/s,
 the real decode pace was 1.5x the served cost model's (the HTTP server and the benchmark
 client shared the two cores), and the uncalibrated simulation predicted none of the 5
 preemptions seen; a slower engine holds more requests at once, hence more KV.
@@ -81,14 +82,18 @@ def window_trace(window: PreemptionWindow, cost: StepCostModel) -> tuple[Trace, 
     """The window's requests as a trace, the first arriving at 0, and the window index of
     each trace request. The core saw each request when it reached the scheduler; the
     simulator adds the way there (`request_latency`, the serving terms) to a trace's
-    arrivals, so it is taken off here."""
+    arrivals, so it is taken off here. A request that finished without a token (aborted
+    while it waited) is left out; one still unfinished without a token counts as one."""
     arrivals = [r.arrival_time - cost.request_latency(r.prompt_len) for r in window.requests]
-    order = sorted(range(len(arrivals)), key=arrivals.__getitem__)
+    kept = [i for i, r in enumerate(window.requests) if r.output_len or not r.finish_time]
+    order = sorted(kept, key=arrivals.__getitem__)
     requests = []
     for i in order:
         r = window.requests[i]
-        hashes = trace_hashes(r.prefix_hashes, window.block_tokens)
-        requests.append(TraceRequest(arrivals[i], r.prompt_len, r.output_len, hashes,
+        hashes = trace_hashes([r.prefix_hashes[k:k + 8].hex()
+                               for k in range(0, len(r.prefix_hashes), 8)],
+                              window.block_tokens)
+        requests.append(TraceRequest(arrivals[i], r.prompt_len, max(1, r.output_len), hashes,
                                      r.priority))
     trace = normalized(requests, {"source": "engine core preemption window", "clock": "epoch"})
     return trace, order
@@ -124,24 +129,52 @@ def scaled(cost: StepCostModel, factor: float) -> StepCostModel:
     return dataclasses.replace(cost, **{t: getattr(cost, t) * factor for t in _STEP_TERMS})
 
 
+@dataclass
+class Calibration:
+    """How the steps were priced, and the as-configured run at that price."""
+
+    factor: float
+    """Step price / the cost model's."""
+    base: dict
+    """The as-configured simulation's summary at that price."""
+    pace_s: float
+    """The real median seconds per output token (NaN: too few finished requests to say)."""
+    runs: int
+    """Simulations it took."""
+    capped: bool = False
+    """The factor hit SCALE_LIMITS before the paces matched."""
+
+    def describe(self) -> str:
+        if math.isnan(self.pace_s):
+            return ""
+        capped = ", capped" if self.capped else ""
+        return (f"steps at {self.factor:.2f}x the step cost model{capped}, from the pace the "
+                f"engine ran at ({self.pace_s * 1e3:.1f} ms per output token)")
+
+
 def calibrate(config: EngineConfig, window: PreemptionWindow, cost: StepCostModel,
-              trace: Trace, order: list[int]) -> tuple[float, dict, float]:
-    """(step price factor, the as-configured summary at it, the real median seconds per
-    output token; NaN when too few requests finished to say)."""
+              trace: Trace, order: list[int]) -> Calibration:
+    """Simulate as configured, then again with the step price scaled by real / simulated
+    median seconds per output token until they agree (see the module docstring)."""
     real = real_time_per_token(window)[order]
     paced = ~np.isnan(real)
     target = float(np.median(real[paced])) if paced.sum() >= MIN_PACED else math.nan
-    factor = 1.0
     result = simulate(config, window.num_kv_blocks, window.max_model_len, cost, trace)
-    for _ in range(CALIBRATION_ROUNDS if not math.isnan(target) else 0):
+    done = Calibration(1.0, result.summary(), target, 1)
+    for _ in range(CALIBRATION_ROUNDS if target > 0 else 0):  # NaN > 0 is False
         sim = (result.finish - result.first_token) / np.maximum(result.output_len - 1, 1)
-        ratio = target / float(np.median(sim[paced]))
-        if abs(ratio - 1) <= CALIBRATION_TOLERANCE or not ratio > 0:
+        simulated = float(np.nanmedian(sim[paced]))
+        if not simulated > 0 or abs(target / simulated - 1) <= CALIBRATION_TOLERANCE:
             break
-        factor = min(max(factor * ratio, SCALE_LIMITS[0]), SCALE_LIMITS[1])
+        factor = min(max(done.factor * target / simulated, SCALE_LIMITS[0]), SCALE_LIMITS[1])
+        if factor == done.factor:  # held at a limit
+            done.capped = True
+            break
         result = simulate(config, window.num_kv_blocks, window.max_model_len,
                           scaled(cost, factor), trace)
-    return factor, result.summary(), target
+        done = Calibration(factor, result.summary(), target, done.runs + 1,
+                           factor in SCALE_LIMITS)
+    return done
 
 
 def changes(config: EngineConfig, num_kv_blocks: int, peak_running: int,
@@ -175,8 +208,14 @@ def _change(config: EngineConfig, num_kv_blocks: int, flag: str, **scheduler) ->
 
 def _kv_flag(config: EngineConfig, cost: StepCostModel, num_kv_blocks: int,
              blocks: int) -> str:
-    """The flag that gives about `blocks` KV blocks: bytes rounded up to a MiB where the
-    size of a block is known, else the block count."""
+    """The flag that gives about `blocks` KV blocks: on CPU, bytes rounded up to a MiB where
+    the size of a block is known; else (a GPU, a block count set, no size known) the block
+    count, which overrides the others."""
+    device = config.parallel.device
+    if device == "auto":  # what the workers found: the device the cost model measured
+        device = cost.info.get("device", "cpu")
+    if config.cache.num_kv_blocks_override is not None or device != "cpu":
+        return f"--num-gpu-blocks-override {blocks}"
     if config.cache.kv_cache_memory is not None:
         size = config.cache.kv_cache_memory * blocks / num_kv_blocks
     elif cost.info.get("kv_block_bytes"):
@@ -195,20 +234,20 @@ def advise(window: PreemptionWindow) -> PreemptionPrediction:
     cost = StepCostModel.load(window.step_cost_model)
     trace, order = window_trace(window, cost)
     start = time.monotonic()
-    factor, base, pace = calibrate(config, window, cost, trace, order)
-    cost = scaled(cost, factor)
+    calibration = calibrate(config, window, cost, trace, order)
+    cost = scaled(cost, calibration.factor)
     seen = sum(r.num_preemptions for r in window.requests)
-    rows = [("as configured", base)]
-    for change in changes(config, window.num_kv_blocks, base["max_num_running"], cost):
+    rows = [("as configured", calibration.base)]
+    for change in changes(config, window.num_kv_blocks, calibration.base["max_num_running"],
+                          cost):
         result = simulate(change.config, change.num_kv_blocks, window.max_model_len, cost,
                           trace)
         rows.append((change.flag, result.summary()))
+    runs = calibration.runs + len(rows) - 1
     elapsed = time.monotonic() - start
-    pricing = "" if math.isnan(pace) else (
-        f"steps at {factor:.2f}x the step cost model, the pace the engine ran at "
-        f"({pace * 1e3:.1f} ms per output token)")
+    pricing = calibration.describe()
     return PreemptionPrediction(summary(rows, seen, trace, pricing),
-                                report(rows, seen, trace, window, elapsed, pricing))
+                                report(rows, seen, trace, window, runs, elapsed, pricing))
 
 
 def _load(trace: Trace) -> str:
@@ -246,12 +285,13 @@ def summary(rows: list[tuple[str, dict]], seen: int, trace: Trace, pricing: str)
 
 
 def report(rows: list[tuple[str, dict]], seen: int, trace: Trace, window: PreemptionWindow,
-           elapsed: float, pricing: str) -> str:
+           runs: int, elapsed: float, pricing: str) -> str:
     """The table: one line per setting simulated."""
     unfinished = (f"; {window.num_unfinished} still running, their outputs cut where they "
                   f"were" if window.num_unfinished else "")
     lines = [f"simulated the last {_load(trace)} ({seen} preemptions seen{unfinished}) "
-             f"{len(rows)} times in {elapsed:.1f} s" + (f", {pricing}" if pricing else "")
+             f"in {len(rows)} settings ({runs} simulations, {elapsed:.1f} s)"
+             + (f", {pricing}" if pricing else "")
              + ":",
              f"  {'setting':<34} {'preemptions':>11} {'TTFT p50':>9} {'TTFT p99':>9} "
              f"{'ITL p50':>8} {'out tok/s':>9}"]
@@ -280,10 +320,11 @@ def main(argv: list[str] | None = None) -> int:
         pass
     try:
         with open(args[0], "rb") as f:
-            window = msgspec.msgpack.decode(f.read(), type=PreemptionWindow)
-        prediction = advise(window)
-    except (OSError, ValueError, msgspec.DecodeError) as e:
-        print(f"preemption advisor: {e}", file=sys.stderr)
+            data = f.read()
+        os.unlink(args[0])  # read: the engine core need not outlive this to clean up
+        prediction = advise(msgspec.msgpack.decode(data, type=PreemptionWindow))
+    except Exception as e:  # noqa: BLE001 - one line to the core's log, never a traceback
+        print(f"preemption advisor: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     sys.stdout.buffer.write(msgspec.msgpack.encode(prediction))
     sys.stdout.buffer.flush()

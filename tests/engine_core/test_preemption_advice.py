@@ -33,9 +33,10 @@ def test_a_finished_request_is_kept_as_lengths_times_and_its_prefix_cache_hashes
         step(sched, worker)
     a, b, c = (window_request(r, 16) for r in requests)
     assert (a.arrival_time, a.prompt_len, a.output_len) == (10.0, 40, 3)
-    assert len(a.prefix_hashes) == 2 and all(len(h) == 16 for h in a.prefix_hashes)
+    assert len(a.prefix_hashes) == 2 * 8  # 8 bytes a block
     assert a.prefix_hashes == b.prefix_hashes
-    assert c.prefix_hashes[0] == a.prefix_hashes[0] != c.prefix_hashes[1] != a.prefix_hashes[1]
+    assert c.prefix_hashes[:8] == a.prefix_hashes[:8]
+    assert c.prefix_hashes[8:] != a.prefix_hashes[8:]
     assert 10.0 < a.first_token_time < a.finish_time <= now[0]
 
 
@@ -63,9 +64,10 @@ def test_recent_requests_keep_the_unfinished_and_what_finished_within_the_window
     assert ids(0.0) == ([105.0], ["2"])
 
 
-def _pressured(tmp_path):
+def _pressured(tmp_path, track: bool = True):
     """test_preemption_warning's scheduler (two 50-token prompts admitted into 10 usable
-    blocks, preempting each other), a step cost model file, and an advisor over them."""
+    blocks, preempting each other), a step cost model file, and an advisor over them (told
+    of the requests unless `track` is false)."""
     sched = make_scheduler(num_blocks=11, max_model_len=160, max_num_batched_tokens=512)
     cost = tmp_path / "cost.json"
     StepCostModel(0.010).save(str(cost))
@@ -74,7 +76,8 @@ def _pressured(tmp_path):
     for i in range(3):
         request = make_request(i, 50, max_tokens=60)
         sched.add(request)
-        advisor.added(request)
+        if track:
+            advisor.added(request)
     return sched, advisor
 
 
@@ -110,6 +113,7 @@ def test_warning_before_and_after_the_simulation(tmp_path, caplog, monkeypatch):
     _run(sched, advisor, clock, worker)
     first = [r.getMessage() for r in caplog.records if "is preempted" in r.getMessage()]
     assert "The simulator will replay this traffic with each change" in first[0]
+    assert "once this spell of preemptions is over" in first[0]
     assert any("simulating the last 3 requests" in r.getMessage() for r in caplog.records)
     _wait_for_answer(sched, advisor, clock, caplog)
     (advice,) = [r for r in caplog.records if "Preemption advice" in r.getMessage()]
@@ -117,7 +121,7 @@ def test_warning_before_and_after_the_simulation(tmp_path, caplog, monkeypatch):
     assert advice.levelno == logging.WARNING
     # steps took 0.1 s of the test's clock each, 10x the cost model: priced at the 4x limit
     assert ("replaying the last 3 requests, all within a second (steps at 4.00x the step "
-            "cost model, the pace the engine ran at (") in text
+            "cost model, capped, from the pace the engine ran at (") in text
     assert " ms per output token)), predicts with" in text
     assert ": no preemptions at that load" in text
     assert f"{sched.num_preemptions} seen" in text
@@ -172,3 +176,75 @@ def test_no_cost_model_says_how_to_get_predictions(caplog):
     (msg,) = [r.getMessage() for r in caplog.records if "is preempted" in r.getMessage()]
     assert "after `tidal tune profile` with these engine flags, these warnings say what the " \
         "simulator predicts" in msg
+
+
+def _spell_then_simulate(advisor, count, t):
+    """Polls that start a spell at t, end it 5 s later and hand the window over."""
+    advisor.poll(count, t)
+    advisor.poll(count, t + preemption_advice.QUIET_S)
+    advisor.poll(count, t + preemption_advice.QUIET_S + 1)
+
+
+def test_preemptions_counted_while_a_simulation_runs_start_no_spell_later(tmp_path,
+                                                                          monkeypatch):
+    """Preemptions during a simulation belong to the spell being simulated: once the
+    answer is in and the interval has passed, only a new preemption starts a spell."""
+    started = []
+
+    def fake_simulate(self, now):
+        started.append(now)
+        self._window, self._child = None, "running"
+
+    monkeypatch.setattr(PreemptionAdvisor, "_simulate", fake_simulate)
+    monkeypatch.setattr(PreemptionAdvisor, "_collect",
+                        lambda self, now: setattr(self, "_child", None) if now > 200 else None)
+    _, advisor = _pressured(tmp_path, track=False)
+    _spell_then_simulate(advisor, 1, 0.0)
+    assert started == [6.0]
+    advisor.poll(40, 10.0)  # 39 more while the child runs
+    advisor.poll(40, 400.0)  # the answer comes, past the interval
+    for t in range(401, 420):
+        advisor.poll(40, float(t))
+    assert started == [6.0]
+    _spell_then_simulate(advisor, 41, 420.0)
+    assert started == [6.0, 426.0]
+
+
+def test_a_failure_to_start_the_simulation_turns_the_advice_off_not_the_engine(
+        tmp_path, caplog, monkeypatch):
+    caplog.set_level(logging.WARNING)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def no_process(*args, **kwargs):
+        raise OSError("[Errno 11] Resource temporarily unavailable")
+
+    monkeypatch.setattr(preemption_advice.subprocess, "Popen", no_process)
+    sched, advisor = _pressured(tmp_path, track=False)
+    _spell_then_simulate(advisor, 1, 0.0)
+    assert advisor.broken
+    assert any("preemption advice off: OSError: [Errno 11]" in r.getMessage()
+               for r in caplog.records)
+    assert not list(tmp_path.glob("tidal-preemption-window-*"))
+    worker = FakeWorker(16)
+    while sched.num_preemptions == 0:
+        step(sched, worker)
+    (msg,) = [r.getMessage() for r in caplog.records if "is preempted" in r.getMessage()]
+    assert "The simulator will replay" not in msg
+
+
+def test_a_simulation_that_fails_is_said_and_the_next_spell_tries_again(tmp_path, caplog,
+                                                                         monkeypatch):
+    caplog.set_level(logging.WARNING)
+    monkeypatch.setattr(preemption_advice, "ADVISOR_MODULE", "tidal.no_such_module")
+    _, advisor = _pressured(tmp_path, track=False)
+    _spell_then_simulate(advisor, 1, 0.0)
+    deadline = time.monotonic() + 60
+    t = 7.0
+    while not any("simulation failed" in r.getMessage() for r in caplog.records):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+        t += preemption_advice.POLL_S
+        advisor.poll(1, t)
+    assert any("the simulation failed (exit status 1)" in r.getMessage()
+               for r in caplog.records)
+    assert not advisor.broken

@@ -23,7 +23,7 @@ def _window(tmp_path, **overrides) -> PreemptionWindow:
     cost = tmp_path / "cost.json"
     StepCostModel(0.010).save(str(cost))
     engine = config(max_num_seqs=2, max_num_batched_tokens=64, caching=False)
-    requests = [WindowRequest(100.0, 16, 30, []), WindowRequest(100.0, 16, 30, [], 0, 1)]
+    requests = [WindowRequest(100.0, 16, 30, b""), WindowRequest(100.0, 16, 30, b"", 0, 1)]
     fields = dict(engine_config=encode_engine_config(engine), num_kv_blocks=5,
                   max_model_len=64, step_cost_model=str(cost), requests=requests)
     return PreemptionWindow(**{**fields, **overrides})
@@ -67,7 +67,7 @@ def test_prediction_names_the_best_change_that_removes_the_preemption(tmp_path):
         "--num-gpu-blocks-override 7: no preemptions at that load (TTFT p99 10 ms, 200 "
         "output tok/s; as configured 1 preemptions, 1 seen, TTFT p99 10 ms, 140 output tok/s)")
     rows = prediction.report.splitlines()
-    assert rows[0].startswith("simulated the last 2 requests, all within a second (1 preemptions seen) 5 times in")
+    assert rows[0].startswith("simulated the last 2 requests, all within a second (1 preemptions seen) in 5 settings (5 simulations, ")
     table = {line[2:36].strip(): line[36:].split() for line in rows[2:]}
     assert table["as configured"][0] == "1"
     assert table["--max-num-seqs 1"][0] == "0"
@@ -90,10 +90,10 @@ def test_steps_are_priced_at_the_pace_the_engine_really_ran(tmp_path):
     """Three requests in 10 blocks, no preemption: each decodes one token per 10 ms step in
     the simulation, where the engine took 20 ms per token (first token at 100.1, the 30th
     at 100.68). The step price doubles: the report says 2.00x and 20 ms per token."""
-    requests = [WindowRequest(100.0, 16, 30, [], 0, 0, 100.1, 100.68) for _ in range(3)]
+    requests = [WindowRequest(100.0, 16, 30, b"", 0, 0, 100.1, 100.68) for _ in range(3)]
     prediction = advise(_window(tmp_path, num_kv_blocks=10, requests=requests))
-    assert ", steps at 2.00x the step cost model, the pace the engine ran at (20.0 ms per " \
-        "output token):" in prediction.report
+    assert ", steps at 2.00x the step cost model, from the pace the engine ran at (20.0 ms " \
+        "per output token):" in prediction.report
     itl = {line[2:36].strip(): line[36:].split()[5] for line in
            prediction.report.splitlines()[2:]}
     assert itl["as configured"] == "20"
