@@ -150,19 +150,21 @@ def test_one_simulation_per_interval(tmp_path, caplog, monkeypatch):
     clock = [1000.0]
     sched.clock = lambda: clock[0]
     _run(sched, advisor, clock, worker)
-    for i in range(3, 6):
-        request = make_request(i, 50, max_tokens=60)
-        sched.add(request)
-        advisor.added(request)
+    _add_three(sched, advisor, 3)
     _run(sched, advisor, clock, worker)
     assert len(started) == 1
     clock[0] += preemption_advice.ADVICE_INTERVAL_S
-    for i in range(6, 9):
+    _add_three(sched, advisor, 6)
+    _run(sched, advisor, clock, worker)
+    assert len(started) == 2
+
+
+def _add_three(sched, advisor, first_id):
+    """Three more 50-token prompts, as `_pressured` adds: enough to preempt again."""
+    for i in range(first_id, first_id + 3):
         request = make_request(i, 50, max_tokens=60)
         sched.add(request)
         advisor.added(request)
-    _run(sched, advisor, clock, worker)
-    assert len(started) == 2
 
 
 def test_no_cost_model_says_how_to_get_predictions(caplog):
