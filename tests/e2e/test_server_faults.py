@@ -208,19 +208,22 @@ def test_killing_one_http_process_leaves_the_others_streams_alone(long_llama):
     try:
         wait_until(lambda: both_answer(server.base_url), 60, "both processes to be ready")
         streams: list[Stream] = []
-        while len({s.server for s in streams}) < 2:  # streams on both processes
-            assert len(streams) < 16, "every connection went to one process"
+        # a stream still running on each process (a 500-token stream lasts seconds: on a
+        # busy machine an early one may end before the last one starts, as one did in CI)
+        while {s.server for s in streams if s.is_alive()} != {"0", "1"}:
+            assert len(streams) < 24, "every connection went to one process"
             streams.append(Stream(server.base_url, MEDIUM))
             assert streams[-1].first.wait(60) and not streams[-1].broken
-        victim = http_processes(server.proc.pid)[0]
-        os.kill(victim, signal.SIGKILL)
+        running = [s for s in streams if s.is_alive()]
+        os.kill(http_processes(server.proc.pid)[0], signal.SIGKILL)
         for s in streams:
             s.finish(120)
-        by_server = {index: [s.ended_well() for s in streams if s.server == index]
-                     for index in ("0", "1")}
-        # one process's streams were cut with it; every stream of the other one completed
-        assert sorted((all(ok), any(ok)) for ok in by_server.values()) == [
-            (False, False), (True, True)], by_server
+        # the killed process's streams that were running were cut with it; every stream
+        # of the other one completed
+        cut = {s.server for s in streams if not s.ended_well()}
+        assert len(cut) == 1, [(s.server, s.ended_well()) for s in streams]
+        assert all(s.ended_well() for s in streams if s.server not in cut)
+        assert not any(s.ended_well() for s in running if s.server in cut)
         # the dead one is started again: both indexes answer
         wait_until(lambda: both_answer(server.base_url, completion=True), 60,
                    "the killed process to be started again")
