@@ -63,13 +63,13 @@ from tidal.engine_core.config import (
 from tidal.engine_core.core import EngineCore
 from tidal.engine_core.executor import WorkerError, WorkerFacts, make_executor
 from tidal.engine_core.model_files import model_folder
-from tidal.engine_core.preemption_advice import PreemptionAdvisor
+from tidal.engine_core.preemption_advice import PreemptionAdvisor, advisor_for
 from tidal.engine_core.queue_estimate import QueueDelayEstimator
 from tidal.engine_core.request import Request, check_request
 from tidal.engine_core.restart_budget import RestartBudget
 from tidal.engine_core.scheduler import Scheduler
 from tidal.ipc.lifeline import watch_parent
-from tidal.engine_core.step_cost import StepCostModel, find_profile, required_profile
+from tidal.engine_core.step_cost import StepCostModel, required_profile
 from tidal.ipc.messages import (
     Abort,
     AddRequest,
@@ -196,7 +196,7 @@ class EngineCoreDaemon:
             if self.queue_estimator is not None:  # steps timed against the cost model
                 on_step, clock = self.queue_estimator.note_step, time.monotonic
             self.core = EngineCore(self.scheduler, self.executor, self.depth, on_step, clock)
-            self.advisor = _preemption_advisor(self.config, self.scheduler)
+            self.advisor = advisor_for(self.config, self.scheduler, logger)
         except InterruptedError:
             self._refuse_pending_hellos(f"engine core stopped during start-up: {self.stop_reason}")
             return EXIT_OK
@@ -591,22 +591,6 @@ def _queue_estimator(config: EngineConfig) -> QueueDelayEstimator | None:
     logger.info("--max-queue-delay %gs: step cost model %s (%s)",
                 config.scheduler.max_queue_delay, path, model.formula())
     return QueueDelayEstimator(model)
-
-
-def _preemption_advisor(config: EngineConfig, scheduler: Scheduler) -> PreemptionAdvisor | None:
-    """With a step cost model for this config, the advisor that simulates the traffic after
-    preemptions (engine_core/preemption_advice.py); else None (the preemption warning then
-    says how to get one)."""
-    path = find_profile(config)
-    if path is None:
-        return None
-    try:
-        StepCostModel.load(path)  # a file the simulator cannot read: say so now, not later
-    except ValueError as e:
-        logger.warning("no simulation after preemptions: %s", e)
-        return None
-    return PreemptionAdvisor(config, scheduler.num_kv_blocks, scheduler.max_model_len, path,
-                             scheduler.preemption_log, logger)
 
 
 def _client_id(identity: bytes) -> str:

@@ -36,7 +36,9 @@ import msgspec
 from tidal.engine_core.config import EngineConfig, encode_engine_config
 from tidal.engine_core.preemption_log import PreemptionLog
 from tidal.engine_core.request import Request
-from tidal.ipc.messages import PreemptionPrediction, PreemptionWindow, WindowRequest
+from tidal.engine_core.scheduler import Scheduler
+from tidal.engine_core.step_cost import StepCostModel, find_profile
+from tidal.ipc.advice import PreemptionPrediction, PreemptionWindow, WindowRequest
 
 LOOKBACK_S = 60.0
 """Seconds before a spell's first preemption whose requests the window includes."""
@@ -247,3 +249,20 @@ class PreemptionAdvisor:
     def close(self) -> None:
         """Stop a simulation still running; remove its file."""
         self._end_child()
+
+
+def advisor_for(config: EngineConfig, scheduler: Scheduler,
+                logger: logging.Logger) -> PreemptionAdvisor | None:
+    """With a step cost model for this config, the advisor over `scheduler`; else None (the
+    preemption warning then says how to get one). A model file the simulator could not read
+    is said at once, not after the first spell."""
+    path = find_profile(config)
+    if path is None:
+        return None
+    try:
+        StepCostModel.load(path)
+    except ValueError as e:
+        logger.warning("no simulation after preemptions: %s", e)
+        return None
+    return PreemptionAdvisor(config, scheduler.num_kv_blocks, scheduler.max_model_len, path,
+                             scheduler.preemption_log, logger)

@@ -48,7 +48,7 @@ from tidal.engine_core.step_cost import StepCostModel
 from tidal.frontend.tune.simulator import simulate
 from tidal.frontend.tune.trace import TRACE_BLOCK_TOKENS, Trace, TraceRequest, normalized
 from tidal.frontend.tune.tuner import format_bytes
-from tidal.ipc.messages import PreemptionPrediction, PreemptionWindow
+from tidal.ipc.advice import PreemptionPrediction, PreemptionWindow
 
 NICE = 10
 """CPU priority increment of the advisor process."""

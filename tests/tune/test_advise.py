@@ -10,7 +10,7 @@ import msgspec
 from tidal.engine_core.config import encode_engine_config
 from tidal.engine_core.step_cost import StepCostModel
 from tidal.frontend.tune.advise import advise, changes, trace_hashes
-from tidal.ipc.messages import PreemptionPrediction, PreemptionWindow, WindowRequest
+from tidal.ipc.advice import PreemptionPrediction, PreemptionWindow, WindowRequest
 
 from test_simulator import config
 
