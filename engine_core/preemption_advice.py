@@ -101,6 +101,10 @@ class RecentRequests:
         while self._finished and self._finished[0].finish_time < now - self.keep_s:
             self._finished.popleft()  # about in finish order: swept every POLL_S
 
+    def clear(self) -> None:
+        self._unfinished = []
+        self._finished.clear()
+
     def any_preempted_unfinished(self) -> bool:
         return any(r.num_preemptions for r in self._unfinished)
 
@@ -142,7 +146,8 @@ class PreemptionAdvisor:
 
     def added(self, request: Request) -> None:
         """The scheduler took a new request."""
-        self.recent.add(request)
+        if not self.broken:  # off: nothing sweeps the list any more
+            self.recent.add(request)
 
     def poll(self, num_preemptions: int, now: float) -> None:
         """Called every loop iteration with the scheduler's preemption count. Never raises:
@@ -156,6 +161,7 @@ class PreemptionAdvisor:
             self.logger.warning("preemption advice off: %s: %s", type(e).__name__, e)
             self.broken = True
             self._window = None
+            self.recent.clear()
             self._end_child()
             self.preemption_log.expect_predictions(False)
 

@@ -227,6 +227,8 @@ def test_a_failure_to_start_the_simulation_turns_the_advice_off_not_the_engine(
     assert any("preemption advice off: OSError: [Errno 11]" in r.getMessage()
                for r in caplog.records)
     assert not list(tmp_path.glob("tidal-preemption-window-*"))
+    advisor.added(make_request(99, 20))
+    assert advisor.recent.since(0.0) == ([], [])  # off: it keeps no requests
     worker = FakeWorker(16)
     while sched.num_preemptions == 0:
         step(sched, worker)
