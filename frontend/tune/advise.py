@@ -13,18 +13,18 @@ The changes tried, each alone (the ones the warning names that a simulation of t
 can answer; a larger tensor or pipeline parallel size would need another cost model):
 - `--max-num-seqs` at 3/4, 1/2 and 1/4 of the most requests that ran at once (as
   configured, in the simulation);
-- a KV cache 1.5 and 2 times as large (`--kv-cache-memory` in bytes where the size is known,
-  else `--num-gpu-blocks-override`);
+- a KV cache 1.5 and 2 times as large (`--kv-cache-memory` on a CPU where a block's size is
+  known, else `--num-gpu-blocks-override`);
 - `--max-num-batched-tokens` halved (where the config still holds).
 
 Calibrated to the engine as it ran: the core sends each request's first-token and finish
 times, and the steps are priced at the cost model times the factor that makes the simulated
 median time per output token (as configured) equal the real one, found in up to
 CALIBRATION_ROUNDS simulations after the first (within SCALE_LIMITS, "capped" when held
-there). Measured on the demo model through `tidal serve` at 4 req/s,
-the real decode pace was 1.5x the served cost model's (the HTTP server and the benchmark
-client shared the two cores), and the uncalibrated simulation predicted none of the 5
-preemptions seen; a slower engine holds more requests at once, hence more KV.
+there). Measured on the demo model through `tidal serve` at 4 req/s, the real decode pace
+was 1.5x the served cost model's (the HTTP server and the benchmark client shared the two
+cores), and the uncalibrated simulation predicted none of the 5 preemptions seen; a slower
+engine holds more requests at once, hence more KV.
 
 The summary names the change that predicts no preemption with the most output throughput;
 when none does, the one with the fewest; when the simulation as configured has no
