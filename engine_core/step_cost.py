@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from tidal.engine_core.config import EngineConfig
 from tidal.engine_core.cpu_threads import parse_cpu_affinity, worker_threads
@@ -48,6 +48,8 @@ _COEFFICIENTS = ("intercept_s", "per_prefill_token_s", "per_decode_req_s",
 _SERVING_TERMS = ("request_latency_s", "per_prompt_token_latency_s", "per_step_overhead_s",
                   "per_streamed_token_s", "per_arrival_s", "per_arrival_prompt_token_s")
 """Optional (0 in a file written before they were measured)."""
+_REQUEST_TERMS = ("request_latency_s", "per_prompt_token_latency_s")
+"""A request's way in, not a step's time."""
 
 
 def chunk_features(num_computed: int, num_scheduled: int) -> tuple[int, int, int, float]:
@@ -134,6 +136,23 @@ class StepCostModel:
         (query, key) pairs add to it."""
         return (self.per_prefill_token_s * tokens
                 + self.per_prefill_attention_pair_s * attention_pairs)
+
+    def with_steps_scaled(self, factor: float) -> StepCostModel:
+        """This model with every term of a step's time (not a request's way in) times
+        `factor`: steps that run `factor` times slower than profiled."""
+        return replace(self, **{name: getattr(self, name) * factor
+                                for name in _COEFFICIENTS + _SERVING_TERMS
+                                if name not in _REQUEST_TERMS})
+
+    def kv_block_bytes(self, block_size: int) -> int | None:
+        """Bytes of one KV block of `block_size` tokens on the profiled workers (scaled from
+        the profiled block size), or None when the profile did not record it."""
+        block_bytes = self.info.get("kv_block_bytes")
+        if not block_bytes:
+            return None
+        if self.info.get("block_size") not in (None, block_size):
+            block_bytes = block_bytes * block_size // self.info["block_size"]
+        return block_bytes
 
     def step_time(self, plan: BatchPlan) -> float:
         """Seconds the workers take for `plan`."""

@@ -651,4 +651,3 @@ class WorkerFailed(msgspec.Struct, tag="failed", **_STRUCT):
 
 
 WorkerToCore = Union[WorkerReady, SampledTokens, WorkerFailed]
-

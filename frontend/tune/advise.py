@@ -60,11 +60,6 @@ MIN_PACED = 3
 """Fewest finished requests with two or more output tokens to calibrate on."""
 SCALE_LIMITS = (0.25, 4.0)
 """The step price factor stays within these (a wilder one means the window says little)."""
-_STEP_TERMS = ("intercept_s", "per_prefill_token_s", "per_decode_req_s",
-               "per_decode_context_token_s", "per_prefill_attention_pair_s",
-               "per_step_overhead_s", "per_streamed_token_s", "per_arrival_s",
-               "per_arrival_prompt_token_s")
-"""What a step costs; calibration scales these, not a request's way in."""
 _MIB = 2**20
 
 
@@ -124,11 +119,6 @@ def real_time_per_token(window: PreemptionWindow) -> np.ndarray:
     return out
 
 
-def scaled(cost: StepCostModel, factor: float) -> StepCostModel:
-    """`cost` with every step term times `factor`."""
-    return dataclasses.replace(cost, **{t: getattr(cost, t) * factor for t in _STEP_TERMS})
-
-
 @dataclass
 class Calibration:
     """How the steps were priced, and the as-configured run at that price."""
@@ -171,7 +161,7 @@ def calibrate(config: EngineConfig, window: PreemptionWindow, cost: StepCostMode
             done.capped = True
             break
         result = simulate(config, window.num_kv_blocks, window.max_model_len,
-                          scaled(cost, factor), trace)
+                          cost.with_steps_scaled(factor), trace)
         done = Calibration(factor, result.summary(), target, done.runs + 1,
                            factor in SCALE_LIMITS)
     return done
@@ -218,10 +208,7 @@ def _kv_flag(config: EngineConfig, cost: StepCostModel, num_kv_blocks: int,
         return f"--num-gpu-blocks-override {blocks}"
     if config.cache.kv_cache_memory is not None:
         size = config.cache.kv_cache_memory * blocks / num_kv_blocks
-    elif cost.info.get("kv_block_bytes"):
-        block_bytes = cost.info["kv_block_bytes"]
-        if cost.info.get("block_size") not in (None, config.cache.block_size):
-            block_bytes = block_bytes * config.cache.block_size // cost.info["block_size"]
+    elif (block_bytes := cost.kv_block_bytes(config.cache.block_size)) is not None:
         size = blocks * block_bytes
     else:
         return f"--num-gpu-blocks-override {blocks}"
@@ -235,7 +222,7 @@ def advise(window: PreemptionWindow) -> PreemptionPrediction:
     trace, order = window_trace(window, cost)
     start = time.monotonic()
     calibration = calibrate(config, window, cost, trace, order)
-    cost = scaled(cost, calibration.factor)
+    cost = cost.with_steps_scaled(calibration.factor)
     seen = sum(r.num_preemptions for r in window.requests)
     rows = [("as configured", calibration.base)]
     for change in changes(config, window.num_kv_blocks, calibration.base["max_num_running"],

@@ -168,12 +168,10 @@ def num_kv_blocks(config: EngineConfig, cost: StepCostModel,
         return config.cache.num_kv_blocks_override
     kv_bytes = kv_cache_memory or config.cache.kv_cache_memory
     if kv_bytes is not None:
-        block_bytes = cost.info.get("kv_block_bytes")
-        if not block_bytes:
+        block_bytes = cost.kv_block_bytes(config.cache.block_size)
+        if block_bytes is None:
             raise ValueError("the step cost model does not record kv_block_bytes; give "
                              "--num-gpu-blocks-override instead of a KV cache size")
-        if cost.info.get("block_size") not in (None, config.cache.block_size):
-            block_bytes = block_bytes * config.cache.block_size // cost.info["block_size"]
         return kv_bytes // block_bytes
     if not cost.info.get("num_kv_blocks"):
         raise ValueError("the step cost model does not record the KV cache it measured; give "
