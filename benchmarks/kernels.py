@@ -147,7 +147,7 @@ def make_batch(num_seqs: int, q_len: int, seq_len: int, shape: AttnShape, dtype)
 
 
 def bench_decode(timer, shape, dtype, copy_bw, max_kv_gib, contexts, batches) -> list[dict]:
-    from tidal.kernels import triton_attention as ta
+    from tidal.kernels.attention import triton_attention as ta
 
     rows = []
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -179,7 +179,7 @@ def bench_decode(timer, shape, dtype, copy_bw, max_kv_gib, contexts, batches) ->
 def bench_prefill(timer, shape, dtype, matmul_rate, cases) -> list[dict]:
     import torch.nn.functional as F
 
-    from tidal.kernels.triton_attention import paged_attention_triton
+    from tidal.kernels.attention.triton_attention import paged_attention_triton
 
     rows = []
     group = shape.num_heads // shape.num_kv_heads
@@ -203,7 +203,7 @@ def bench_prefill(timer, shape, dtype, matmul_rate, cases) -> list[dict]:
 
 
 def bench_write_kv(timer, shape, dtype, copy_bw, token_counts) -> list[dict]:
-    from tidal.kernels.triton_attention import write_kv_triton
+    from tidal.kernels.attention.triton_attention import write_kv_triton
 
     rows = []
     for num_tokens in token_counts:

@@ -11,7 +11,7 @@ Loads MODEL_DIR into an in-process `Worker` (no daemon, no sockets) and measures
   * one decode step at `--batch` requests of `--context` tokens (inputs, forward, LM head,
     sampler): the median of `--steps`, against its two floors, weight bytes / read bandwidth
     and 2 x parameters x batch / GEMM FLOP/s, and against the bytes the step actually reads
-    (a de-quantized GGUF's layers stay 4- or 8-bit blocks, `kernels/small_m_gemm.py`);
+    (a de-quantized GGUF's layers stay 4- or 8-bit blocks, `kernels/cpu/small_m_gemm.py`);
   * one `--prefill`-token prefill: tokens/s against GEMM FLOP/s / (2 x decoder-layer
     parameters);
   * with `--profile`, a torch.profiler table of the decode step by operator.

@@ -22,7 +22,7 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from tidal.engine_core.config import (
+from .config import (
     ATTENTION_BACKENDS, DEVICES, EXECUTOR_BACKENDS, SCHEDULING_POLICIES, CacheConfig,
     EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, decode_engine_config,
 )

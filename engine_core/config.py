@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from tidal.engine_core.cpu_threads import parse_cpu_affinity, worker_threads
-from tidal.ipc.messages import WorkerConfig
+from .cpu_threads import parse_cpu_affinity, worker_threads
+from ..ipc.messages import WorkerConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 SCHEDULING_POLICIES = ("fcfs", "priority")

@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, Protocol
 
-from tidal.engine_core.scheduler import Outputs, Scheduler
-from tidal.ipc.messages import BatchPlan, SampledTokens
+from .scheduler import Outputs, Scheduler
+from ..ipc.messages import BatchPlan, SampledTokens
 
 
 class Executor(Protocol):

@@ -152,7 +152,7 @@ def shared_openmp_dir() -> Path | None:
     """A folder holding `NUMBA_LIBGOMP_NAME` as a link to torch's libgomp (made once per
     torch install under tidal's cache folder, atomically); None where torch bundles none (its
     CUDA or macOS builds may not) or the link cannot be made."""
-    from tidal.engine_core.step_cost import cache_dir  # it imports this module
+    from .step_cost import cache_dir  # it imports this module
 
     target = torch_libgomp()
     if target is None:

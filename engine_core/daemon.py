@@ -54,23 +54,23 @@ from dataclasses import dataclass
 
 import zmq
 
-from tidal.engine_core.args import add_engine_args, config_from_args
-from tidal.engine_core.config import (
+from .args import add_engine_args, config_from_args
+from .config import (
     EngineConfig,
     is_gguf,
     resolve_max_model_len,
 )
-from tidal.engine_core.core import EngineCore
-from tidal.engine_core.executor import WorkerError, WorkerFacts, make_executor
-from tidal.engine_core.model_files import model_folder
-from tidal.engine_core.preemption_advice import PreemptionAdvisor, advisor_for
-from tidal.engine_core.queue_estimate import QueueDelayEstimator
-from tidal.engine_core.request import Request, check_request
-from tidal.engine_core.restart_budget import RestartBudget
-from tidal.engine_core.scheduler import Scheduler
-from tidal.ipc.lifeline import watch_parent
-from tidal.engine_core.step_cost import StepCostModel, required_profile
-from tidal.ipc.messages import (
+from .core import EngineCore
+from .executor import WorkerError, WorkerFacts, make_executor
+from .model_files import model_folder
+from .preemption_advice import PreemptionAdvisor, advisor_for
+from .queue_estimate import QueueDelayEstimator
+from .request import Request, check_request
+from .restart_budget import RestartBudget
+from .scheduler import Scheduler
+from ..ipc.lifeline import watch_parent
+from .step_cost import StepCostModel, required_profile
+from ..ipc.messages import (
     Abort,
     AddRequest,
     Detached,
@@ -84,7 +84,7 @@ from tidal.ipc.messages import (
     RequestOutput,
     StatsQuery,
 )
-from tidal.ipc.transport import (
+from ..ipc.transport import (
     DEFAULT_FRONTEND_TIMEOUT_S,
     FrontendDecoder,
     bind_engine_socket,

@@ -35,10 +35,10 @@ from dataclasses import dataclass
 
 import zmq
 
-from tidal.engine_core.config import EngineConfig
-from tidal.engine_core.cpu_threads import worker_env
-from tidal.ipc.lifeline import lifeline_fd
-from tidal.ipc.messages import (
+from .config import EngineConfig
+from .cpu_threads import worker_env
+from ..ipc.lifeline import lifeline_fd
+from ..ipc.messages import (
     BatchPlan,
     InitKVCache,
     SampledTokens,
@@ -46,7 +46,7 @@ from tidal.ipc.messages import (
     WorkerFailed,
     WorkerReady,
 )
-from tidal.ipc.transport import (
+from ..ipc.transport import (
     WorkerToCoreDecoder,
     encode,
     encode_worker_config,
@@ -375,7 +375,7 @@ def make_executor(config: EngineConfig, max_model_len: int, ctx: zmq.Context | N
     `RayExecutor` (ray; imported only then, so ray stays optional). `options` are
     `Executor`'s keyword arguments."""
     if config.parallel.distributed_executor_backend == "ray":
-        from tidal.engine_core.ray_executor import RayExecutor
+        from .ray_executor import RayExecutor
 
         return RayExecutor(config, max_model_len, ctx, **options)
     return Executor(config, max_model_len, ctx, **options)

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from tidal.engine_core.block_pool import NONE_HASH, BlockPool, KVBlock, hash_request_blocks
-from tidal.engine_core.request import Request
+from .block_pool import NONE_HASH, BlockPool, KVBlock, hash_request_blocks
+from .request import Request
 
 
 class KVCacheManager:

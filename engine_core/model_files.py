@@ -19,7 +19,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 
-from tidal.engine_core.config import is_gguf
+from .config import is_gguf
 
 logger = logging.getLogger(__name__)
 

@@ -33,12 +33,12 @@ from collections import deque
 
 import msgspec
 
-from tidal.engine_core.config import EngineConfig, encode_engine_config
-from tidal.engine_core.preemption_log import PreemptionLog
-from tidal.engine_core.request import Request
-from tidal.engine_core.scheduler import Scheduler
-from tidal.engine_core.step_cost import StepCostModel, find_profile
-from tidal.ipc.advice import PreemptionPrediction, PreemptionWindow, WindowRequest
+from .config import EngineConfig, encode_engine_config
+from .preemption_log import PreemptionLog
+from .request import Request
+from .scheduler import Scheduler
+from .step_cost import StepCostModel, find_profile
+from ..ipc.advice import PreemptionPrediction, PreemptionWindow, WindowRequest
 
 LOOKBACK_S = 60.0
 """Seconds before a spell's first preemption whose requests the window includes."""

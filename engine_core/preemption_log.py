@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 import time
 
-from tidal.engine_core.config import EngineConfig
-from tidal.engine_core.request import Request
+from .config import EngineConfig
+from .request import Request
 
 
 class PreemptionLog:

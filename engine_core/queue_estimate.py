@@ -76,8 +76,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from tidal.engine_core.step_cost import StepCostModel
-from tidal.ipc.messages import BatchPlan
+from .step_cost import StepCostModel
+from ..ipc.messages import BatchPlan
 
 SLOWDOWN_WINDOW = 8
 """How many of the last steps `slowdown()` takes its median from."""

@@ -53,12 +53,12 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from tidal.engine_core.config import EngineConfig
-from tidal.engine_core.cpu_threads import worker_env
-from tidal.engine_core.executor import Executor, WorkerError
-from tidal.ipc.lifeline import lifeline_fd
-from tidal.ipc.messages import Shutdown
-from tidal.ipc.transport import (
+from .config import EngineConfig
+from .cpu_threads import worker_env
+from .executor import Executor, WorkerError
+from ..ipc.lifeline import lifeline_fd
+from ..ipc.messages import Shutdown
+from ..ipc.transport import (
     WORKER_KEYS_ENV,
     curve_bind,
     curve_server,

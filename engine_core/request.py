@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import math
 
-from tidal.ipc.messages import (
+from ..ipc.messages import (
     INT32_MAX,
     AddRequest,
     FinishReason,

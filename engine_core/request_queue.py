@@ -11,7 +11,7 @@ import heapq
 from collections import deque
 from typing import Iterable, Iterator
 
-from tidal.engine_core.request import Request
+from .request import Request
 
 
 class RequestQueue(abc.ABC):

@@ -33,13 +33,13 @@ from typing import Iterable
 
 import msgspec
 
-from tidal.engine_core.block_pool import BlockPool
-from tidal.engine_core.config import EngineConfig, check_lengths
-from tidal.engine_core.kv_cache_manager import KVCacheManager
-from tidal.engine_core.preemption_log import PreemptionLog
-from tidal.engine_core.request import Request, RequestStatus
-from tidal.engine_core.request_queue import create_request_queue, priority_key
-from tidal.ipc.messages import (
+from .block_pool import BlockPool
+from .config import EngineConfig, check_lengths
+from .kv_cache_manager import KVCacheManager
+from .preemption_log import PreemptionLog
+from .request import Request, RequestStatus
+from .request_queue import create_request_queue, priority_key
+from ..ipc.messages import (
     BatchPlan, CachedRequestData, NewRequestData, PromptLogprobs, RequestFailure, RequestOutput,
     SampledTokens, SchedulerStats, drop_prompt_positions, join_prompt_logprobs, pack_token_ids,
     unpack_token_ids,

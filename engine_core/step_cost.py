@@ -35,9 +35,9 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, replace
 
-from tidal.engine_core.config import EngineConfig
-from tidal.engine_core.cpu_threads import parse_cpu_affinity, worker_threads
-from tidal.ipc.messages import BatchPlan
+from .config import EngineConfig
+from .cpu_threads import parse_cpu_affinity, worker_threads
+from ..ipc.messages import BatchPlan
 
 FEATURES = ("prefill_tokens", "decode_reqs", "decode_context_tokens", "prefill_attention_pairs")
 """The features of a step, in coefficient order (after the intercept)."""

@@ -44,19 +44,19 @@ import threading
 import uuid
 from collections.abc import AsyncIterator
 
-from tidal.engine_core.config import EngineConfig
-from tidal.engine_core.restart_budget import RestartBudget
-from tidal.frontend.engine_client import (
+from ..engine_core.config import EngineConfig
+from ..engine_core.restart_budget import RestartBudget
+from .engine_client import (
     AsyncEngineClient,
     encode_prompt,
     load_tokenizer,
     read_eos_token_ids,
 )
-from tidal.frontend.launcher import DaemonProcess
-from tidal.frontend.output_processor import OutputProcessor
-from tidal.frontend.outputs import CompletionOutput, RequestOutput
-from tidal.frontend.structured_output import GrammarChecker
-from tidal.ipc.messages import (
+from .launcher import DaemonProcess
+from .output_processor import OutputProcessor
+from .outputs import CompletionOutput, RequestOutput
+from .structured_output import GrammarChecker
+from ..ipc.messages import (
     Abort,
     Detached,
     EngineDead,

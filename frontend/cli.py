@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_core(ns: argparse.Namespace) -> int:
     """`tidal core`: the daemon, on the bundled demo model ("tidal-demo") when no MODEL."""
-    from tidal.engine_core.daemon import run_daemon_from_args
-    from tidal.frontend.demo import apply_demo_model_default
+    from ..engine_core.daemon import run_daemon_from_args
+    from .demo import apply_demo_model_default
 
     try:
         if not ns.engine_config:  # a whole config from a frontend names its model
@@ -90,7 +90,7 @@ def run_core(ns: argparse.Namespace) -> int:
         print(f"tidal core: {e}", file=sys.stderr)
         return 2
     if _data_parallel_size(ns) > 1 and not ns.generate_key_file:
-        from tidal.frontend.dp_router import run_router_from_args
+        from .dp_router import run_router_from_args
 
         return run_router_from_args(ns)  # N engine cores behind one router
     return run_daemon_from_args(ns)
@@ -99,7 +99,7 @@ def run_core(ns: argparse.Namespace) -> int:
 def _data_parallel_size(ns: argparse.Namespace) -> int:
     """The -dp of the flags or of a frontend's whole config (1 when the config is bad: the
     daemon then reports the field)."""
-    from tidal.engine_core.args import config_from_args
+    from ..engine_core.args import config_from_args
 
     try:
         return config_from_args(ns).parallel.data_parallel_size
@@ -113,7 +113,7 @@ def _data_parallel_size(ns: argparse.Namespace) -> int:
 
 def add_generate_args(parser: argparse.ArgumentParser) -> None:
     """PROMPT, sampling flags, --engine, and the engine flags (to start a private daemon)."""
-    from tidal.engine_core.args import add_engine_args
+    from ..engine_core.args import add_engine_args
 
     parser.add_argument("prompt", metavar="PROMPT", help="the text to complete")
     add_engine_args(parser)
@@ -135,10 +135,10 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
 
 def run_generate(ns: argparse.Namespace) -> int:
     """Generate for one prompt and print the completion(s); the exit code."""
-    from tidal.engine_core.args import config_from_args
-    from tidal.frontend.async_llm import AsyncLLM, run
-    from tidal.frontend.llm import default_model
-    from tidal.ipc.messages import SamplingParams
+    from ..engine_core.args import config_from_args
+    from .async_llm import AsyncLLM, run
+    from .llm import default_model
+    from ..ipc.messages import SamplingParams
 
     try:
         params = SamplingParams(n=ns.n, max_tokens=ns.max_tokens, temperature=ns.temperature,

@@ -26,8 +26,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
-from tidal.engine_core.block_pool import NONE_HASH, hash_request_blocks
-from tidal.ipc.messages import SchedulerStats
+from ..engine_core.block_pool import NONE_HASH, hash_request_blocks
+from ..ipc.messages import SchedulerStats
 
 WAITING_WEIGHT = 4
 """Score of a waiting request, in running requests."""

@@ -57,17 +57,17 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
-from tidal.engine_core.args import config_from_args
-from tidal.engine_core.config import EngineConfig
-from tidal.engine_core.model_files import model_folder
-from tidal.engine_core.restart_budget import RESTART_WINDOW_S, RestartBudget
-from tidal.frontend.dp_cores import core_config, core_env, core_gpu_sets, visible_gpus
-from tidal.frontend.dp_placement import Placement, merge_stats
-from tidal.frontend.engine_client import HeartbeatClock
-from tidal.frontend.launcher import DaemonProcess
-from tidal.frontend.output_processor import lost_finish, resume_params
-from tidal.ipc.lifeline import watch_parent
-from tidal.ipc.messages import (
+from ..engine_core.args import config_from_args
+from ..engine_core.config import EngineConfig
+from ..engine_core.model_files import model_folder
+from ..engine_core.restart_budget import RESTART_WINDOW_S, RestartBudget
+from .dp_cores import core_config, core_env, core_gpu_sets, visible_gpus
+from .dp_placement import Placement, merge_stats
+from .engine_client import HeartbeatClock
+from .launcher import DaemonProcess
+from .output_processor import lost_finish, resume_params
+from ..ipc.lifeline import watch_parent
+from ..ipc.messages import (
     Abort,
     AddRequest,
     Detached,
@@ -84,7 +84,7 @@ from tidal.ipc.messages import (
     pack_token_ids,
     unpack_token_ids,
 )
-from tidal.ipc.transport import (
+from ..ipc.transport import (
     DEFAULT_FRONTEND_TIMEOUT_S,
     CoreToFrontendDecoder,
     FrontendDecoder,

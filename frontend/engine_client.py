@@ -38,7 +38,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from tidal.ipc.messages import (
+from ..ipc.messages import (
     Detached,
     EngineDead,
     EngineInfo,
@@ -47,7 +47,7 @@ from tidal.ipc.messages import (
     Hello,
     is_valid_unicode,
 )
-from tidal.ipc.transport import (
+from ..ipc.transport import (
     DEFAULT_FRONTEND_TIMEOUT_S,
     HEARTBEAT_INTERVAL_S,
     CoreToFrontendDecoder,

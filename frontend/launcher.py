@@ -28,9 +28,9 @@ import sys
 import threading
 import weakref
 
-from tidal.engine_core.config import EngineConfig, encode_engine_config
-from tidal.ipc.lifeline import lifeline_fd
-from tidal.ipc.transport import new_private_address
+from ..engine_core.config import EngineConfig, encode_engine_config
+from ..ipc.lifeline import lifeline_fd
+from ..ipc.transport import new_private_address
 
 logger = logging.getLogger(__name__)
 

@@ -27,20 +27,20 @@ import time
 import weakref
 from collections.abc import Sequence
 
-from tidal.engine_core.args import add_engine_args, config_from_args
-from tidal.engine_core.config import EngineConfig
-from tidal.frontend.async_llm import (
+from ..engine_core.args import add_engine_args, config_from_args
+from ..engine_core.config import EngineConfig
+from .async_llm import (
     DEFAULT_ENGINE_RESTART_TIMEOUT_S,
     DEFAULT_MAX_ENGINE_RESTARTS,
     AsyncLLM,
 )
-from tidal.frontend.chat_template import (
+from .chat_template import (
     RESERVED_TEMPLATE_KWARGS,
     normalize_conversation,
     render_chat,
 )
-from tidal.frontend.outputs import RequestOutput
-from tidal.ipc.messages import SamplingParams, SchedulerStats, check_priority
+from .outputs import RequestOutput
+from ..ipc.messages import SamplingParams, SchedulerStats, check_priority
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def engine_config_from_kwargs(model: str, **engine_flags) -> EngineConfig:
 def default_model() -> str:
     """The bundled demo model's folder; ValueError when this install has none."""
     try:
-        from tidal.frontend.demo import demo_model_path
+        from .demo import demo_model_path
     except ImportError:
         raise ValueError("model is required: this install has no bundled demo model "
                          "(pass a local Hugging Face model folder)") from None

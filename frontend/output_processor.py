@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from tidal.frontend.detokenizer import IncrementalDetokenizer, decode_token
-from tidal.frontend.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from tidal.ipc.messages import (
+from .detokenizer import IncrementalDetokenizer, decode_token
+from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ..ipc.messages import (
     AddRequest,
     FinishReason,
     PromptLogprobs,
@@ -49,7 +49,7 @@ from tidal.ipc.messages import (
     pack_token_ids,
     unpack_token_ids,
 )
-from tidal.ipc.messages import RequestOutput as EngineRequestOutput
+from ..ipc.messages import RequestOutput as EngineRequestOutput
 
 
 @dataclass

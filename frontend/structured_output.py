@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from tidal.ipc.messages import SamplingParams, StructuredOutputsParams
+from ..ipc.messages import SamplingParams, StructuredOutputsParams
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}

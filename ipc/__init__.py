@@ -1,3 +1,3 @@
 """Everything that crosses a process boundary: message types, their encoding, sockets."""
 
-from tidal.ipc.messages import *  # noqa: F401,F403
+from .messages import *  # noqa: F401,F403

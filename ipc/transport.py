@@ -64,7 +64,7 @@ from urllib.parse import urlsplit
 import msgspec
 import zmq
 
-from tidal.ipc.messages import (
+from .messages import (
     AddRequest,
     CoreToFrontend,
     CoreToWorker,

@@ -1,184 +1,27 @@
-"""Attention kernels behind one seam, `AttentionBackend`, picked by name with
-`select_attention_backend`:
+"""tidal's kernels, two families behind two seams:
 
-    reference  plain torch, one request at a time: the specification (`reference.py`)
-    torch      vectorised torch ops, decodes gathered in chunks (`torch_attention.py`)
-    numba      the torch backend's prefills, decodes in a compiled kernel that reads the
-               paged cache in place (`numba_attention.py`; CPU, float32/float64)
-    cpu        numba's, with float32 decodes in a C kernel that prefetches the paged rows
-               (`cpu_attention.py`, `decode_attention.c`; AVX-512 or AVX2, and a C compiler)
-    triton     Triton kernels, no host sync, CUDA-graph capturable (`triton_attention.py`)
+    attention/  the `AttentionBackend` seam: reference, torch, numba, cpu (C), Triton
+    cpu/        the CPU op family: small-batch GEMMs, RMSNorm, rotary, fused decoder layers,
+                and the build of their C sources
 
-All of them must equal the reference. A step drives a backend like this (the model runner):
-
-    plan = backend.prepare(meta, block_size, num_kv_heads, head_dim, dtype)   # once a step
-    for every layer:
-        backend.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
-        backend.attend(query, key_cache, value_cache, meta, plan, scale)
-
-Layouts of the tensors are in `kernels/reference.py`; `meta` is an `AttentionMetadata`
-(`kernels/metadata.py`). Backend modules are imported only when selected, so CPU-only use
-never imports triton.
+This package is `tidal.kernels`. Run from a checkout's root (`python -m ...`, `python -c`),
+the root is on `sys.path` and this folder would also be found as the top-level module
+`kernels`, hiding Hugging Face's `kernels` package, which transformers (>= 5.25) imports at
+start-up. Imported under that name, this file hands the name over to the next `kernels` on
+`sys.path` (the installed one), so `import kernels` means the same thing in a checkout as
+anywhere else.
 """
 
-from __future__ import annotations
+if __name__ == "kernels":
+    import importlib.util
+    import os
+    import sys
+    from importlib.machinery import PathFinder
 
-import abc
-from typing import Callable
-
-import torch
-
-from tidal.kernels.metadata import AttentionMetadata
-
-BACKENDS = ("auto", "cpu", "numba", "torch", "triton", "reference")
-"""Names `select_attention_backend` accepts (the engine config keeps the same tuple of
-strings, `engine_core.config.ATTENTION_BACKENDS`, without importing torch)."""
-
-NUMBA_DTYPES = (torch.float32, torch.float64)
-"""Dtypes the numba decode kernel computes in (numba has no bfloat16 or float16 arrays)."""
-
-
-class AttentionBackend(abc.ABC):
-    """One way of writing K/V into the paged cache and attending over it.
-
-    A backend object holds configuration only (no per-step state), so one instance serves
-    every layer of every step. Whatever a backend derives from a step's metadata (index
-    tensors, sorted request lists, work buffers) lives in the plan that `prepare` returns;
-    the plan belongs to that one step and is handed, unchanged, to each layer's `attend`.
-    """
-
-    name: str = ""
-    """The `attention_backend` name that selects this backend."""
-    can_capture_cuda_graphs: bool = False
-    """Whether `write_kv` and `attend` launch without any host sync and with a plan of None,
-    so that a forward through them can be captured in a CUDA graph and replayed on new
-    metadata values (only Triton's can)."""
-
-    def warm_up(self, dtype: torch.dtype) -> float:
-        """Compile or load whatever the first step would otherwise wait for; the seconds it
-        took (0 when there is nothing to do)."""
-        return 0.0
-
-    def kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """One layer's K (or V) cache, uninitialised: shape [num_blocks, block_size,
-        num_kv_heads, head_dim], the shape every backend and the reference index, stored in
-        whatever order this backend reads fastest (head_dim always the contiguous one). Here,
-        as the shape says; `CpuBackend` keeps each KV head's rows of a block together."""
-        return torch.empty(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype,
-                           device=device)
-
-    def prepare(self, meta: AttentionMetadata, block_size: int, num_kv_heads: int,
-                head_dim: int, dtype: torch.dtype) -> object | None:
-        """The step's plan: what `attend` needs beyond the metadata, derived once per step
-        (before the forward) and shared by every layer. `dtype` is the cache's and the
-        queries' dtype. None when the backend needs nothing."""
-        return None
-
-    @abc.abstractmethod
-    def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                 value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Scatter each token's K and V into its cache slot in place (`write_kv_ref`)."""
-
-    @abc.abstractmethod
-    def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-               meta: AttentionMetadata, plan: object | None, scale: float,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        """Causal attention of each request's new tokens over its paged K/V, equal to
-        `paged_attention_ref`; `plan` is what `prepare` returned for this `meta`. Rows of
-        `out` that no request owns are left untouched."""
-
-
-class FunctionBackend(AttentionBackend):
-    """A backend that is a pair of plain functions with the reference's signatures
-    (`write_kv_ref`, `paged_attention_ref`) and needs no per-step plan. Subclasses name them
-    as `kv_writer` and `attention` (static methods)."""
-
-    kv_writer: Callable
-    attention: Callable
-
-    def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
-        self.kv_writer(key, value, key_cache, value_cache, slot_mapping)
-
-    def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-               meta: AttentionMetadata, plan: None, scale: float,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        return self.attention(query, key_cache, value_cache, meta.block_tables,
-                              meta.query_start_loc, meta.seq_lens, scale, out)
-
-
-def select_attention_backend(name: str, device_type: str,
-                             dtype: torch.dtype) -> AttentionBackend:
-    """The backend called `name` for tensors of `dtype` on `device_type`.
-
-    `auto` takes Triton on CUDA; on the CPU the cpu backend for float32 where its C kernel
-    builds, else the numba backend when numba is installed and `dtype` is float32/float64,
-    else the torch backend. A backend that cannot run these
-    tensors, or an unknown name, is a ValueError naming `attention_backend`."""
-    if name not in BACKENDS:
-        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
-    if name == "auto":
-        name = _auto_backend(device_type, dtype)
-    if name == "numba":
-        _check_numba(device_type, dtype)
-        from tidal.kernels.numba_attention import NumbaBackend
-
-        return NumbaBackend()
-    if name == "cpu":
-        _check_cpu(device_type, dtype)
-        from tidal.kernels.cpu_attention import CpuBackend
-
-        return CpuBackend()
-    if name == "torch":
-        from tidal.kernels.torch_attention import TorchBackend
-
-        return TorchBackend()
-    if name == "reference":
-        from tidal.kernels.reference import ReferenceBackend
-
-        return ReferenceBackend()
-    from tidal.kernels.triton_attention import TritonBackend
-
-    return TritonBackend()
-
-
-def _auto_backend(device_type: str, dtype: torch.dtype) -> str:
-    if device_type == "cuda":
-        return "triton"
-    if device_type == "cpu" and dtype in NUMBA_DTYPES and _numba_installed():
-        return "cpu" if dtype == torch.float32 and _cpu_kernel_builds() else "numba"
-    return "torch"
-
-
-def _check_numba(device_type: str, dtype: torch.dtype) -> None:
-    if device_type != "cpu":
-        raise ValueError(f"attention_backend 'numba' runs on the CPU only, not on "
-                         f"{device_type}; use auto or triton")
-    if dtype not in NUMBA_DTYPES:
-        raise ValueError(f"attention_backend 'numba' computes in float32 or float64 only, "
-                         f"not {dtype}; use auto or torch for this dtype")
-    if not _numba_installed():
-        raise ValueError("attention_backend 'numba' needs the numba package, which is not "
-                         "installed; use auto or torch")
-
-
-def _check_cpu(device_type: str, dtype: torch.dtype) -> None:
-    if device_type != "cpu" or dtype != torch.float32:
-        raise ValueError(f"attention_backend 'cpu' takes float32 on the CPU only, not {dtype} "
-                         f"on {device_type}; use auto")
-    _check_numba(device_type, dtype)  # what the C kernel does not take goes to numba's
-    if not _cpu_kernel_builds():
-        raise ValueError("attention_backend 'cpu' needs a C compiler and an AVX2 or AVX-512 CPU, "
-                         "which this machine lacks; use auto or numba")
-
-
-def _cpu_kernel_builds() -> bool:
-    from tidal.kernels.cpu_attention import available
-
-    return available()
-
-
-def _numba_installed() -> bool:
-    from tidal.kernels.numba_attention import numba
-
-    return numba is not None
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _spec = PathFinder.find_spec(
+        "kernels", [p for p in sys.path if os.path.abspath(p or os.curdir) != _root])
+    if _spec is not None and _spec.loader is not None:
+        _module = importlib.util.module_from_spec(_spec)
+        sys.modules["kernels"] = _module  # the import statement returns what is here now
+        _spec.loader.exec_module(_module)

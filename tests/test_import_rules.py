@@ -7,11 +7,19 @@ module is imported), so a forbidden import fails here before it can blur a folde
     workers/      ipc, kernels                               -
     kernels/      nothing                                    -
     frontend/     ipc, engine_core (config and launching)    never torch at module level
+
+Imports inside the package are relative (`from ..ipc.messages import X`), so tools that read
+the tree without an install follow them; they are resolved here to `tidal.` names the same way
+Python does. A module named in a string is held to the table too: a launch (`[sys.executable,
+"-m", "tidal.workers.proc"]`), a lazy export (`"tidal.frontend.llm"`), a CLI table entry
+(`"tidal.frontend.server.serve"`). Starting a process is not importing its code, so
+`MAY_LAUNCH` lists the few child processes a folder starts across the table.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -37,6 +45,14 @@ KNOWN_EXCEPTIONS = {
     # `tidal tune profile`'s measuring child process builds a Worker inside a function; it
     # belongs in workers/ (noted on issue 14), listed here so nothing else joins it
     ("frontend/tune/profile.py", "tidal.workers.worker"),
+    # the preemption advisor's child process; the advisory wing gets one home (issue 33)
+    ("engine_core/preemption_advice.py", "tidal.frontend.tune.advise"),
+    # `tidal bench chaos` finds worker processes by their command line to kill them
+    ("frontend/bench/chaos.py", "tidal.workers.proc"),
+}
+MAY_LAUNCH = {
+    # the engine core starts one worker process per rank, and the GGUF converter, by name
+    "engine_core": {"tidal.workers.proc", "tidal.workers.gguf"},
 }
 NEVER = {
     "engine_core": {"torch", "triton"},
@@ -48,20 +64,69 @@ def _modules(folder: str) -> list[Path]:
     return sorted((ROOT / folder).rglob("*.py"))
 
 
+def _package(path: Path) -> list[str]:
+    """The `tidal.` package a file of the tree belongs to, as its parts."""
+    parts = list(path.relative_to(ROOT).parts[:-1])
+    return ["tidal", *parts]
+
+
+def _absolute(node: ast.ImportFrom, path: Path) -> list[str]:
+    """The modules an ImportFrom names, relative levels resolved as Python does (`from . import
+    x` may import the submodule x, so both the package and package.x are returned)."""
+    if node.level == 0:
+        return [node.module] if node.module else []
+    base = _package(path)[:len(_package(path)) - (node.level - 1)]
+    module = ".".join(base + ([node.module] if node.module else []))
+    return [module] + [f"{module}.{alias.name}" for alias in node.names
+                       if _module_file(f"{module}.{alias.name}") is not None]
+
+
+def _module_file(name: str) -> Path | None:
+    """The file of tidal module `name` in the tree, or None."""
+    parts = name.split(".")
+    if parts[0] != "tidal" or len(parts) < 2:
+        return None
+    base = ROOT.joinpath(*parts[1:])
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+_MODULE_STRING = re.compile(r"tidal(\.\w+)+(:\w+)?")
+
+
+def _named_in_strings(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, module) for each string constant that names a tidal module of the tree (a launch
+    `-m` argument, a lazy export, a CLI table entry), logger names aside."""
+    loggers = {id(arg) for node in ast.walk(tree) if isinstance(node, ast.Call)
+               and getattr(node.func, "attr", getattr(node.func, "id", "")) == "getLogger"
+               for arg in node.args}
+    found = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                and id(node) not in loggers and _MODULE_STRING.fullmatch(node.value)):
+            module = node.value.split(":")[0]
+            if _module_file(module) is not None:
+                found.append((node.lineno, module))
+    return found
+
+
 def _imports(path: Path) -> list[tuple[int, str, bool]]:
-    """(line, imported module, at module level) for every import in the file."""
+    """(line, imported module, at module level) for every import in the file, and for every
+    module it names in a string (never at module level: nothing is imported then)."""
     tree = ast.parse(path.read_text(), str(path))
     top_level = {id(node) for node in tree.body}
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module]
+        elif isinstance(node, ast.ImportFrom):
+            names = _absolute(node, path)
         else:
             continue
         found += [(node.lineno, name, id(node) in top_level) for name in names]
-    return found
+    return found + [(line, name, False) for line, name in _named_in_strings(tree)]
 
 
 def _violations(folder: str) -> list[str]:
@@ -69,7 +134,7 @@ def _violations(folder: str) -> list[str]:
     for path in _modules(folder):
         where = path.relative_to(ROOT)
         for line, name, top in _imports(path):
-            if (str(where), name) in KNOWN_EXCEPTIONS:
+            if (str(where), name) in KNOWN_EXCEPTIONS or name in MAY_LAUNCH.get(folder, ()):
                 continue
             parts = name.split(".")
             if parts[0] in NEVER.get(folder, ()):
@@ -103,3 +168,36 @@ def test_the_rule_catches_a_forbidden_import(tmp_path, monkeypatch):
         "engine_core/bad.py:1 imports torch",
         "engine_core/bad.py:2 imports tidal.workers.worker (engine_core/ may import ['ipc'])",
     ]
+
+
+def test_relative_imports_and_launch_strings_are_held_to_the_table(tmp_path, monkeypatch):
+    (tmp_path / "engine_core").mkdir()
+    (tmp_path / "frontend").mkdir()
+    (tmp_path / "frontend" / "cli.py").write_text("")
+    (tmp_path / "engine_core" / "bad.py").write_text(
+        "import logging, sys\n"
+        "from ..frontend import cli\n"
+        "logger = logging.getLogger('tidal.frontend.cli')\n"
+        "cmd = [sys.executable, '-m', 'tidal.frontend.cli']\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    assert _violations("engine_core") == [
+        "engine_core/bad.py:2 imports tidal.frontend (engine_core/ may import ['ipc'])",
+        "engine_core/bad.py:2 imports tidal.frontend.cli (engine_core/ may import ['ipc'])",
+        "engine_core/bad.py:4 imports tidal.frontend.cli (engine_core/ may import ['ipc'])",
+    ]
+
+
+def test_no_module_of_the_package_imports_tidal_by_its_installed_name():
+    """Inside the package every import of ours is relative, so an editor or a static checker
+    reading the tree (no install) resolves it."""
+    absolute = [f"{path.relative_to(ROOT)}:{line}" for folder in FOLDERS
+                for path in _modules(folder) for line, name, _ in _imports(path)
+                if name.split(".")[0] == "tidal" and _is_absolute_import(path, line)]
+    assert absolute == []
+
+
+def _is_absolute_import(path: Path, line: int) -> bool:
+    tree = ast.parse(path.read_text(), str(path))
+    return any(getattr(node, "lineno", None) == line and (
+        isinstance(node, ast.Import) or (isinstance(node, ast.ImportFrom) and node.level == 0))
+        for node in ast.walk(tree))

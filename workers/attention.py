@@ -1,6 +1,6 @@
 """Attention front: what one forward passes down to every attention layer, and the layer that
 writes K/V into the paged cache and attends through the selected backend
-(`tidal.kernels.select_attention_backend`).
+(`tidal.kernels.attention.select_attention_backend`).
 
 `AttentionInputs` (the step's `AttentionMetadata` and the backend's plan for it) is built by
 the model runner for each step and passed explicitly down through the model's forward;
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tidal.kernels import AttentionBackend
-from tidal.kernels.metadata import AttentionMetadata
+from ..kernels.attention import AttentionBackend
+from ..kernels.attention.metadata import AttentionMetadata
 
 __all__ = ["AttentionInputs", "AttentionMetadata", "KVCache", "PagedAttention"]
 

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tidal.workers.attention import AttentionInputs, AttentionMetadata
+from .attention import AttentionInputs, AttentionMetadata
 
 if TYPE_CHECKING:
-    from tidal.workers.model_runner import ModelRunner, StepInputs
+    from .model_runner import ModelRunner, StepInputs
 
 logger = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidal.kernels import cpu_fused
-from tidal.kernels.cpu_gemm import SmallBatchGemm, small_batch_gemm_available
-from tidal.workers.distributed import TensorParallel
+from ..kernels.cpu import cpu_fused
+from ..kernels.cpu.cpu_gemm import SmallBatchGemm, small_batch_gemm_available
+from .distributed import TensorParallel
 
 
 # ---------------------------------------------------------------------------------------------
@@ -71,7 +71,7 @@ def _param(*shape: int, loader, shard_ids=(None,)) -> nn.Parameter:
 
 class GemmLayer(nn.Module):
     """A module that multiplies by `self.weight` [out, in] through `matmul`, which switches
-    to the CPU's small-batch GEMM (`kernels/cpu_gemm.py`) once `use_cpu_gemm` ran."""
+    to the CPU's small-batch GEMM (`kernels/cpu/cpu_gemm.py`) once `use_cpu_gemm` ran."""
 
     cpu_gemm: SmallBatchGemm | None = None
 
@@ -335,7 +335,7 @@ class ParallelLMHead(VocabParallelEmbedding, GemmLayer):
 class RMSNorm(nn.Module):
     """RMSNorm as Hugging Face computes it: the statistics in float32, the scale applied in
     the model dtype (so float64 runs match transformers bit for bit here). Contiguous
-    float32 activations on the CPU take one compiled call (`kernels/cpu_fused.rms_norm`,
+    float32 activations on the CPU take one compiled call (`kernels/cpu/cpu_fused.rms_norm`,
     equal up to float32 rounding) instead of eight torch ops."""
 
     def __init__(self, hidden_size: int, eps: float):
@@ -441,7 +441,7 @@ class RotaryEmbedding(nn.Module):
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """qk [tokens, num_heads + kv_heads, head_dim] (q heads then k heads, any strides) ->
         rotated contiguous q [tokens, num_heads, head_dim] and k. On the CPU one compiled
-        call (`kernels/cpu_fused.rotate_split`, the same arithmetic, bit-identical) instead
+        call (`kernels/cpu/cpu_fused.rotate_split`, the same arithmetic, bit-identical) instead
         of six torch ops and a copy of q."""
         if cpu_fused.rotate_applies(qk) and rope.cos.dtype == qk.dtype:
             return cpu_fused.rotate_split(qk, rope.cos, rope.sin, num_heads)

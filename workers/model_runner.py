@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tidal.ipc.messages import (
+from ..ipc.messages import (
     BatchPlan,
     NewRequestData,
     PromptLogprobs,
@@ -45,16 +45,16 @@ from tidal.ipc.messages import (
     WorkerConfig,
     pack_token_ids,
 )
-from tidal.kernels import AttentionBackend
-from tidal.workers.attention import AttentionInputs, AttentionMetadata, KVCache
-from tidal.workers.cuda_graphs import DecodeGraphs
-from tidal.workers.distributed import PipelineParallel
-from tidal.workers.host_memory import commit_pages
-from tidal.workers.layers import kv_heads_per_rank
-from tidal.workers.models.llama import LlamaForCausalLM, ModelArgs
-from tidal.workers.persistent_batch import BadRequestData, PersistentBatch
-from tidal.workers.sampler import Sampler, SamplerOutput, SamplingBatch, token_logprobs
-from tidal.workers.structured_output import StructuredOutputs
+from ..kernels.attention import AttentionBackend
+from .attention import AttentionInputs, AttentionMetadata, KVCache
+from .cuda_graphs import DecodeGraphs
+from .distributed import PipelineParallel
+from .host_memory import commit_pages
+from .layers import kv_heads_per_rank
+from .models.llama import LlamaForCausalLM, ModelArgs
+from .persistent_batch import BadRequestData, PersistentBatch
+from .sampler import Sampler, SamplerOutput, SamplingBatch, token_logprobs
+from .structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 

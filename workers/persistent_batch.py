@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tidal.ipc.messages import INT32_MAX, CachedRequestData, NewRequestData, unpack_token_ids
+from ..ipc.messages import INT32_MAX, CachedRequestData, NewRequestData, unpack_token_ids
 
 
 class BadRequestData(ValueError):

@@ -29,8 +29,8 @@ import traceback
 
 import zmq
 
-from tidal.ipc.lifeline import watch_parent
-from tidal.ipc.messages import (
+from ..ipc.lifeline import watch_parent
+from ..ipc.messages import (
     BatchPlan,
     InitKVCache,
     SampledTokens,
@@ -38,7 +38,7 @@ from tidal.ipc.messages import (
     WorkerConfig,
     WorkerFailed,
 )
-from tidal.ipc.transport import (
+from ..ipc.transport import (
     CoreToWorkerDecoder,
     curve_connect,
     decode_worker_config,
@@ -80,8 +80,8 @@ class WorkerProcess:
 
     def run(self) -> int:
         try:
-            from tidal.workers.host_memory import keep_freed_memory
-            from tidal.workers.worker import Worker
+            from .host_memory import keep_freed_memory
+            from .worker import Worker
 
             keep_freed_memory()  # before any step's temporaries (host_memory.py says why)
             self.worker = Worker(self.config)
@@ -140,8 +140,8 @@ def _skip_numba_blas_probe() -> None:
     At its first compile (a cache load included) numba imports `numba.np.arraymath`, which
     imports `scipy.linalg.cython_blas` only to learn whether `np.dot` inside compiled code
     may call BLAS: 0.23 s of a worker's 0.73 s numba start-up, measured on this project's
-    2-vCPU VM. No tidal kernel calls BLAS from compiled code (`kernels/cpu_fused.py`,
-    `kernels/numba_attention.py`; matrix products are torch's), so the worker process marks
+    2-vCPU VM. No tidal kernel calls BLAS from compiled code (`kernels/cpu/cpu_fused.py`,
+    `kernels/attention/numba_attention.py`; matrix products are torch's), so the worker process marks
     that module absent (`sys.modules[...] = None`, Python's own way to make an import fail):
     numba then records "no BLAS", and a compiled `np.dot`, were one ever added, would fail
     with numba's own "scipy ... is required" error. Only the worker process does this; a

@@ -33,8 +33,8 @@ import os
 import numpy as np
 import torch
 
-from tidal.ipc.messages import StructuredOutputsParams
-from tidal.workers.persistent_batch import BadRequestData
+from ..ipc.messages import StructuredOutputsParams
+from .persistent_batch import BadRequestData
 
 logger = logging.getLogger(__name__)
 

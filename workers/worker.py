@@ -16,12 +16,13 @@ import time
 
 import torch
 
-from tidal.ipc.messages import BatchPlan, SampledTokens, WorkerConfig, WorkerReady, pack_token_ids
-from tidal.kernels import cpu_fused, select_attention_backend
-from tidal.workers.distributed import destroy_distributed, init_distributed
-from tidal.workers.loader import load_weights, read_config, resolve_model_path
-from tidal.workers.model_runner import ModelRunner
-from tidal.workers.models.llama import build_model, parse_model_args
+from ..ipc.messages import BatchPlan, SampledTokens, WorkerConfig, WorkerReady, pack_token_ids
+from ..kernels.cpu import cpu_fused
+from ..kernels.attention import select_attention_backend
+from .distributed import destroy_distributed, init_distributed
+from .loader import load_weights, read_config, resolve_model_path
+from .model_runner import ModelRunner
+from .models.llama import build_model, parse_model_args
 
 logger = logging.getLogger(__name__)
 

@@ -4,6 +4,6 @@ The CLI dispatcher calls `add_bench_args(parser)` to add the subcommands and
 `run_bench(ns) -> int` to run the chosen one.
 """
 
-from tidal.frontend.bench.cli import add_bench_args, run_bench
+from .cli import add_bench_args, run_bench
 
 __all__ = ["add_bench_args", "run_bench"]

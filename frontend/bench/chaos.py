@@ -46,7 +46,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from tidal.ipc.lifeline import lifeline_fd
+from ...ipc.lifeline import lifeline_fd
 
 PROMPTS = [
     "The capital of France is", "def fibonacci(n):", "Once upon a time", "The sky is blue because",
@@ -449,7 +449,7 @@ def run_chaos(cfg: ChaosConfig, log_path: str) -> tuple[str, int]:
     """Start the server, soak it, stop it; the report and the exit status."""
     import httpx
 
-    from tidal.ipc.transport import free_tcp_port
+    from ...ipc.transport import free_tcp_port
 
     rng = random.Random(cfg.seed)
     port = free_tcp_port()

@@ -16,9 +16,9 @@ import os
 import sys
 import time
 
-from tidal.frontend.bench.datasets import DATASET_NAMES, DatasetConfig, build_dataset, \
+from .datasets import DATASET_NAMES, DatasetConfig, build_dataset, \
     load_tokenizer
-from tidal.frontend.bench.metrics import format_report, parse_goodput, parse_percentiles, \
+from .metrics import format_report, parse_goodput, parse_percentiles, \
     results_to_json
 
 
@@ -49,7 +49,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     overhead.add_argument("--batch-size", type=int, default=8, help="requests per batch (8)")
     overhead.add_argument("--output-len", type=int, default=128, help="tokens each (128)")
     overhead.add_argument("--num-iters", type=int, default=3, help="timed batches (3)")
-    from tidal.frontend.bench.chaos import add_chaos_args
+    from .chaos import add_chaos_args
 
     add_chaos_args(sub.add_parser("chaos", help="soak a live tidal serve while killing its "
                                   "workers, engine core and HTTP processes"))
@@ -127,7 +127,7 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_offline_args(p: argparse.ArgumentParser, with_dataset: bool) -> None:
-    from tidal.engine_core.args import add_engine_args
+    from ...engine_core.args import add_engine_args
 
     add_engine_args(p)
     p.add_argument("--random-weights", default=None, metavar="HIDDEN,LAYERS",
@@ -160,7 +160,7 @@ def run_bench(ns: argparse.Namespace) -> int:
 
 
 def _run_chaos(ns: argparse.Namespace) -> int:
-    from tidal.frontend.bench.chaos import chaos_config_from_args, run_chaos
+    from .chaos import chaos_config_from_args, run_chaos
 
     text, status = run_chaos(chaos_config_from_args(ns), ns.log)
     print(text)
@@ -179,7 +179,7 @@ def dataset_config_from_args(ns: argparse.Namespace) -> DatasetConfig:
 
 def serve_config_from_args(ns: argparse.Namespace):
     """The client configuration the flags describe."""
-    from tidal.frontend.bench.serve import ServeConfig
+    from .serve import ServeConfig
 
     base_url = ns.base_url or f"http://{ns.host}:{ns.port}"
     return ServeConfig(
@@ -200,7 +200,7 @@ def _client_workload(ns: argparse.Namespace):
 
 
 def _run_serve(ns: argparse.Namespace) -> int:
-    from tidal.frontend.bench.serve import run_serve_benchmark
+    from .serve import run_serve_benchmark
 
     config = serve_config_from_args(ns)
     requests, exact = _client_workload(ns)
@@ -209,7 +209,7 @@ def _run_serve(ns: argparse.Namespace) -> int:
     summary["dataset"] = _dataset_json(ns, exact)
     print(format_report(summary))
     if ns.plot:
-        from tidal.frontend.bench.plot import plot_serve
+        from .plot import plot_serve
 
         plot_serve(summary, results, ns.plot)
         print(f"plot written to {ns.plot}")
@@ -221,7 +221,7 @@ def _run_serve(ns: argparse.Namespace) -> int:
 
 
 def _run_sweep(ns: argparse.Namespace) -> int:
-    from tidal.frontend.bench.sweep import format_sweep_table, parse_rates, run_sweep
+    from .sweep import format_sweep_table, parse_rates, run_sweep
 
     rates = parse_rates(ns.request_rates)
     config = serve_config_from_args(ns)
@@ -229,7 +229,7 @@ def _run_sweep(ns: argparse.Namespace) -> int:
     rows = run_sweep(requests, config, rates)
     print(format_sweep_table(rows))
     if ns.plot:
-        from tidal.frontend.bench.plot import plot_sweep
+        from .plot import plot_sweep
 
         plot_sweep(rows, ns.plot)
         print(f"plot written to {ns.plot}")
@@ -267,10 +267,10 @@ def _engine_config(ns: argparse.Namespace):
     """The engine config of an offline subcommand (MODEL replaced by --random-weights)."""
     import dataclasses
 
-    from tidal.engine_core.args import config_from_args
+    from ...engine_core.args import config_from_args
 
     if not (ns.model_tag or ns.model):
-        from tidal.frontend.llm import default_model
+        from ..llm import default_model
 
         ns.model = default_model()  # the bundled demo model, as LLM() does
     config = config_from_args(ns)
@@ -284,7 +284,7 @@ def _engine_config(ns: argparse.Namespace):
 
 def random_weights_model(spec: str, tokenizer_src: str, cache_dir: str) -> str:
     """'256,4' -> the folder of a random-weight Llama of hidden 256, 4 layers (built once)."""
-    from tidal.frontend.bench.offline import make_random_llama
+    from .offline import make_random_llama
 
     try:
         hidden, layers = (int(x) for x in spec.split(","))
@@ -301,7 +301,7 @@ def _slug(path: str) -> str:
 
 
 def _run_throughput(ns: argparse.Namespace) -> int:
-    from tidal.frontend.bench import hf_baselines, offline
+    from . import hf_baselines, offline
 
     config = _engine_config(ns)
     backends = _parse_hf_backends(ns.hf_backends)
@@ -351,7 +351,7 @@ def _parse_hf_backends(text: str) -> list[str]:
 
 
 def _run_latency(ns: argparse.Namespace) -> int:
-    from tidal.frontend.bench import offline
+    from . import offline
 
     config = _engine_config(ns)
     result = offline.run_latency(config, ns.input_len, ns.output_len, ns.batch_size,
@@ -362,7 +362,7 @@ def _run_latency(ns: argparse.Namespace) -> int:
 
 
 def _run_overhead(ns: argparse.Namespace) -> int:
-    from tidal.frontend.bench import offline
+    from . import offline
 
     if not ns.random_weights:
         ns.random_weights = "64,1"

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from tidal.frontend.bench.datasets import BenchRequest
+from .datasets import BenchRequest
 
 
 def throughput_result(backend: str, requests: list[BenchRequest], num_output_tokens: int,

@@ -21,16 +21,16 @@ import time
 
 import numpy as np
 
-from tidal.frontend.bench.datasets import BenchRequest
-from tidal.frontend.bench.hf_baselines import throughput_result
-from tidal.ipc.messages import SamplingParams
+from .datasets import BenchRequest
+from .hf_baselines import throughput_result
+from ...ipc.messages import SamplingParams
 
 LATENCY_PERCENTILES = (10, 25, 50, 75, 90, 99)
 
 
 def open_llm(config):
     """An `LLM` that starts its own engine-core daemon for `config` (an `EngineConfig`)."""
-    from tidal.frontend.llm import LLM
+    from ..llm import LLM
 
     model, flags = llm_kwargs(config)
     return LLM(model, **flags)
@@ -40,7 +40,7 @@ def llm_kwargs(config) -> tuple[str, dict]:
     """`config` as `LLM(model, **flags)` arguments (through the flags that rebuild it)."""
     import argparse
 
-    from tidal.engine_core.args import add_engine_args, config_to_argv
+    from ...engine_core.args import add_engine_args, config_to_argv
 
     parser = argparse.ArgumentParser(add_help=False)
     add_engine_args(parser)

@@ -13,7 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from tidal.frontend.bench.metrics import RequestResult  # noqa: E402
+from .metrics import RequestResult  # noqa: E402
 
 _HISTOGRAMS = (
     ("ttft", "Time to first token (ms)"),

@@ -19,11 +19,11 @@ import httpx
 import numpy as np
 from tqdm.asyncio import tqdm
 
-from tidal.frontend.bench.datasets import BenchRequest
-from tidal.frontend.bench.metrics import (
+from .datasets import BenchRequest
+from .metrics import (
     DEFAULT_PERCENTILES, RequestResult, peak_concurrency, summarize,
 )
-from tidal.frontend.bench.server_metrics import TimelineSampler, counter_deltas, scrape
+from .server_metrics import TimelineSampler, counter_deltas, scrape
 
 
 @dataclass

@@ -9,8 +9,8 @@ import asyncio
 import dataclasses
 import math
 
-from tidal.frontend.bench.datasets import BenchRequest
-from tidal.frontend.bench.serve import ServeConfig, run_serve_benchmark
+from .datasets import BenchRequest
+from .serve import ServeConfig, run_serve_benchmark
 
 SWEEP_COLUMNS = (
     ("request_rate", "rate", "{}"),

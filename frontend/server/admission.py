@@ -74,7 +74,7 @@ import time
 from collections import deque
 from typing import Awaitable, Callable
 
-from tidal.frontend.server.errors import QUEUE_FULL_MESSAGE, TOKENS_FULL_MESSAGE, APIError
+from .errors import QUEUE_FULL_MESSAGE, TOKENS_FULL_MESSAGE, APIError
 
 logger = logging.getLogger("tidal.serve")
 

@@ -22,6 +22,7 @@ import contextlib
 import hmac
 import logging
 import time
+from importlib import metadata
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
@@ -29,20 +30,20 @@ import uvicorn
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
-import tidal
-from tidal.frontend.server.admission import AdmissionController
-from tidal.frontend.server.chat import create_chat_completion
-from tidal.frontend.server.completions import create_completion
-from tidal.frontend.server.errors import APIError, install_error_handlers, json_response
-from tidal.frontend.server.metrics import CONTENT_TYPE, ServerMetrics
-from tidal.frontend.server.protocol import (
+from .admission import AdmissionController
+from .chat import create_chat_completion
+from .completions import create_completion
+from .errors import APIError, install_error_handlers, json_response
+from .metrics import CONTENT_TYPE, ServerMetrics
+from .protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
     DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelList, TokenizeRequest,
     TokenizeResponse,
 )
-from tidal.frontend.server.serving import OpenAIServing
+from .serving import OpenAIServing
 
 logger = logging.getLogger("tidal.serve")
+__version__ = metadata.version("tidal")
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping", "/openapi.json", "/docs",
                         "/docs/oauth2-redirect", "/redoc"})
@@ -162,7 +163,7 @@ def build_app(engine_factory: Callable[[], Awaitable[Any]],
             if app.state.serving.recorder is not None:
                 app.state.serving.recorder.close()
 
-    app = FastAPI(title="tidal", version=tidal.__version__, lifespan=lifespan)
+    app = FastAPI(title="tidal", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
     _add_generate_routes(app)
     _add_info_routes(app)
@@ -201,7 +202,7 @@ def _start_state(app: FastAPI, engine, settings: ServerSettings) -> list[asyncio
     app.state.metrics = metrics
     recorder = None
     if settings.record_trace is not None:
-        from tidal.frontend.tune.trace import TraceRecorder
+        from ..tune.trace import TraceRecorder
 
         recorder = TraceRecorder(*settings.record_trace)
     app.state.serving = OpenAIServing(engine, names, admission, metrics, recorder)
@@ -272,7 +273,7 @@ def _add_info_routes(app: FastAPI) -> None:
 
     @app.get("/version")
     async def version() -> Response:
-        return json_response({"version": tidal.__version__})
+        return json_response({"version": __version__})
 
     @app.api_route("/ping", methods=["GET", "POST"])
     async def ping() -> Response:

@@ -9,10 +9,10 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
-from tidal.frontend.server import responses as R
-from tidal.frontend.server.errors import bad_request
-from tidal.frontend.server.protocol import ChatCompletionRequest
-from tidal.frontend.server.serving import OpenAIServing, Run, now
+from . import responses as R
+from .errors import bad_request
+from .protocol import ChatCompletionRequest
+from .serving import OpenAIServing, Run, now
 
 _RENAMES = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"}
 

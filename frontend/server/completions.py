@@ -12,10 +12,10 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
-from tidal.frontend.server import responses as R
-from tidal.frontend.server.errors import bad_request
-from tidal.frontend.server.protocol import CompletionRequest
-from tidal.frontend.server.serving import OpenAIServing, Run, now
+from . import responses as R
+from .errors import bad_request
+from .protocol import CompletionRequest
+from .serving import OpenAIServing, Run, now
 
 
 def _prompt_list(prompt) -> list:

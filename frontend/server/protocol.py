@@ -17,8 +17,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from tidal.frontend.structured_output import from_request_fields
-from tidal.ipc.messages import SamplingParams, StructuredOutputsParams, is_valid_unicode
+from ..structured_output import from_request_fields
+from ...ipc.messages import SamplingParams, StructuredOutputsParams, is_valid_unicode
 
 INT32_MAX = 2**31 - 1
 MAX_N = 128

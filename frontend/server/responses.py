@@ -14,7 +14,7 @@ import math
 
 import msgspec
 
-from tidal.frontend.server.errors import error_body, from_value_error
+from .errors import error_body, from_value_error
 
 DONE = b"data: [DONE]\n\n"
 _encode = msgspec.json.Encoder().encode

@@ -60,12 +60,12 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
-from tidal.engine_core.restart_budget import RestartBudget
-from tidal.frontend.async_llm import (
+from ...engine_core.restart_budget import RestartBudget
+from ..async_llm import (
     DEFAULT_ENGINE_RESTART_TIMEOUT_S,
     DEFAULT_MAX_ENGINE_RESTARTS,
 )
-from tidal.frontend.server.timeouts import (
+from .timeouts import (
     DEFAULT_TIMEOUT_KEEP_ALIVE_S,
     DEFAULT_TIMEOUT_REQUEST_BODY_S,
     DEFAULT_TIMEOUT_REQUEST_HEADER_S,
@@ -87,7 +87,7 @@ processes `_STOP_TIMEOUT_S` + 2 s to kill, then the engine core's 10 s), SIGKILL
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags (tidal.engine_core.args) plus the HTTP server's flags."""
-    from tidal.engine_core.args import add_engine_args
+    from ...engine_core.args import add_engine_args
 
     add_engine_args(parser)
     g = parser.add_argument_group("HTTP server")
@@ -182,7 +182,7 @@ async def _attach_engine(spec: ServerSpec):
     """AsyncLLM attached to the daemon; fails fast if the daemon process dies meanwhile."""
     import asyncio
 
-    from tidal.frontend.async_llm import AsyncLLM
+    from ..async_llm import AsyncLLM
 
     create = asyncio.ensure_future(AsyncLLM.create(
         engine=spec.engine_address, key_file=spec.key_file, client_kind="http",
@@ -199,7 +199,7 @@ def serve_one(index: int, spec: ServerSpec, sock: socket.socket, slots) -> int:
     """Run one HTTP server process until SIGTERM/SIGINT; its exit status."""
     import uvicorn
 
-    from tidal.frontend.server.app import Server, ServerSettings, build_app
+    from .app import Server, ServerSettings, build_app
 
     _setup_logging(index)
     settings = ServerSettings(served_model_names=spec.served_model_names,
@@ -217,7 +217,7 @@ def serve_one(index: int, spec: ServerSpec, sock: socket.socket, slots) -> int:
 
 
 def _server_process_main(index: int, spec: ServerSpec, sock: socket.socket, slots) -> None:
-    from tidal.ipc.lifeline import watch_parent
+    from ...ipc.lifeline import watch_parent
 
     supervisor = multiprocessing.parent_process()
     if supervisor is not None:  # its sentinel: multiprocessing's pipe, EOF once it is gone
@@ -260,14 +260,14 @@ class _Supervisor:
         """(address, tokenizer folder, daemon pid): start a daemon unless --engine."""
         if self.ns.engine:
             return self.ns.engine, self.ns.tokenizer, None
-        from tidal.engine_core.args import config_from_args
-        from tidal.frontend.demo import apply_demo_model_default
-        from tidal.frontend.launcher import DaemonProcess
+        from ...engine_core.args import config_from_args
+        from ..demo import apply_demo_model_default
+        from ..launcher import DaemonProcess
 
         apply_demo_model_default(self.ns)  # no MODEL: the bundled demo model, "tidal-demo"
         config = config_from_args(self.ns)  # ValueError names the flag
         if config.scheduler.max_queue_delay is not None:
-            from tidal.engine_core.step_cost import required_profile
+            from ...engine_core.step_cost import required_profile
 
             required_profile(config)  # refused at once, not after the daemon starts
         extra = [] if self.ns.frontend_timeout is None else [
@@ -278,7 +278,7 @@ class _Supervisor:
     def start_servers(self, spec: ServerSpec, sock: socket.socket) -> None:
         slots = None
         if self.num_servers > 1:
-            from tidal.frontend.server.admission import make_shared_slots
+            from .admission import make_shared_slots
 
             slots = make_shared_slots(self.num_servers)
             self.metrics_dir = tempfile.mkdtemp(prefix="tidal-prometheus-")
@@ -320,7 +320,7 @@ class _Supervisor:
         the daemon when it dies or goes silent (stopped or hung: killed first)."""
         liveness = None
         if self.daemon is not None:
-            from tidal.frontend.engine_client import CoreLiveness
+            from ..engine_client import CoreLiveness
 
             liveness = CoreLiveness(self.daemon.address)
         try:
@@ -413,7 +413,7 @@ def _start_recording(path: str | None) -> tuple[str, bytes] | None:
     """--record-trace: the file (created with its header) and the recording's hash key."""
     if not path:
         return None
-    from tidal.frontend.tune.trace import start_recording
+    from ..tune.trace import start_recording
 
     try:
         key = start_recording(path)
@@ -427,7 +427,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     """`tidal serve`: run until SIGTERM / SIGINT; the exit status."""
     _setup_logging(None)
     if ns.lifeline_fd is not None:  # a tool's child (tidal tune profile, tidal bench chaos)
-        from tidal.ipc.lifeline import watch_parent
+        from ...ipc.lifeline import watch_parent
 
         watch_parent(ns.lifeline_fd, _SUPERVISOR_LIFELINE_GRACE_S, what="tidal serve")
     try:

@@ -39,16 +39,16 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from tidal.frontend.chat_template import RESERVED_TEMPLATE_KWARGS, has_chat_template, render_chat
-from tidal.frontend.server.admission import AdmissionController
-from tidal.frontend.server.errors import (
+from ..chat_template import RESERVED_TEMPLATE_KWARGS, has_chat_template, render_chat
+from .admission import AdmissionController
+from .errors import (
     APIError, bad_request, engine_unavailable, from_value_error, json_response,
 )
-from tidal.frontend.server.metrics import ServerMetrics
-from tidal.frontend.server.protocol import (
+from .metrics import ServerMetrics
+from .protocol import (
     MAX_N, ChatMessage, DetokenizeRequest, TokenizeRequest,
 )
-from tidal.ipc.messages import check_priority
+from ...ipc.messages import check_priority
 
 logger = logging.getLogger("tidal.serve")
 

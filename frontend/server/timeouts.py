@@ -125,7 +125,7 @@ def _request_timeout_response(timeout: float) -> bytes:
     """The whole 408 answer, with the OpenAI error body."""
     import msgspec
 
-    from tidal.frontend.server.errors import error_body
+    from .errors import error_body
 
     body = msgspec.json.encode(error_body(
         408, f"The request body did not arrive within {timeout:g} s "

@@ -43,12 +43,12 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from tidal.engine_core.config import EngineConfig, decode_engine_config
-from tidal.engine_core.step_cost import StepCostModel
-from tidal.frontend.tune.simulator import simulate
-from tidal.frontend.tune.trace import TRACE_BLOCK_TOKENS, Trace, TraceRequest, normalized
-from tidal.frontend.tune.tuner import format_bytes
-from tidal.ipc.advice import PreemptionPrediction, PreemptionWindow
+from ...engine_core.config import EngineConfig, decode_engine_config
+from ...engine_core.step_cost import StepCostModel
+from .simulator import simulate
+from .trace import TRACE_BLOCK_TOKENS, Trace, TraceRequest, normalized
+from .tuner import format_bytes
+from ...ipc.advice import PreemptionPrediction, PreemptionWindow
 
 NICE = 10
 """CPU priority increment of the advisor process."""

@@ -23,9 +23,9 @@ import math
 import sys
 import time
 
-from tidal.engine_core.args import add_engine_args, config_from_args, parse_bytes
-from tidal.engine_core.config import EngineConfig, resolve_max_model_len
-from tidal.engine_core.step_cost import StepCostModel, config_profile_key, find_profile
+from ...engine_core.args import add_engine_args, config_from_args, parse_bytes
+from ...engine_core.config import EngineConfig, resolve_max_model_len
+from ...engine_core.step_cost import StepCostModel, config_profile_key, find_profile
 
 DEFAULT_MAX_NUM_SEQS = (16, 32, 64, 128, 256)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = (512, 1024, 2048, 4096, 8192)
@@ -74,7 +74,7 @@ def _profile_parser() -> argparse.ArgumentParser:
 
 
 def _add_workload_args(p: argparse.ArgumentParser, default_rate: float | None) -> None:
-    from tidal.frontend.bench.cli import add_dataset_args
+    from ..bench.cli import add_dataset_args
 
     add_dataset_args(p, with_seed=False)  # --seed is the engine flags' (see the module text)
     g = p.add_argument_group("traffic")
@@ -143,7 +143,7 @@ def _search_parser() -> argparse.ArgumentParser:
 
 
 def _config(ns: argparse.Namespace) -> EngineConfig:
-    from tidal.frontend.demo import apply_demo_model_default
+    from ..demo import apply_demo_model_default
 
     apply_demo_model_default(ns)
     return config_from_args(ns)
@@ -181,7 +181,7 @@ def num_kv_blocks(config: EngineConfig, cost: StepCostModel,
 
 def _trace(ns: argparse.Namespace, config: EngineConfig):
     """(trace, its request rate)."""
-    from tidal.frontend.tune.trace import read_trace, trace_from_dataset
+    from .trace import read_trace, trace_from_dataset
 
     rate = ns.request_rate
     if rate is not None and not rate > 0:
@@ -199,8 +199,8 @@ def _trace(ns: argparse.Namespace, config: EngineConfig):
         return trace.scaled(rate / recorded), rate
     if rate is None:
         raise ValueError("--request-rate is required with a dataset (requests per second)")
-    from tidal.frontend.bench.cli import dataset_config_from_args
-    from tidal.frontend.bench.datasets import load_tokenizer
+    from ..bench.cli import dataset_config_from_args
+    from ..bench.datasets import load_tokenizer
 
     dataset = dataset_config_from_args(ns)
     tokenizer = load_tokenizer(config.model.tokenizer_path) if dataset.name == "jsonl" else None
@@ -218,7 +218,7 @@ def _write_json(path: str | None, document: dict) -> None:
 
 
 def run_profile(ns: argparse.Namespace) -> int:
-    from tidal.frontend.tune.profile import format_fit, profile
+    from .profile import format_fit, profile
 
     config = _config(ns)
     start = time.monotonic()
@@ -246,8 +246,8 @@ def run_profile(ns: argparse.Namespace) -> int:
 
 
 def run_simulate(ns: argparse.Namespace) -> int:
-    from tidal.frontend.bench.metrics import format_report
-    from tidal.frontend.tune.simulator import simulate
+    from ..bench.metrics import format_report
+    from .simulator import simulate
 
     config = _config(ns)
     cost, cost_path = _cost_model(config)
@@ -266,8 +266,8 @@ def run_simulate(ns: argparse.Namespace) -> int:
           f"{summary['max_num_running']}, peak KV cache usage "
           f"{100 * summary['max_kv_cache_usage']:.0f}%; cost model {cost_path}")
     if ns.plot:
-        from tidal.frontend.tune.plot import plot_tune
-        from tidal.frontend.tune.tuner import SLO, Evaluation, Setting
+        from .plot import plot_tune
+        from .tuner import SLO, Evaluation, Setting
 
         s = config.scheduler
         setting = Setting(s.max_num_seqs, s.max_num_batched_tokens, blocks,
@@ -303,8 +303,8 @@ def _choices(text: str, allowed: dict, name: str) -> list:
 
 
 def run_search(ns: argparse.Namespace) -> int:
-    from tidal.frontend.tune.simulator import simulate
-    from tidal.frontend.tune.tuner import (
+    from .simulator import simulate
+    from .tuner import (
         SLO, evaluations_to_json, format_table, parse_seconds, search, settings_grid,
     )
 
@@ -350,7 +350,7 @@ def run_search(ns: argparse.Namespace) -> int:
     print()
     print(format_table(evaluations, rate, slo, ns.top))
     if ns.plot:
-        from tidal.frontend.tune.plot import plot_tune
+        from .plot import plot_tune
 
         best = evaluations[0]
         best_rate = best.max_rate or rate

@@ -13,8 +13,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from tidal.frontend.tune.simulator import SimResult  # noqa: E402
-from tidal.frontend.tune.tuner import SLO, Evaluation  # noqa: E402
+from .simulator import SimResult  # noqa: E402
+from .tuner import SLO, Evaluation  # noqa: E402
 
 
 def _label(e: Evaluation) -> str:

@@ -46,9 +46,9 @@ import time
 
 import numpy as np
 
-from tidal.engine_core.config import EngineConfig, resolve_max_model_len
-from tidal.engine_core.cpu_threads import worker_env
-from tidal.engine_core.step_cost import (
+from ...engine_core.config import EngineConfig, resolve_max_model_len
+from ...engine_core.cpu_threads import worker_env
+from ...engine_core.step_cost import (
     FEATURES, StepCostModel, config_profile_key, plan_features, profile_path,
 )
 
@@ -96,7 +96,7 @@ def profile(config: EngineConfig, duration_s: float = 60.0, seed: int = 0,
         "max_prefill_tokens": config.scheduler.max_num_batched_tokens,
         "duration_s": duration_s, "created": time.time()})
     if serving:
-        from tidal.frontend.tune.serving_profile import measure_serving_terms
+        from .serving_profile import measure_serving_terms
 
         terms = measure_serving_terms(served_config, model)
         model = dataclasses.replace(
@@ -113,7 +113,7 @@ def profile(config: EngineConfig, duration_s: float = 60.0, seed: int = 0,
 
 
 def _run_child(worker_config, duration_s: float, seed: int) -> tuple[list[dict], dict]:
-    from tidal.ipc.transport import encode_worker_config
+    from ...ipc.transport import encode_worker_config
 
     env = (worker_env(dict(os.environ), worker_config.cpu_threads)
            if worker_config.cpu_threads else dict(os.environ))
@@ -269,7 +269,7 @@ class _ShapeRunner:
     measured steps."""
 
     def __init__(self, worker, shapes: _Shapes, seed: int) -> None:
-        from tidal.ipc.messages import SamplingParams
+        from ...ipc.messages import SamplingParams
 
         self.worker = worker
         self.shapes = shapes
@@ -281,7 +281,7 @@ class _ShapeRunner:
         self.pending_finished: list[str] = []
 
     def _tokens(self, n: int) -> bytes:
-        from tidal.ipc.messages import pack_token_ids
+        from ...ipc.messages import pack_token_ids
 
         return pack_token_ids([self.rng.randrange(3, self.vocab) for _ in range(n)])
 
@@ -292,7 +292,7 @@ class _ShapeRunner:
 
     def run(self, shape: tuple[int, int, int, int, int]) -> tuple[list[float], tuple]:
         """(seconds of each measured step, the step's features)."""
-        from tidal.ipc.messages import BatchPlan, CachedRequestData, NewRequestData
+        from ...ipc.messages import BatchPlan, CachedRequestData, NewRequestData
 
         d, c, p, s, m = shape
         self.visit += 1
@@ -324,7 +324,7 @@ class _ShapeRunner:
         return times, features
 
     def finish(self) -> None:
-        from tidal.ipc.messages import BatchPlan
+        from ...ipc.messages import BatchPlan
 
         self.step_id += 1
         self.worker.execute(BatchPlan(self.step_id, finished_req_ids=self.pending_finished))
@@ -365,7 +365,7 @@ def measure(worker, duration_s: float, seed: int) -> list[dict]:
 
 
 def _child_main(argv: list[str] | None = None) -> int:
-    from tidal.ipc.transport import decode_worker_config
+    from ...ipc.transport import decode_worker_config
 
     ap = argparse.ArgumentParser(description="tidal tune profile: the measuring worker")
     ap.add_argument("--config", required=True)
@@ -380,7 +380,7 @@ def _child_main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s [tidal tune profile] %(message)s")
     import torch
 
-    from tidal.workers.worker import Worker
+    from ...workers.worker import Worker
 
     if config.cpu_threads:
         torch.set_num_threads(config.cpu_threads)

@@ -53,11 +53,11 @@ import time
 
 import numpy as np
 
-from tidal.engine_core.args import config_to_argv
-from tidal.engine_core.config import EngineConfig, resolve_max_model_len
-from tidal.engine_core.step_cost import StepCostModel, chunk_features
-from tidal.ipc.lifeline import lifeline_fd
-from tidal.ipc.transport import free_tcp_port
+from ...engine_core.args import config_to_argv
+from ...engine_core.config import EngineConfig, resolve_max_model_len
+from ...engine_core.step_cost import StepCostModel, chunk_features
+from ...ipc.lifeline import lifeline_fd
+from ...ipc.transport import free_tcp_port
 
 BATCHES = (1, 8, 32, 64)
 """Concurrent streams per decode probe (those above --max-num-seqs are skipped)."""
@@ -121,7 +121,7 @@ async def _probe(base_url: str, config: EngineConfig, cost: StepCostModel,
                  ready_timeout_s: float) -> ServingTerms:
     import httpx
 
-    from tidal.frontend.bench.serve import wait_until_ready
+    from ..bench.serve import wait_until_ready
 
     async with httpx.AsyncClient(timeout=None) as client:
         model = (await wait_until_ready(client, base_url, ready_timeout_s))[0]
@@ -298,8 +298,8 @@ async def _stream(client, base_url: str, model: str, max_tokens: int, words: int
                   t0: float | None = None):
     """One streaming request for `max_tokens` tokens after a prompt of `words` words; its
     `start_time` counts from `t0` (default: when it is sent)."""
-    from tidal.frontend.bench.datasets import BenchRequest
-    from tidal.frontend.bench.serve import ServeConfig, request_body, send_request
+    from ..bench.datasets import BenchRequest
+    from ..bench.serve import ServeConfig, request_body, send_request
 
     # a number first: no probe's prompt starts like another's, so none is prefix-cached (a
     # cached prompt skips most of its prefill and makes the latency look negative)

@@ -38,12 +38,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tidal.engine_core.config import EngineConfig
-from tidal.engine_core.request import Request
-from tidal.engine_core.scheduler import Scheduler
-from tidal.engine_core.step_cost import StepCostModel
-from tidal.ipc.messages import BatchPlan, SampledTokens, SamplingParams, pack_token_ids
-from tidal.frontend.tune.trace import Trace
+from ...engine_core.config import EngineConfig
+from ...engine_core.request import Request
+from ...engine_core.scheduler import Scheduler
+from ...engine_core.step_cost import StepCostModel
+from ...ipc.messages import BatchPlan, SampledTokens, SamplingParams, pack_token_ids
+from .trace import Trace
 
 _TOKEN = pack_token_ids([1])
 """The token every simulated step samples."""
@@ -72,7 +72,7 @@ class SimResult:
 
     def summary(self, percentiles=PERCENTILES) -> dict:
         """The numbers `tidal bench serve` reports, under the same keys (ms, tok/s)."""
-        from tidal.frontend.bench.metrics import latency_stats
+        from ..bench.metrics import latency_stats
 
         done = ~np.isnan(self.finish)
         duration = float(np.nanmax(self.finish)) if done.any() else 0.0

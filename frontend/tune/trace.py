@@ -242,8 +242,8 @@ def trace_from_dataset(dataset_config, request_rate: float, burstiness: float = 
     """The workload `tidal bench serve` sends with the same dataset flags, seed, rate and
     burstiness: the same lengths, the same arrival times (its Gamma gaps), and prefix sharing
     from the prompts' token ids (or words, without a tokenizer)."""
-    from tidal.frontend.bench.datasets import build_dataset
-    from tidal.frontend.bench.serve import arrival_gaps
+    from ..bench.datasets import build_dataset
+    from ..bench.serve import arrival_gaps
 
     bench_requests = build_dataset(dataset_config, tokenizer)
     gaps = arrival_gaps(len(bench_requests), request_rate, burstiness, seed)

@@ -28,10 +28,10 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from tidal.engine_core.config import EngineConfig, check_lengths
-from tidal.engine_core.step_cost import StepCostModel
-from tidal.frontend.tune.simulator import simulate
-from tidal.frontend.tune.trace import Trace
+from ...engine_core.config import EngineConfig, check_lengths
+from ...engine_core.step_cost import StepCostModel
+from .simulator import simulate
+from .trace import Trace
 
 MAX_MULTIPLIER = 64.0
 RATE_PRECISION = 1.05

@@ -10,8 +10,8 @@ import sys
 import torch
 
 from kernel_cases import TOLERANCE, assert_matches, make_case, poisoned_like
-from tidal.kernels.reference import paged_attention_ref, write_kv_ref
-from tidal.kernels.triton_attention import (
+from tidal.kernels.attention.reference import paged_attention_ref, write_kv_ref
+from tidal.kernels.attention.triton_attention import (
     AttentionLaunch,
     paged_attention_triton,
     run_paged_attention,

@@ -1,6 +1,6 @@
 """Random paged-attention batches for the kernel tests (small shapes: Triton is interpreted).
 
-A case is a packed batch in the layout of `tidal.kernels.reference`. Every cache element no
+A case is a packed batch in the layout of `tidal.kernels.attention.reference`. Every cache element no
 request may read is NaN: unreferenced blocks (the null block 0 included) and the slots past
 each request's `seq_len` in its last block, so a kernel that reads outside its range fails.
 """
@@ -24,7 +24,7 @@ TOLERANCE = {
 
 @dataclass
 class PagedCase:
-    """One attention call's inputs (see `kernels/reference.py` for the layouts)."""
+    """One attention call's inputs (see `kernels/attention/reference.py` for the layouts)."""
 
     query: torch.Tensor  # [num_tokens, num_heads, head_dim]
     key_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]

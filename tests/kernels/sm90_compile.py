@@ -24,7 +24,7 @@ import triton.backends.nvidia
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from tidal.kernels import triton_attention as ta
+from tidal.kernels.attention import triton_attention as ta
 
 TARGET = GPUTarget("cuda", 90, 32)
 TL_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",

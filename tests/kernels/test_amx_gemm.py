@@ -1,4 +1,4 @@
-"""The AMX GEMM (`kernels/amx_gemm.py`) for a de-quantized GGUF weight's larger products: the
+"""The AMX GEMM (`kernels/cpu/amx_gemm.py`) for a de-quantized GGUF weight's larger products: the
 same weights exactly (the pack refuses a block whose d q + m is not exact in float32), products
 as close to the float64 product as F.linear's for every row count (tile tails, row chunks),
 the fused add and mul equal to the separate ops bit for bit, and the routing: the blocks up to
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tidal.kernels import amx_gemm, small_m_gemm
-from tidal.kernels.cpu_gemm import SmallBatchGemm
+from tidal.kernels.cpu import amx_gemm, small_m_gemm
+from tidal.kernels.cpu.cpu_gemm import SmallBatchGemm
 
 needs_amx = pytest.mark.skipif(amx_gemm.load() is None,
                                reason="no AMX on this CPU (or no C compiler)")

@@ -1,4 +1,4 @@
-"""The compiled RMSNorm and rotary of `kernels/cpu_fused.py` stand in for the torch ops of
+"""The compiled RMSNorm and rotary of `kernels/cpu/cpu_fused.py` stand in for the torch ops of
 `workers/layers.py`: the rotation bit for bit (float32 and float64, strided input), the
 norm to float32 rounding, and the float64 norm keeps transformers' exact ops. Each test runs
 with float32 in C (`layer_ops.c`, where a compiler is here) and in numba (`engine`)."""
@@ -6,7 +6,7 @@ with float32 in C (`layer_ops.c`, where a compiler is here) and in numba (`engin
 import pytest
 import torch
 
-from tidal.kernels import cpu_fused
+from tidal.kernels.cpu import cpu_fused
 from tidal.workers.layers import RMSNorm, RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(not cpu_fused.available(), reason="numba not installed")

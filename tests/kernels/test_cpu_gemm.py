@@ -1,12 +1,12 @@
-"""The CPU's small-batch GEMM (`kernels/cpu_gemm.py`) equals `F.linear` up to float32
+"""The CPU's small-batch GEMM (`kernels/cpu/cpu_gemm.py`) equals `F.linear` up to float32
 rounding on both sides of its row threshold, and is refused where it does not apply."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tidal.kernels import cpu_gemm
-from tidal.kernels.cpu_gemm import SMALL_BATCH_ROWS, SmallBatchGemm, small_batch_gemm_available
+from tidal.kernels.cpu import cpu_gemm
+from tidal.kernels.cpu.cpu_gemm import SMALL_BATCH_ROWS, SmallBatchGemm, small_batch_gemm_available
 
 
 @pytest.mark.parametrize("rows", [1, 7, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1, 300])

@@ -58,8 +58,8 @@ def test_exits_with_message_without_cuda(bench):
 def test_kernels_package_does_not_import_triton():
     """Only selecting the triton backend imports triton; the kernels package imports nothing
     of the workers (the attention seam points from workers to kernels only)."""
-    code = ("import sys, torch, tidal.kernels, tidal.kernels.reference; "
-            "[tidal.kernels.select_attention_backend(name, 'cpu', dtype) "
+    code = ("import sys, torch, tidal.kernels.attention, tidal.kernels.attention.reference; "
+            "[tidal.kernels.attention.select_attention_backend(name, 'cpu', dtype) "
             " for name in ('auto', 'numba', 'torch', 'reference') "
             " for dtype in (torch.float32, torch.bfloat16) "
             " if not (name == 'numba' and dtype == torch.bfloat16)]; "

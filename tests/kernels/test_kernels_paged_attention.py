@@ -8,15 +8,15 @@ import pytest
 import torch
 
 from kernel_cases import assert_matches, make_case, poisoned_like
-from tidal.kernels import select_attention_backend
-from tidal.kernels.metadata import AttentionMetadata
-from tidal.kernels.reference import (
+from tidal.kernels.attention import select_attention_backend
+from tidal.kernels.attention.metadata import AttentionMetadata
+from tidal.kernels.attention.reference import (
     merge_splits_ref,
     paged_attention_ref,
     paged_attention_splitk_ref,
     splitk_partials_ref,
 )
-from tidal.kernels.triton_attention import (
+from tidal.kernels.attention.triton_attention import (
     MAX_SPLITS,
     MIN_TOKENS_PER_SPLIT,
     AttentionLaunch,

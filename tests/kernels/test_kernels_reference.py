@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kernel_cases import PagedCase, make_case, poisoned_like
-from tidal.kernels.reference import (
+from tidal.kernels.attention.reference import (
     merge_splits_ref,
     paged_attention_ref,
     paged_attention_splitk_ref,

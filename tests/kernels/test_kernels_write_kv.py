@@ -6,8 +6,8 @@ input and cache dtypes agree, bit-identical (a pure copy)."""
 import pytest
 import torch
 
-from tidal.kernels.reference import write_kv_ref
-from tidal.kernels.triton_attention import write_kv_triton
+from tidal.kernels.attention.reference import write_kv_ref
+from tidal.kernels.attention.triton_attention import write_kv_triton
 
 
 def run_both(key, value, cache_shape, cache_dtype, slot_mapping, rtol=0.0):

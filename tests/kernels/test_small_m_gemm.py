@@ -1,4 +1,4 @@
-"""The panel GEMM (`kernels/small_m_gemm.py`): the product equals F.linear's to float32
+"""The panel GEMM (`kernels/cpu/small_m_gemm.py`): the product equals F.linear's to float32
 rounding for every row count up to 128 (its row blocks and their tails), the fused add and
 mul equal the separate ops bit for bit, weights stored narrower (bfloat16, float16, GGUF 4/8-bit
 blocks) give the float32 products bit for bit, the AVX2 build equals the AVX-512 one bit for
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tidal.kernels import cpu_gemm, native, small_m_gemm
-from tidal.kernels.cpu_gemm import SmallBatchGemm, small_batch_gemm_available
+from tidal.kernels.cpu import cpu_gemm, native, small_m_gemm
+from tidal.kernels.cpu.cpu_gemm import SmallBatchGemm, small_batch_gemm_available
 
 @pytest.fixture(autouse=True)
 def _panels_without_amx(monkeypatch):

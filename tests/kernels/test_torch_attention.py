@@ -13,12 +13,13 @@ import torch
 
 from kernel_cases import assert_matches, make_case, poisoned_like
 from tidal.engine_core.config import ATTENTION_BACKENDS
-from tidal.kernels import BACKENDS, cpu_attention, native, select_attention_backend
-from tidal.kernels.cpu_attention import CpuBackend
-from tidal.kernels.metadata import AttentionMetadata
-from tidal.kernels.numba_attention import NumbaAttentionPlan, NumbaBackend, balanced_order
-from tidal.kernels.reference import ReferenceBackend, paged_attention_ref, write_kv_ref
-from tidal.kernels.torch_attention import TorchAttentionPlan, TorchBackend, write_kv_torch
+from tidal.kernels.attention import BACKENDS, cpu_attention, select_attention_backend
+from tidal.kernels.cpu import native
+from tidal.kernels.attention.cpu_attention import CpuBackend
+from tidal.kernels.attention.metadata import AttentionMetadata
+from tidal.kernels.attention.numba_attention import NumbaAttentionPlan, NumbaBackend, balanced_order
+from tidal.kernels.attention.reference import ReferenceBackend, paged_attention_ref, write_kv_ref
+from tidal.kernels.attention.torch_attention import TorchAttentionPlan, TorchBackend, write_kv_torch
 
 
 @pytest.fixture(params=[CpuBackend, NumbaBackend, TorchBackend], ids=["cpu", "numba", "torch"])
@@ -321,7 +322,7 @@ def test_numba_plan_balances_decodes_over_threads_and_leaves_prefills_to_sdpa(mo
     plan deals the decodes longest first, round-robin: with 2 threads the contexts 70, 1, 33
     become [70, 1] for the first thread and [33] for the second. The prefill chunk is the
     torch path's."""
-    import tidal.kernels.numba_attention as numba_attention
+    import tidal.kernels.attention.numba_attention as numba_attention
 
     monkeypatch.setattr(numba_attention.numba, "get_num_threads", lambda: 2)
     case = make_case([1, 4, 1, 1], [70, 4, 1, 33], 4, 2, 16, 16, torch.float32)
@@ -355,7 +356,7 @@ def test_the_kernels_float32_exp_is_exact_to_float32_rounding_and_never_underflo
     1e30) it gives a tiny positive weight, never a NaN, Inf or garbage exponent."""
     from numba import njit
 
-    from tidal.kernels.numba_attention import exp_shifted
+    from tidal.kernels.attention.numba_attention import exp_shifted
 
     @njit
     def exp_rows(row, top):

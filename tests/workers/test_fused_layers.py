@@ -1,4 +1,4 @@
-"""The decoder layers in one C call (`kernels/fused_layers.py`) compute what the layers' own
+"""The decoder layers in one C call (`kernels/cpu/fused_layers.py`) compute what the layers' own
 calls compute, to float32 rounding, on every kind of step it takes, and leave the others to
 the layers."""
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tidal.ipc.messages import SamplingParams
-from tidal.kernels import fused_layers, small_m_gemm
+from tidal.kernels.cpu import fused_layers, small_m_gemm
 from worker_test_utils import (
     PlanScript,
     chunked_logits,
@@ -131,7 +131,7 @@ def test_a_quantized_models_few_row_steps_read_its_blocks_and_larger_ones_float_
     kernel's block rows and float panels above (AMX tiles, where AMX is here, which the fused
     call leaves to the layers): one fused call for each range of steps, and each gives the
     layers' own calls' logits (decode-like rows, short and long chunks)."""
-    from tidal.kernels import amx_gemm
+    from tidal.kernels.cpu import amx_gemm
     from tidal.workers.gguf import gguf_folder
 
     folder = gguf_folder(tiny_gguf_factory("Q4_1"), str(tmp_path))

@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tidal.kernels import select_attention_backend
+from tidal.kernels.attention import select_attention_backend
 from tidal.workers.distributed import PipelineParallel, TensorParallel
 from tidal.workers.loader import load_weights, read_config
 from tidal.workers.models.llama import build_model, parse_model_args

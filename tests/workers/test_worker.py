@@ -4,7 +4,7 @@ worker must refuse."""
 import pytest
 
 from tidal.ipc.messages import BatchPlan, CachedRequestData, SamplingParams
-from tidal.kernels import cpu_attention
+from tidal.kernels.attention import cpu_attention
 from tidal.workers.layers import kv_heads_per_rank
 from tidal.workers.worker import DEFAULT_CPU_KV_CACHE_BYTES, Worker
 from worker_test_utils import PlanScript, worker_config

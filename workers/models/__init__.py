@@ -1,6 +1,6 @@
 """Model definitions; `ARCHITECTURES` lists the supported config.json architectures."""
 
-from tidal.workers.models.llama import (
+from .llama import (
     ARCHITECTURES,
     LlamaForCausalLM,
     ModelArgs,

@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from tidal.kernels import AttentionBackend
-from tidal.kernels.cpu_gemm import SMALL_BATCH_ROWS
-from tidal.kernels.fused_layers import FusedLayers, LayerShape, LayerWeights
-from tidal.workers.attention import AttentionInputs, KVCache, PagedAttention
-from tidal.workers.distributed import PipelineParallel, TensorParallel
-from tidal.workers.layers import (
+from ...kernels.attention import AttentionBackend
+from ...kernels.cpu.cpu_gemm import SMALL_BATCH_ROWS
+from ...kernels.cpu.fused_layers import FusedLayers, LayerShape, LayerWeights
+from ..attention import AttentionInputs, KVCache, PagedAttention
+from ..distributed import PipelineParallel, TensorParallel
+from ..layers import (
     GemmLayer,
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -238,7 +238,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(h), residual=h)
 
     def fused_weights(self, rows: int) -> LayerWeights | None:
-        """This layer's weights as the fused C layers read them (`kernels/fused_layers.py`)
+        """This layer's weights as the fused C layers read them (`kernels/cpu/fused_layers.py`)
         for a step of `rows` rows: where the panel kernel takes every projection's product
         (one rank, CPU GEMMs: 4/8-bit blocks or float panels) and there are no biases or
         per-head norms; else None."""
@@ -286,7 +286,7 @@ class LlamaModel(nn.Module):
 
     def fuse_layers(self) -> bool:
         """Run the decoder layers of steps of up to SMALL_BATCH_ROWS tokens in one C call
-        (`kernels/fused_layers.py`) where every layer's parts have their C kernels here, on
+        (`kernels/cpu/fused_layers.py`) where every layer's parts have their C kernels here, on
         one pipeline stage; True when that took. A de-quantized GGUF's steps of up to the
         block rows read its 4/8-bit blocks and larger ones float panels: a call for each
         range (on the Zen 4 EPYC, SmolLM2 at 8 and 32 requests: 34.7 -> 24.5 ms and 110.6 ->
@@ -384,7 +384,7 @@ class LlamaForCausalLM(nn.Module):
         return name
 
     def use_cpu_gemm(self) -> int:
-        """Give every linear layer the CPU's small-batch GEMM (`kernels/cpu_gemm.py`), once
+        """Give every linear layer the CPU's small-batch GEMM (`kernels/cpu/cpu_gemm.py`), once
         the weights are loaded; returns how many layers took it (0 off the CPU or float32)."""
         taken = sum(m.use_cpu_gemm() for m in self.modules() if isinstance(m, GemmLayer))
         self.model.fuse_layers()

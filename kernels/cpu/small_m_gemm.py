@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from tidal.kernels import native
-from tidal.kernels.amx_gemm import _OPS, _Q4, _Q8, AmxBlockGemm
+from . import native
+from .amx_gemm import _OPS, _Q4, _Q8, AmxBlockGemm
 
 SOURCE = Path(__file__).with_name("small_m_gemm.c")
 

@@ -1,4 +1,4 @@
-"""Triton paged attention and KV-cache write: the GPU path, equal to `kernels/reference.py`.
+"""Triton paged attention and KV-cache write: the GPU path, equal to `kernels/attention/reference.py`.
 
 Public entry points (same signatures and semantics as the references):
 
@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal.kernels import FunctionBackend
+from . import FunctionBackend
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_SPLITS = 32

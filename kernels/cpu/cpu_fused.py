@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tidal.kernels import native
+from . import native
 
 try:
     from numba import njit

@@ -1,8 +1,8 @@
 """Vectorised torch paged attention and KV-cache write: `TorchBackend`, the CPU path for
 dtypes the numba kernel cannot hold (bf16, fp16), and the prefill path of `NumbaBackend`
-(`kernels/numba_attention.py`), which subclasses it and replaces only the decodes.
+(`kernels/attention/numba_attention.py`), which subclasses it and replaces only the decodes.
 
-Same layouts and results as `kernels/reference.py` (the specification), but without a
+Same layouts and results as `kernels/attention/reference.py` (the specification), but without a
 Python loop over decode requests. `TorchBackend.prepare` turns a step's metadata into a
 `TorchAttentionPlan` once; every layer's `attend` then runs:
 
@@ -31,8 +31,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from tidal.kernels import AttentionBackend
-from tidal.kernels.metadata import AttentionMetadata
+from . import AttentionBackend
+from .metadata import AttentionMetadata
 
 DEFAULT_DECODE_CHUNK_BYTES = 1 << 21
 """Gathered K+V bytes per decode chunk: requests are attended a few at a time so that their

@@ -2,7 +2,7 @@
 
 The model runner builds one per step and passes it, with the backend's per-step plan (see
 `AttentionBackend.prepare`), explicitly down through the model's forward; nothing about the
-batch is kept in module state. The exact conventions are in `kernels/reference.py`.
+batch is kept in module state. The exact conventions are in `kernels/attention/reference.py`.
 """
 
 from __future__ import annotations

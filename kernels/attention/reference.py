@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from tidal.kernels import FunctionBackend
+from . import FunctionBackend
 
 
 def write_kv_ref(

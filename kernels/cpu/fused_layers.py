@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tidal.kernels import cpu_attention, cpu_fused, native, small_m_gemm
+from ..attention import cpu_attention
+from . import cpu_fused, native, small_m_gemm
 
 SOURCE = Path(__file__).with_name("decoder_layers.c")
 

@@ -26,10 +26,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tidal.kernels import native
-from tidal.kernels.metadata import AttentionMetadata
-from tidal.kernels.numba_attention import NumbaAttentionPlan, NumbaBackend
-from tidal.kernels.torch_attention import PrefillChunk, split_requests
+from ..cpu import native
+from .metadata import AttentionMetadata
+from .numba_attention import NumbaAttentionPlan, NumbaBackend
+from .torch_attention import PrefillChunk, split_requests
 
 SOURCE = Path(__file__).with_name("decode_attention.c")
 

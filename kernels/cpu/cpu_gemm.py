@@ -49,8 +49,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from tidal.kernels import native
-from tidal.kernels.small_m_gemm import PanelGemm, panel_gemm_applies
+from . import native
+from .small_m_gemm import PanelGemm, panel_gemm_applies
 
 SMALL_BATCH_ROWS = 256
 """Most rows that take the reordered-weight path."""

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from tidal.kernels import native
+from . import native
 
 SOURCE = Path(__file__).with_name("amx_gemm.c")
 

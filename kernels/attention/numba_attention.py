@@ -2,7 +2,7 @@
 and float64.
 
 Decode attention on the CPU is memory-bound: every step reads each running request's whole
-K/V. The torch backend (`kernels/torch_attention.py`) must first gather a request's blocks
+K/V. The torch backend (`kernels/attention/torch_attention.py`) must first gather a request's blocks
 into a contiguous copy before a batched op can read them, so each byte crosses the memory bus
 about three times (read, write the copy, read the copy). This kernel reads K and V once,
 straight from the paged cache, one request per loop iteration (`prange`: spread over threads
@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tidal.kernels import NUMBA_DTYPES
-from tidal.kernels.metadata import AttentionMetadata
-from tidal.kernels.torch_attention import PrefillChunk, TorchBackend, split_requests
+from . import NUMBA_DTYPES
+from .metadata import AttentionMetadata
+from .torch_attention import PrefillChunk, TorchBackend, split_requests
 
 try:
     import numba
