@@ -3,12 +3,17 @@ file is converted into.
 
 A GGUF file is converted once into a cached Hugging Face folder by a child process,
 
-    python -m tidal.workers.gguf FILE.gguf     (prints {"folder": ...} or {"error": ...})
+    python -m tidal.workers.gguf FILE.gguf --lifeline-fd F
+        (prints {"folder": ...} or {"error": ...})
 
 because the conversion needs torch and transformers, which the engine core never imports.
 The engine core does this first at start-up; from then on it reads the context length from
 the folder, starts the workers on it, and names it to frontends (`EngineInfo.model`, and
 `EngineInfo.tokenizer` unless --tokenizer was given), so nothing past this point sees a GGUF.
+
+Like every child of the engine core, the converter dies with it, SIGKILL included (F is the
+read end of its lifeline, `ipc/lifeline.py`): a killed core leaves no converter finishing a
+cache nobody waits for (issue 39; before, one ran on for 41 s as an orphan).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 
+from ..ipc.lifeline import lifeline_fd
 from .config import is_gguf
 
 logger = logging.getLogger(__name__)
@@ -37,8 +43,11 @@ def model_folder(model: str, stop_requested: Callable[[], bool] = lambda: False,
     """
     if not is_gguf(model):
         return model
-    cmd = [sys.executable, "-m", "tidal.workers.gguf", model, "--log-level", log_level]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+    lifeline = lifeline_fd()  # the converter dies with this process (ipc/lifeline.py)
+    cmd = [sys.executable, "-m", "tidal.workers.gguf", model, "--log-level", log_level,
+           "--lifeline-fd", str(lifeline)]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
+                            pass_fds=(lifeline,))
     stdout = ""
     while True:
         try:

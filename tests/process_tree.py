@@ -26,9 +26,18 @@ def alive(pid: int) -> bool:
 
 def is_worker(pid: int) -> bool:
     """Whether `pid` is a tidal worker process (`python -m tidal.workers.proc`)."""
+    return _runs_module(pid, "tidal.workers.proc")
+
+
+def is_gguf_converter(pid: int) -> bool:
+    """Whether `pid` is tidal's GGUF converter (`python -m tidal.workers.gguf`)."""
+    return _runs_module(pid, "tidal.workers.gguf")
+
+
+def _runs_module(pid: int, module: str) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"tidal.workers.proc" in f.read()
+            return module.encode() in f.read()
     except (FileNotFoundError, ProcessLookupError):
         return False
 

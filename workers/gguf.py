@@ -1,6 +1,6 @@
 """GGUF files: de-quantized once into a cached Hugging Face folder that everything else loads.
 
-    python -m tidal.workers.gguf FILE.gguf [--cache-dir DIR]
+    python -m tidal.workers.gguf FILE.gguf [--cache-dir DIR] [--lifeline-fd F]
         prints one JSON line on stdout: {"folder": PATH} or {"error": MESSAGE} (exit 2)
 
 The engine core runs this before it reads the context length or starts a worker
@@ -37,12 +37,18 @@ import sys
 import tempfile
 import time
 
+from ..ipc.lifeline import watch_parent
+
 logger = logging.getLogger(__name__)
 
 MARKER = "tidal_gguf.json"
 """Written last into a converted folder: where it came from (also: the folder is complete)."""
 FORMAT_VERSION = 1
 """Part of the cache path (`gguf-v1`): raise it when the conversion changes what it writes."""
+LIFELINE_GRACE_S = 5.0
+"""From the engine core's death to SIGKILL: SIGTERM first, whose handler only removes this
+process's partial folder (a Python handler waits for the C call under way, one tensor's
+de-quantization or write); a partial left by the SIGKILL is removed by the next start."""
 
 # transformers model_type (= the GGUF's general.architecture for these) -> the class the
 # workers implement (tidal.workers.models.llama.ARCHITECTURES)
@@ -224,13 +230,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("file", help="the .gguf file")
     parser.add_argument("--cache-dir", default=None, help="default: " + cache_root())
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--lifeline-fd", type=int, default=None,
+                        help="read end of the engine core's lifeline pipe (ipc/lifeline.py)")
     args = parser.parse_args(argv)
     os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' per-tensor bar, \r by \r in logs
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s [tidal gguf] %(name)s: %(message)s")
-    # SIGTERM: the engine core stopping during start-up
+    # SIGTERM: the engine core stopping during start-up, or gone (the lifeline's SIGTERM)
     root = args.cache_dir or cache_root()
     signal.signal(signal.SIGTERM, lambda *_: _remove_own_partials_and_exit(root))
+    if args.lifeline_fd is not None:  # after the handler: a dead core's SIGTERM cleans up
+        watch_parent(args.lifeline_fd, LIFELINE_GRACE_S, what="GGUF converter")
     try:
         result = {"folder": gguf_folder(args.file, args.cache_dir)}
     except ValueError as e:

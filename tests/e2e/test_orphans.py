@@ -8,6 +8,8 @@
    are gone within seconds.
 3. A tool that runs `tidal serve` as its child (`tidal tune profile`, `tidal bench chaos`)
    SIGKILLed: the server's whole tree ends.
+4. (issue 39) `tidal core` SIGKILLed while it converts a GGUF file: the converter ends too,
+   leaving no cache folder behind. Before, it ran on as an orphan and finished the cache.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ import httpx
 import pytest
 
 from live_server import ENGINE_FLAGS, LiveServer
-from process_tree import alive, descendants, is_worker, wait_for, wait_gone
+from process_tree import (alive, children, descendants, is_gguf_converter, is_worker, wait_for,
+                          wait_gone)
 from tidal.frontend.server.serve import bind_socket
+from tidal.ipc.transport import new_private_address
 
 pytestmark = [pytest.mark.slow,  # live process trees (still run by CI)
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
@@ -126,3 +130,37 @@ time.sleep(600)
         if tool.poll() is None:
             tool.kill()
         _kill_leftovers(pids)
+
+
+@pytest.mark.timeout(120)
+def test_sigkilled_core_ends_its_gguf_converter(tiny_gguf_factory, tmp_path):
+    """The converter (`python -m tidal.workers.gguf`, the engine core's child) is killed with
+    its core once it has made its partial folder: on the tiny file it still has seconds of
+    work then (importing torch and transformers, de-quantizing), so it is caught running. A
+    cache of its own, or a cached file would not convert at all."""
+    versions = tmp_path / "cache" / "gguf-v1"
+    log_path = tmp_path / "core.log"
+    with open(log_path, "w") as log:
+        core = subprocess.Popen(
+            [sys.executable, "-m", "tidal.engine_core.daemon", tiny_gguf_factory("Q8_0"),
+             "--listen", new_private_address("test-core")],
+            env={**os.environ, "TIDAL_CACHE_DIR": str(tmp_path / "cache")},
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    converter = []
+    try:
+        converter = [wait_for(lambda: next(
+            (pid for pid in children(core.pid) if is_gguf_converter(pid)), None),
+            timeout=60, what="the GGUF converter")]
+        wait_for(lambda: versions.is_dir() and list(versions.iterdir()), timeout=60,
+                 what="the converter's partial folder")
+        os.kill(core.pid, signal.SIGKILL)
+        core.wait(10)
+        left = wait_gone(converter, GONE_WITHIN_S)
+        assert not left, (f"the converter still runs {GONE_WITHIN_S:.0f} s after its core's "
+                          f"SIGKILL\n" + log_path.read_text()[-2000:])
+        assert list(versions.iterdir()) == []  # no cache folder, and its partial removed
+    finally:
+        if core.poll() is None:
+            core.kill()
+            core.wait(10)
+        _kill_leftovers(converter)
