@@ -194,9 +194,14 @@ def _check_header(row: dict, where: str) -> dict:
 
 def start_recording(path: str, source: str = "tidal serve") -> bytes:
     """Create (or truncate) the trace file with its header; returns the hash key the
-    recorders of this recording share. Arrival times are wall-clock (`"clock": "epoch"`)."""
+    recorders of this recording share. Arrival times are wall-clock (`"clock": "epoch"`).
+
+    The file is readable by its owner alone (0600), an existing one too: its hashes and
+    lengths describe the users' prompts."""
     key = new_hash_key()
-    with open(path, "w", encoding="utf-8") as f:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # O_CREAT's mode applies to a new file only
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(json.dumps(trace_header(source, clock="epoch")) + "\n")
     return key
 

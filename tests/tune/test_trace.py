@@ -1,6 +1,7 @@
 """Traces: the file round trip, keyed prefix hashes, and the bench workload they stand for."""
 
 import json
+import stat
 
 import pytest
 
@@ -43,6 +44,18 @@ def test_recorder_writes_hashes_never_tokens_and_shifts_wall_clock(tmp_path):
     assert len(a.prefix_hashes) == 2 and b.prefix_hashes == a.prefix_hashes[:1]
     assert a.prefix_hashes == block_hashes(prompt, key)
     assert block_hashes(prompt, b"another key") != a.prefix_hashes  # keyed per recording
+
+
+def test_recorded_trace_is_readable_by_its_owner_alone(tmp_path):
+    """--record-trace: the file describes users' prompts, so it is created 0600, and an
+    existing world-readable file is made 0600 as it is truncated."""
+    fresh, old = tmp_path / "fresh.jsonl", tmp_path / "old.jsonl"
+    old.write_text("left from before\n")
+    old.chmod(0o644)
+    for path in (fresh, old):
+        start_recording(str(path))
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert "left from before" not in old.read_text()
 
 
 def test_chained_hashes_share_exactly_the_common_prefix():
