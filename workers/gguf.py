@@ -17,6 +17,12 @@ folder is converted once per file and later starts are a hash and a safetensors 
 "GGUF models", has the numbers). The cost is disk: the weights are stored de-quantized, in
 float32 (SmolLM2-135M in Q4_1: 538 MB from a 98 MB file).
 
+A folder is written as a partial one, `.<stem>-partial-<pid>-<random>/` beside it, and renamed
+into place once complete (MARKER written last): a converter that dies
+mid-way, however it dies, leaves nothing under the folder's name. Its writer holds a lock in
+the partial folder while it lives (WRITER_LOCK); every start removes the partial folders whose
+lock it can take, so half-written ones do not pile up (`_remove_abandoned_partials`).
+
 Everything goes through transformers' own GGUF support (`from_pretrained(gguf_file=...)`,
 which reads the file with the `gguf` package and de-quantizes each tensor with it, in
 float32); nothing here parses GGUF. Only architectures the workers implement are converted;
@@ -26,11 +32,13 @@ any other is a ValueError naming it.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import glob
 import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import sys
@@ -45,6 +53,15 @@ MARKER = "tidal_gguf.json"
 """Written last into a converted folder: where it came from (also: the folder is complete)."""
 FORMAT_VERSION = 1
 """Part of the cache path (`gguf-v1`): raise it when the conversion changes what it writes."""
+WRITER_LOCK = ".writer.lock"
+"""In a partial folder: flock-ed by its writer for as long as it lives. The kernel releases it
+when the writer dies, SIGKILL included, so a lock another process can take marks a folder
+whose writer is gone; unlike a pid, it cannot be mistaken for a live writer after pid reuse,
+nor for a dead one when the cache is shared across pid namespaces (containers) or hosts (NFS
+takes it to the server: the file is opened read-write for that)."""
+_PARTIAL_NAME = re.compile(r"^\..+-partial-\d+-[a-z0-9_]{8}$")
+"""`_partial_prefix` + mkdtemp's 8 random characters. A converted folder can never match: its
+name ends in a dash and 16 hex digits. Also matches partials of tidal before WRITER_LOCK."""
 LIFELINE_GRACE_S = 5.0
 """From the engine core's death to SIGKILL: SIGTERM first, whose handler only removes this
 process's partial folder (a Python handler waits for the C call under way, one tensor's
@@ -89,13 +106,15 @@ def gguf_folder(path: str, root: str | None = None) -> str:
     t0 = time.perf_counter()
     digest = file_sha256(path)
     stem = os.path.splitext(os.path.basename(path))[0]
-    folder = os.path.join(_versions_dir(root or cache_root()), f"{stem}-{digest[:16]}")
+    versions = _versions_dir(root or cache_root())
+    folder = os.path.join(versions, f"{stem}-{digest[:16]}")
+    _remove_abandoned_partials(versions)
     if os.path.isfile(os.path.join(folder, MARKER)):
         logger.info("GGUF %s: using %s (hashed in %.1f s)", path, folder,
                     time.perf_counter() - t0)
         return folder
-    os.makedirs(os.path.dirname(folder), exist_ok=True)
-    partial = tempfile.mkdtemp(prefix=_partial_prefix(stem), dir=os.path.dirname(folder))
+    os.makedirs(versions, exist_ok=True)
+    partial, lock = _new_partial(versions, stem)
     try:
         seconds = convert(path, partial)
         _write_marker(partial, path, digest, seconds)
@@ -104,8 +123,11 @@ def gguf_folder(path: str, root: str | None = None) -> str:
         except OSError:  # another process finished the same file first: keep its folder
             if not os.path.isfile(os.path.join(folder, MARKER)):
                 raise
+        else:
+            _unlink_quietly(os.path.join(folder, WRITER_LOCK))  # only partials need it
     finally:
-        shutil.rmtree(partial, ignore_errors=True)
+        shutil.rmtree(partial, ignore_errors=True)  # still locked: no cleaner races it
+        os.close(lock)
     logger.info("GGUF %s: converted into %s in %.1f s", path, folder, time.perf_counter() - t0)
     return folder
 
@@ -118,6 +140,74 @@ def _versions_dir(root: str) -> str:
 def _partial_prefix(stem: str) -> str:
     """Names a partial folder after the converting process, so a SIGTERM can find its own."""
     return f".{stem}-partial-{os.getpid()}-"
+
+
+def _new_partial(versions: str, stem: str) -> tuple[str, int]:
+    """A new, empty partial folder in `versions` and the fd of its WRITER_LOCK, locked.
+
+    Between mkdtemp and the lock a cleaner may take the folder for abandoned and remove it;
+    then the lock file is gone or not the folder's own any more, and another is made."""
+    while True:
+        partial = tempfile.mkdtemp(prefix=_partial_prefix(stem), dir=versions)
+        lock = os.path.join(partial, WRITER_LOCK)
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+        except FileNotFoundError:  # removed by a cleaner already
+            continue
+        fcntl.flock(fd, fcntl.LOCK_EX)  # waits only while a cleaner removes the folder
+        if _same_file(fd, lock):
+            return partial, fd
+        os.close(fd)
+
+
+def _remove_abandoned_partials(versions: str) -> None:
+    """Remove the partial folders in `versions` whose writer is gone (SIGKILLed, out of memory,
+    past its SIGTERM grace, the machine restarted): each start of any converter on this cache
+    does it, so one found is left by a converter that died. A live writer's folder is left
+    alone, however long it has run: the lock says whether its writer lives, which an age
+    cannot (a large model converts for many minutes on a slow machine)."""
+    try:
+        names = os.listdir(versions)
+    except FileNotFoundError:
+        return
+    for name in names:
+        if _PARTIAL_NAME.match(name):
+            _remove_if_abandoned(os.path.join(versions, name))
+
+
+def _remove_if_abandoned(partial: str) -> None:
+    lock = os.path.join(partial, WRITER_LOCK)
+    try:  # created if missing: its writer died before making it, or was an older tidal
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:  # renamed into place or removed meanwhile, or not ours to touch
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if _same_file(fd, lock):  # else: renamed into place before the lock was taken
+            logger.warning("GGUF cache: removing %s, left half-written by a converter that "
+                           "died", partial)
+            shutil.rmtree(partial, ignore_errors=True)
+    except BlockingIOError:  # its writer is alive
+        pass
+    finally:
+        os.close(fd)
+
+
+def _same_file(fd: int, path: str) -> bool:
+    """Whether `path` still names the file open as `fd`."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    fst = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _remove_own_partials_and_exit(root: str) -> None:

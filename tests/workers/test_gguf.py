@@ -1,5 +1,6 @@
 """Issue 16, item 1: a GGUF file is de-quantized once, through transformers, into a cached
-Hugging Face folder (`workers/gguf.py`).
+Hugging Face folder (`workers/gguf.py`). Issue 39: a converter that dies mid-way leaves
+nothing taken for that folder, and the next start removes what it left.
 
 Offline: the files are the tiny Llama written as GGUF by `tiny_models.make_tiny_gguf` (the
 `gguf` package's writer, llama.cpp's layout, q/k rows permuted). A float32 file must come back
@@ -10,14 +11,19 @@ own GGUF loader de-quantizes.
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from process_tree import wait_for
 from tidal.frontend.engine_client import load_tokenizer, read_eos_token_ids
 from tidal.workers import gguf as gguf_module
-from tidal.workers.gguf import MARKER, file_sha256, gguf_folder
+from tidal.workers.gguf import MARKER, WRITER_LOCK, file_sha256, gguf_folder
 from tidal.workers.loader import read_config
 from tidal.workers.models.llama import parse_model_args
 
@@ -117,3 +123,42 @@ def test_other_architectures_are_refused_by_name(tiny_gguf_factory, tmp_path, ar
 def test_a_missing_file_is_named(tmp_path):
     with pytest.raises(ValueError, match="no such GGUF file"):
         gguf_folder(str(tmp_path / "nothing.gguf"), str(tmp_path))
+
+
+@pytest.mark.timeout(120)
+def test_a_converter_that_dies_midway_leaves_nothing_taken_for_the_cache(tiny_gguf_factory,
+                                                                         tmp_path):
+    """A converter caught in mid-conversion (SIGSTOP, once its partial folder exists: it then
+    imports torch for seconds): its folder is left alone while it lives, however another
+    start runs; once SIGKILLed, its half-written folder is never used, and the next start
+    removes it (and one an older tidal left, with no lock). Nothing else is kept but the
+    converted folder."""
+    path = tiny_gguf_factory("F32")
+    versions = tmp_path / "gguf-v1"
+    converter = subprocess.Popen(
+        [sys.executable, "-m", "tidal.workers.gguf", path, "--cache-dir", str(tmp_path)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        (partial,) = wait_for(lambda: [p for p in versions.glob(".tiny-F32-partial-*")
+                                       if (p / WRITER_LOCK).exists()],
+                              timeout=60, what="the converter's partial folder")
+        time.sleep(0.2)  # past taking its lock, in the imports
+        os.kill(converter.pid, signal.SIGSTOP)
+
+        folder = gguf_folder(path, str(tmp_path))  # converts: the partial is not the cache
+        assert partial.is_dir()  # its writer lives
+        assert os.path.isfile(os.path.join(folder, MARKER))
+        assert WRITER_LOCK not in os.listdir(folder)
+
+        os.kill(converter.pid, signal.SIGKILL)
+        converter.wait(10)
+        (partial / "model.safetensors").write_bytes(b"\0" * 100)  # as if killed while saving
+        older = versions / ".tiny-F32-partial-12345-abcd_123"  # no lock: an older tidal's
+        older.mkdir()
+        (older / "config.json").write_text("{}")
+        assert gguf_folder(path, str(tmp_path)) == folder
+        assert os.listdir(versions) == [os.path.basename(folder)]
+    finally:
+        if converter.poll() is None:
+            converter.kill()
+            converter.wait(10)
