@@ -18,7 +18,7 @@ folder is converted once per file and later starts are a hash and a safetensors 
 float32 (SmolLM2-135M in Q4_1: 538 MB from a 98 MB file).
 
 A folder is written as a partial one, `.<stem>-partial-<pid>-<random>/` beside it, and renamed
-into place once complete (MARKER written last): a converter that dies
+into place once complete (its files synced, MARKER written last): a converter that dies
 mid-way, however it dies, leaves nothing under the folder's name. Its writer holds a lock in
 the partial folder while it lives (WRITER_LOCK); every start removes the partial folders whose
 lock it can take, so half-written ones do not pile up (`_remove_abandoned_partials`).
@@ -118,6 +118,7 @@ def gguf_folder(path: str, root: str | None = None) -> str:
     try:
         seconds = convert(path, partial)
         _write_marker(partial, path, digest, seconds)
+        _sync_files(partial)  # before the rename: a machine crash leaves a partial, not junk
         try:
             os.rename(partial, folder)
         except OSError:  # another process finished the same file first: keep its folder
@@ -201,6 +202,22 @@ def _same_file(fd: int, path: str) -> bool:
         return False
     fst = os.fstat(fd)
     return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
+
+
+def _sync_files(folder: str) -> None:
+    """fsync every file in `folder` and the folder itself: renamed into place unsynced, a
+    machine crash could leave the folder's name with MARKER present and weights missing."""
+    for name in os.listdir(folder):
+        fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _unlink_quietly(path: str) -> None:
