@@ -1,4 +1,4 @@
-"""The continuous-batching scheduler (rules: DESIGN.md "Scheduler rules").
+"""The continuous-batching scheduler (its rules: docs/architecture.md §5).
 
 One step:
 

@@ -1,4 +1,4 @@
-"""DESIGN.md's "may import" table, enforced: every module's imports are read with `ast` (no
+"""The "may import" table (docs/architecture.md §3.1), enforced: imports are read with `ast` (no
 module is imported), so a forbidden import fails here before it can blur a folder's role.
 
     folder        may import (of ours)                       third-party rule

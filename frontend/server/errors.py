@@ -1,6 +1,6 @@
 """OpenAI-style errors: every failure is `{"error": {"message", "type", "param", "code"}}`.
 
-Status mapping (as vLLM's server does it, §6.3 of the reference):
+Status mapping (as vLLM's server does it; docs/architecture.md §6.3):
 
     invalid JSON, wrong types, out-of-range values, prompt too long   400 BadRequestError
     missing or wrong API key                                         401 AuthenticationError

@@ -1,4 +1,4 @@
-"""Prefix caching and block allocation (reference §7 items 19-29), block size 16."""
+"""Prefix caching and block allocation (docs/architecture.md §7, items 19-29), block size 16."""
 
 import subprocess
 import sys

@@ -1,4 +1,4 @@
-"""Priority scheduling (§7 items 14-15) and async scheduling (§7 items 16-17)."""
+"""Priority scheduling (docs/architecture.md §7.14-7.15) and async scheduling (§7.16-7.17)."""
 
 import logging
 

@@ -1,4 +1,4 @@
-"""vLLM's scheduler behaviours (reference §7 items 1-13), driven by a fake worker.
+"""vLLM's scheduler behaviours (docs/architecture.md §7, items 1-13), driven by a fake worker.
 
 Block math is in each docstring; block size is 16 unless stated.
 """
@@ -345,7 +345,7 @@ def test_stats_match_the_queues():
 
 
 def test_no_admission_in_a_preempting_step_and_head_of_line_blocking():
-    """DESIGN rules: 11 blocks (10 usable). A and B (80 tokens, 5 blocks each) fill the pool.
+    """§5 rules: 11 blocks (10 usable). A and B (80 tokens, 5 blocks each) fill the pool.
     Step 2: A's position 80 needs a block, B is preempted (A takes B's freed tail block), and
     no waiting request is admitted in that step although C (5 tokens) would fit. Step 3: B
     is at the front of the queue; it needs 6 blocks (81 tokens; 4 cached ones sit on the free
