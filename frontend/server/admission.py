@@ -57,7 +57,11 @@ whole steps, snapshots a few hundred ms old. The issue asks that accepted reques
 limit at p90: this margin is that p90 of the error, measured on the live server.
 
 Above the limit the answer is 503 with `Retry-After: ceil(wait - limit)` (at least 1 s): the
-queue drains about a second of work per second.
+queue drains about a second of work per second. The 503s of the two count limits carry a
+Retry-After too: `RETRY_AFTER_S` for `--max-num-queued-reqs` (when a running request ends
+cannot be known here), and for `--max-num-queued-tokens` the time the core's estimate gives
+the excess tokens to drain (`s per prompt token`, known under --max-queue-delay), else
+`RETRY_AFTER_S`.
 
 Check and increment run in one synchronous step on the event loop, so within a process there
 is no race; across processes two requests admitted in the same microsecond may both pass (the
@@ -74,7 +78,7 @@ import time
 from collections import deque
 from typing import Awaitable, Callable
 
-from .errors import QUEUE_FULL_MESSAGE, TOKENS_FULL_MESSAGE, APIError
+from .errors import QUEUE_FULL_MESSAGE, RETRY_AFTER_S, TOKENS_FULL_MESSAGE, APIError
 
 logger = logging.getLogger("tidal.serve")
 
@@ -247,11 +251,12 @@ class AdmissionController:
         """Admit `num_reqs` engine requests holding `num_tokens` prompt tokens in all, which
         reached this process `waited_s` ago, or raise a 503 APIError (nothing is counted)."""
         if self.limit is not None and self.num_unfinished() + num_reqs > self.limit:
-            self._reject("max_num_queued_reqs", QUEUE_FULL_MESSAGE)
+            self._reject("max_num_queued_reqs", QUEUE_FULL_MESSAGE, _retry_after(RETRY_AFTER_S))
         if self.token_limit is not None:
             queued = self.num_queued_tokens()
             if queued and queued + num_tokens > self.token_limit:
-                self._reject("max_num_queued_tokens", TOKENS_FULL_MESSAGE)
+                self._reject("max_num_queued_tokens", TOKENS_FULL_MESSAGE, _retry_after(
+                    self._drain_seconds(queued + num_tokens - self.token_limit)))
         estimate = self.check_wait(num_tokens, waited_s)
         self._add(num_reqs, num_tokens)
         self._admitted[0] += num_tokens
@@ -259,6 +264,12 @@ class AdmissionController:
         checked = ((time.monotonic() - waited_s, estimate) if self.max_queue_delay is not None
                    else None)
         return Ticket(self, num_reqs, num_tokens, checked)
+
+    def _drain_seconds(self, num_tokens: int) -> float:
+        """Seconds the core needs to prefill `num_tokens` more, by its estimate (known under
+        --max-queue-delay); RETRY_AFTER_S without one."""
+        per_token = self._estimate[1]
+        return num_tokens * per_token if per_token > 0 else RETRY_AFTER_S
 
     def _reject(self, reason: str, message: str, headers: dict[str, str] | None = None):
         if self._on_reject is not None:
@@ -302,3 +313,8 @@ class AdmissionController:
             except Exception as exc:  # the engine is slow or gone: keep the last value
                 logger.debug("admission: stats refresh failed: %s", exc)
             await asyncio.sleep(interval)
+
+
+def _retry_after(seconds: float) -> dict[str, str]:
+    """The Retry-After header of a 503: whole seconds, at least 1."""
+    return {"Retry-After": str(max(1, math.ceil(seconds)))}

@@ -10,7 +10,8 @@ import pytest
 from http_fake_engine import FakeEngine
 from tidal.frontend.server.admission import AdmissionController, make_shared_slots
 from tidal.frontend.server.app import ServerSettings, build_app
-from tidal.frontend.server.errors import QUEUE_FULL_MESSAGE, APIError
+from tidal.frontend.server.errors import QUEUE_FULL_MESSAGE, RETRY_AFTER_S, APIError
+from tidal.ipc.messages import SchedulerStats
 
 
 def test_controller_counts_and_releases():
@@ -79,6 +80,26 @@ def test_controller_counts_queued_prompt_tokens_until_the_first_token():
     with pytest.raises(APIError):
         ctl.admit(1, 6)
     ctl.admit(1, 5)
+
+
+def test_count_limit_503s_say_when_to_retry():
+    """Both count limits answer 503 with a Retry-After, as every other 503 does: a fixed
+    RETRY_AFTER_S for requests; for prompt tokens the time the core's estimate gives the
+    excess to drain (30 tokens over at 0.25 s each: 7.5 s, rounded up), RETRY_AFTER_S
+    without one."""
+    ctl = AdmissionController(1, token_limit=100)
+    ctl.admit(1, 90)
+    with pytest.raises(APIError) as full:
+        ctl.admit(1)
+    assert full.value.headers == {"Retry-After": str(RETRY_AFTER_S)}
+    ctl.limit = None
+    with pytest.raises(APIError) as tokens:
+        ctl.admit(1, 40)
+    assert tokens.value.headers == {"Retry-After": str(RETRY_AFTER_S)}
+    ctl.note_core_estimate(SchedulerStats(est_s_per_prompt_token=0.25), (0, 0))
+    with pytest.raises(APIError) as tokens:
+        ctl.admit(1, 40)
+    assert tokens.value.status == 503 and tokens.value.headers == {"Retry-After": "8"}
 
 
 def test_shared_slots_sum_tokens_over_processes():
