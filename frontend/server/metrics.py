@@ -16,6 +16,11 @@ Two sources, so that the numbers are the whole server's with any `--api-server-c
   process accepted the connection) merges all files with `MultiProcessCollector`: histograms
   and counters are summed across processes.
 
+Every series carries a `model_name` label: the served model name, except that a served name
+which is an absolute path (a model served without --served-model-name is served under its
+path, as in vLLM) is labelled with its last component: a scrape must not tell where the
+server's files are.
+
 The periodic log line ("Avg prompt throughput ... Prefix cache hit rate ...", every 10 s while
 busy) is printed by the engine-core daemon itself (engine_core/daemon.py), once for the whole
 server, so the HTTP processes do not print it again.
@@ -63,6 +68,14 @@ def multiprocess_mode() -> bool:
     return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 
 
+def metric_model_name(served_name: str) -> str:
+    """The `model_name` label of a served name: the name, or for an absolute path (the
+    default served name of a model given by its path) its last component."""
+    if not os.path.isabs(served_name):
+        return served_name
+    return os.path.basename(os.path.normpath(served_name)) or served_name
+
+
 class _CoreStatsCollector:
     """Renders one SchedulerStats snapshot as gauges and counters (a prometheus collector)."""
 
@@ -95,7 +108,7 @@ class ServerMetrics:
     """The per-request metrics of one server process, and the `/metrics` page."""
 
     def __init__(self, model_name: str, prefix: str = "tidal:"):
-        self.model_name = model_name
+        self.model_name = metric_model_name(model_name)
         self.prefix = prefix
         self._multiprocess = multiprocess_mode()
         # In multiprocess mode samples are written to files whatever the registry, and the

@@ -337,3 +337,22 @@ def test_metrics_page_parses_and_moves(client, engine):
                  "prefix_cache_queries_total", "prefix_cache_hits_total",
                  "prompt_tokens_total"]:
         assert "tidal:" + name in after
+
+
+def test_metrics_never_carry_the_model_path(tokenizer):
+    """A model served without --served-model-name is served under its path (vLLM's
+    default); the metrics label it with the path's last component, so a scrape does not tell
+    where the server's files are. The API name is unchanged, and a plain served name
+    ("org/model", not a path) is the label as it is."""
+    engine = FakeEngine(tokenizer)
+    engine.model_name = "/srv/models/llama-3-8b/"
+    with make_client(engine) as c:
+        assert c.get("/v1/models").json()["data"][0]["id"] == "/srv/models/llama-3-8b/"
+        assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code \
+            == 200
+        text = c.get("/metrics").text
+    labels = {s.labels.get("model_name") for f in text_string_to_metric_families(text)
+              for s in f.samples}
+    assert labels == {"llama-3-8b"} and "/srv" not in text
+    with make_client(FakeEngine(tokenizer), served_model_names=["org/model"]) as c:
+        assert 'model_name="org/model"' in c.get("/metrics").text
