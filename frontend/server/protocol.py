@@ -37,8 +37,30 @@ def _valid_unicode(text: str) -> str:
     return text
 
 
+MAX_STOP_STRINGS = 64
+"""Most stop strings one request may give (OpenAI allows 4; vLLM has no limit)."""
+MAX_STOP_STRING_CHARS = 1024
+"""Longest stop string, in characters. Each new token's text is searched for every stop
+string over the new characters plus a look-back of the string's length (output_processor.py),
+and a stream holds back the longest one's length: both limits bound that work per token."""
+
+
+def _check_stop(stop: str | list[str] | None):
+    """At most MAX_STOP_STRINGS stop strings of at most MAX_STOP_STRING_CHARS each."""
+    strings = [stop] if isinstance(stop, str) else stop or []
+    if len(strings) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got "
+                         f"{len(strings)}")
+    longest = max(map(len, strings), default=0)
+    if longest > MAX_STOP_STRING_CHARS:
+        raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} "
+                         f"characters, got one of {longest}")
+    return stop
+
+
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 StopString = Annotated[Text, Field(min_length=1)]
+Stop = Annotated[StopString | list[StopString] | None, AfterValidator(_check_stop)]
 
 
 class OpenAIModel(BaseModel):
@@ -71,8 +93,9 @@ class SamplingRequest(OpenAIModel):
     """Softmax temperature (default 1.0); 0 is greedy."""
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     """Nucleus sampling threshold in (0, 1] (default 1.0)."""
-    stop: StopString | list[StopString] | None = None
-    """Stop string(s): generation ends when the text contains one; removed from the text."""
+    stop: Stop = None
+    """Stop string(s): generation ends when the text contains one; removed from the text.
+    At most MAX_STOP_STRINGS, each at most MAX_STOP_STRING_CHARS characters."""
     seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = None
     """Per-request seed: same seed, same tokens, whatever else runs in the batch."""
     presence_penalty: Penalty = 0.0

@@ -27,6 +27,8 @@ CASES = [
     (CMPL, {"prompt": "x", "presence_penalty": 5}, 400, "presence_penalty", "2"),
     (CMPL, {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty", "greater"),
     (CMPL, {"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids.0", ""),
+    (CMPL, {"prompt": "x", "stop": ["s"] * 65}, 400, "stop", "at most 64 stop strings"),
+    (CHAT, {"messages": MSG, "stop": "s" * 1025}, 400, "stop", "at most 1024 characters"),
     (CMPL, {"prompt": "x", "min_tokens": 20, "max_tokens": 5}, 400, "min_tokens", ""),
     (CMPL, {"prompt": "x", "model": "gpt-17"}, 404, "model", "gpt-17"),
     (CMPL, {"prompt": "", "max_tokens": 2}, 400, "prompt", "empty"),
