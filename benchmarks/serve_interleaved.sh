@@ -2,8 +2,9 @@
 # Serving latency of tidal, llama-server and vLLM-CPU, interleaved: all three servers up at
 # once (same model, ../shared/peers/setup.sh's builds), then `tidal bench serve` drives each
 # in turn, one seed after another (a different random workload per seed, the same for all
-# three). One serving run varies by 2x at a rate that builds a queue (BENCHMARKS.md, "Night"),
-# so compare engines over several seeds run side by side, not one run each.
+# three). One serving run varies by 2x at a rate that builds a queue
+# (benchmarks/archive/BENCHMARKS.md, "Night"), so compare engines over several seeds run side
+# by side, not one run each.
 # Usage: serve_interleaved.sh [RATE req/s] [NUM_PROMPTS] [INPUT_LEN] [OUTPUT_LEN]
 #   env: PEERS (setup.sh's dir), SEEDS (default "1 2 3 4"), TIDAL_ARGS (extra tidal serve flags),
 #        VLLM_ARGS (extra vllm serve flags: on a VM whose NUMA node holds less memory than vLLM's

@@ -6,8 +6,8 @@
 Starts `LLM(MODEL_DIR)` (the bundled demo model by default) with the engine's defaults, then
 runs `--rounds` rounds of `--requests` prompts of 3-30 words, 4-32 output tokens each at
 temperature 0.8, and prints the worker's RSS (from /proc, Linux) after start-up and after
-each round. Issue 13's figures (README, "On the CPU a worker takes its whole KV cache") come
-from this script.
+each round. Issue 13's figures (docs/tuning.md, "Memory on the CPU"; the archive,
+benchmarks/archive/BENCHMARKS.md) come from this script.
 """
 
 from __future__ import annotations

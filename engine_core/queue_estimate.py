@@ -31,8 +31,9 @@ Two ways a request waits, the larger counts (`queue_delay_s`):
   the snapshot with, is S / C + prefill_cost(1, P / Q) + per_prompt_token_latency_s (P / Q of
   the last queue that held any tokens).
 
-  Measured (BENCHMARKS.md, admission check): pricing steps without the serving terms and
-  without the request's own step's fixed part, the estimate ran low under load, where the
+  Measured (benchmarks/archive/BENCHMARKS.md, admission check): pricing steps without the
+  serving terms and without the request's own step's fixed part, the estimate ran low under
+  load, where the
   150 running decodes stream 44 ms of tokens each step on the demo model; pricing a step's
   C tokens as one C-token prompt's pairs (C(C+1)/2, the first version) ran 0.4 s high at a
   median for sharegpt-like prompts of a few hundred tokens.
@@ -44,7 +45,8 @@ Two ways a request waits, the larger counts (`queue_delay_s`):
 Both are priced by the cost model as measured on a machine at rest. Under a burst the CPU is
 shared: on a CPU-only server the HTTP process parsing and tokenizing hundreds of prompts, and
 the client beside it, take cores from the workers, and every step runs slower than its price
-(the accepted requests of a 300-request burst waited 3.1 s for a 1 s limit, BENCHMARKS.md).
+(the accepted requests of a 300-request burst waited 3.1 s for a 1 s limit,
+benchmarks/archive/BENCHMARKS.md).
 So the step prices are multiplied by `slowdown(now)`, two factors:
 
 - **the intake now**: the serving cost model charges each arriving request's intake
@@ -57,7 +59,8 @@ So the step prices are multiplied by `slowdown(now)`, two factors:
   (`note_step`, from the engine core's step loop): a neighbour on the machine, a cost model
   measured on a quieter day; 1 until `SLOWDOWN_MIN_STEPS` steps have run.
 
-  Measured (BENCHMARKS.md, "Admission, fifth round"): the median of measured over priced
+  Measured (benchmarks/archive/BENCHMARKS.md, "Admission, fifth round"): the median of
+  measured over priced
   alone, the first version, followed the intake a few steps late: 1 for a burst's first 0.3 s,
   then 4.5x from its first three steps (a 38-token step at 8.4x its price) where the steps
   that followed ran at 1.8-2.4x, and about 2x after the arrivals had stopped, when the steps

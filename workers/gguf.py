@@ -13,8 +13,8 @@ template) and model.safetensors in float32; the cache is `$TIDAL_CACHE_DIR`, els
 Why a folder, not the GGUF in every place: transformers parses the whole GGUF again for each
 of config, tokenizer and weights (its reader builds one numpy view per vocabulary entry), so
 each rank, the frontend and the core would each pay seconds to a minute at every start; a
-folder is converted once per file and later starts are a hash and a safetensors mmap (README,
-"GGUF models", has the numbers). The cost is disk: the weights are stored de-quantized, in
+folder is converted once per file and later starts are a hash and a safetensors mmap
+(docs/gguf.md). The cost is disk: the weights are stored de-quantized, in
 float32 (SmolLM2-135M in Q4_1: 538 MB from a 98 MB file).
 
 A folder is written as a partial one, `.<stem>-partial-<pid>-<random>/` beside it, and renamed

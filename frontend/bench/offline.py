@@ -9,7 +9,8 @@
   model is so small that a step's time is the engine's own overhead: scheduling, messaging,
   batch preparation), with async scheduling on and off.
 - `make_random_llama`: such random-weight Llama folders of any shape, using an existing
-  model's tokenizer (no download), for the overhead figure and the BENCHMARKS.md models.
+  model's tokenizer (no download), for the overhead figure and the models of
+  benchmarks/archive/BENCHMARKS.md.
 """
 
 from __future__ import annotations

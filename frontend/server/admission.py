@@ -36,7 +36,8 @@ the snapshot's query was sent (other processes' admissions show in the next snap
            + (admitted since) requests * est_s_per_queued_request + margin
 
 `waited` is the time since the request reached this process: under a burst requests wait
-here too (up to 3.2 s of a 1 s limit at 300 requests at once, BENCHMARKS.md: for their turn
+here too (up to 3.2 s of a 1 s limit at 300 requests at once,
+benchmarks/archive/BENCHMARKS.md: for their turn
 in the tokenizer pool, and for CPU the workers share), and the client's time to first token
 counts it. Before
 its prompt is tokenized, a request is checked once with its own prompt left out (`check_wait`,
@@ -88,7 +89,7 @@ DELAY_REFRESH_SECONDS = 0.05
 """How long it waits after each answer before asking for the core's queue estimate again under
 --max-queue-delay. The core answers between steps, so under load this is one snapshot a step.
 At 0.25 s a 150 req/s burst's first half second was priced with the snapshot from before it
-(BENCHMARKS.md, admission, fifth round)."""
+(benchmarks/archive/BENCHMARKS.md, admission, fifth round)."""
 ERROR_WINDOW = 100
 """How many of the last admitted requests' (actual - estimated) waits the margin is taken
 from; fewer than `ERROR_MIN_SAMPLES` give no margin."""

@@ -31,7 +31,7 @@
  * Why: SmolLM2's prefill spent 75% of its time in these GEMMs, and float32 on AVX-512 runs at
  * ~400 GFLOP/s on this project's 2-vCPU Xeon, where AMX multiplies bfloat16 at ~2500 (oneDNN,
  * same shapes). With three products a weight and the scaling, SmolLM2's layer shapes run at
- * 590-810 GFLOP/s here (BENCHMARKS.md, "AMX for a GGUF's weights").
+ * 590-810 GFLOP/s here (benchmarks/archive/BENCHMARKS.md, "AMX for a GGUF's weights").
  */
 #include <stddef.h>
 #include <stdlib.h>

@@ -14,7 +14,8 @@
  * same weight sits in cache). Here the first two row blocks of a pair also prefetch the next
  * pair into L2, one cache line per K step, so the stream overlaps the arithmetic: 202
  * against 152-165 GFLOP/s on two threads for SmolLM2's four layer shapes at 32 rows
- * (BENCHMARKS.md). Sums run over k in order with fused multiply-adds, as oneDNN's do: results
+ * (benchmarks/archive/BENCHMARKS.md). Sums run over k in order with fused multiply-adds, as
+ * oneDNN's do: results
  * equal F.linear's to float32 rounding; the add and mul of op 1 and 2 are applied to the
  * finished sums, so they equal the separate ops bit for bit.
  */
