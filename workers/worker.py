@@ -230,8 +230,9 @@ def resolve_dtype(name: str, hf_config: dict, device: torch.device) -> torch.dty
       AMX-FP16 here; torch's float16 GEMM measured no faster than float32), and float16
       weights convert to float32 exactly, so the results are float32's;
     - bfloat16 stays bfloat16 where the CPU multiplies it natively (AVX512_BF16 or AMX:
-      GEMMs of 16 rows and more 2.3-7x faster than float32 on AMX, prefill 3-4x; README,
-      "Data types"), else float32, since emulated bfloat16 is slower than float32.
+      GEMMs of 16 rows and more 2.3-7x faster than float32 on AMX, prefill 3-4x;
+      docs/tuning.md, "Data types on the CPU"), else float32, since emulated bfloat16 is
+      slower than float32.
     """
     if name != "auto":
         return DTYPES[name]

@@ -7,8 +7,8 @@ The input is split into three bfloat16 parts that sum to it exactly and the weig
 small integers, so the tile products are exact and only the float32 additions round, in
 another order than F.linear's (the error against a float64 product is below F.linear's on
 the shapes tested). Measured on this project's 2-vCPU Xeon (Sapphire Rapids, two threads),
-SmolLM2-135M's four layer shapes, one layer's weights in cache (BENCHMARKS.md, "AMX for a
-GGUF's weights"):
+SmolLM2-135M's four layer shapes, one layer's weights in cache
+(benchmarks/archive/BENCHMARKS.md, "AMX for a GGUF's weights"):
 
     rows        32        64        128       256       512
     panels      0.81 ms   1.28 ms   2.28 ms   4.83 ms   10.21 ms

@@ -6,8 +6,8 @@ no Python between them.
 Why: steps of a few tokens of a small model were mostly Python. The 7M-parameter Llama of the
 benchmarks (hidden 256, 4 layers), a decode step of 4 requests on the 2-vCPU Xeon: 1.75 ms,
 of which ~1 ms module dispatch, output allocation and ctypes argument conversion around ~40
-kernel calls (cProfile and a per-part timer, 2026-12-02; BENCHMARKS.md, "One C call for the
-decoder layers").
+kernel calls (cProfile and a per-part timer, 2026-12-02; benchmarks/archive/BENCHMARKS.md,
+"One C call for the decoder layers").
 
 `FusedLayers` takes a step when every part of it has its kernel here: float32 activations,
 `min_tokens` to `max_tokens` tokens (the row counts its weights serve: a de-quantized GGUF's

@@ -3,7 +3,8 @@ CPUs, where it beats oneDNN (`cpu_gemm.py`) by streaming the weights with prefet
 AVX2 CPUs for a de-quantized GGUF's 4/8-bit blocks at a few rows.
 
 Measured on this project's 2-core Xeon VM (AVX-512, two threads), SmolLM2-135M's four layer
-shapes in 30 layers, each weight streamed from memory (BENCHMARKS.md, "On the Xeon again"):
+shapes in 30 layers, each weight streamed from memory (benchmarks/archive/BENCHMARKS.md,
+"On the Xeon again"):
 
     rows     8        16       32       64       128      256
     oneDNN   25.1 ms  31.7 ms  41-44 ms 67.3 ms  97.9 ms  167.7 ms
