@@ -5,10 +5,12 @@ docs/architecture.md."""
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import re
 from pathlib import Path
 
+import pytest
 import test_import_rules
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,9 +27,13 @@ def _gen_flags():
 def test_flags_doc_is_generated_from_the_parsers():
     gen = _gen_flags()
     current = gen.OUTPUT.read_text() if gen.OUTPUT.exists() else ""
-    assert current == gen.render(), (
-        f"docs/flags.md is stale (a flag, its default or its help changed): regenerate it "
-        f"with `{gen.COMMAND}` and commit it with the change")
+    expected = gen.render()
+    if current != expected:
+        diff = difflib.unified_diff(current.splitlines(), expected.splitlines(),
+                                    "docs/flags.md", "the parsers", lineterm="", n=0)
+        pytest.fail(f"docs/flags.md is stale (a flag, its default or its help changed): "
+                    f"regenerate it with `{gen.COMMAND}` and commit it with the change\n"
+                    + "\n".join(list(diff)[:20]), pytrace=False)
 
 
 def test_flags_doc_has_the_flags_the_hand_kept_table_lacked():
