@@ -11,8 +11,9 @@ streams get an error event and [DONE] instead of a cut connection).
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
 POST /detokenize, GET /health, GET /metrics, GET /version, GET|POST /ping. With an API key,
 every route except health, metrics, version, ping and the API docs needs
-`Authorization: Bearer KEY` (401 otherwise). Every response carries `x-tidal-server: <index>`,
-the `--api-server-count` process that answered it.
+`Authorization: Bearer KEY` (401 otherwise); then a body over --max-request-body-bytes is
+answered 413 before it is parsed (body_limit.py). Every response carries
+`x-tidal-server: <index>`, the `--api-server-count` process that answered it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from .admission import AdmissionController
+from .body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
 from .chat import create_chat_completion
 from .completions import create_completion
 from .errors import APIError, install_error_handlers, json_response
@@ -72,6 +74,8 @@ class ServerSettings:
     """This process's index among the `--api-server-count` processes (its slot)."""
     record_trace: tuple[str, bytes] | None = None
     """(trace file, hash key) from `tidal.frontend.tune.trace.start_recording` (--record-trace)."""
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    """Larger request bodies are answered 413 before they are parsed (body_limit.py)."""
 
 
 class APIKeyMiddleware:
@@ -167,6 +171,7 @@ def build_app(engine_factory: Callable[[], Awaitable[Any]],
     install_error_handlers(app)
     _add_generate_routes(app)
     _add_info_routes(app)
+    app.add_middleware(BodyLimitMiddleware, limit=settings.max_request_body_bytes)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(ServerIndexMiddleware, index=settings.server_index)

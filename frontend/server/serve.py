@@ -3,6 +3,7 @@
     tidal serve [MODEL] [engine flags] [--host H] [--port P] [--api-server-count N]
                 [--api-key K] [--timeout-keep-alive S] [--timeout-request-header S]
                 [--timeout-request-body S]        (read timeouts: server/timeouts.py)
+                [--max-request-body-bytes N]      (413 beyond: server/body_limit.py)
                 [--record-trace FILE]             (a request trace for `tidal tune`)
     tidal serve --engine ADDRESS [--engine-key-file F] [server flags]   (attach, start no daemon)
 
@@ -65,6 +66,7 @@ from ..async_llm import (
     DEFAULT_ENGINE_RESTART_TIMEOUT_S,
     DEFAULT_MAX_ENGINE_RESTARTS,
 )
+from .body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
 from .timeouts import (
     DEFAULT_TIMEOUT_KEEP_ALIVE_S,
     DEFAULT_TIMEOUT_REQUEST_BODY_S,
@@ -87,7 +89,7 @@ processes `_STOP_TIMEOUT_S` + 2 s to kill, then the engine core's 10 s), SIGKILL
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags (tidal.engine_core.args) plus the HTTP server's flags."""
-    from ...engine_core.args import add_engine_args
+    from ...engine_core.args import add_engine_args, parse_bytes
 
     add_engine_args(parser)
     g = parser.add_argument_group("HTTP server")
@@ -137,6 +139,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    default=DEFAULT_TIMEOUT_REQUEST_BODY_S,
                    help="answer 408 and close when a request body has not arrived this many "
                    f"seconds after its head (default: {DEFAULT_TIMEOUT_REQUEST_BODY_S:g})")
+    g.add_argument("--max-request-body-bytes", type=parse_bytes, metavar="N",
+                   default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help="answer 413 to a request body larger than N bytes (16MiB, 1GB, ...) "
+                   "before it is parsed; a chunked upload once it passes N (default: 16MiB)")
 
 
 @dataclass
@@ -156,6 +162,7 @@ class ServerSpec:
     timeout_request_body: float = DEFAULT_TIMEOUT_REQUEST_BODY_S
     engine_restart_timeout: float = DEFAULT_ENGINE_RESTART_TIMEOUT_S
     record_trace: tuple[str, bytes] | None = None
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
 
 
 # --------------------------------------------------------------------------------------------
@@ -204,7 +211,8 @@ def serve_one(index: int, spec: ServerSpec, sock: socket.socket, slots) -> int:
     _setup_logging(index)
     settings = ServerSettings(served_model_names=spec.served_model_names,
                               api_key=spec.api_key, admission_slots=slots, server_index=index,
-                              record_trace=spec.record_trace)
+                              record_trace=spec.record_trace,
+                              max_request_body_bytes=spec.max_request_body_bytes)
     app = build_app(lambda: _attach_engine(spec), settings)
     http = timed_http_protocol(spec.timeout_request_header, spec.timeout_request_body)
     config = uvicorn.Config(app, loop="uvloop", http=http, lifespan="on",
@@ -392,7 +400,8 @@ def _check_args(ns: argparse.Namespace) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
     if not 0 <= ns.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {ns.port}")
-    for flag in ("timeout_keep_alive", "timeout_request_header", "timeout_request_body"):
+    for flag in ("timeout_keep_alive", "timeout_request_header", "timeout_request_body",
+                 "max_request_body_bytes"):
         value = getattr(ns, flag)
         if not value > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
@@ -447,7 +456,8 @@ def run_serve(ns: argparse.Namespace) -> int:
                           ns.api_key, daemon_pid, ns.uvicorn_log_level,
                           not ns.disable_uvicorn_access_log, ns.timeout_keep_alive,
                           ns.timeout_request_header, ns.timeout_request_body,
-                          ns.engine_restart_timeout, record_trace)
+                          ns.engine_restart_timeout, record_trace,
+                          max_request_body_bytes=ns.max_request_body_bytes)
         sup.start_servers(spec, sock)
         host, port = sock.getsockname()[:2]
         logger.info("listening on http://%s:%d; starting %d HTTP server process(es) for the "

@@ -22,6 +22,8 @@ def test_defaults_and_engine_flags_coexist():
     assert ns.stream_interval == 4 and ns.served_model_name == "m"
     assert (ns.api_server_count, ns.api_key, ns.host, ns.port) == (2, "k", "127.0.0.1", 8000)
     assert ns.engine is None
+    assert ns.max_request_body_bytes == 16 * 2**20
+    assert parse("--max-request-body-bytes", "1MiB").max_request_body_bytes == 2**20
     attach = parse("--engine", "ipc:///tmp/x.sock", "--engine-key-file", "keys")
     assert attach.engine == "ipc:///tmp/x.sock" and attach.engine_key_file == "keys"
 
@@ -33,6 +35,7 @@ def test_defaults_and_engine_flags_coexist():
     (["--port", "70000"], "port"),
     (["--frontend-timeout", "0"], "frontend-timeout"),
     (["--engine", "ipc:///tmp/x.sock", "--frontend-timeout", "3"], "tidal core"),
+    (["--max-request-body-bytes", "0"], "max-request-body-bytes"),
 ])
 def test_bad_server_flags_are_value_errors(argv, word):
     with pytest.raises(ValueError, match=word):
