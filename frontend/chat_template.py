@@ -55,6 +55,18 @@ def render_chat(tokenizer, conversation: list[dict[str, Any]], *,
     ValueError when there is no template (the tokenizer has none and none is given), or the
     template fails on this conversation (the message says why; `messages` is the field).
     """
+    text = render_chat_text(tokenizer, conversation, chat_template=chat_template,
+                            add_generation_prompt=add_generation_prompt,
+                            continue_final_message=continue_final_message,
+                            chat_template_kwargs=chat_template_kwargs)
+    return text, tokenizer.encode(text, add_special_tokens=False)
+
+
+def render_chat_text(tokenizer, conversation: list[dict[str, Any]], *,
+                     chat_template: str | None = None, add_generation_prompt: bool = True,
+                     continue_final_message: bool = False,
+                     chat_template_kwargs: dict[str, Any] | None = None) -> str:
+    """The rendered prompt alone, untokenized (`render_chat`'s first half, same errors)."""
     if chat_template is None and not has_chat_template(tokenizer):
         raise ValueError("chat_template is required: this model's tokenizer has no chat "
                          "template; pass chat_template= (a Jinja template string), or use "
@@ -66,4 +78,4 @@ def render_chat(tokenizer, conversation: list[dict[str, Any]], *,
             continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
     except Exception as exc:  # template errors come from the conversation or the template
         raise ValueError(f"messages: the chat template failed on them: {exc}") from None
-    return text, tokenizer.encode(text, add_special_tokens=False)
+    return text

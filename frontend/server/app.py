@@ -239,13 +239,15 @@ def _add_generate_routes(app: FastAPI) -> None:
     async def tokenize(req: TokenizeRequest, request: Request) -> Response:
         """Token ids of a prompt, or of messages through the chat template."""
         serving = request.app.state.serving
-        return json_response(await serving.off_loop(serving.tokenize, req))
+        chars = None if req.prompt is None else len(req.prompt)
+        return json_response(await serving.off_loop(serving.tokenize, req, chars=chars))
 
     @app.post("/detokenize", responses={200: {"model": DetokenizeResponse}, **_ERRORS})
     async def detokenize(req: DetokenizeRequest, request: Request) -> Response:
         """Text of a list of token ids."""
         serving = request.app.state.serving
-        return json_response(await serving.off_loop(serving.detokenize, req))
+        return json_response(await serving.off_loop(serving.detokenize, req,
+                                                    chars=len(req.tokens)))
 
 
 def _add_info_routes(app: FastAPI) -> None:

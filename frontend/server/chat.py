@@ -35,7 +35,7 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     await serving.check_structured_output(req, params)
     token_ids = await serving.tokenizing(request, serving.render_chat, req.messages,
                                          req.add_generation_prompt, req.continue_final_message,
-                                         req.chat_template_kwargs)
+                                         req.chat_template_kwargs, chars=_chars(req))
     token_ids = await serving.encode(request, token_ids, "messages")
     serving.check_room(params, len(token_ids), "max_completion_tokens"
                        if req.max_completion_tokens else "max_tokens")
@@ -44,6 +44,11 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     view = _ChatView(serving, req, run, response_id, model)
     return await serving.respond(request, run, view.stream if req.stream else None,
                                  view.build)
+
+
+def _chars(req: ChatCompletionRequest) -> int:
+    """The conversation's characters (what picks its tokenizer lane)."""
+    return sum(len(m.text()) + len(m.name or "") for m in req.messages)
 
 
 class _ChatView:

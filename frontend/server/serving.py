@@ -5,18 +5,21 @@ of the request fails before admission, and admission happens before any byte is 
 streaming request also gets a real 400 / 503 status):
 
     check model -> SamplingParams (ValueError -> 400) -> [--max-queue-delay: 503 if even
-    an empty prompt would wait too long] -> prompts to token ids (too long -> 400)
-    -> admission (503) -> one engine request per prompt (n completions each)
-    -> JSON body, or server-sent events
+    an empty prompt would wait too long] -> prompts to token ids (too long -> 400; a text
+    too long to possibly fit, `max_prompt_chars`: 400 untokenized) -> admission (503)
+    -> one engine request per prompt (n completions each) -> JSON body, or server-sent events
 
 (The bracketed check, made when the request's turn in the tokenizer pool comes, is the one
 exception to "the request's own faults first": under a burst the pool is a queue of its own,
 and a request that cannot make the limit anyway is answered without being tokenized,
 `admission.py`.)
 
-Tokenizing and the chat template run in a small thread pool (`off_loop`), never on the event
-loop: a prompt of megabytes takes seconds to tokenize, and meanwhile this process's other
-streams and its heartbeat to the engine core must go on (a silent frontend is dropped).
+Tokenizing and the chat template run in thread pools (`off_loop`), never on the event loop:
+a prompt of megabytes takes seconds to tokenize, and meanwhile this process's other streams
+and its heartbeat to the engine core must go on (a silent frontend is dropped). Small prompts
+have a lane of their own, so that they never queue behind huge ones (`SMALL_PROMPT_CHARS`);
+and a text longer than the context could hold is refused before any tokenizing: each token
+is at most the vocabulary's longest token long (`longest_token_chars`).
 
 A `Run` holds what one HTTP request started (its engine requests and its admission ticket);
 `Run.close()` always runs, whatever ends the request (finished, error, client gone): it
@@ -39,7 +42,7 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from ..chat_template import RESERVED_TEMPLATE_KWARGS, has_chat_template, render_chat
+from ..chat_template import RESERVED_TEMPLATE_KWARGS, has_chat_template, render_chat_text
 from .admission import AdmissionController
 from .errors import (
     APIError, bad_request, engine_unavailable, from_value_error, json_response,
@@ -55,6 +58,12 @@ logger = logging.getLogger("tidal.serve")
 TOKENIZER_THREADS = 4
 """Threads per HTTP process for tokenizing and chat templates (HF fast tokenizers release the
 GIL while they work, so a big prompt does not stop the event loop)."""
+SMALL_PROMPT_CHARS = 16_384
+"""Prompts of at most this many characters (a conversation: its messages' text) are tokenized
+in a lane of their own, `SMALL_LANE_THREADS` threads, so they never wait behind huge ones:
+four prompts of a million characters held all `TOKENIZER_THREADS` for about 3 s each here
+(the tiny test tokenizer, a shared 2-core machine), where this many characters take ~50 ms."""
+SMALL_LANE_THREADS = 2
 
 
 class _Job:
@@ -186,20 +195,33 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.vocab_size = _vocab_size(self.tokenizer, engine.engine_info)
         self.scheduling_policy = engine.engine_info.scheduling_policy
+        self.max_token_chars = longest_token_chars(self.tokenizer)
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tidal-tokenize")
+        self._small_pool = ThreadPoolExecutor(SMALL_LANE_THREADS,
+                                              thread_name_prefix="tidal-tokenize-small")
         self.stopping = False  # the server is shutting down: 503 from now on
 
     @property
     def max_model_len(self) -> int:
         return self.engine.engine_info.max_model_len  # a re-attached core may say otherwise
 
-    async def off_loop(self, fn, *args, **kwargs):
-        """`fn(*args, **kwargs)` in the tokenizer thread pool, awaited."""
+    @property
+    def max_prompt_chars(self) -> int:
+        """The most characters a text prompt can have and still fit the context: each token
+        is at most `max_token_chars` long (`longest_token_chars`)."""
+        return self.max_model_len * self.max_token_chars
+
+    async def off_loop(self, fn, *args, chars: int | None = None, **kwargs):
+        """`fn(*args, **kwargs)` in a tokenizer thread pool, awaited: the small lane when the
+        work is on at most SMALL_PROMPT_CHARS characters (`chars`), else the main pool."""
+        small = chars is not None and chars <= SMALL_PROMPT_CHARS
         call = functools.partial(fn, *args, **kwargs)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._small_pool if small else self._pool, call)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._small_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---------------------------------------------------------------- validation helpers
 
@@ -241,17 +263,18 @@ class OpenAIServing:
         """Seconds since this process received `request`."""
         return time.monotonic() - cls.received_at(request)
 
-    async def tokenizing(self, request: Request, fn, *args):
-        """`fn(*args)` in the tokenizer pool for `request`; under --max-queue-delay, once its
-        turn comes, first a 503 if even without its own prompt it would now wait too long
-        (a burst queues here: such a request is answered without being tokenized)."""
+    async def tokenizing(self, request: Request, fn, *args, chars: int | None = None):
+        """`fn(*args)` in the tokenizer pool for `request` (the lane `chars` picks, as
+        `off_loop`); under --max-queue-delay, once its turn comes, first a 503 if even
+        without its own prompt it would now wait too long (a burst queues here: such a
+        request is answered without being tokenized)."""
         received = self.received_at(request)
 
         def when_its_turn_comes():
             self.admission.check_wait(0, time.monotonic() - received)
             return fn(*args)
 
-        return await self.off_loop(when_its_turn_comes)
+        return await self.off_loop(when_its_turn_comes, chars=chars)
 
     def check_token_ids(self, token_ids, param: str) -> None:
         for token_id in token_ids:
@@ -260,9 +283,31 @@ class OpenAIServing:
                                   f"vocabulary [0, {self.vocab_size})", param)
 
     async def encode(self, request: Request, prompt: str | list[int], param: str) -> list[int]:
-        """Token ids of one of `request`'s prompts, made off the event loop (`tokenizing`);
-        400 when empty or too long."""
-        return await self.tokenizing(request, self._encode, prompt, param)
+        """Token ids of one of `request`'s prompts, made off the event loop (`tokenizing`, in
+        the lane its size picks); 400 when empty or too long, before any tokenizing when it
+        cannot possibly fit (`check_prompt_size`)."""
+        self.check_prompt_size(prompt, param)
+        return await self.tokenizing(request, self._encode, prompt, param, chars=len(prompt))
+
+    def check_prompt_size(self, prompt: str | list[int], param: str) -> None:
+        """400 for a prompt that cannot fit the context whatever its tokens: a list of
+        max_model_len ids or more, a text of more than `max_prompt_chars` characters."""
+        if isinstance(prompt, list):
+            if len(prompt) >= self.max_model_len:
+                raise self._too_long(len(prompt), param)
+            return
+        if len(prompt) > self.max_prompt_chars:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens, which "
+                f"hold at most {self.max_prompt_chars} characters (its longest token has "
+                f"{self.max_token_chars}), but the {param} has {len(prompt)} characters; it "
+                f"was refused without tokenizing. Please shorten the {param}.", param)
+
+    def _too_long(self, num_tokens: int, param: str) -> APIError:
+        return bad_request(
+            f"This model's maximum context length is {self.max_model_len} tokens, but "
+            f"the {param} has {num_tokens} tokens, which leaves no room to generate. "
+            f"Please shorten the {param}.", param)
 
     def _encode(self, prompt: str | list[int], param: str) -> list[int]:
         if isinstance(prompt, list):
@@ -274,10 +319,7 @@ class OpenAIServing:
         if not token_ids:
             raise bad_request(f"{param} must not be empty", param)
         if len(token_ids) >= self.max_model_len:
-            raise bad_request(
-                f"This model's maximum context length is {self.max_model_len} tokens, but "
-                f"the {param} has {len(token_ids)} tokens, which leaves no room to generate. "
-                f"Please shorten the {param}.", param)
+            raise self._too_long(len(token_ids), param)
         return token_ids
 
     def check_room(self, params, prompt_len: int, param: str) -> None:
@@ -434,7 +476,8 @@ class OpenAIServing:
                     continue_final_message: bool = False,
                     template_kwargs: dict | None = None) -> list[int]:
         """The conversation through the tokenizer's chat template, as token ids (blocking:
-        call it through `off_loop`)."""
+        call it through `off_loop`); a rendered text too long to possibly fit is refused
+        untokenized (`check_prompt_size`)."""
         if not has_chat_template(self.tokenizer):
             raise bad_request("This model has no chat template; use /v1/completions.",
                               "messages")
@@ -447,13 +490,14 @@ class OpenAIServing:
         extra = {k: v for k, v in (template_kwargs or {}).items()
                  if k not in RESERVED_TEMPLATE_KWARGS}
         try:
-            _, token_ids = render_chat(
+            text = render_chat_text(
                 self.tokenizer, conversation, continue_final_message=continue_final_message,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
                 chat_template_kwargs=extra)
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from None
-        return token_ids
+        self.check_prompt_size(text, "messages")
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     # ---------------------------------------------------------------- tokenize endpoints
 
@@ -478,6 +522,16 @@ class OpenAIServing:
         self.check_model(req.model)
         self.check_token_ids(req.tokens, "tokens")
         return {"prompt": self.tokenizer.decode(req.tokens)}
+
+
+def longest_token_chars(tokenizer) -> int:
+    """Characters of the vocabulary's longest token, as stored: a byte-level token stores one
+    character per byte, at least as many as its text has. A text of N characters thus holds
+    at least N / this many tokens, for a tokenizer that keeps every character (byte-level
+    BPE, SentencePiece with byte fallback); one that drops characters (a BERT normalizer) or
+    fuses a run of unknown ones into one token could fit more. Measured: 13 for the tiny
+    test model, 41 for the demo model, 81 for SmolLM2 (a run of 80 '#')."""
+    return max(map(len, tokenizer.get_vocab()), default=1) or 1
 
 
 def _vocab_size(tokenizer, info) -> int:

@@ -1,12 +1,16 @@
 """Huge requests (issue 39): a body over --max-request-body-bytes is refused before it is
-parsed. A fake engine, no engine core."""
+parsed, a prompt too long to fit the context before it is tokenized, and small prompts never
+wait behind huge ones for a tokenizer thread. A fake engine, no engine core."""
 
 import asyncio
+import time
 
 import httpx
+import pytest
 
 from http_fake_engine import FakeEngine
 from tidal.frontend.server.app import ServerSettings, build_app
+from tidal.frontend.server.serving import SMALL_PROMPT_CHARS, longest_token_chars
 
 LIMIT = 4096  # --max-request-body-bytes of these tests
 
@@ -85,3 +89,86 @@ def test_a_chunked_body_is_refused_once_past_the_limit(tokenizer):
         assert len(r.request.content) <= LIMIT and r.status_code == 200, r.text
 
     asyncio.run(_serve(engine, body, max_request_body_bytes=LIMIT))
+
+
+# ------------------------------------------------------------------ prompt characters
+
+
+def test_a_prompt_too_long_to_fit_is_refused_without_tokenizing(tokenizer, monkeypatch):
+    """A text of more characters than max_model_len tokens of the vocabulary's longest token
+    can hold gets a 400 naming the field and the limit, and the tokenizer never sees it;
+    one character less is tokenized (and, being too many tokens here, refused for that)."""
+    engine = FakeEngine(tokenizer)  # max_model_len 64
+    cap = 64 * longest_token_chars(tokenizer)
+    encoded = []
+    encode = tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode", lambda text, **kw: (
+        encoded.append(len(text)), encode(text, **kw))[1])
+
+    async def body(client, app):
+        assert app.state.serving.max_prompt_chars == cap
+        cases = [("/v1/completions", {"prompt": "ab" * cap}, "prompt"),
+                 ("/v1/completions", {"prompt": ["ok", "ab" * cap]}, "prompt"),
+                 ("/v1/chat/completions",
+                  {"messages": [{"role": "user", "content": "ab" * cap}]}, "messages")]
+        for path, request, param in cases:
+            r = await client.post(path, json=request)
+            error = r.json()["error"]
+            assert r.status_code == 400 and error["param"] == param, r.text
+            assert f"at most {cap} characters" in error["message"]
+            assert "without tokenizing" in error["message"]
+        assert all(n < cap for n in encoded), encoded  # only "ok" and chat headers
+        r = await client.post("/v1/completions", json={"prompt": "a" * cap})
+        assert r.status_code == 400 and "tokens" in r.json()["error"]["message"]
+        assert cap in encoded
+        r = await client.post("/v1/completions", json={"prompt": list(range(64))})
+        assert r.status_code == 400 and "has 64 tokens" in r.json()["error"]["message"]
+
+    asyncio.run(_serve(engine, body))
+
+
+# ------------------------------------------------------------------ tokenizer lanes
+
+
+class SlowTokenizingEngine(FakeEngine):
+    """Takes `big_s` seconds (in its thread, GIL released) to encode a prompt of more than
+    SMALL_PROMPT_CHARS characters, as a real tokenizer takes seconds for megabytes."""
+
+    big_s = 1.5
+
+    def encode_prompt(self, prompt):
+        if isinstance(prompt, str) and len(prompt) > SMALL_PROMPT_CHARS:
+            time.sleep(self.big_s)
+            return [5] * 10
+        return super().encode_prompt(prompt)
+
+
+def test_small_prompts_do_not_wait_behind_huge_ones(tokenizer):
+    """Six huge prompts (each within the context, each 1.5 s to tokenize) take every thread
+    of the main pool; a small prompt sent after them is answered in well under 1.5 s from
+    its own lane, while they are still tokenizing."""
+    engine = SlowTokenizingEngine(tokenizer, max_model_len=1_000_000)
+
+    async def body(client, app):
+        huge = {"prompt": "x" * (SMALL_PROMPT_CHARS + 1), "max_tokens": 1}
+        big = [asyncio.ensure_future(client.post("/v1/completions", json=huge))
+               for _ in range(6)]
+        await asyncio.sleep(0.2)  # the huge ones hold the main pool
+        start = time.monotonic()
+        r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        waited = time.monotonic() - start
+        assert r.status_code == 200, r.text
+        assert waited < 1.0, f"the small prompt waited {waited:.2f} s"
+        assert not any(task.done() for task in big)
+        assert [r.status_code for r in await asyncio.gather(*big)] == [200] * 6
+
+    asyncio.run(_serve(engine, body))
+
+
+@pytest.mark.parametrize("vocab,expected", [({"a": 0, "Ġhello": 1}, 6), ({}, 1)])
+def test_longest_token_chars(vocab, expected):
+    class Tokenizer:
+        def get_vocab(self):
+            return vocab
+
+    assert longest_token_chars(Tokenizer()) == expected
