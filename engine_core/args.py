@@ -97,6 +97,10 @@ FLAGS: dict[str, list[_Flag]] = {
         _Flag(ModelConfig, "max_model_len"),
         _Flag(ModelConfig, "seed"),
         _Flag(ModelConfig, "served_model_name"),
+        _Flag(ModelConfig, "structured_outputs_max_bytes", type=parse_bytes, metavar="BYTES"),
+        _Flag(ModelConfig, "structured_outputs_compile_timeout", metavar="SECONDS"),
+        _Flag(ModelConfig, "structured_outputs_cache_bytes", type=parse_bytes,
+              metavar="BYTES"),
     ],
     "KV cache": [
         _Flag(CacheConfig, "block_size"),
@@ -124,6 +128,7 @@ FLAGS: dict[str, list[_Flag]] = {
         _Flag(ParallelConfig, "data_parallel_size", aliases=("-dp",)),
         _Flag(ParallelConfig, "device", choices=DEVICES),
         _Flag(ParallelConfig, "attention_backend", choices=ATTENTION_BACKENDS),
+        _Flag(ParallelConfig, "cpu_kernels", metavar="auto[,OPTION]|torch"),
         _Flag(ParallelConfig, "enforce_eager"),
         _Flag(ParallelConfig, "cpu_threads"),
         _Flag(ParallelConfig, "worker_timeout"),

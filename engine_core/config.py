@@ -26,6 +26,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "cpu", "numba", "torch", "triton", "reference")  # = tidal.kernels.BACKENDS
+CPU_KERNELS = ("auto", "torch")  # = tidal.kernels.cpu.ops.CPU_KERNELS
+CPU_KERNEL_OPTIONS = ("no-amx", "no-panels", "no-fused", "march=")  # = ops.CPU_KERNEL_OPTIONS
 EXECUTOR_BACKENDS = ("mp", "ray")
 
 
@@ -37,6 +39,15 @@ def is_gguf(model: str) -> bool:
 def _require(ok: bool, name: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{name} {message}")
+
+
+def cpu_kernels_ok(value: str) -> bool:
+    """Whether `value` is a `cpu_kernels` setting: auto or torch, auto optionally followed by
+    comma-separated options (`kernels/cpu/ops.parse_cpu_kernels` reads it at the worker)."""
+    base, *options = value.split(",")
+    return base in CPU_KERNELS and (base == "auto" or not options) and all(
+        o in CPU_KERNEL_OPTIONS[:-1] or (o.startswith("march=") and o != "march=")
+        for o in options) and sum(o.startswith("march=") for o in options) <= 1
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,17 @@ class ModelConfig:
     """Seed for sampling of requests that do not carry their own seed."""
     served_model_name: str | None = None
     """The model name the OpenAI API reports and accepts; None means `model`."""
+    structured_outputs_max_bytes: int = 128 * 2**10
+    """Bytes: the largest structured-output constraint a request may carry (a JSON schema's
+    text, a regex, a grammar, or its choices together); a larger one is refused (HTTP 400)
+    before anything compiles it."""
+    structured_outputs_compile_timeout: float = 10.0
+    """Seconds a structured-output constraint may take to compile; one that takes longer is
+    refused (HTTP 400, or the request fails with an error naming this flag). Compiles run off
+    the step path either way: the batch goes on while a request waits for its grammar."""
+    structured_outputs_cache_bytes: int = 512 * 2**20
+    """Bytes of compiled grammars each process keeps for reuse (the HTTP process and every
+    worker; least recently used first out). vLLM's xgrammar cache default."""
 
     def __post_init__(self) -> None:
         _require(isinstance(self.model, str) and self.model != "", "model",
@@ -71,6 +93,13 @@ class ModelConfig:
         _require(-(2**63) <= self.seed < 2**63, "seed", "must fit in a signed 64-bit integer")
         _require(self.served_model_name is None or self.served_model_name != "",
                  "served_model_name", "must not be empty")
+        _require(self.structured_outputs_max_bytes >= 1, "structured_outputs_max_bytes",
+                 f"must be at least 1, got {self.structured_outputs_max_bytes}")
+        _require(0 < self.structured_outputs_compile_timeout < float("inf"),
+                 "structured_outputs_compile_timeout", "must be a positive number of seconds, "
+                 f"got {self.structured_outputs_compile_timeout}")
+        _require(self.structured_outputs_cache_bytes >= 0, "structured_outputs_cache_bytes",
+                 f"must be non-negative, got {self.structured_outputs_cache_bytes}")
 
     @property
     def tokenizer_path(self) -> str | None:
@@ -207,6 +236,15 @@ class ParallelConfig:
     """auto (Triton on CUDA; on the CPU the C decode kernel for float32 where it builds, the
     numba one for float32/float64, the gathered torch path otherwise), cpu, numba, torch,
     triton, or reference (the plain per-request specification: slow, for tests)."""
+    cpu_kernels: str = "auto"
+    """The CPU ops beside attention of a worker on the CPU (small-batch GEMMs, RMSNorm,
+    rotary, the decoder layers in one C call), chosen once at load by `kernels/cpu/ops.py`,
+    which logs the choice in one line: auto takes each C kernel that builds here (a C
+    compiler, $CC or cc, and the CPU's instructions), oneDNN and numba for the rest; torch
+    takes torch's own ops only (for comparisons). After auto, comma-separated: no-amx,
+    no-panels (no C GEMM), no-fused (the layers call their kernels one by one), march=CPU
+    (every C kernel, attention's too, built for gcc's -march=CPU: haswell runs the AVX2 paths
+    on an AVX-512 machine)."""
     enforce_eager: bool = False
     """Never capture CUDA graphs."""
     cpu_threads: int | None = None
@@ -251,6 +289,9 @@ class ParallelConfig:
                  f"must be one of {DEVICES}, got {self.device!r}")
         _require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
                  f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        _require(cpu_kernels_ok(self.cpu_kernels), "cpu_kernels",
+                 f"must be one of {CPU_KERNELS}, auto optionally followed by comma-separated "
+                 f"{', '.join(CPU_KERNEL_OPTIONS)}CPU; got {self.cpu_kernels!r}")
         _require(self.distributed_executor_backend in EXECUTOR_BACKENDS,
                  "distributed_executor_backend",
                  f"must be one of {EXECUTOR_BACKENDS}, got {self.distributed_executor_backend!r}")
@@ -314,11 +355,14 @@ class EngineConfig:
             kv_cache_memory=self.cache.kv_cache_memory,
             num_kv_blocks_override=self.cache.num_kv_blocks_override,
             attention_backend=self.parallel.attention_backend,
+            cpu_kernels=self.parallel.cpu_kernels,
             enforce_eager=self.parallel.enforce_eager,
             seed=self.model.seed,
             cpu_threads=worker_threads(p.cpu_threads, cores, p.world_size,
                                        dict(os.environ)),
             cpu_cores=cores,
+            grammar_compile_timeout=self.model.structured_outputs_compile_timeout,
+            grammar_cache_bytes=self.model.structured_outputs_cache_bytes,
         )
 
 

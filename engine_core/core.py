@@ -105,7 +105,9 @@ class EngineCore:
         plan = self.in_flight.popleft()
         if self.on_step is not None:
             now = self.clock()
-            self.on_step(plan, now - max(self._submitted.popleft(), self._last_collected))
+            submitted = self._submitted.popleft()
+            if plan.total_num_scheduled_tokens:  # not a plan that only drops or polls
+                self.on_step(plan, now - max(submitted, self._last_collected))
             self._last_collected = now
         return self.scheduler.update(plan, sampled)
 
@@ -122,6 +124,7 @@ class EngineCore:
 
 
 def has_work(plan: BatchPlan) -> bool:
-    """A plan the workers must see: tokens to compute, or requests to drop from their batch."""
+    """A plan the workers must see: tokens to compute, requests to drop from their batch,
+    grammars to compile, or requests waiting for a compile (the plan is the poll)."""
     return bool(plan.new_requests or plan.cached_requests or plan.finished_req_ids
-                or plan.preempted_req_ids)
+                or plan.preempted_req_ids or plan.grammars or plan.awaits_grammars)

@@ -242,7 +242,10 @@ class EngineCoreDaemon:
             max_num_queued_tokens=c.scheduler.max_num_queued_tokens,
             heartbeat_interval=heartbeat_interval(self.frontend_timeout),
             frontend_timeout=self.frontend_timeout,
-            max_queue_delay=c.scheduler.max_queue_delay)
+            max_queue_delay=c.scheduler.max_queue_delay,
+            structured_outputs_max_bytes=c.model.structured_outputs_max_bytes,
+            structured_outputs_compile_timeout=c.model.structured_outputs_compile_timeout,
+            structured_outputs_cache_bytes=c.model.structured_outputs_cache_bytes)
 
     def _serve(self) -> int:
         logger.info("engine core ready: %d KV blocks, async scheduling %s, up to %d plan(s) "
@@ -463,7 +466,8 @@ class EngineCoreDaemon:
     def _add_request(self, client_id: str, msg: AddRequest) -> None:
         try:
             request = Request.from_add(msg, client_id)
-            check_request(request, self.vocab_size, self.config.scheduler.scheduling_policy)
+            check_request(request, self.vocab_size, self.config.scheduler.scheduling_policy,
+                          self.config.model.structured_outputs_max_bytes)
             self.scheduler.add(request)
         except ValueError as e:
             self._refuse(client_id, msg.req_id, str(e))

@@ -22,6 +22,7 @@ from ..ipc.messages import (
     PromptLogprobs,
     SamplingParams,
     check_priority,
+    check_structured_outputs,
     unpack_token_ids,
 )
 
@@ -29,13 +30,14 @@ from ..ipc.messages import (
 class RequestStatus(enum.IntEnum):
     """Where a request is in its life; everything after PREEMPTED is finished."""
 
-    WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
+    WAITING_FOR_GRAMMAR = 0  # its structured-output grammar compiles on the workers
+    WAITING = 1
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
 
     def is_finished(self) -> bool:
         """True for the four finished states."""
@@ -64,6 +66,7 @@ class Request:
         "eos_token_id", "stop_token_ids", "min_tokens", "max_tokens", "priority",
         "arrival_time", "arrival_seq", "cache_salt", "status", "stop_reason", "block_hashes",
         "num_cached_tokens", "num_preemptions", "discard_before_step", "in_worker",
+        "grammar_sent",
         "num_worker_tokens",
         "first_output_sent", "error", "add_time", "queue_time", "prompt_logprob_parts",
         "next_prompt_logprob", "num_resumed_tokens", "first_token_time", "finish_time",
@@ -122,6 +125,9 @@ class Request:
         """Results of steps with a smaller step_id are stale (planned before a preemption)."""
         self.in_worker = False
         """The workers hold this request in their persistent batch."""
+        self.grammar_sent = False
+        """The workers were sent its grammar to compile (`BatchPlan.grammars`) and keep it
+        until they are told the request finished."""
         self.num_worker_tokens = 0
         """Tokens the workers were sent (pipeline parallelism: the rest travel in the next
         plan, since only the last stage samples)."""
@@ -195,7 +201,8 @@ class Request:
                 f"placeholders={self.num_output_placeholders})")
 
 
-def check_request(request: Request, vocab_size: int, scheduling_policy: str = "fcfs") -> None:
+def check_request(request: Request, vocab_size: int, scheduling_policy: str = "fcfs",
+                  structured_outputs_max_bytes: int = 128 * 2**10) -> None:
     """ValueError naming the field of a request the workers could not run.
 
     Any process that reaches the engine socket can send an AddRequest, so nothing a worker
@@ -204,8 +211,10 @@ def check_request(request: Request, vocab_size: int, scheduling_policy: str = "f
     (checked by SamplingParams), must be an int32 id (an id outside the vocabulary is never
     sampled, so it is harmless); `n` must be 1 (frontends send one request per completion);
     logprobs and prompt logprobs may not ask for more alternatives than the vocabulary
-    holds; a priority other than 0 needs the priority policy (as vLLM refuses it).
-    SamplingParams has checked its own ranges on decode.
+    holds; a priority other than 0 needs the priority policy (as vLLM refuses it); a
+    structured-output constraint must be within `structured_outputs_max_bytes` and have a
+    token to stop on (`check_structured_outputs`). SamplingParams has checked its own ranges
+    on decode.
     """
     ids = request.prompt_token_ids
     if ids and (min(ids) < 0 or max(ids) >= vocab_size):
@@ -228,6 +237,7 @@ def check_request(request: Request, vocab_size: int, scheduling_policy: str = "f
         raise ValueError(f"num_resumed_tokens must be in [0, {request.num_prompt_tokens}) (the "
                          f"prompt's own tokens come first), got {request.num_resumed_tokens}")
     check_priority(request.priority, scheduling_policy)
+    check_structured_outputs(sampling, request.eos_token_id, structured_outputs_max_bytes)
     if not math.isfinite(request.arrival_time):
         raise ValueError(f"arrival_time must be a finite number, got {request.arrival_time}")
 

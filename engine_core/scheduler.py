@@ -17,6 +17,13 @@ from its own sampler. Nobody is scheduled past max_tokens or the context length.
 that arrives for a request finished meanwhile, or planned before it was preempted, changes
 nothing (the preempted request recomputes that token after it resumes).
 
+Structured output: a constrained request waits apart (`awaiting_grammar`, status
+WAITING_FOR_GRAMMAR) while the workers compile its grammar off the step path; the next plan
+carries the grammar (`BatchPlan.grammars`), and the request joins the waiting queue (at its
+end) once a result lists it in `grammars_ready`, or fails alone if it did not compile. While
+any request waits so, every plan says `awaits_grammars`, and one with nothing else to run is
+still sent: the workers' answer to it is the poll.
+
 Pipeline parallelism (several stages): up to one plan per stage is in flight, but only the
 last stage samples, so the first one cannot fill in a placeholder. A request whose sampled
 token is in flight is therefore not scheduled again until it is back (another request fills
@@ -40,7 +47,7 @@ from .preemption_log import PreemptionLog
 from .request import Request, RequestStatus
 from .request_queue import create_request_queue, priority_key
 from ..ipc.messages import (
-    BatchPlan, CachedRequestData, NewRequestData, PromptLogprobs, RequestFailure, RequestOutput,
+    BatchPlan, CachedRequestData, GrammarToCompile, NewRequestData, PromptLogprobs, RequestFailure, RequestOutput,
     SampledTokens, SchedulerStats, drop_prompt_positions, join_prompt_logprobs, pack_token_ids,
     unpack_token_ids,
 )
@@ -49,6 +56,7 @@ logger = logging.getLogger("tidal.engine_core.scheduler")
 
 _pack_one = struct.Struct("<i").pack
 _RUNNING = RequestStatus.RUNNING
+_AWAITING = RequestStatus.WAITING_FOR_GRAMMAR
 
 Outputs = dict[str, list[RequestOutput]]
 """client_id -> outputs for that frontend, in order."""
@@ -97,6 +105,11 @@ class Scheduler:
         """Requests the workers hold that finished since the last plan."""
         self._preempted_req_ids: list[str] = []
         """Requests sent back to waiting outside schedule() (prefix-cache reset)."""
+        self.awaiting_grammar: dict[str, Request] = {}
+        """req_id -> constrained requests whose grammar the workers compile, in arrival order
+        (in neither queue until it compiled)."""
+        self._grammars_to_send: list[Request] = []
+        """Requests whose grammar the next plan sends to the workers."""
         self._next_step_id = 1
         self._num_added = 0
         self.clock = time.monotonic
@@ -142,9 +155,27 @@ class Scheduler:
         self._num_added += 1
         request.arrival_seq = self._num_added
         request.add_time = self.clock()
-        request.status = RequestStatus.WAITING
         self.requests[request.req_id] = request
-        self.waiting.add(request)
+        if request.sampling.structured_outputs is None:
+            request.status = RequestStatus.WAITING
+            self.waiting.add(request)
+        else:
+            self._await_grammar(request)
+
+    def _await_grammar(self, request: Request) -> None:
+        """Hold a constrained request out of the queues until the workers compiled its
+        grammar, which the next plan sends them."""
+        request.status = RequestStatus.WAITING_FOR_GRAMMAR
+        self.awaiting_grammar[request.req_id] = request
+        self._grammars_to_send.append(request)
+
+    def _grammars_ready(self, req_ids: list[str]) -> None:
+        """Constrained requests whose grammar compiled join the waiting queue."""
+        for req_id in req_ids:
+            request = self.awaiting_grammar.pop(req_id, None)
+            if request is not None:
+                request.status = RequestStatus.WAITING
+                self.waiting.add(request)
 
     def abort(self, req_ids: Iterable[str]) -> Outputs:
         """Finish these requests with ABORT (unknown or finished ids are ignored)."""
@@ -191,9 +222,10 @@ class Scheduler:
         del self.requests[request.req_id]
         self.num_finished += 1
         self.kv_cache_manager.free(request)
-        if request.in_worker:
+        self.awaiting_grammar.pop(request.req_id, None)
+        if request.in_worker or request.grammar_sent:
             self._finished_req_ids.append(request.req_id)
-            request.in_worker = False
+            request.in_worker = request.grammar_sent = False
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -413,7 +445,18 @@ class Scheduler:
             self.num_steps += 1
         finished, self._finished_req_ids = self._finished_req_ids, []
         return BatchPlan(step.step_id, new_reqs, cached_reqs, finished, step.preempted_req_ids,
-                         total)
+                         total, self._take_grammars(), bool(self.awaiting_grammar))
+
+    def _take_grammars(self) -> list[GrammarToCompile]:
+        """The grammars the workers have not been sent, of requests still waiting for them."""
+        jobs = []
+        for request in self._grammars_to_send:
+            if request.status is _AWAITING and not request.grammar_sent:
+                request.grammar_sent = True
+                jobs.append(GrammarToCompile(request.req_id,
+                                             request.sampling.structured_outputs))
+        self._grammars_to_send = []
+        return jobs
 
     # -- update -------------------------------------------------------------------------------
 
@@ -427,6 +470,8 @@ class Scheduler:
         outputs: Outputs = {}
         if sampled.failed:
             self._fail_refused(sampled.failed, outputs)
+        if sampled.grammars_ready:
+            self._grammars_ready(sampled.grammars_ready)
         step_id = plan.step_id
         requests = self.requests
         max_model_len = self.max_model_len
@@ -535,7 +580,7 @@ class Scheduler:
         """A snapshot; counters are totals since start-up."""
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + len(self.awaiting_grammar),
             kv_cache_usage=self.kv_cache_manager.usage(),
             num_kv_blocks=self.num_kv_blocks,
             num_preemptions=self.num_preemptions,
@@ -566,11 +611,21 @@ class Scheduler:
         back to the front of the waiting queue in its running order, to be recomputed from
         its prompt and the tokens it already has (as a preemption does, not counted as one),
         every cached block hash is forgotten, and nothing is owed to the old workers (no
-        finished or preempted ids are sent to the new ones). Returns how many were running."""
+        finished or preempted ids are sent to the new ones). The new workers lack every
+        grammar: each constrained request waits for its grammar again (sent in the next plan),
+        then rejoins the waiting queue at its end. Returns how many were running."""
         num_running = len(self.running)
         self.reset_prefix_cache(reset_running_requests=True)
         self._finished_req_ids.clear()
         self._preempted_req_ids.clear()
+        constrained = [r for r in self.requests.values()
+                       if r.sampling.structured_outputs is not None]
+        self.waiting.remove_many(constrained)
+        self.awaiting_grammar.clear()
+        self._grammars_to_send = []
+        for request in sorted(constrained, key=lambda r: r.arrival_seq):
+            request.grammar_sent = False
+            self._await_grammar(request)
         return num_running
 
     def check_invariants(self) -> None:
@@ -581,8 +636,13 @@ class Scheduler:
         assert len(set(running_ids)) == len(running_ids), "a request is twice in running"
         assert len(set(waiting_ids)) == len(waiting_ids), "a request is twice in waiting"
         assert not set(running_ids) & set(waiting_ids), "a request is running and waiting"
-        assert set(running_ids) | set(waiting_ids) == set(self.requests), (
-            "requests and queues disagree")
+        assert not set(self.awaiting_grammar) & (set(running_ids) | set(waiting_ids)), (
+            "a request awaits its grammar and is queued")
+        assert set(running_ids) | set(waiting_ids) | set(self.awaiting_grammar) == set(
+            self.requests), "requests and queues disagree"
+        for request in self.awaiting_grammar.values():
+            assert request.status == RequestStatus.WAITING_FOR_GRAMMAR, request
+            assert not request.in_worker and request.num_computed_tokens == 0, request
         assert len(self.running) <= self.max_num_seqs, "more running than max_num_seqs"
         assert set(self.kv_cache_manager.req_blocks) <= set(running_ids), (
             "a request that is not running holds blocks")

@@ -193,7 +193,8 @@ class AsyncLLM:
         self._daemon = daemon
         self._processor = OutputProcessor(tokenizer, eos_token_ids[0] if eos_token_ids else None,
                                           eos_token_ids[1:])
-        self._grammars = GrammarChecker(tokenizer, info.vocab_size)
+        self._grammars = GrammarChecker(tokenizer, info,
+                                        eos_token_ids[0] if eos_token_ids else None)
         self._collectors: dict[str, RequestOutputCollector] = {}  # request_id -> collector
         self._stats_waiters: list[asyncio.Future] = []
         self.latest_stats: SchedulerStats | None = None

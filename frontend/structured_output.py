@@ -17,30 +17,69 @@ HTTP fields, each mapped onto one `StructuredOutputsParams` (more than one is a 
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 from typing import Any
 
-from ..ipc.messages import SamplingParams, StructuredOutputsParams
+from ..ipc.messages import (
+    EngineInfo, SamplingParams, StructuredOutputsParams, check_structured_outputs,
+)
+
+COMPILE_THREADS = 2
+"""Compiles a frontend runs at once. A compile past the timeout cannot be stopped and holds
+its thread until it ends, so two keep one hostile schema from queueing every other one behind
+it while bounding what such schemas take from the machine."""
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}
 
 
 class GrammarChecker:
-    """Compiles constraints against the served tokenizer to check them (xgrammar caches
-    each compiled grammar, so a repeated schema costs nothing the second time)."""
+    """Checks constraints as the engine core will take them (size, a token to stop on), then
+    compiles them against the served tokenizer, within the core's compile timeout. xgrammar
+    caches each compiled grammar (bounded by the core's cache size), so a repeated schema
+    costs nothing the second time."""
 
-    def __init__(self, tokenizer, vocab_size: int):
+    def __init__(self, tokenizer, info: EngineInfo, eos_token_id: int | None):
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
+        self.vocab_size = info.vocab_size
+        self.max_bytes = info.structured_outputs_max_bytes
+        self.compile_timeout = info.structured_outputs_compile_timeout
+        self.cache_bytes = info.structured_outputs_cache_bytes
+        self.eos_token_id = eos_token_id
         self._compiler = None
         self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, "grammar-check")
 
     def check(self, params: SamplingParams) -> None:
-        """ValueError ("structured_outputs.json does not compile: ...") when the request's
-        constraint does not compile; nothing for a request without one."""
-        if params.structured_outputs is not None:
-            params.structured_outputs.compile_with(self._get_compiler())
+        """ValueError naming the field ("structured_outputs.json does not compile: ...") when
+        the request's constraint is too large, has no token to stop on, does not compile, or
+        takes longer than the compile timeout; nothing for a request without one. Blocks
+        (call it off the event loop)."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        check_structured_outputs(params, self.eos_token_id, self.max_bytes)
+        compiler = self._get_compiler()  # its first load does not count against the timeout
+        started = threading.Event()
+
+        def compile_it():
+            started.set()
+            return spec.compile_with(compiler)
+
+        future = self._pool.submit(compile_it)
+        # the timeout counts from the compile's start; a wait for a thread is bounded apart
+        if not started.wait(self.compile_timeout):
+            future.cancel()
+            raise ValueError(f"structured_outputs.{spec.kind} could not start compiling within "
+                             f"{self.compile_timeout:g} s: every grammar-compile thread is busy "
+                             "with earlier constraints; retry later")
+        try:
+            future.result(self.compile_timeout)
+        except concurrent.futures.TimeoutError:
+            raise ValueError(f"structured_outputs.{spec.kind} did not compile within "
+                             f"{self.compile_timeout:g} s (--structured-outputs-compile-timeout)"
+                             ) from None
 
     def _get_compiler(self):
         with self._lock:
@@ -50,7 +89,8 @@ class GrammarChecker:
                 vocab_size = max(self.vocab_size, len(self.tokenizer))
                 info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer,
                                                                vocab_size=vocab_size)
-                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1,
+                                                          cache_limit_bytes=self.cache_bytes)
             return self._compiler
 
 

@@ -54,7 +54,7 @@ from .layers import kv_heads_per_rank
 from .models.llama import LlamaForCausalLM, ModelArgs
 from .persistent_batch import BadRequestData, PersistentBatch
 from .sampler import Sampler, SamplerOutput, SamplingBatch, token_logprobs
-from .structured_output import StructuredOutputs
+from .structured_output import POLL_WAIT, StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +99,7 @@ class StepResult:
     logprobs: list[TokenLogprobs | None] | None
     failed: list[RequestFailure]  # new requests refused for their own data (not run)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)  # rank 0 only
+    grammars_ready: list[str] = field(default_factory=list)  # compiles that ended well
 
 
 class ModelRunner:
@@ -120,7 +121,9 @@ class ModelRunner:
         """Requests refused for their own data, until the engine core finishes them: later
         plans may still list them (async scheduling), and are run without them."""
         self.sampler = Sampler(config.seed, device)
-        self.structured = StructuredOutputs(config.tokenizer or config.model, args.vocab_size)
+        self.structured = StructuredOutputs(config.tokenizer or config.model, args.vocab_size,
+                                            config.grammar_compile_timeout,
+                                            config.grammar_cache_bytes)
         """Grammar matchers of the requests with structured_outputs (see its module)."""
         self.kv_caches: list[KVCache] = []
         self.graphs: DecodeGraphs | None = None
@@ -191,7 +194,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> StepResult:
         """Run one step on this rank; every rank samples the same tokens (and refuses the
-        same requests)."""
+        same requests). The result also lists the grammar compiles that ended meanwhile."""
+        result = self._execute(plan)
+        computes = plan.new_requests or plan.cached_requests
+        wait = POLL_WAIT if plan.awaits_grammars and not computes else 0.0
+        if self.structured.pending():
+            result.grammars_ready, grammar_failures = self.structured.poll(wait)
+            result.failed.extend(grammar_failures)
+        return result
+
+    def _execute(self, plan: BatchPlan) -> StepResult:
         inputs, failed = self.prepare(plan)
         if inputs is None:
             return StepResult([], np.zeros(0, np.int32), None, failed)
@@ -247,10 +259,16 @@ class ModelRunner:
         nothing runs); new requests refused for their own data are left out and listed."""
         if not self.kv_caches:
             raise RuntimeError("init_kv_cache must run before the first step")
-        for req_id in (*plan.finished_req_ids, *plan.preempted_req_ids):
+        for req_id in plan.finished_req_ids:
+            self.batch.remove(req_id)
+            self.structured.forget(req_id)
+            self.refused.discard(req_id)
+        for req_id in plan.preempted_req_ids:
             self.batch.remove(req_id)
             self.structured.remove(req_id)
             self.refused.discard(req_id)
+        if plan.grammars:
+            self.structured.start(plan.grammars)
         req_ids, rows, num_scheduled, failed = [], [], [], []
         for new in plan.new_requests:
             try:

@@ -6,11 +6,19 @@ Where each part happens, and why:
   schema / regex / grammar that does not compile is a ValueError or an HTTP 400 naming the
   field, and never reaches the engine. The engine core only checks the shape
   (`StructuredOutputsParams.__post_init__`): it never imports xgrammar (xgrammar imports torch).
-- Each worker rank compiles the constraint again when the request joins its batch: a compiled
-  grammar holds per-token mask caches of megabytes, too big for the wire, and xgrammar's
-  compiler cache makes a repeated constraint (the common case) free. One that fails here
-  anyway (a core reached by a frontend that did not check) is refused for that request alone
-  (`BadRequestData`).
+- Each worker rank compiles the constraint again, off the step path: a compiled grammar
+  holds per-token mask caches of megabytes, too big for the wire. The engine core sends it
+  in `BatchPlan.grammars` before it first schedules the request; `start` hands it to a
+  thread of its own (xgrammar releases the GIL while it compiles: a 13 s compile on this
+  project's 2-core VM left the step loop's largest gap at 0.02 s), and `poll` reports the
+  compiles that ended, which the reporting rank sends back in `SampledTokens.grammars_ready`
+  or, for one that does not compile or runs past `grammar_compile_timeout`, `failed`. The
+  request waits in the engine core meanwhile; the batch goes on. xgrammar's compiler cache
+  (bounded by `grammar_cache_bytes`, least recently used out) makes a repeated constraint,
+  the common case, free. A timed-out compile cannot be stopped: it ends on its thread, and
+  later compiles wait behind it (their own timeouts still count).
+- A constraint that fails anyway when the request joins the batch (a core reached by a
+  frontend that did not check) is refused for that request alone (`BadRequestData`).
 - A matcher follows its request's tokens in the worker, which appends every token it samples
   itself (sync and async scheduling alike), so the mask for step N+1 always follows the token
   of step N. A request that joins the batch (first scheduling, resumed after a preemption by
@@ -27,33 +35,57 @@ request with finish reason "stop" the step it allows nothing but those.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
+import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ..ipc.messages import StructuredOutputsParams
+from ..ipc.messages import GrammarToCompile, RequestFailure, StructuredOutputsParams
 from .persistent_batch import BadRequestData
 
 logger = logging.getLogger(__name__)
+
+POLL_WAIT = 0.05
+"""Seconds a worker with nothing to compute waits for a compile to end before it answers a
+plan (`BatchPlan.awaits_grammars`): the engine core's poll rate while only grammars are left."""
 
 
 class GrammarError(BadRequestData):
     """A request's constraint cannot be compiled or replayed (the message names the field)."""
 
 
+@dataclass
+class _Compile:
+    """One request's grammar compile on the compile thread."""
+
+    spec: StructuredOutputsParams
+    future: concurrent.futures.Future | None = None
+    started: float | None = None  # time.monotonic() when the thread began compiling it
+    reported: bool = False  # `poll` has said how it ended
+    error: str | None = None  # why it failed (a compile error, or the timeout)
+
+
 class StructuredOutputs:
-    """req_id -> xgrammar matcher, for the requests of the batch that are constrained.
+    """req_id -> xgrammar matcher, for the requests of the batch that are constrained, and
+    req_id -> their grammars' compiles, from `start` until the request finishes (`forget`).
 
     The tokenizer and compiler are loaded on the first constrained request, so a worker that
     never sees one never imports xgrammar.
     """
 
-    def __init__(self, tokenizer_path: str, vocab_size: int):
+    def __init__(self, tokenizer_path: str, vocab_size: int, compile_timeout: float = 10.0,
+                 cache_bytes: int = 512 * 2**20):
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size  # the model's (the logits' width), >= the tokenizer's
+        self.compile_timeout = compile_timeout
+        self.cache_bytes = cache_bytes
         self._compiler = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.compiles: dict[str, _Compile] = {}
         self.matchers: dict[str, object] = {}
 
     def __len__(self) -> int:
@@ -65,21 +97,88 @@ class StructuredOutputs:
 
             tokenizer = _load_tokenizer(self.tokenizer_path)
             info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1,
+                                                      cache_limit_bytes=self.cache_bytes)
         return self._compiler
+
+    # -- compiles, off the step path ----------------------------------------------------------
+
+    def start(self, jobs: list[GrammarToCompile]) -> None:
+        """Begin compiling each job's grammar on the compile thread; return at once."""
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, "grammar-compile")
+        for job in jobs:
+            c = _Compile(job.spec)
+            c.future = self._pool.submit(self._compile, c)
+            self.compiles[job.req_id] = c
+
+    def _compile(self, c: _Compile):
+        """On the compile thread. The timeout counts from here, after the wait for the thread
+        and the compiler's first load (the tokenizer's vocabulary: seconds on a busy machine)."""
+        compiler = self.compiler()
+        c.started = time.monotonic()
+        return c.spec.compile_with(compiler)
+
+    def pending(self) -> bool:
+        """Whether a compile has not been reported yet."""
+        return any(not c.reported for c in self.compiles.values())
+
+    def poll(self, wait: float = 0.0) -> tuple[list[str], list[RequestFailure]]:
+        """(requests whose grammar compiled, requests whose grammar failed) among those not
+        reported yet; with `wait`, first wait up to that many seconds for one to end."""
+        waiting = [c.future for c in self.compiles.values() if not c.reported]
+        if wait > 0 and waiting:
+            concurrent.futures.wait(waiting, wait, concurrent.futures.FIRST_COMPLETED)
+        ready, failed = [], []
+        now = time.monotonic()
+        for req_id, c in self.compiles.items():
+            if c.reported:
+                continue
+            if c.future.done():
+                error = c.future.exception()
+                if error is None:
+                    ready.append(req_id)
+                else:
+                    c.error = str(error) if isinstance(error, ValueError) else (
+                        f"structured_outputs.{c.spec.kind} does not compile: {error}")
+            elif c.started is not None and now - c.started > self.compile_timeout:
+                c.error = (f"structured_outputs.{c.spec.kind} did not compile within "
+                           f"{self.compile_timeout:g} s (--structured-outputs-compile-timeout)")
+            else:
+                continue
+            c.reported = True
+            if c.error is not None:
+                failed.append(RequestFailure(req_id, c.error))
+        return ready, failed
+
+    def _compiled(self, req_id: str, spec: StructuredOutputsParams):
+        """The request's compiled grammar: its compile's (waited for where this rank is behind
+        the reporting one), else compiled here and now (a plan that sent no grammar first).
+        GrammarError when it failed."""
+        c = self.compiles.get(req_id)
+        try:
+            if c is None:
+                return spec.compile_with(self.compiler())
+            if c.error is not None:
+                raise ValueError(c.error)
+            return c.future.result()
+        except ValueError as e:
+            raise GrammarError(f"{e} (request {req_id!r})") from None
+
+    # -- matchers -----------------------------------------------------------------------------
 
     def add(self, req_id: str, spec: StructuredOutputsParams, stop_ids: np.ndarray,
             generated: np.ndarray) -> None:
         """A matcher for a request joining the batch, replayed over the tokens it already
-        generated. GrammarError when the constraint does not compile or the tokens do not
-        follow it."""
+        generated. GrammarError when the constraint does not compile, the request has no
+        token to stop on, or the tokens do not follow it."""
         import xgrammar
 
         self.matchers.pop(req_id, None)
-        try:
-            compiled = spec.compile_with(self.compiler())
-        except ValueError as e:
-            raise GrammarError(f"{e} (request {req_id!r})") from None
+        if len(stop_ids) == 0:  # xgrammar refuses a matcher without stop tokens
+            raise GrammarError(f"structured_outputs of request {req_id!r} needs a token to "
+                               "stop on: it has no EOS token and no stop_token_ids")
+        compiled = self._compiled(req_id, spec)
         matcher = xgrammar.GrammarMatcher(compiled,
                                           override_stop_tokens=[int(t) for t in stop_ids])
         for i, token in enumerate(generated.tolist()):
@@ -88,7 +187,13 @@ class StructuredOutputs:
                                    f"{i} ({token}) does not follow the {spec.kind} grammar")
         self.matchers[req_id] = matcher
 
+    def forget(self, req_id: str) -> None:
+        """The request finished: drop its matcher and its compile."""
+        self.matchers.pop(req_id, None)
+        self.compiles.pop(req_id, None)
+
     def remove(self, req_id: str) -> None:
+        """The request left the batch (preempted): drop its matcher, keep its compile."""
         self.matchers.pop(req_id, None)
 
     def bitmask(self, req_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor] | None:

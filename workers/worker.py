@@ -17,8 +17,8 @@ import time
 import torch
 
 from ..ipc.messages import BatchPlan, SampledTokens, WorkerConfig, WorkerReady, pack_token_ids
-from ..kernels.cpu import cpu_fused
 from ..kernels.attention import select_attention_backend
+from ..kernels.cpu.ops import log_cpu_ops, select_cpu_ops
 from .distributed import destroy_distributed, init_distributed
 from .loader import load_weights, read_config, resolve_model_path
 from .model_runner import ModelRunner
@@ -68,6 +68,8 @@ class Worker:
     def load(self) -> None:
         """Build the model on the device and load this rank's shard of the weights."""
         start = time.perf_counter()
+        # the CPU ops first: their choice says which CPU the C kernels, attention's too, are for
+        ops = select_cpu_ops(self.config.cpu_kernels) if self.device.type == "cpu" else None
         backend = select_attention_backend(self.config.attention_backend, self.device.type,
                                            self.dtype)
         with _default_dtype(self.dtype), torch.device(self.device):
@@ -77,10 +79,9 @@ class Worker:
         model.eval()
         self.num_params = sum(p.numel() for p in model.parameters())
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        if self.device.type == "cpu":
-            logger.debug("rank %d: %d linear layers take oneDNN for small batches", self.rank,
-                         model.use_cpu_gemm())
-            cpu_fused.warm_up()  # RMSNorm and rotary: compiled once, then disk-cached
+        if ops is not None:
+            log_cpu_ops(ops, logger, f"rank {self.rank}: ", taken=model.use_cpu_ops(ops))
+            ops.warm_up()  # numba's RMSNorm and rotary: compiled once, then disk-cached
         self.runner = ModelRunner(self.config, model, self.args, self.device, self.dtype,
                                   backend, self.pp)
         warm_up_s = backend.warm_up(self.dtype)  # e.g. numba: compiled once, then disk-cached
@@ -181,7 +182,8 @@ class Worker:
         return SampledTokens(step_id=plan.step_id, req_ids=result.req_ids,
                              token_ids=pack_token_ids(result.token_ids),
                              logprobs=result.logprobs, failed=result.failed,
-                             prompt_logprobs=result.prompt_logprobs)
+                             prompt_logprobs=result.prompt_logprobs,
+                             grammars_ready=result.grammars_ready)
 
     def shutdown(self) -> None:
         """Release the KV cache and leave the process group."""

@@ -350,8 +350,12 @@ class OpenAIServing:
             await self.engine.check_structured_outputs(params)
         except ValueError as exc:
             field = req.structured_output()[1]
-            reason = str(exc).split(" does not compile: ", 1)[-1]
-            raise bad_request(f"{field} does not compile: {reason}", field) from None
+            message = str(exc)
+            if " does not compile: " in message:
+                message = f"{field} does not compile: {message.split(' does not compile: ')[1]}"
+            elif field != "structured_outputs":
+                message = f"{field}: {message}"
+            raise bad_request(message, field) from None
 
     # ---------------------------------------------------------------- generation
 

@@ -19,7 +19,7 @@ import pytest
 from tidal.frontend.async_llm import AsyncLLM, EngineUnavailable, run
 from tidal.frontend.launcher import DaemonProcess
 from tidal.frontend.llm import engine_config_from_kwargs
-from tidal.ipc.messages import SamplingParams
+from tidal.ipc.messages import SamplingParams, StructuredOutputsParams
 
 STARTUP_TIMEOUT_S = 120.0
 PROMPT = [11, 22, 33, 44, 55]
@@ -232,3 +232,51 @@ def test_engine_death_ends_every_pending_request_with_error(daemon):
     for last in lasts:
         assert last.finished and last.outputs[0].finish_reason == "error"
         assert "within 2 s" in last.outputs[0].error
+
+
+SLOW_SCHEMA = {  # 62 KB, shallow; xgrammar takes seconds to compile it (a 1000-way object)
+    "type": "object",
+    "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]{3,30}"} for i in range(1000)},
+    "required": [f"p{i}" for i in range(1000)],
+}
+
+
+@pytest.mark.timeout(240)
+def test_a_slow_grammar_compiles_while_other_streams_go_on(daemon):
+    """Issue 39: a schema that takes seconds to compile must not stall the batch. The
+    frontend checks it on a thread and the workers compile it on a thread of their own while
+    the request waits in the engine core; meanwhile another stream's largest gap between two
+    tokens stays under a second (it was the whole compile: 16.9 s in the probe)."""
+
+    async def body(llm):
+        constrained = SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=(
+            StructuredOutputsParams(json=SLOW_SCHEMA)))
+        gaps, done = [], asyncio.Event()
+
+        async def stream_until_done():
+            while not done.is_set():
+                last = None
+                async for _ in llm.generate(PROMPT, LONG):
+                    now = time.monotonic()
+                    if last is not None and not done.is_set():
+                        gaps.append(now - last)
+                    last = now
+                    if done.is_set():
+                        break
+
+        streaming = asyncio.ensure_future(stream_until_done())
+        while not gaps:
+            await asyncio.sleep(0.01)
+        start = time.monotonic()
+        final = await llm.generate_final(PROMPT, constrained)
+        took = time.monotonic() - start
+        done.set()
+        await streaming
+        return final, took, max(gaps)
+
+    final, took, largest_gap = attach_and(daemon, body, timeout=200)
+    assert final.outputs[0].finish_reason == "length"
+    assert final.outputs[0].text.startswith('{')
+    assert took > 1.0, f"the schema compiled in {took:.2f} s: too fast to show anything"
+    assert largest_gap < 1.0, (f"another stream waited {largest_gap:.2f} s for a token while "
+                               f"the grammar compiled ({took:.1f} s)")

@@ -20,8 +20,8 @@ from tidal.engine_core.config import (
 from tidal.engine_core.request import Request
 from tidal.engine_core.scheduler import Scheduler
 from tidal.ipc.messages import (
-    BatchPlan, PromptLogprobs, RequestFailure, SampledTokens, SamplingParams, pack_token_ids,
-    unpack_token_ids,
+    BatchPlan, PromptLogprobs, RequestFailure, SampledTokens, SamplingParams,
+    StructuredOutputsParams, pack_token_ids, unpack_token_ids,
 )
 
 VOCAB = 1000
@@ -75,13 +75,15 @@ def make_scheduler(*, num_blocks: int = 10_000, max_model_len: int = 4096,
 def make_request(req_id, prompt, *, max_tokens: int | None = 16, min_tokens: int = 0,
                  eos: int | None = None, stop_token_ids=(), ignore_eos: bool = False,
                  priority: int = 0, arrival_time: float = 0.0, client_id: str = "c0",
-                 cache_salt: str | None = None, prompt_logprobs: int | None = None) -> Request:
+                 cache_salt: str | None = None, prompt_logprobs: int | None = None,
+                 structured_outputs: StructuredOutputsParams | None = None) -> Request:
     """`prompt` is a list of token ids, or an int n meaning [id-derived token] * n."""
     if isinstance(prompt, int):
         prompt = [hash_free_token(req_id)] * prompt
     sampling = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens,
                               stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
-                              prompt_logprobs=prompt_logprobs)
+                              prompt_logprobs=prompt_logprobs,
+                              structured_outputs=structured_outputs)
     return Request(str(req_id), prompt, sampling, client_id=client_id, eos_token_id=eos,
                    priority=priority, arrival_time=arrival_time, cache_salt=cache_salt)
 
@@ -119,14 +121,27 @@ class FakeWorker:
         """req_ids refused as a real worker refuses bad data: never taken in, reported in
         `SampledTokens.failed`, skipped while later plans still list them."""
         self.refused: set[str] = set()
+        self.grammars: dict[str, str] = {}
+        """req_id -> "compiling" | "compiled" | "failed", from `BatchPlan.grammars` until the
+        request is finished (as a real worker's compiles)."""
+        self.hold_grammars: set[str] = set()
+        """Grammars that do not finish compiling while listed here (a slow compile)."""
+        self.bad_grammars: set[str] = set()
+        """Grammars that fail to compile."""
 
     def execute(self, plan: BatchPlan, forced: dict[str, int] | None = None) -> SampledTokens:
         """Run one step; `forced` overrides the model's token for some requests."""
         for req_id in (*plan.finished_req_ids, *plan.preempted_req_ids):
+            had_grammar = (self.grammars.pop(req_id, None) is not None
+                           if req_id in plan.finished_req_ids else req_id in self.grammars)
             if req_id in self.refused:
                 self.refused.discard(req_id)
                 continue
-            assert self.batch.pop(req_id, None) is not None, f"dropped unknown {req_id}"
+            assert self.batch.pop(req_id, None) is not None or had_grammar, (
+                f"dropped unknown {req_id}")
+        for job in plan.grammars:
+            assert job.req_id not in self.grammars, f"{job.req_id}'s grammar sent twice"
+            self.grammars[job.req_id] = "compiling"
         work, failed, num_skipped = [], [], 0
         for new in plan.new_requests:
             if new.req_id in self.refuse:
@@ -135,6 +150,9 @@ class FakeWorker:
                 num_skipped += new.num_scheduled_tokens
                 continue
             assert new.req_id not in self.batch, f"{new.req_id} sent twice as new"
+            if new.sampling.structured_outputs is not None:
+                assert self.grammars.get(new.req_id) == "compiled", (
+                    f"{new.req_id} scheduled before its grammar compiled")
             if new.sampling.prompt_logprobs is not None:
                 assert new.num_computed_tokens == 0, "prompt logprobs over a prefix-cache hit"
             state = _WorkerRequest(unpack_token_ids(new.token_ids).tolist(), list(new.block_ids),
@@ -168,8 +186,23 @@ class FakeWorker:
                     state.tokens.append(token)
                 req_ids.append(req_id)
                 token_ids.append(token)
+        ready = self._grammar_news(failed)
         return SampledTokens(plan.step_id, req_ids, pack_token_ids(token_ids), failed=failed,
-                             prompt_logprobs=prompt_logprobs)
+                             prompt_logprobs=prompt_logprobs, grammars_ready=ready)
+
+    def _grammar_news(self, failed: list[RequestFailure]) -> list[str]:
+        """Compiles that ended this step: the ready ones returned, the bad ones in `failed`."""
+        ready = []
+        for req_id, state in self.grammars.items():
+            if state != "compiling" or req_id in self.hold_grammars:
+                continue
+            if req_id in self.bad_grammars:
+                self.grammars[req_id] = "failed"
+                failed.append(RequestFailure(req_id, "structured_outputs.json does not compile"))
+            else:
+                self.grammars[req_id] = "compiled"
+                ready.append(req_id)
+        return ready
 
     @staticmethod
     def _prompt_logprobs(req_id: str, state: _WorkerRequest, start: int,

@@ -9,6 +9,7 @@ from tidal.ipc.messages import (
     AddRequest,
     FinishReason,
     SamplingParams,
+    StructuredOutputsParams,
     pack_token_ids,
 )
 
@@ -118,3 +119,37 @@ def test_a_request_the_worker_refuses_fails_alone_and_frees_its_blocks(async_sch
     assert not worker.refused  # the worker was told that "bad" finished
     assert sched.kv_cache_manager.usage() == 0.0
     assert not sched.kv_cache_manager.req_blocks
+
+
+def _deep_schema(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+@pytest.mark.parametrize("request_kwargs,words", [
+    # issue 39: no token to stop on crashed the worker (xgrammar refuses a stopless matcher)
+    (dict(structured_outputs=StructuredOutputsParams(choice=["yes", "no"])), "no EOS token"),
+    (dict(eos=2, structured_outputs=StructuredOutputsParams(regex="a" * 200_000)),
+     "200000 bytes, over the limit of 131072 (--structured-outputs-max-bytes)"),
+    (dict(eos=2, structured_outputs=StructuredOutputsParams(json=_deep_schema(70))),
+     "nests deeper than 128 levels"),
+])
+def test_structured_outputs_the_engine_must_not_take(request_kwargs, words):
+    with pytest.raises(ValueError) as info:
+        check_request(_request(**request_kwargs), VOCAB)
+    assert str(info.value).startswith("structured_outputs") and words in str(info.value)
+
+
+def test_structured_outputs_with_a_stop_token_id_and_within_limits_are_taken():
+    check_request(_request(stop_token_ids=[3],
+                           structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+                  VOCAB)
+    check_request(_request(eos=2, structured_outputs=StructuredOutputsParams(
+        json=_deep_schema(60))), VOCAB)
+
+
+def test_a_schema_too_deep_for_json_itself_is_a_value_error():
+    with pytest.raises(ValueError, match="nests deeper than 128 levels"):
+        StructuredOutputsParams(json=_deep_schema(2000))

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 from tidal.frontend.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tidal.frontend.structured_output import GrammarChecker
-from tidal.ipc.messages import SchedulerStats
+from tidal.ipc.messages import EngineInfo, SchedulerStats
 
 
 class FakeEngine:
@@ -53,7 +53,11 @@ class FakeEngine:
 
     async def check_structured_outputs(self, params) -> None:
         """AsyncLLM's check: ValueError when the constraint does not compile."""
-        GrammarChecker(self.tokenizer, len(self.tokenizer)).check(params)
+        info = EngineInfo(model="/models/fake", max_model_len=self.engine_info.max_model_len,
+                          num_kv_blocks=100, block_size=16, max_num_seqs=8,
+                          max_num_batched_tokens=64, vocab_size=len(self.tokenizer))
+        eos = self.tokenizer.eos_token_id
+        GrammarChecker(self.tokenizer, info, 0 if eos is None else eos).check(params)
 
     def encode_prompt(self, prompt):
         ids = self.tokenizer.encode(prompt, add_special_tokens=False) \
