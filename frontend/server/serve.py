@@ -1,7 +1,8 @@
 """`tidal serve`: the engine-core daemon plus N HTTP server processes on one port.
 
     tidal serve [MODEL] [engine flags] [--host H] [--port P] [--api-server-count N]
-                [--api-key K] [--timeout-keep-alive S] [--timeout-request-header S]
+                [--api-key K | $TIDAL_API_KEY] [--timeout-keep-alive S]
+                [--timeout-request-header S]
                 [--timeout-request-body S]        (read timeouts: server/timeouts.py)
                 [--max-request-body-bytes N]      (413 beyond: server/body_limit.py)
                 [--record-trace FILE]             (a request trace for `tidal tune`)
@@ -83,6 +84,7 @@ _RESTART_WINDOW_S = 60.0
 EXIT_NOT_STARTED = 3  # an HTTP process whose server never started (it could not attach, say)
 _LIFELINE_GRACE_S = 10.0  # uvicorn's own graceful shutdown takes at most 5 s (see serve_one)
 _SUPERVISOR_LIFELINE_GRACE_S = 30.0
+API_KEY_ENV = "TIDAL_API_KEY"
 """`tidal serve` run by a tool (`--lifeline-fd`): its orderly stop takes up to 27 s (the HTTP
 processes `_STOP_TIMEOUT_S` + 2 s to kill, then the engine core's 10 s), SIGKILL after."""
 
@@ -100,8 +102,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="attach to the running engine core at ADDRESS instead of starting one")
     g.add_argument("--engine-key-file", default=None,
                    help="CURVE key file of the engine core (with --engine over tcp)")
-    g.add_argument("--api-key", default=os.environ.get("TIDAL_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (default: $TIDAL_API_KEY)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY'; without this flag, "
+                   f"${API_KEY_ENV} when set (prefer it: a command line is visible to every "
+                   "user of the machine)")
     g.add_argument("--api-server-count", type=int, default=1,
                    help="HTTP server processes sharing the port (default: 1)")
     g.add_argument("--frontend-timeout", type=float, default=None, metavar="S",
@@ -418,6 +422,18 @@ def _check_args(ns: argparse.Namespace) -> None:
             raise ValueError(f"--frontend-timeout must be positive, got {ns.frontend_timeout}")
 
 
+def _api_key(ns: argparse.Namespace) -> str | None:
+    """--api-key, else $TIDAL_API_KEY. Either way the key reaches the HTTP processes inside
+    their ServerSpec, pickled through multiprocessing's pipe, never on a command line
+    (/proc/PID/cmdline, `ps`, is readable by every user; a process's environment by its
+    owner alone); --api-key itself is on this process's, hence the warning."""
+    if ns.api_key:
+        logger.warning("--api-key puts the key in this command line, which every user of "
+                       "this machine can read (ps); set $%s instead", API_KEY_ENV)
+        return ns.api_key
+    return os.environ.get(API_KEY_ENV) or None
+
+
 def _start_recording(path: str | None) -> tuple[str, bytes] | None:
     """--record-trace: the file (created with its header) and the recording's hash key."""
     if not path:
@@ -453,7 +469,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         address, tokenizer, daemon_pid = sup.start_engine()
         spec = ServerSpec(address, ns.engine_key_file, tokenizer,
                           [ns.served_model_name] if ns.served_model_name else None,
-                          ns.api_key, daemon_pid, ns.uvicorn_log_level,
+                          _api_key(ns), daemon_pid, ns.uvicorn_log_level,
                           not ns.disable_uvicorn_access_log, ns.timeout_keep_alive,
                           ns.timeout_request_header, ns.timeout_request_body,
                           ns.engine_restart_timeout, record_trace,

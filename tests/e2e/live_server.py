@@ -26,9 +26,9 @@ def free_port() -> int:
 class Proc:
     """A tidal subprocess in its own session, its output in a temporary file."""
 
-    def __init__(self, args: list[str]):
+    def __init__(self, args: list[str], env: dict[str, str] | None = None):
         self.log = tempfile.NamedTemporaryFile("w+", prefix="tidal-e2e-", suffix=".log")
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
         self.proc = subprocess.Popen([sys.executable, "-m", "tidal.frontend.cli", *args],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=env,
@@ -60,15 +60,16 @@ class Proc:
 
 
 class LiveServer(Proc):
-    """`tidal serve ARGS --port P` on 127.0.0.1; `start()` waits for /health."""
+    """`tidal serve ARGS --port P` on 127.0.0.1; `start()` waits for /health. An `api_key`
+    goes in $TIDAL_API_KEY, as a deployment should give it (never on a command line)."""
 
     def __init__(self, args: list[str], api_key: str | None = None, port: int | None = None):
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        extra = ["--api-key", api_key] if api_key else []
         super().__init__(["serve", *args, "--host", "127.0.0.1", "--port", str(self.port),
-                          "--disable-uvicorn-access-log", *extra])
+                          "--disable-uvicorn-access-log"],
+                         env={"TIDAL_API_KEY": api_key or ""})
 
     @property
     def headers(self) -> dict:

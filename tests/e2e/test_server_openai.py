@@ -1,5 +1,6 @@
-"""A live `tidal serve --engine ADDRESS --api-server-count 2 --api-key K` of a tiny model,
-attached to a `tidal core` daemon, driven by the real `openai` package, httpx and schemathesis.
+"""A live `tidal serve --engine ADDRESS --api-server-count 2` (its key in $TIDAL_API_KEY) of
+a tiny model, attached to a `tidal core` daemon, driven by the real `openai` package, httpx and
+schemathesis.
 
 One daemon and one server for the whole module; `LLM(engine=ADDRESS)` attaches to the same
 daemon to compute the reference greedy outputs.
@@ -17,6 +18,7 @@ import openai
 import pytest
 
 from live_server import ENGINE_FLAGS, LiveServer, Proc, scrape
+from process_tree import descendants
 from tidal.frontend.llm import LLM
 from tidal.ipc.messages import SamplingParams
 
@@ -306,6 +308,18 @@ def test_api_key_enforced(server):
     assert httpx.get(server.base_url + "/health").status_code == 200
     models = httpx.get(server.base_url + "/v1/models", headers=server.headers).json()
     assert [m["id"] for m in models["data"]] == [MODEL]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_api_key_is_on_no_command_line(server):
+    """The key came from $TIDAL_API_KEY and reached the HTTP processes inside their spawn
+    pipe: no process of the server shows it in its command line, which every local user
+    can read."""
+    pids = [server.proc.pid, *descendants(server.proc.pid)]
+    assert len(pids) >= 3  # the supervisor and its two HTTP processes at least
+    for pid in pids:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            assert KEY.encode() not in f.read(), pid
 
 
 # ------------------------------------------------------------------ 3b. fuzzing (last: it

@@ -5,7 +5,7 @@ import argparse
 import pytest
 
 from tidal.frontend.server.serve import (
-    EXIT_NOT_STARTED, _check_args, _Supervisor, add_serve_args, bind_socket,
+    EXIT_NOT_STARTED, _api_key, _check_args, _Supervisor, add_serve_args, bind_socket,
 )
 
 
@@ -26,6 +26,18 @@ def test_defaults_and_engine_flags_coexist():
     assert parse("--max-request-body-bytes", "1MiB").max_request_body_bytes == 2**20
     attach = parse("--engine", "ipc:///tmp/x.sock", "--engine-key-file", "keys")
     assert attach.engine == "ipc:///tmp/x.sock" and attach.engine_key_file == "keys"
+
+
+def test_api_key_comes_from_the_environment_unless_given_and_then_warns(monkeypatch,
+                                                                         caplog):
+    """$TIDAL_API_KEY keeps the key off every command line; --api-key wins over it, with a
+    warning that the command line shows it to every local user."""
+    monkeypatch.setenv("TIDAL_API_KEY", "from-env")
+    assert _api_key(parse()) == "from-env" and not caplog.records
+    assert _api_key(parse("--api-key", "from-argv")) == "from-argv"
+    assert "TIDAL_API_KEY" in caplog.text and "from-argv" not in caplog.text
+    monkeypatch.setenv("TIDAL_API_KEY", "")
+    assert _api_key(parse()) is None
 
 
 @pytest.mark.parametrize("argv,word", [
