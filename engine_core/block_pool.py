@@ -147,12 +147,11 @@ class FreeBlockQueue:
 class BlockPool:
     """Block ids 0..num_blocks-1; block 0 is the null block and never handed out."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_kv_blocks must be at least 2 (block 0 is reserved), "
                              f"got {num_blocks}")
         self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
         self.null_block = KVBlock(0)
         self.blocks = [self.null_block]
         """The blocks made so far, by id: a block is made the first time it is handed out."""
@@ -170,10 +169,6 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         """Free blocks, cached-but-unreferenced ones included (they are eviction candidates)."""
         return self.free_queue.num_free
-
-    @property
-    def num_usable_blocks(self) -> int:
-        return self.num_blocks - 1
 
     def get_usage(self) -> float:
         """Fraction of usable blocks held by requests (0..1)."""

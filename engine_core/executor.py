@@ -228,11 +228,6 @@ class Executor:
         self._broadcast(encode(plan))
         self._pending.append(plan.step_id)
 
-    @property
-    def num_pending(self) -> int:
-        """Submitted steps whose tokens have not been collected yet."""
-        return len(self._pending)
-
     def collect(self, timeout: float | None = None) -> SampledTokens | None:
         """The oldest pending step's tokens, or None if they are not back within `timeout` s.
 

@@ -26,7 +26,7 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         """req_id -> the request's blocks, in token order."""
         self.num_cached_blocks: dict[str, int] = {}

@@ -176,24 +176,10 @@ class Request:
         return len(self.all_token_ids)
 
     @property
-    def num_output_tokens(self) -> int:
-        """Generated tokens known to the engine core."""
-        return len(self.output_token_ids)
-
-    @property
     def skips_prefix_cache(self) -> bool:
         """Its prompt logprobs are still to come: cached positions would have no logits, so it
         computes its whole prompt (vLLM's rule)."""
         return self.prompt_logprob_parts is not None
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status > RequestStatus.PREEMPTED
-
-    def append_output_token(self, token_id: int) -> None:
-        """Record one sampled token."""
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
 
     def __repr__(self) -> str:
         return (f"Request({self.req_id!r}, {self.status.name}, computed="

@@ -81,13 +81,6 @@ class RequestMetrics:
     """Seconds between consecutive outputs of the first completion (one entry per output
     message after the first; a message may carry several tokens)."""
 
-    @property
-    def time_to_first_token(self) -> float | None:
-        """Seconds from arrival to the first generated token."""
-        if self.first_token_time is None:
-            return None
-        return self.first_token_time - self.arrival_time
-
 
 @dataclass
 class RequestOutput:

@@ -92,11 +92,6 @@ class ModelArgs:
                 f"{self.sliding_window}; sliding-window attention is not supported, so "
                 f"set max_model_len <= {self.sliding_window}")
 
-    @property
-    def num_kv_bytes_per_token(self) -> int:
-        """K and V elements per token over all layers (multiply by the dtype size)."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
-
 
 def parse_model_args(config: dict) -> ModelArgs:
     """Build `ModelArgs` from config.json contents; ValueError naming any bad field."""
