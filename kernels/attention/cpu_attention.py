@@ -33,10 +33,16 @@ from .torch_attention import PrefillChunk, split_requests
 
 SOURCE = Path(__file__).with_name("decode_attention.c")
 
+
+def build() -> native.Build:
+    """The compiled kernel (built the first time on this machine), or why it cannot run
+    here."""
+    return native.build(SOURCE, "tidal_decode_attention_available", _declare)
+
+
 def load() -> ctypes.CDLL | None:
-    """The compiled kernel (built the first time on this machine), or None where it cannot
-    run here."""
-    return native.load(SOURCE, "tidal_decode_attention_available", _declare)
+    """The compiled kernel, or None where it cannot run here."""
+    return build().library
 
 
 def _declare(library: ctypes.CDLL) -> None:

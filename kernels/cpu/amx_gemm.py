@@ -17,13 +17,13 @@ SmolLM2-135M's four layer shapes, one layer's weights in cache
 
 Built by `native.build_and_load` like the other kernels; `load()` is None on a CPU without
 AMX (every AMD CPU, Intel before Sapphire Rapids), where the kernel's build has no tiles, where
-Linux refuses this process the tile registers, or with TIDAL_NO_AMX set.
+Linux refuses this process the tile registers; `cpu_kernels=auto,no-amx` leaves it out
+(`ops.py`).
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
 import torch
@@ -38,11 +38,14 @@ added to / multiplied with the finished product."""
 _Q4, _Q8 = 3, 4  # the block kinds, the same numbers in both C sources
 
 
+def build() -> native.Build:
+    """The compiled kernel, or why AMX cannot run here."""
+    return native.build(SOURCE, "tidal_amx_available", _declare)
+
+
 def load() -> ctypes.CDLL | None:
-    """The compiled kernel, or None where AMX cannot run here (or TIDAL_NO_AMX is set)."""
-    if os.environ.get("TIDAL_NO_AMX"):
-        return None
-    return native.load(SOURCE, "tidal_amx_available", _declare)
+    """The compiled kernel, or None where AMX cannot run here."""
+    return build().library
 
 
 def _declare(library: ctypes.CDLL) -> None:

@@ -80,14 +80,17 @@ def small_batch_gemm_available(weight: torch.Tensor) -> bool:
 
 class SmallBatchGemm:
     """`x @ weight.T` with a oneDNN copy of `weight` for inputs of at most SMALL_BATCH_ROWS
-    rows; larger inputs go to `F.linear` on the original."""
+    rows; larger inputs go to `F.linear` on the original. Built by the CPU op seam
+    (`ops.CpuOps.gemm`), which says whether the panel kernel and AMX may take part."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, panels: bool = True, amx: bool = True):
+        """`panels`: whether the panel kernel (`small_m_gemm.py`) takes the batches it serves
+        where it is built here; `amx`: whether it may hand a GGUF's blocks to AMX."""
         if not small_batch_gemm_available(weight):
             raise ValueError(f"no oneDNN path for a {weight.dtype} {tuple(weight.shape)} "
                              f"weight on {weight.device}")
         self.weight = weight
-        panels = PanelGemm(weight) if panel_gemm_applies(weight) else None
+        panels = PanelGemm(weight, amx=amx) if panels and panel_gemm_applies(weight) else None
         self.panels = panels if panels is not None and panels.max_rows > 0 else None
         """The panel kernel (`small_m_gemm.py`) where it builds here and takes this weight: it
         takes batches of up to `panel_rows` rows (every small batch with AVX-512: 16-31%

@@ -6,14 +6,15 @@ calls the others' functions through pointers its caller passes: each library is 
 keyed on its own source alone).
 
 A source is compiled with `$CC` (else `cc`) and `-O3 -march=native -fopenmp` (or
-`-march=$TIDAL_KERNEL_MARCH`) into tidal's cache
-folder (`$TIDAL_CACHE_DIR/kernels`, else `~/.cache/tidal/kernels`), under a name keyed by the
-source, the compiler and flags and this CPU's flags, and loaded from there after (a build takes
-0.1-0.3 s). A machine without a compiler, a build that fails or a library built for a CPU its
-kernel cannot use (each source exports an `..._available()` that says) gives None, and the
-caller keeps its other path. The libraries' OpenMP loops link `libgomp.so.1`; loaded after
-torch, that name is torch's own runtime already in the process, so their threads are torch's
-(`torch.get_num_threads()` sets the count).
+`-march=MARCH` where the CPU op seam set `march`: `cpu_kernels=auto,march=haswell`) into
+tidal's cache folder (`$TIDAL_CACHE_DIR/kernels`, else `~/.cache/tidal/kernels`), under a name
+keyed by the source, the compiler and flags and this CPU's flags, and loaded from there after
+(a build takes 0.1-0.3 s). A machine without a compiler, a build that fails or a library built
+for a CPU its kernel cannot use (each source exports an `..._available()` that says) gives a
+`Build` without a library and with the reason, and the caller keeps its other path; the CPU op
+seam (`ops.py`) logs every library's `Build` in its start-up line. The libraries' OpenMP loops
+link `libgomp.so.1`; loaded after torch, that name is torch's own runtime already in the
+process, so their threads are torch's (`torch.get_num_threads()` sets the count).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -33,46 +35,75 @@ logger = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
+march = "native"
+"""The CPU the libraries are built for: `native` (this one), or another CPU's name for gcc's
+`-march=` (`haswell`: the AVX2 paths on an AVX-512 machine, for tests and measurements). Set
+once per process, before any library is loaded, by the CPU op seam (`ops.select_cpu_ops`,
+from `cpu_kernels`'s `march=`)."""
 
-def flags() -> tuple[str, ...]:
-    """FLAGS, with `-march=$TIDAL_KERNEL_MARCH` where that is set: another CPU's build run on
-    this one (`haswell`: the AVX2 paths on an AVX-512 machine), for tests and measurements."""
-    march = os.environ.get("TIDAL_KERNEL_MARCH")
-    return tuple(f"-march={march}" if march and f == "-march=native" else f for f in FLAGS)
+
+def flags(target: str | None = None) -> tuple[str, ...]:
+    """FLAGS, with `-march=target` (default: `march`) in place of `-march=native`."""
+    target = target or march
+    return tuple(f"-march={target}" if f == "-march=native" else f for f in FLAGS)
 
 
-_loaded: dict[Path, ctypes.CDLL | None] = {}
-"""Each source's library (or None), as `load` found it; looked up once per process and kernel,
-at model load, never in a step's loop."""
+@dataclass(frozen=True)
+class Build:
+    """What became of one C source on this machine."""
+
+    library: ctypes.CDLL | None
+    """The loaded library; None where it could not be built or cannot run here."""
+    why_not: str = ""
+    """Why there is no library ("" where there is one): no compiler, a failed build, or this
+    CPU lacking what the kernel needs (the source's `..._available()` returned 0)."""
+    no_compiler: bool = False
+    """Whether the reason is the compiler (none, or a failed build), not the CPU."""
+
+
+_builds: dict[tuple[Path, str], Build] = {}
+"""Each source's `Build` per `march`, as `build` found it; looked up once per process and
+kernel, at model load, never in a step's loop."""
 
 
 def load(source: Path, available: str,
          declare: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL | None:
-    """`build_and_load(source, available)` the first time in this process, with `declare`
-    giving its functions their ctypes signatures; the same library (or None) after."""
-    if source not in _loaded:
-        library = build_and_load(source, available)
-        if library is not None:
-            declare(library)
-        _loaded[source] = library
-    return _loaded[source]
+    """`build(...)`'s library (or None)."""
+    return build(source, available, declare).library
 
 
-def build_and_load(source: Path, available: str) -> ctypes.CDLL | None:
-    """`source` compiled for this machine and loaded, or None where it cannot be (no
-    compiler, a failed build, or the library's `available()` function returning 0)."""
+def build(source: Path, available: str, declare: Callable[[ctypes.CDLL], None]) -> Build:
+    """`build_and_load(source, available)` the first time in this process (for `march`), with
+    `declare` giving its functions their ctypes signatures; the same `Build` after."""
+    key = (source, march)
+    if key not in _builds:
+        built = build_and_load(source, available)
+        if built.library is not None:
+            declare(built.library)
+        _builds[key] = built
+    return _builds[key]
+
+
+def build_and_load(source: Path, available: str, target: str | None = None) -> Build:
+    """`source` compiled for `target` (default: `march`) and loaded, or the reason it cannot
+    be: no compiler, a failed build, or the library's `available()` function returning 0."""
     compiler = compiler_name()
     if shutil.which(compiler) is None:
-        return None
-    path = cache_folder() / f"{source.stem}-{_build_key(source, compiler)}.so"
+        return Build(None, f"no C compiler: {compiler!r} not found, set $CC", True)
+    path = cache_folder() / f"{source.stem}-{_build_key(source, compiler, target)}.so"
     try:
         if not path.is_file():
-            _compile(source, compiler, path)
+            _compile(source, compiler, path, target)
         library = ctypes.CDLL(str(path))
+    except subprocess.CalledProcessError as e:
+        error = (e.stderr or b"").decode(errors="replace").strip().splitlines()
+        logger.info("%s did not build:\n%s", source.name, "\n".join(error))
+        return Build(None, f"its build failed ({error[-1] if error else e})", True)
     except (OSError, subprocess.SubprocessError) as e:
-        logger.info("%s not built (%s); its callers keep their other path", source.name, e)
-        return None
-    return library if getattr(library, available)() else None
+        return Build(None, f"its build failed ({e})", True)
+    if not getattr(library, available)():
+        return Build(None, "this CPU lacks the instructions it needs")
+    return Build(library)
 
 
 @functools.cache
@@ -104,20 +135,20 @@ def cache_folder() -> Path:
     return Path(base) / "kernels"
 
 
-def _build_key(source: Path, compiler: str) -> str:
+def _build_key(source: Path, compiler: str, target: str | None) -> str:
     """The source, the compiler and flags, and this CPU (`-march=native`)."""
     digest = hashlib.sha256(source.read_bytes())
-    digest.update(" ".join((compiler, *flags())).encode())
+    digest.update(" ".join((compiler, *flags(target))).encode())
     digest.update(_cpuinfo_line("flags").encode())
     return digest.hexdigest()[:16]
 
 
-def _compile(source: Path, compiler: str, path: Path) -> None:
+def _compile(source: Path, compiler: str, path: Path, target: str | None) -> None:
     """Build into a temporary file beside `path`, then rename: processes starting at once
     each see a whole library or none."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
         built = Path(scratch) / path.name
-        subprocess.run([compiler, *flags(), "-o", str(built), str(source)], check=True,
+        subprocess.run([compiler, *flags(target), "-o", str(built), str(source)], check=True,
                        capture_output=True, timeout=120)
         os.replace(built, path)

@@ -26,7 +26,6 @@ AVX2_BLOCK_ROWS rows and nothing else (`_reach`).
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
 import torch
@@ -65,12 +64,14 @@ build run on the Xeon, SmolLM2's layers: blocks 4.9 / 19.3 / 36.0 ms at 1 / 8 / 
 oneDNN's 21.3 / 28.0 / 31.4 (oneDNN with AVX-512 there; on an AVX2 CPU it runs at about half
 that rate, so 8 is the cautious bound until measured on one)."""
 
+def build() -> native.Build:
+    """The compiled kernel (built the first time on this machine), or why it cannot run here."""
+    return native.build(SOURCE, "tidal_panel_gemm_available", _declare)
+
+
 def load() -> ctypes.CDLL | None:
-    """The compiled kernel (built the first time on this machine), or None where it cannot
-    run here (or TIDAL_NO_PANEL_GEMM is set)."""
-    if os.environ.get("TIDAL_NO_PANEL_GEMM"):
-        return None
-    return native.load(SOURCE, "tidal_panel_gemm_available", _declare)
+    """The compiled kernel, or None where it cannot run here."""
+    return build().library
 
 
 def _declare(library: ctypes.CDLL) -> None:
@@ -81,6 +82,7 @@ def _declare(library: ctypes.CDLL) -> None:
     library.tidal_find_blocks.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
                                           ctypes.c_int, ctypes.c_void_p]
     library.tidal_find_blocks.restype = ctypes.c_int
+    library.tidal_panel_gemm_vector_floats.restype = ctypes.c_int
 
 
 def panel_gemm_applies(weight: torch.Tensor) -> bool:
@@ -142,11 +144,17 @@ def pack_panels(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> tor
     return w.reshape(n // 16, 16, k).transpose(1, 2).to(dtype).contiguous()
 
 
+def float_panels() -> bool:
+    """Whether this machine's build keeps float panels: AVX-512 (16-float vectors); an AVX2
+    build takes a GGUF's 4/8-bit blocks only."""
+    return load().tidal_panel_gemm_vector_floats() >= 16
+
+
 def block_rows() -> int:
     """The most rows whose products read a weight's 4/8-bit blocks with this machine's build
     (where AMX is not): BLOCK_ROWS with AVX-512 (AMD_BLOCK_ROWS on an AMD CPU),
     AVX2_BLOCK_ROWS with AVX2."""
-    if load().tidal_panel_gemm_vector_floats() < 16:
+    if not float_panels():
         return AVX2_BLOCK_ROWS
     return AMD_BLOCK_ROWS if native.cpu_vendor() == "AuthenticAMD" else BLOCK_ROWS
 
@@ -154,8 +162,7 @@ def block_rows() -> int:
 def _reach() -> tuple[int, int]:
     """(most rows the blocks take, most rows the float panels take) with this machine's build:
     AVX-512 (`block_rows()`, any), AVX2 (AVX2_BLOCK_ROWS, 0: no float panels)."""
-    float_rows = 1 << 62 if load().tidal_panel_gemm_vector_floats() >= 16 else 0
-    return block_rows(), float_rows
+    return block_rows(), (1 << 62 if float_panels() else 0)
 
 
 class PanelGemm:
@@ -165,8 +172,10 @@ class PanelGemm:
     `amx_gemm.py` for any number of rows, else float panels in `exact_storage_dtype(weight)`;
     results are float32 either way."""
 
-    def __init__(self, weight: torch.Tensor, storage: torch.dtype | None = None):
-        """`storage`: the panels' type (default `exact_storage_dtype(weight)`)."""
+    def __init__(self, weight: torch.Tensor, storage: torch.dtype | None = None,
+                 amx: bool = True):
+        """`storage`: the panels' type (default `exact_storage_dtype(weight)`); `amx`: whether
+        the blocks may take the AMX kernel where it is here."""
         if not panel_gemm_applies(weight):
             raise ValueError(f"no panel GEMM for a {weight.dtype} {tuple(weight.shape)} weight "
                              f"on {weight.device} here")
@@ -184,7 +193,7 @@ class PanelGemm:
                     self._blocks_type = kind
                     break
         self.amx = (AmxBlockGemm.from_blocks(self.blocks, self._blocks_type, *weight.shape)
-                    if self.blocks is not None else None)
+                    if self.blocks is not None and amx else None)
         """The blocks as the AMX kernel's tiles, where AMX is here: then it takes every product
         above the block rows (prefill chunks, large decode batches) and no float panels are
         kept."""

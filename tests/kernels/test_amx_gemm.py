@@ -2,7 +2,8 @@
 same weights exactly (the pack refuses a block whose d q + m is not exact in float32), products
 as close to the float64 product as F.linear's for every row count (tile tails, row chunks),
 the fused add and mul equal to the separate ops bit for bit, and the routing: the blocks up to
-AMX_BLOCK_ROWS rows, AMX above, prefill chunks included, and TIDAL_NO_AMX turning it off."""
+AMX_BLOCK_ROWS rows, AMX above, prefill chunks included, and `amx=False` (the CPU op seam's
+`cpu_kernels=auto,no-amx`) turning it off."""
 
 import pytest
 import torch
@@ -99,7 +100,6 @@ def test_the_blocks_take_a_few_rows_and_amx_every_larger_product():
 
 
 @needs_amx
-def test_tidal_no_amx_keeps_the_float_panels(monkeypatch):
-    monkeypatch.setenv("TIDAL_NO_AMX", "1")
-    panels = small_m_gemm.PanelGemm(q4_weight(96, 128))
+def test_no_amx_keeps_the_float_panels():
+    panels = small_m_gemm.PanelGemm(q4_weight(96, 128), amx=False)
     assert panels.amx is None and panels.panels is not None

@@ -10,14 +10,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tidal.kernels.cpu import cpu_gemm, native, small_m_gemm
+from tidal.kernels.cpu import amx_gemm, cpu_gemm, native, small_m_gemm
 from tidal.kernels.cpu.cpu_gemm import SmallBatchGemm, small_batch_gemm_available
 
 @pytest.fixture(autouse=True)
 def _panels_without_amx(monkeypatch):
     """These tests specify the panel kernel's own paths; on a CPU with AMX a GGUF weight's
-    larger products go to `amx_gemm.py` instead (its tests: test_amx_gemm.py)."""
-    monkeypatch.setenv("TIDAL_NO_AMX", "1")
+    larger products go to `amx_gemm.py` instead (its tests: test_amx_gemm.py): as on a CPU
+    without it."""
+    monkeypatch.setattr(amx_gemm, "load", lambda: None)
 
 
 needs_kernel = pytest.mark.skipif(small_m_gemm.load() is None,
@@ -141,11 +142,11 @@ def test_bytes_read_follow_the_path_each_row_count_takes():
 
 
 def _build_for(monkeypatch, tmp_path, march: str) -> ctypes.CDLL:
-    """small_m_gemm.c built for another CPU (TIDAL_KERNEL_MARCH), loaded beside this machine's
+    """small_m_gemm.c built for another CPU (gcc's -march), loaded beside this machine's
     build (which `small_m_gemm.load()` keeps)."""
-    monkeypatch.setenv("TIDAL_KERNEL_MARCH", march)
     monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
-    library = native.build_and_load(small_m_gemm.SOURCE, "tidal_panel_gemm_available")
+    library = native.build_and_load(small_m_gemm.SOURCE, "tidal_panel_gemm_available",
+                                    target=march).library
     small_m_gemm._declare(library)
     return library
 
@@ -215,7 +216,7 @@ def test_widths_that_are_not_whole_panel_pairs_are_refused():
 
 def test_without_a_compiler_the_layers_keep_onednn(monkeypatch, tmp_path):
     """No `cc` on the machine: load() is None and SmallBatchGemm reorders for oneDNN."""
-    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "_builds", {})
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     assert small_m_gemm.load() is None
     weight = torch.randn(64, 32)

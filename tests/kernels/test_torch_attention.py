@@ -229,12 +229,13 @@ def test_short_prefill_chunks_go_row_by_row_and_long_ones_to_the_blocked_kernel(
 
 @pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler or no AVX-512")
 def test_the_c_kernels_avx2_build_equals_reference(tmp_path, monkeypatch):
-    """decode_attention.c built for an AVX2 CPU (8-float vectors, run here: TIDAL_KERNEL_MARCH)
+    """decode_attention.c built for an AVX2 CPU (8-float vectors, run here: `native.march`, which
+    the CPU op seam sets from `cpu_kernels=auto,march=haswell`)
     under CpuBackend: no blocked prefill kernel there, so a chunk of up to
     AVX2_ROW_CHUNK_TOKENS goes row by row and a longer one to SDPA."""
     monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("TIDAL_KERNEL_MARCH", "haswell")
-    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "march", "haswell")
+    monkeypatch.setattr(native, "_builds", {})
     assert cpu_attention.available()
     assert any(path.name.startswith("decode_attention-") for path in (tmp_path / "kernels").iterdir())
     assert "-march=haswell" in native.flags()
