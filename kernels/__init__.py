@@ -1,8 +1,8 @@
 """tidal's kernels, two families behind two seams:
 
     attention/  the `AttentionBackend` seam: reference, torch, numba, cpu (C), Triton
-    cpu/        the CPU op family: small-batch GEMMs, RMSNorm, rotary, fused decoder layers,
-                and the build of their C sources
+    cpu/        the `CpuOps` seam (`cpu/ops.py`): small-batch GEMMs, RMSNorm, rotary, fused
+                decoder layers, chosen once at load; and the build of their C sources
 
 This package is `tidal.kernels`. Run from a checkout's root (`python -m ...`, `python -c`),
 the root is on `sys.path` and this folder would also be found as the top-level module

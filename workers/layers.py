@@ -12,6 +12,11 @@ checkpoint shape and copies this rank's slice, and a `shard_ids` tuple naming th
 tensors it is made of (`(None,)` for a plain one, `("q", "k", "v")` for the fused qkv, `(0, 1)`
 for gate/up). `loaded` is a torch tensor or a lazy safetensors slice: only the slice this rank
 needs is read from disk.
+
+The arithmetic beside attention goes through the CPU op seam (`kernels/cpu/ops.py`): every
+module starts on torch's own ops (`TORCH_OPS`) and a worker on the CPU hands each one its
+chosen `CpuOps` once the weights are loaded (`use_cpu_ops`): the GEMM of each weight, RMSNorm,
+the rotation. Which kernel takes which product is the seam's decision, not the layers'.
 """
 
 from __future__ import annotations
@@ -23,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.cpu import cpu_fused
-from ..kernels.cpu.cpu_gemm import SmallBatchGemm, small_batch_gemm_available
+from ..kernels.cpu.cpu_gemm import SmallBatchGemm
+from ..kernels.cpu.ops import TORCH_OPS, CpuOps
 from .distributed import TensorParallel
 
 
@@ -71,34 +76,21 @@ def _param(*shape: int, loader, shard_ids=(None,)) -> nn.Parameter:
 
 class GemmLayer(nn.Module):
     """A module that multiplies by `self.weight` [out, in] through `matmul`, which switches
-    to the CPU's small-batch GEMM (`kernels/cpu/cpu_gemm.py`) once `use_cpu_gemm` ran."""
+    to the GEMM the CPU op seam gives the weight (`CpuOps.gemm`) once `use_cpu_ops` ran."""
 
     cpu_gemm: SmallBatchGemm | None = None
 
-    def use_cpu_gemm(self) -> bool:
-        """Reorder the loaded weight for small batches on the CPU (float32 only); False when
-        this weight does not qualify and `F.linear` stays."""
-        if not small_batch_gemm_available(self.weight):
-            return False
-        self.cpu_gemm = SmallBatchGemm(self.weight)
-        return True
+    def use_cpu_ops(self, ops: CpuOps) -> bool:
+        """Take the seam's GEMM for the loaded weight; False where it has none (torch's ops,
+        not float32) and `F.linear` stays."""
+        self.cpu_gemm = ops.gemm(self.weight)
+        return self.cpu_gemm is not None
 
     def weight_bytes_read(self, rows: int) -> int:
         """Bytes of weight a product of `rows` rows streams on the path it takes."""
         if self.cpu_gemm is not None:
             return self.cpu_gemm.bytes_read(rows)
         return self.weight.nbytes
-
-    def block_rows(self) -> set[int]:
-        """The row counts up to which this weight's products read its 4/8-bit blocks (empty:
-        none, or no CPU GEMM): above them they read other weights."""
-        rows = self.cpu_gemm.block_rows if self.cpu_gemm is not None else 0
-        return {rows} if rows else set()
-
-    def kernel_weights(self, rows: int) -> tuple[torch.Tensor, int] | None:
-        """The weights and panel-kernel type number a product of `rows` rows reads
-        (`SmallBatchGemm.kernel_weights`), for the fused decoder layers; else None."""
-        return self.cpu_gemm.kernel_weights(rows) if self.cpu_gemm is not None else None
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T, no bias."""
@@ -154,14 +146,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     shard_gemms: list[SmallBatchGemm] | None = None
 
-    def use_cpu_gemm(self) -> bool:
-        """One CPU GEMM per shard instead of one for the whole weight, so `silu_and_mul` can
+    def use_cpu_ops(self, ops: CpuOps) -> bool:
+        """One GEMM per shard instead of one for the whole weight, so `silu_and_mul` can
         fuse the product into the second GEMM (the shards' rows of the same weight tensor)."""
-        if not small_batch_gemm_available(self.weight):
-            return False
         rows = [size // self.tp.size for size in self.output_sizes]
-        self.shard_gemms = [SmallBatchGemm(w) for w in self.weight.detach().split(rows)]
-        return True
+        gemms = [ops.gemm(w) for w in self.weight.detach().split(rows)]
+        self.shard_gemms = None if None in gemms else gemms
+        return self.shard_gemms is not None
 
     def weight_bytes_read(self, rows: int) -> int:
         if self.shard_gemms is not None:
@@ -172,19 +163,6 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         if self.shard_gemms is not None:
             return torch.cat([gemm(x) for gemm in self.shard_gemms], dim=-1)
         return F.linear(x, self.weight)
-
-    def block_rows(self) -> set[int]:
-        if self.shard_gemms is None:
-            return super().block_rows()
-        return {gemm.block_rows for gemm in self.shard_gemms} - {0}
-
-    def shard_kernel_weights(self, rows: int) -> list[tuple[torch.Tensor, int]] | None:
-        """Each shard's weights and panel-kernel type number (gate, up) for a product of
-        `rows` rows; else None."""
-        if self.shard_gemms is None:
-            return None
-        weights = [gemm.kernel_weights(rows) for gemm in self.shard_gemms]
-        return None if None in weights else weights
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for the two shards (gate, up) of this projection of x, as the MLP
@@ -333,10 +311,11 @@ class ParallelLMHead(VocabParallelEmbedding, GemmLayer):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm as Hugging Face computes it: the statistics in float32, the scale applied in
-    the model dtype (so float64 runs match transformers bit for bit here). Contiguous
-    float32 activations on the CPU take one compiled call (`kernels/cpu/cpu_fused.rms_norm`,
-    equal up to float32 rounding) instead of eight torch ops."""
+    """RMSNorm as Hugging Face computes it, through the CPU op seam (`CpuOps.rms_norm`):
+    torch's ops, bit for bit (so float64 runs match transformers), or on the CPU one compiled
+    call for float32 rows (equal up to float32 rounding)."""
+
+    ops: CpuOps = TORCH_OPS
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -347,13 +326,12 @@ class RMSNorm(nn.Module):
         _check_shape(param, loaded, tuple(param.shape))
         _copy(param, loaded[:])
 
+    def use_cpu_ops(self, ops: CpuOps) -> bool:
+        self.ops = ops
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_fused.rms_norm_applies(x):
-            return cpu_fused.rms_norm(x, self.weight, self.eps)
-        dtype = x.dtype
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -403,11 +381,9 @@ class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding (rotate_half) with a cos/sin table per position,
     computed in float32 like transformers and cast to the activation dtype on use.
 
-    `tables(positions, dtype)` gathers a step's factors once; `apply(x, tables)` rotates any
-    [tokens, heads, head_dim] tensor, so q and k heads rotate in one call when they sit side
-    by side in the fused qkv output. The arithmetic is transformers' `x * cos +
-    rotate_half(x) * sin` term for term (each half: two rounded products, one rounded sum or
-    difference, and a - b == a + (-b) exactly), so the results are bit-identical to it.
+    `tables(positions, dtype)` gathers a step's factors once; the rotation itself is the CPU
+    op seam's (`CpuOps.rotate_split`: q and k heads rotated in one call where they sit side by
+    side in the fused qkv output, transformers' arithmetic term for term, bit-identical).
     """
 
     def __init__(self, head_dim: int, max_position: int, theta: float, rope: dict | None):
@@ -422,28 +398,3 @@ class RotaryEmbedding(nn.Module):
         """The factors of `positions` [num_tokens], for activations of `dtype`."""
         return RopeTables(self.cos_cache[positions].to(dtype).unsqueeze(1),
                           self.sin_cache[positions].to(dtype).unsqueeze(1))
-
-    @staticmethod
-    def apply(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
-        """x [tokens, heads, head_dim] (any strides) -> a new contiguous rotated tensor."""
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        first, second = out[..., :half], out[..., half:]
-        torch.mul(x1, rope.cos, out=first)
-        first.sub_(x2 * rope.sin)
-        torch.mul(x2, rope.cos, out=second)
-        second.add_(x1 * rope.sin)
-        return out
-
-    @staticmethod
-    def apply_split(qk: torch.Tensor, rope: RopeTables, num_heads: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """qk [tokens, num_heads + kv_heads, head_dim] (q heads then k heads, any strides) ->
-        rotated contiguous q [tokens, num_heads, head_dim] and k. On the CPU one compiled
-        call (`kernels/cpu/cpu_fused.rotate_split`, the same arithmetic, bit-identical) instead
-        of six torch ops and a copy of q."""
-        if cpu_fused.rotate_applies(qk) and rope.cos.dtype == qk.dtype:
-            return cpu_fused.rotate_split(qk, rope.cos, rope.sin, num_heads)
-        rotated = RotaryEmbedding.apply(qk, rope)
-        return rotated[:, :num_heads].contiguous(), rotated[:, num_heads:]

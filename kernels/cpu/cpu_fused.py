@@ -9,8 +9,8 @@ calling thread (a `prange` fork/join would cost more than the work at decode siz
 
 * `rms_norm(x, weight, eps)`: float32 only. The sum of squares is a float32 SIMD sum in
   another order than torch's `mean`, so results differ from transformers' by float32
-  rounding (relative 1e-7); `workers/layers.RMSNorm` keeps torch's ops for other dtypes, so
-  float64 runs stay bit-identical to transformers.
+  rounding (relative 1e-7); the seam keeps torch's ops for other dtypes, so float64 runs
+  stay bit-identical to transformers.
 * `rotate_split(qk, cos, sin, num_heads)`: the neox rotation of q and k heads that sit side
   by side, written into a new contiguous q and k. Compiled *without* fastmath, so no
   multiply-add is contracted into an FMA: each half is two rounded products and one rounded
@@ -21,7 +21,8 @@ Compiled on first use per dtype and cached on disk next to this file (`cache=Tru
 `warm_up` does it at start-up. Where a C compiler is at hand, float32 calls go to the same
 arithmetic in C instead (`layer_ops.c`, through ctypes: numba's dispatch cost ~10 us a call,
 the whole of a decode step's RMSNorm of a few rows); numba keeps float64 and machines
-without a compiler.
+without a compiler. Which one a call takes, and whether torch's own ops take it instead, the
+CPU op seam decides (`ops.CpuOps.rms_norm`, `rotate_split`): these functions only compute.
 """
 
 from __future__ import annotations
@@ -51,28 +52,29 @@ def _declare(library: ctypes.CDLL) -> None:
     library.tidal_rotate_split.restype = None
 
 
+def c_build() -> native.Build:
+    """`layer_ops.c` built and loaded (once), or why not (no C compiler)."""
+    return native.build(SOURCE, "tidal_layer_ops_available", _declare)
+
+
 def c_library() -> ctypes.CDLL | None:
-    """`layer_ops.c` built and loaded (once), or None without a C compiler."""
-    return native.load(SOURCE, "tidal_layer_ops_available", _declare)
+    """`layer_ops.c`'s library, or None without a C compiler."""
+    return c_build().library
 
 
 def available() -> bool:
-    """Whether the compiled kernels can run (numba installed)."""
+    """Whether the numba kernels can run (numba installed)."""
     return njit is not None
 
 
-def rms_norm_applies(x: torch.Tensor) -> bool:
-    """Whether `rms_norm` takes this activation: float32 on the CPU, rows contiguous."""
-    return (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1
-            and x.is_contiguous() and (njit is not None or c_library() is not None))
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * x / sqrt(mean(x^2, last dim) + eps) for float32 `x` (`rms_norm_applies`)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             library: ctypes.CDLL | None = None) -> torch.Tensor:
+    """weight * x / sqrt(mean(x^2, last dim) + eps) for float32 `x` on the CPU, rows
+    contiguous, and a float32 contiguous `weight`: through `library` (`c_library()`) where
+    given, else numba's kernel."""
     out = torch.empty_like(x)
     hidden = x.shape[-1]
-    library = c_library()
-    if library is not None and weight.dtype == torch.float32 and weight.is_contiguous():
+    if library is not None:
         library.tidal_rms_norm(x.data_ptr(), x.numel() // hidden if hidden else 0, hidden,
                                weight.data_ptr(), eps, out.data_ptr())
         return out
@@ -81,23 +83,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def rotate_applies(qk: torch.Tensor) -> bool:
-    """Whether `rotate_split` takes this [tokens, heads, head_dim] tensor: float32 or
-    float64 on the CPU, head_dim contiguous (any token and head strides)."""
-    return (qk.device.type == "cpu" and qk.dim() == 3 and qk.stride(-1) == 1
-            and ((qk.dtype == torch.float32 and c_library() is not None)
-                 or (njit is not None and qk.dtype in (torch.float32, torch.float64))))
-
-
-def rotate_split(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate qk [tokens, num_heads + kv_heads, head_dim] by cos / sin [tokens, head_dim / 2]
-    (qk's dtype) into contiguous q [tokens, num_heads, head_dim] and k [tokens, kv_heads,
-    head_dim]."""
+def rotate_split(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                 library: ctypes.CDLL | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate qk [tokens, num_heads + kv_heads, head_dim] (on the CPU, head_dim contiguous) by
+    cos / sin [tokens, head_dim / 2] (qk's dtype) into contiguous q [tokens, num_heads,
+    head_dim] and k [tokens, kv_heads, head_dim]: through `library` (`c_library()`, float32
+    only) where given, else numba's kernel (float32 or float64)."""
     tokens, heads, head_dim = qk.shape
     q = torch.empty((tokens, num_heads, head_dim), dtype=qk.dtype)
     k = torch.empty((tokens, heads - num_heads, head_dim), dtype=qk.dtype)
-    library = c_library() if qk.dtype == torch.float32 else None
     if library is not None and tokens:
         cos, sin = cos.reshape(tokens, -1), sin.reshape(tokens, -1)
         if cos.stride(1) == 1 and sin.stride() == cos.stride():
@@ -111,9 +105,7 @@ def rotate_split(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 
 def warm_up() -> None:
-    """Build (or load from the disk cache) the C kernels and compile the numba ones for the
-    dtypes they take."""
-    c_library()
+    """Compile (or load from the disk cache) the numba kernels for the dtypes they take."""
     if njit is None:
         return
     rms_norm(torch.ones(1, 4), torch.ones(4), 1e-6)

@@ -9,12 +9,14 @@ of which ~1 ms module dispatch, output allocation and ctypes argument conversion
 kernel calls (cProfile and a per-part timer, 2026-12-02; benchmarks/archive/BENCHMARKS.md,
 "One C call for the decoder layers").
 
-`FusedLayers` takes a step when every part of it has its kernel here: float32 activations,
-`min_tokens` to `max_tokens` tokens (the row counts its weights serve: a de-quantized GGUF's
-4/8-bit blocks up to the panel kernel's block rows, float panels above, one `FusedLayers`
-each), the `cpu` attention backend's plan with no chunk left for SDPA. Otherwise (and for
-other dtypes, AMX, tensor or pipeline parallelism, biases, per-head norms: the model decides,
-`workers/models/llama.py`) the layers run from Python as before. Results equal that path's but
+A model hands the CPU op seam its layers as `DecoderLayerParts` (`ops.CpuOps.decoder_layers`:
+a layer with biases, per-head norms or tensor parallelism has none, and then every step runs
+the layers from Python); `fuse` makes one `FusedLayers` per range of step sizes over which no
+projection switches weights (a de-quantized GGUF's 4/8-bit blocks up to the panel kernel's
+block rows, float panels above), up to SMALL_BATCH_ROWS. A `FusedLayers` takes a step of
+float32 activations, `min_tokens` to `max_tokens` tokens, with the `cpu` attention backend's
+plan and no chunk left for SDPA (`DecoderLayers.for_step`); any other step (other dtypes, AMX
+products, more tokens) runs the layers from Python as before. Results equal that path's but
 for silu, whose exp is `decoder_layers.c`'s own polynomial (within 2 ulp of the exact value;
 torch's within 1): float32 rounding, as between any two GEMM libraries.
 """
@@ -30,6 +32,7 @@ import torch
 
 from ..attention import cpu_attention
 from . import cpu_fused, native, small_m_gemm
+from .cpu_gemm import SMALL_BATCH_ROWS, SmallBatchGemm
 
 SOURCE = Path(__file__).with_name("decoder_layers.c")
 
@@ -75,9 +78,14 @@ def _declare(library: ctypes.CDLL) -> None:
     library.tidal_exp.restype = None
 
 
+def build() -> native.Build:
+    """`decoder_layers.c` built and loaded (once), or why not (no C compiler)."""
+    return native.build(SOURCE, "tidal_decoder_layers_available", _declare)
+
+
 def load() -> ctypes.CDLL | None:
-    """`decoder_layers.c` built and loaded (once), or None without a C compiler."""
-    return native.load(SOURCE, "tidal_decoder_layers_available", _declare)
+    """`decoder_layers.c`'s library, or None without a C compiler."""
+    return build().library
 
 
 def _kernels() -> _Kernels | None:
@@ -90,6 +98,34 @@ def _kernels() -> _Kernels | None:
                     address(ops.tidal_rotate_split), address(attention.tidal_write_kv),
                     address(attention.tidal_decode_attention),
                     address(attention.tidal_prefill_attention))
+
+
+@dataclass(frozen=True)
+class DecoderLayerParts:
+    """One Llama decoder layer as the fused call computes it (`decoder_layers.c`'s comment):
+    the two norms' weights and each projection's small-batch GEMM (`ops.CpuOps.gemm`), gate and
+    up apart; no biases, no per-head norms, one rank."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: SmallBatchGemm
+    o: SmallBatchGemm
+    gate: SmallBatchGemm
+    up: SmallBatchGemm
+    down: SmallBatchGemm
+
+    @property
+    def gemms(self) -> tuple[SmallBatchGemm, ...]:
+        return self.qkv, self.o, self.gate, self.up, self.down
+
+    def weights(self, rows: int) -> LayerWeights | None:
+        """The weights a step of `rows` rows reads, or None where the panel kernel does not
+        take every projection's product of that many rows (or a norm is not float32)."""
+        norms = (self.input_norm.detach(), self.post_norm.detach())
+        if any(n.dtype != torch.float32 or not n.is_contiguous() for n in norms):
+            return None
+        projections = [gemm.kernel_weights(rows) for gemm in self.gemms]
+        return None if None in projections else LayerWeights(*norms, *projections)
 
 
 @dataclass(frozen=True)
@@ -217,6 +253,42 @@ class FusedLayers:
             self._scratch_rows = rows
             self._scratch_struct = _Scratch(*(t.data_ptr() for t in self._scratch))
         return self._scratch_struct
+
+
+class DecoderLayers:
+    """A model's decoder layers in one C call a step, for the step sizes some `FusedLayers`
+    serves."""
+
+    def __init__(self, fused: tuple[FusedLayers, ...]):
+        self.fused = fused
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        """(fewest, most) tokens of the steps each call takes."""
+        return [(f.min_tokens, f.max_tokens) for f in self.fused]
+
+    def for_step(self, hidden: torch.Tensor, plan: object) -> FusedLayers | None:
+        """The call that takes this step (its activations and attention plan), if one does."""
+        return next((f for f in self.fused if f.takes(hidden, plan)), None)
+
+
+def fuse(layers: list[DecoderLayerParts], shape: LayerShape) -> DecoderLayers | None:
+    """The fused calls for steps of up to SMALL_BATCH_ROWS tokens: one per range of row counts
+    over which no projection switches weights (a de-quantized GGUF's steps of up to the block
+    rows read its 4/8-bit blocks, larger ones float panels; on the Zen 4 EPYC, SmolLM2 at 8
+    and 32 requests: 34.7 -> 24.5 ms and 110.6 -> 87.8 ms against the layers' own calls on
+    blocks); None where no range has every layer's weights on the panel kernel."""
+    if not layers:
+        return None
+    switches = {gemm.block_rows for layer in layers for gemm in layer.gemms} - {0}
+    bounds = sorted({r for r in switches if r < SMALL_BATCH_ROWS} | {SMALL_BATCH_ROWS})
+    fused, low = [], 0
+    for high in bounds:  # no projection switches weights inside (low, high]
+        weights = [layer.weights(high) for layer in layers]
+        if None not in weights:
+            fused.append(FusedLayers(weights, shape, high, min_tokens=low + 1))
+        low = high
+    return DecoderLayers(tuple(fused)) if fused else None
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:

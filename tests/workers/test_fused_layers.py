@@ -1,6 +1,7 @@
-"""The decoder layers in one C call (`kernels/cpu/fused_layers.py`) compute what the layers' own
-calls compute, to float32 rounding, on every kind of step it takes, and leave the others to
-the layers."""
+"""The decoder layers in one C call (`kernels/cpu/fused_layers.py`, which the CPU op seam gives a
+model, `CpuOps.decoder_layers`) compute what the layers' own calls compute, to float32
+rounding, on every kind of step it takes, and leave the others to the layers; `cpu_kernels`
+with `no-fused` leaves them out."""
 
 import numpy as np
 import pytest
@@ -101,15 +102,14 @@ def run_greedy(worker, prompts, chunk):
 def test_mixed_batches_sample_what_the_layers_calls_sample(llama, chunk):
     """Several requests of different lengths decoding while others prefill, in chunks of 16
     (rows) or 150 (blocked kernel; two such chunks make a 300-token step, past the fused
-    call's 256: the layers take that one): greedy tokens equal with and without it."""
+    call's 256: the layers take that one): greedy tokens equal with and without it
+    (`cpu_kernels=auto,no-fused`)."""
     prompts = [prompt_ids(seed=s, n=n) for s, n in enumerate((3, 40, 150, 150, 17))]
-    worker = fused_worker(llama)
-    fused = worker.runner.model.model.fused
-    with_fused = run_greedy(worker, prompts, chunk)
-    worker.runner.model.model.fused = None
-    without = run_greedy(loaded_worker(llama, "float32", max_num_batched_tokens=1024,
-                                       max_model_len=512), prompts, chunk)
-    assert fused is not None and with_fused == without
+    with_fused = run_greedy(fused_worker(llama), prompts, chunk)
+    plain = loaded_worker(llama, "float32", max_num_batched_tokens=1024, max_model_len=512,
+                          cpu_kernels="auto,no-fused")
+    assert plain.runner.model.model.fused is None
+    assert with_fused == run_greedy(plain, prompts, chunk)
 
 
 @needs_float_panels
@@ -124,7 +124,6 @@ def test_a_slot_past_the_cache_is_an_index_error(llama):
         runner.compute_logits_all(script.plan())
 
 
-@needs_float_panels
 def test_a_quantized_models_few_row_steps_read_its_blocks_and_larger_ones_float_panels(
         tiny_gguf_factory, tmp_path):
     """A de-quantized GGUF's layers keep their 4-bit blocks for products of up to the panel
@@ -138,11 +137,12 @@ def test_a_quantized_models_few_row_steps_read_its_blocks_and_larger_ones_float_
     worker = fused_worker(folder)
     fused = worker.runner.model.model.fused
     if amx_gemm.load() is not None:
-        assert [(f.min_tokens, f.max_tokens) for f in fused] == [(1, small_m_gemm.AMX_BLOCK_ROWS)]
-    else:
+        assert fused.ranges == [(1, small_m_gemm.AMX_BLOCK_ROWS)]
+    elif small_m_gemm.float_panels():
         block_rows = small_m_gemm.block_rows()
-        assert [(f.min_tokens, f.max_tokens) for f in fused] == [(1, block_rows),
-                                                                 (block_rows + 1, 256)]
+        assert fused.ranges == [(1, block_rows), (block_rows + 1, 256)]
+    else:  # AVX2: the blocks up to a few rows, oneDNN (no fused call) above
+        assert fused.ranges == [(1, small_m_gemm.AVX2_BLOCK_ROWS)]
     tokens = prompt_ids(n=200)
     for chunk in (1, 7, 64, 200):
         ours, plain = fused_and_plain_logits(worker, tokens, chunk)

@@ -16,15 +16,14 @@ LM head on a last stage without the embedding loads `model.embed_tokens.weight` 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from ...kernels.attention import AttentionBackend
-from ...kernels.cpu.cpu_gemm import SMALL_BATCH_ROWS
-from ...kernels.cpu.fused_layers import FusedLayers, LayerShape, LayerWeights
+from ...kernels.cpu.fused_layers import DecoderLayerParts, DecoderLayers, LayerShape
+from ...kernels.cpu.ops import TORCH_OPS, CpuOps
 from ..attention import AttentionInputs, KVCache, PagedAttention
 from ..distributed import PipelineParallel, TensorParallel
 from ..layers import (
@@ -189,6 +188,11 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(d, args.rms_norm_eps)
         self.qk_norm = args.qk_norm
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d ** -0.5, backend)
+        self.ops = TORCH_OPS  # the rotation's (`use_cpu_ops`)
+
+    def use_cpu_ops(self, ops: CpuOps) -> bool:
+        self.ops = ops
+        return True
 
     def forward(self, rope: RopeTables, x: torch.Tensor, kv_cache: KVCache,
                 attn_inputs: AttentionInputs, residual: torch.Tensor) -> torch.Tensor:
@@ -202,7 +206,7 @@ class LlamaAttention(nn.Module):
             qk = torch.cat((self.q_norm(qk[:, :num_heads]), self.k_norm(qk[:, num_heads:])),
                            dim=1)
         # q and k heads side by side: one rotation
-        q, k = RotaryEmbedding.apply_split(qk, rope, num_heads)
+        q, k = self.ops.rotate_split(qk, rope.cos, rope.sin, num_heads)
         return self.o_proj(self.attn(q, k, v, kv_cache, attn_inputs), residual)
 
 
@@ -232,32 +236,19 @@ class LlamaDecoderLayer(nn.Module):
         h = self.self_attn(rope, self.input_layernorm(x), kv_cache, attn_inputs, residual=x)
         return self.mlp(self.post_attention_layernorm(h), residual=h)
 
-    def fused_weights(self, rows: int) -> LayerWeights | None:
-        """This layer's weights as the fused C layers read them (`kernels/cpu/fused_layers.py`)
-        for a step of `rows` rows: where the panel kernel takes every projection's product
-        (one rank, CPU GEMMs: 4/8-bit blocks or float panels) and there are no biases or
-        per-head norms; else None."""
+    def cpu_parts(self) -> DecoderLayerParts | None:
+        """This layer as the CPU op seam's one-call decoder layers compute it (norms, then
+        each projection's GEMM from the seam), or None where it has what they do not: biases,
+        per-head norms, tensor parallelism, a projection on F.linear."""
         attn, mlp = self.self_attn, self.mlp
-        norms = (self.input_layernorm.weight.detach(),
-                 self.post_attention_layernorm.weight.detach())
         linear = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if (attn.qk_norm or any(m.bias is not None for m in linear)
-                or any(n.dtype != torch.float32 or not n.is_contiguous() for n in norms)):
+        gemms = (attn.qkv_proj.cpu_gemm, attn.o_proj.cpu_gemm, mlp.down_proj.cpu_gemm)
+        if (attn.qk_norm or any(m.bias is not None for m in linear) or attn.o_proj.tp.size != 1
+                or None in gemms or mlp.gate_up_proj.shard_gemms is None):
             return None
-        projections = [m.kernel_weights(rows)
-                       for m in (attn.qkv_proj, attn.o_proj, mlp.down_proj)]
-        gate_up = mlp.gate_up_proj.shard_kernel_weights(rows)
-        if None in projections or gate_up is None or attn.o_proj.tp.size != 1:
-            return None
-        qkv, o, down = projections
-        return LayerWeights(*norms, qkv, o, *gate_up, down)
-
-    def block_rows(self) -> set[int]:
-        """The row counts at which a projection of this layer switches weights (its 4/8-bit
-        blocks up to there, float panels above)."""
-        attn, mlp = self.self_attn, self.mlp
-        return set().union(*(m.block_rows() for m in (attn.qkv_proj, attn.o_proj,
-                                                      mlp.gate_up_proj, mlp.down_proj)))
+        qkv, o, down = gemms
+        return DecoderLayerParts(self.input_layernorm.weight, self.post_attention_layernorm.weight,
+                                 qkv, o, *mlp.gate_up_proj.shard_gemms, down)
 
 
 class LlamaModel(nn.Module):
@@ -275,37 +266,20 @@ class LlamaModel(nn.Module):
         if pp.is_last:
             self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.args = args
-        self.fused: tuple[FusedLayers, ...] | None = None
-        """Every layer in one C call a step, for the steps one of them takes (`fuse_layers`):
-        one call per range of row counts over which no projection switches weights."""
+        self.fused: DecoderLayers | None = None
+        """Every layer in one C call a step, for the steps it takes (`use_cpu_ops`)."""
 
-    def fuse_layers(self) -> bool:
-        """Run the decoder layers of steps of up to SMALL_BATCH_ROWS tokens in one C call
-        (`kernels/cpu/fused_layers.py`) where every layer's parts have their C kernels here, on
-        one pipeline stage; True when that took. A de-quantized GGUF's steps of up to the
-        block rows read its 4/8-bit blocks and larger ones float panels: a call for each
-        range (on the Zen 4 EPYC, SmolLM2 at 8 and 32 requests: 34.7 -> 24.5 ms and 110.6 ->
-        87.8 ms against the layers' own calls on blocks). TIDAL_NO_FUSED_LAYERS=1 keeps the
-        layers' own calls (to compare)."""
-        if os.environ.get("TIDAL_NO_FUSED_LAYERS") or self.pp.size != 1:
-            return False
-        if not FusedLayers.available():
-            return False
+    def use_cpu_ops(self, ops: CpuOps) -> bool:
+        """Ask the CPU op seam for the decoder layers in one call (its modules already took
+        the seam's ops); True when it gave them. One pipeline stage only: the call ends with
+        the last layer, and the final norm follows."""
         layers = list(self.layers.values())
-        if not layers:
+        if self.pp.size != 1 or not layers:
             return False
         a, attn = self.args, layers[0].self_attn
         shape = LayerShape(a.hidden_size, attn.num_heads, attn.num_kv_heads, a.head_dim,
                            a.intermediate_size, a.rms_norm_eps, attn.attn.scale)
-        switches = set().union(*(layer.block_rows() for layer in layers))
-        bounds = sorted({r for r in switches if r < SMALL_BATCH_ROWS} | {SMALL_BATCH_ROWS})
-        fused, low = [], 0
-        for high in bounds:  # no projection switches weights inside (low, high]
-            weights = [layer.fused_weights(high) for layer in layers]
-            if None not in weights:
-                fused.append(FusedLayers(weights, shape, high, min_tokens=low + 1))
-            low = high
-        self.fused = tuple(fused) or None
+        self.fused = ops.decoder_layers([layer.cpu_parts() for layer in layers], shape)
         return self.fused is not None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -316,7 +290,7 @@ class LlamaModel(nn.Module):
         stage but the first)."""
         h = self.embed_tokens(input_ids) if self.pp.is_first else hidden
         rope = self.rotary.tables(positions, h.dtype)  # gathered once for every layer
-        fused = self._fused_for(h, attn_inputs.plan)
+        fused = self.fused.for_step(h, attn_inputs.plan) if self.fused is not None else None
         if fused is not None:
             fused(h, rope.cos, rope.sin, kv_caches, attn_inputs.meta.slot_mapping,
                   attn_inputs.plan)  # h: this step's own embeddings, updated in place
@@ -324,12 +298,6 @@ class LlamaModel(nn.Module):
         for layer, kv_cache in zip(self.layers.values(), kv_caches):
             h = layer(rope, h, kv_cache, attn_inputs)
         return self.norm(h) if self.pp.is_last else h
-
-    def _fused_for(self, h: torch.Tensor, plan: object) -> FusedLayers | None:
-        """The fused call that takes this step, if one does."""
-        if self.fused is None:
-            return None
-        return next((f for f in self.fused if f.takes(h, plan)), None)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -378,11 +346,19 @@ class LlamaForCausalLM(nn.Module):
             return name if pp.is_last else None
         return name
 
-    def use_cpu_gemm(self) -> int:
-        """Give every linear layer the CPU's small-batch GEMM (`kernels/cpu/cpu_gemm.py`), once
-        the weights are loaded; returns how many layers took it (0 off the CPU or float32)."""
-        taken = sum(m.use_cpu_gemm() for m in self.modules() if isinstance(m, GemmLayer))
-        self.model.fuse_layers()
+    def use_cpu_ops(self, ops: CpuOps) -> str:
+        """Hand every module the CPU op seam's `ops` (`kernels/cpu/ops.py`), once the weights
+        are loaded: each weight its GEMM, the norms and the rotation theirs, the decoder its
+        layers in one call where the seam gives them. What the model took, in words (for the
+        worker's start-up line)."""
+        gemms = sum(m.use_cpu_ops(ops) for m in self.modules() if isinstance(m, GemmLayer))
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, LlamaAttention)):
+                m.use_cpu_ops(ops)
+        taken = f"{gemms} linear layers on the small-batch GEMMs"
+        if self.model.use_cpu_ops(ops):
+            ranges = ", ".join(f"{low}-{high}" for low, high in self.model.fused.ranges)
+            taken += f", the decoder layers in one C call for steps of {ranges} tokens"
         return taken
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
