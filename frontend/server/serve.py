@@ -44,12 +44,16 @@ A supervisor that dies without stopping them (SIGKILL, a crash) takes them along
 and each server process watch a pipe only the supervisor holds open (`ipc/lifeline.py`), and
 on its end-of-file stop as on SIGTERM, SIGKILLed if still there after a grace period. Before,
 a server process outlived a SIGKILLed supervisor, holding the port and answering 503 for
-good, and the next `tidal serve` on that port could not bind it.
+good, and the next `tidal serve` on that port could not bind it. The last server process out
+then removes the Prometheus multiprocess folder, which the supervisor removes on an orderly
+stop (`_remove_metrics_dir_if_last`): it is left only when the last one is killed too.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
+import functools
 import logging
 import multiprocessing
 import os
@@ -85,6 +89,10 @@ EXIT_NOT_STARTED = 3  # an HTTP process whose server never started (it could not
 _LIFELINE_GRACE_S = 10.0  # uvicorn's own graceful shutdown takes at most 5 s (see serve_one)
 _SUPERVISOR_LIFELINE_GRACE_S = 30.0
 API_KEY_ENV = "TIDAL_API_KEY"
+_METRICS_LOCK = "servers.lock"
+"""A file in the Prometheus multiprocess folder (no `.db`: prometheus_client reads only those)
+on which each HTTP process holds a shared flock while it lives; the kernel drops it however
+the process ends, so an exclusive lock succeeds only once no server process is left."""
 """`tidal serve` run by a tool (`--lifeline-fd`): its orderly stop takes up to 27 s (the HTTP
 processes `_STOP_TIMEOUT_S` + 2 s to kill, then the engine core's 10 s), SIGKILL after."""
 
@@ -234,7 +242,52 @@ def _server_process_main(index: int, spec: ServerSpec, sock: socket.socket, slot
     supervisor = multiprocessing.parent_process()
     if supervisor is not None:  # its sentinel: multiprocessing's pipe, EOF once it is gone
         watch_parent(supervisor.sentinel, _LIFELINE_GRACE_S, what=f"HTTP server {index}")
+    metrics_lock = _hold_metrics_dir()
+    if metrics_lock is not None and supervisor is not None:
+        signal.signal(signal.SIGTERM, functools.partial(_end_on_sigterm, supervisor,
+                                                        metrics_lock))
     sys.exit(serve_one(index, spec, sock, slots))
+
+
+def _end_on_sigterm(supervisor, lock_fd: int, signum: int, _frame) -> None:
+    """SIGTERM, which uvicorn raises again once its graceful shutdown is over (and the
+    lifeline sends when the supervisor is gone): without the supervisor, remove the metrics
+    folder if this is the last server process; then end by the signal, as without this."""
+    if not supervisor.is_alive():
+        _remove_metrics_dir_if_last(lock_fd)
+    signal.signal(signum, signal.SIG_DFL)
+    signal.raise_signal(signum)
+
+
+def _hold_metrics_dir() -> int | None:
+    """A shared lock on the Prometheus multiprocess folder's `_METRICS_LOCK`, held until this
+    process exits; None when there is no such folder (a single HTTP process)."""
+    folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not folder:
+        return None
+    fd = os.open(os.path.join(folder, _METRICS_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
+def _remove_metrics_dir_if_last(lock_fd: int) -> None:
+    """With the supervisor gone (SIGKILLed: it could not remove the folder), drop this
+    process's shared lock; if no other server process holds one, this one is the last out and
+    removes the folder. Two ending at once may both remove it: each tries after dropping its
+    own lock, so at least one succeeds, and rmtree ignores what is already gone."""
+    folder = os.environ["PROMETHEUS_MULTIPROC_DIR"]
+    os.close(lock_fd)
+    try:
+        probe = os.open(os.path.join(folder, _METRICS_LOCK), os.O_RDWR)
+    except FileNotFoundError:
+        return  # another one removed it
+    try:
+        fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return  # another server process is still there: the last one out removes it
+    finally:
+        os.close(probe)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 1. `tidal serve` (engine core, worker, two HTTP processes) SIGKILLed: every process below it
    is gone within seconds, and the port binds again (as a new `tidal serve` binds it, before
    anything else). Before, the HTTP processes lived on as orphans, holding the port and
-   answering 503.
+   answering 503. Its Prometheus multiprocess folder is gone with them (issue 39).
 2. A Python process SIGKILLed in the middle of `LLM.generate`: its engine core and worker
    are gone within seconds.
 3. A tool that runs `tidal serve` as its child (`tidal tune profile`, `tidal bench chaos`)
@@ -41,6 +41,16 @@ def _kill_leftovers(pids: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def _metrics_dir(pids: list[int]) -> str:
+    """PROMETHEUS_MULTIPROC_DIR in the environment of the first of `pids` that has it."""
+    for pid in pids:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            for entry in f.read().split(b"\0"):
+                if entry.startswith(b"PROMETHEUS_MULTIPROC_DIR="):
+                    return entry.split(b"=", 1)[1].decode()
+    raise AssertionError("no process of the server has PROMETHEUS_MULTIPROC_DIR")
+
+
 @pytest.mark.timeout(180)
 def test_sigkilled_serve_leaves_no_process_and_frees_its_port(tiny_llama):
     server = LiveServer([tiny_llama, *ENGINE_FLAGS, "--api-server-count", "2"]).start()
@@ -50,6 +60,8 @@ def test_sigkilled_serve_leaves_no_process_and_frees_its_port(tiny_llama):
         pids = wait_for(lambda: (lambda found: found if len(found) >= 4 else None)(
             descendants(server.proc.pid)), timeout=30, what="the serve process tree")
         assert httpx.get(server.base_url + "/health", timeout=5).status_code == 200
+        metrics_dir = _metrics_dir(pids)
+        assert os.path.isdir(metrics_dir), metrics_dir
         os.kill(server.proc.pid, signal.SIGKILL)
         server.proc.wait(10)
         start = time.monotonic()
@@ -57,6 +69,7 @@ def test_sigkilled_serve_leaves_no_process_and_frees_its_port(tiny_llama):
         assert not left, f"still running {GONE_WITHIN_S:.0f} s after the SIGKILL: {left}"
         print(f"all {len(pids)} processes gone {time.monotonic() - start:.2f} s after the kill")
         bind_socket("127.0.0.1", server.port).close()  # what a new tidal serve does first
+        assert not os.path.exists(metrics_dir), "the Prometheus folder was left behind"
     finally:
         server.stop()
         _kill_leftovers(pids)

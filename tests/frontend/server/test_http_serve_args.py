@@ -5,7 +5,8 @@ import argparse
 import pytest
 
 from tidal.frontend.server.serve import (
-    EXIT_NOT_STARTED, _api_key, _check_args, _Supervisor, add_serve_args, bind_socket,
+    EXIT_NOT_STARTED, _api_key, _check_args, _hold_metrics_dir, _remove_metrics_dir_if_last,
+    _Supervisor, add_serve_args, bind_socket,
 )
 
 
@@ -83,3 +84,20 @@ def test_a_dead_http_process_is_restarted_but_not_forever(monkeypatch):
     assert not sup._restart(0)
     sup.procs[1] = _ExitedProcess(EXIT_NOT_STARTED)
     assert not sup._restart(1)
+
+
+def test_the_last_http_process_out_removes_the_metrics_folder(tmp_path, monkeypatch):
+    """Supervisor SIGKILLed: each HTTP process holds a shared lock on the Prometheus
+    multiprocess folder while it lives; as it ends it drops it, and only the last one out
+    (no lock left but its own probe) removes the folder, with every process's files."""
+    folder = tmp_path / "tidal-prometheus-x"
+    folder.mkdir()
+    (folder / "counter_4242.db").write_bytes(b"")
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(folder))
+    first, second = _hold_metrics_dir(), _hold_metrics_dir()
+    _remove_metrics_dir_if_last(first)
+    assert (folder / "counter_4242.db").exists()  # the second still serves
+    _remove_metrics_dir_if_last(second)
+    assert not folder.exists()
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR")
+    assert _hold_metrics_dir() is None  # one HTTP process: no folder
