@@ -26,8 +26,10 @@ import time
 
 import torch
 
+from tidal.engine_core.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
+                                     SchedulerConfig)
 from tidal.ipc.messages import (BatchPlan, CachedRequestData, NewRequestData, SamplingParams,
-                                WorkerConfig, pack_token_ids)
+                                pack_token_ids)
 from tidal.workers.worker import Worker
 
 BATCH_SIZES = (1, 16, 64)
@@ -68,11 +70,13 @@ class TidalBench:
     def __init__(self, path: str, args):
         max_len = args.context + args.steps + PREFILL_LEN + 8
         blocks = (max(BATCH_SIZES) * (args.context + args.steps + 2) + PREFILL_LEN) // BLOCK_SIZE
-        self.worker = Worker(WorkerConfig(
-            model=path, device=args.device, dtype=args.dtype, block_size=BLOCK_SIZE,
-            max_model_len=max_len, max_num_seqs=max(BATCH_SIZES),
-            max_num_batched_tokens=max(PREFILL_LEN, max(BATCH_SIZES) * args.context),
-            num_kv_blocks_override=blocks + 16, enforce_eager=args.enforce_eager))
+        config = EngineConfig(
+            ModelConfig(path, dtype=args.dtype),
+            CacheConfig(block_size=BLOCK_SIZE, num_kv_blocks_override=blocks + 16),
+            SchedulerConfig(max_num_seqs=max(BATCH_SIZES), max_num_batched_tokens=max(
+                PREFILL_LEN, max(BATCH_SIZES) * args.context)),
+            ParallelConfig(device=args.device, enforce_eager=args.enforce_eager))
+        self.worker = Worker(config.worker_config(0, max_len, ""))
         self.worker.load()
         self.worker.init_kv_cache(self.worker.determine_num_kv_blocks())
         self.step_id = 0

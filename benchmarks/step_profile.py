@@ -37,8 +37,10 @@ if _ENV.get("LD_LIBRARY_PATH") != os.environ.get("LD_LIBRARY_PATH"):
 
 import torch  # noqa: E402
 
+from tidal.engine_core.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
+                                     SchedulerConfig)
 from tidal.ipc.messages import (BatchPlan, CachedRequestData, NewRequestData, SamplingParams,
-                                WorkerConfig, pack_token_ids)
+                                pack_token_ids)
 from tidal.workers.host_memory import keep_freed_memory
 from tidal.workers.layers import GemmLayer
 from tidal.workers.worker import Worker
@@ -75,11 +77,13 @@ class Bench:
         self.args = args
         max_len = args.context + 64 + args.prefill
         blocks = args.batch * (args.context + 64) // BLOCK_SIZE + args.prefill // BLOCK_SIZE + 64
-        self.worker = Worker(WorkerConfig(
-            model=model, device="cpu", dtype="float32", block_size=BLOCK_SIZE,
-            max_model_len=max_len, max_num_seqs=args.batch + 1,
-            max_num_batched_tokens=max(args.prefill, args.batch), num_kv_blocks_override=blocks,
-            attention_backend=args.attention_backend))
+        config = EngineConfig(
+            ModelConfig(model, dtype="float32"),
+            CacheConfig(block_size=BLOCK_SIZE, num_kv_blocks_override=blocks),
+            SchedulerConfig(max_num_seqs=args.batch + 1,
+                            max_num_batched_tokens=max(args.prefill, args.batch + 1)),
+            ParallelConfig(device="cpu", attention_backend=args.attention_backend))
+        self.worker = Worker(config.worker_config(0, max_len, ""))
         self.worker.load()
         self.worker.init_kv_cache(self.worker.determine_num_kv_blocks())
         self.step_id = 0

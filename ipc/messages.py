@@ -560,32 +560,34 @@ CoreToFrontend = Union[EngineOutputs, EngineInfo, EngineDead, Detached, Heartbea
 
 
 class WorkerConfig(msgspec.Struct, **_STRUCT):
-    """Everything a worker needs to build its rank; sent once at start-up."""
+    """Everything a worker needs to build its rank; sent once at start-up. Built only by
+    `EngineConfig.worker_config` (engine_core/config.py), so every default lives there: no
+    field has one here."""
 
     model: str  # a local Hugging Face folder
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 | float64
-    block_size: int = 16
-    max_model_len: int = 2048
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    tensor_parallel_size: int = 1
-    rank: int = 0  # tensor-parallel rank within the stage
-    pipeline_parallel_size: int = 1
-    stage: int = 0  # pipeline stage: this worker runs that stage's contiguous run of layers
-    dist_init_method: str = ""  # torch.distributed init, e.g. tcp://127.0.0.1:PORT
-    device: str = "auto"  # auto | cpu | cuda
-    gpu_memory_utilization: float = 0.92
-    kv_cache_memory: int | None = None  # bytes of KV cache per rank (CPU), None = default
-    num_kv_blocks_override: int | None = None  # tests: force this many blocks
-    attention_backend: str = "auto"  # auto | numba | torch | triton | reference
-    cpu_kernels: str = "auto"  # the CPU op seam's choice (ParallelConfig.cpu_kernels)
-    enforce_eager: bool = False
-    seed: int = 0
-    cpu_threads: int | None = None  # OpenMP threads of this rank (None: the environment's)
-    cpu_cores: list[int] | None = None  # cores this rank is pinned to (None: not pinned)
-    tokenizer: str | None = None  # structured output's tokenizer folder (None: `model`)
-    grammar_compile_timeout: float = 10.0  # ModelConfig.structured_outputs_compile_timeout
-    grammar_cache_bytes: int = 512 * 2**20  # ModelConfig.structured_outputs_cache_bytes
+    dtype: str  # auto | float32 | bfloat16 | float16 | float64
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    tensor_parallel_size: int
+    rank: int  # tensor-parallel rank within the stage
+    pipeline_parallel_size: int
+    stage: int  # pipeline stage: this worker runs that stage's contiguous run of layers
+    dist_init_method: str  # torch.distributed init, e.g. tcp://127.0.0.1:PORT ("": none)
+    device: str  # auto | cpu | cuda
+    gpu_memory_utilization: float
+    kv_cache_memory: int | None  # bytes of KV cache per rank (CPU), None = default
+    num_kv_blocks_override: int | None  # tests: force this many blocks
+    attention_backend: str  # auto | numba | torch | triton | reference
+    cpu_kernels: str  # the CPU op seam's choice (ParallelConfig.cpu_kernels)
+    enforce_eager: bool
+    seed: int
+    cpu_threads: int | None  # OpenMP threads of this rank (None: the environment's)
+    cpu_cores: list[int] | None  # cores this rank is pinned to (None: not pinned)
+    tokenizer: str | None  # structured output's tokenizer folder (None: `model`)
+    grammar_compile_timeout: float  # ModelConfig.structured_outputs_compile_timeout
+    grammar_cache_bytes: int  # ModelConfig.structured_outputs_cache_bytes
 
     @property
     def worker_index(self) -> int:

@@ -11,6 +11,7 @@ import msgspec
 import pytest
 import zmq
 
+from tidal.engine_core.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from tidal.ipc.messages import (
     Abort,
     AddRequest,
@@ -32,7 +33,6 @@ from tidal.ipc.messages import (
     SchedulerStats,
     Shutdown,
     StatsQuery,
-    WorkerConfig,
     WorkerFailed,
     WorkerReady,
     pack_token_ids,
@@ -215,8 +215,10 @@ def test_only_an_addressable_add_request_is_answerable():
 
 
 def test_worker_config_argv_round_trip():
-    cfg = WorkerConfig("/m", dtype="float32", tensor_parallel_size=2, rank=1,
-                       dist_init_method="tcp://127.0.0.1:1234", num_kv_blocks_override=9)
+    engine = EngineConfig(ModelConfig("/m", dtype="float32"), CacheConfig(num_kv_blocks_override=9),
+                          parallel=ParallelConfig(tensor_parallel_size=2, cpu_affinity="0|1"))
+    cfg = engine.worker_config(1, 64, "tcp://127.0.0.1:1234")
+    assert (cfg.rank, cfg.cpu_cores, cfg.num_kv_blocks_override) == (1, [1], 9)
     assert decode_worker_config(encode_worker_config(cfg)) == cfg
     with pytest.raises(ValueError, match="worker config"):
         decode_worker_config("!!!not base64")

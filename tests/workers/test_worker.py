@@ -1,6 +1,7 @@
 """Worker start-up: KV sizing on CPU, the ready message, config validation, and plans the
 worker must refuse."""
 
+import msgspec
 import pytest
 
 from tidal.ipc.messages import BatchPlan, CachedRequestData, SamplingParams
@@ -47,8 +48,11 @@ def test_too_little_kv_memory_is_an_error(tiny_llama):
     ("attention_backend", "flash", "attention_backend must be"),
 ])
 def test_bad_config_names_the_field(tiny_llama, field, value, message):
+    """The worker checks the config it decodes from its command line again (EngineConfig,
+    which builds it, refuses these values first)."""
+    bad = msgspec.structs.replace(worker_config(tiny_llama), **{field: value})
     with pytest.raises(ValueError, match=message):
-        _loaded(tiny_llama, **{field: value})
+        Worker(bad).load()
 
 
 @pytest.mark.parametrize("dtype, backend", [("float32", "cpu"), ("bfloat16", "torch")])

@@ -3,8 +3,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
+from tidal.engine_core.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from tidal.ipc.messages import (
     BatchPlan,
     CachedRequestData,
@@ -16,13 +24,23 @@ from tidal.ipc.messages import (
 )
 
 
-def worker_config(model: str, **overrides) -> WorkerConfig:
-    """A CPU worker config sized for tiny models (128 KV blocks unless overridden)."""
-    values = dict(model=model, device="cpu", dtype="float32", block_size=16,
-                  max_model_len=256, max_num_seqs=16, max_num_batched_tokens=512,
-                  num_kv_blocks_override=128)
-    values.update(overrides)
-    return WorkerConfig(**values)
+def worker_config(model: str, rank: int = 0, dist_init_method: str = "",
+                  **fields) -> WorkerConfig:
+    """Worker `rank`'s config as the engine core builds it (`EngineConfig.worker_config`),
+    for a CPU engine sized for tiny models (float32, 256-token context, 16 sequences, 128 KV
+    blocks); `fields` set EngineConfig fields by name, in whichever part holds them."""
+    values = dict(device="cpu", dtype="float32", max_model_len=256, max_num_seqs=16,
+                  max_num_batched_tokens=512, num_kv_blocks_override=128) | fields
+    parts = {}
+    for part in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig):
+        names = {f.name for f in dataclasses.fields(part)} & values.keys()
+        parts[part] = {name: values.pop(name) for name in names}
+    assert not values, f"not EngineConfig fields: {sorted(values)}"
+    config = EngineConfig(ModelConfig(model, **parts[ModelConfig]),
+                          CacheConfig(**parts[CacheConfig]),
+                          SchedulerConfig(**parts[SchedulerConfig]),
+                          ParallelConfig(**parts[ParallelConfig]))
+    return config.worker_config(rank, config.model.max_model_len, dist_init_method)
 
 
 @dataclass
