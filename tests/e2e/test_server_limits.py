@@ -1,7 +1,7 @@
 """A live `tidal serve MODEL --max-num-seqs 1 --max-num-queued-reqs 2 --stream-interval 4
 --timeout-request-header 1 --timeout-request-body 1` (the server starts its own engine-core
-daemon): admission 503s, stream chunking, and read timeouts through the command line; and
-`--max-queue-delay` on a real engine core, with a fabricated step cost model."""
+daemon): admission 503s, stream chunking, read timeouts through the command line, and huge
+bodies; and `--max-queue-delay` on a real engine core, with a fabricated step cost model."""
 
 import asyncio
 import json
@@ -94,6 +94,62 @@ def test_read_timeouts_reach_the_server(server):
     assert reply.startswith(b"HTTP/1.1 408"), reply
     assert json.loads(reply.partition(b"\r\n\r\n")[2])["error"]["code"] == 408
     assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
+
+
+def test_huge_bodies_do_not_delay_a_small_request(server):
+    """Issue 39: four 10 MB prompts made a 5-token request wait 57 s, each tokenized in full
+    before its length was checked, in every tokenizer thread. Now a prompt too long for the
+    context (256 tokens of at most 13 characters here) is answered 400 untokenized, and a
+    body declared over 16 MiB 413 unread: sent together, four 3 MB prompts (~8 s each to
+    tokenize here) and a 1 GB body head are all answered within seconds, and a small request
+    sent while they are in flight is answered as fast as alone, give or take their parsing.
+    (3 MB, not 10: each body must be in within this server's --timeout-request-body 1.)"""
+    small = {"prompt": "Hello", "max_tokens": 5, "temperature": 0}
+    huge = json.dumps({"prompt": "x" * 3_000_000, "max_tokens": 5}).encode()
+
+    async def timed(request):
+        start = time.monotonic()
+        response = await request
+        return response, time.monotonic() - start
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
+            alone, alone_s = await timed(client.post("/v1/completions", json=small))
+            assert alone.status_code == 200, alone.text
+            heavy = [asyncio.ensure_future(timed(client.post(
+                "/v1/completions", content=huge,
+                headers={"Content-Type": "application/json"}))) for _ in range(4)]
+            head = asyncio.ensure_future(timed(asyncio.to_thread(
+                _declared_body_reply, server.port, 2**30)))
+            await asyncio.sleep(0.5)  # the huge bodies are in
+            busy, busy_s = await timed(client.post("/v1/completions", json=small))
+            return alone_s, busy, busy_s, await asyncio.gather(*heavy), await head
+
+    alone_s, busy, busy_s, heavy, (reply, reply_s) = asyncio.run(run())
+    assert busy.status_code == 200, busy.text
+    print(f"small request alone {alone_s:.2f} s, among huge bodies {busy_s:.2f} s; huge "
+          f"bodies answered in {max(s for _, s in heavy):.2f} s, the 1 GB head in "
+          f"{reply_s:.2f} s")
+    assert busy_s < alone_s + 5.0
+    for r, seconds in heavy:
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "prompt", r.text[:300]
+        assert "refused without tokenizing" in error["message"] and seconds < 5.0
+    assert reply.startswith(b"HTTP/1.1 413") and reply_s < 5.0, reply
+    assert b"--max-request-body-bytes" in reply
+
+
+def _declared_body_reply(port: int, length: int) -> bytes:
+    """The answer to a request head declaring a `length`-byte body, of which one byte is
+    sent."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: " + str(length).encode()
+                     + b"\r\n\r\n{")
+        reply = b""
+        while b"}}" not in reply and (chunk := sock.recv(65536)):
+            reply += chunk
+        return reply
 
 
 def test_max_queue_delay_refuses_what_the_real_core_prices_over_the_limit(tiny_llama,
