@@ -77,9 +77,10 @@ class ModelConfig:
     text, a regex, a grammar, or its choices together); a larger one is refused (HTTP 400)
     before anything compiles it."""
     structured_outputs_compile_timeout: float = 10.0
-    """Seconds a structured-output constraint may take to compile; one that takes longer is
-    refused (HTTP 400, or the request fails with an error naming this flag). Compiles run off
-    the step path either way: the batch goes on while a request waits for its grammar."""
+    """Seconds of CPU time a structured-output constraint may take to compile (CPU time, so a
+    busy machine does not refuse what a quiet one takes); one that takes longer is refused
+    (HTTP 400, or the request fails with an error naming this flag). Compiles run off the step
+    path, on threads at nice 10: the batch goes on while a request waits for its grammar."""
     structured_outputs_cache_bytes: int = 512 * 2**20
     """Bytes of compiled grammars each process keeps for reuse (the HTTP process and every
     worker; least recently used first out). vLLM's xgrammar cache default."""

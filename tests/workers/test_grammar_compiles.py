@@ -51,7 +51,7 @@ def test_a_compile_past_the_timeout_fails_its_request_naming_the_flag(tiny_llama
         _, failed = grammars.poll(wait=0.05)
     (failure,) = failed
     assert failure.req_id == "slow"
-    assert "within 0.2 s (--structured-outputs-compile-timeout)" in failure.error
+    assert "within 0.2 s of CPU time (--structured-outputs-compile-timeout)" in failure.error
     with pytest.raises(GrammarError, match="--structured-outputs-compile-timeout"):
         grammars.add("slow", SLOW, np.array([1]), np.array([], np.int64))
 
@@ -83,9 +83,9 @@ def test_the_frontend_check_refuses_a_slow_schema_within_the_timeout(tiny_llama)
     checker.check(SamplingParams(structured_outputs=FAST))  # loads the compiler
     start = time.monotonic()
     with pytest.raises(ValueError, match=r"structured_outputs.json did not compile within "
-                                         r"0.3 s \(--structured-outputs-compile-timeout\)"):
+                                         r"0.3 s of CPU time \(--structured-outputs-compile"):
         checker.check(SamplingParams(structured_outputs=SLOW))
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < 10.0  # 0.3 s of CPU, on however busy a machine
 
 
 def test_the_frontend_check_refuses_a_schema_over_the_size_limit_without_compiling(tiny_llama):
