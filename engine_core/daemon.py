@@ -28,29 +28,21 @@ recompute gives the same KV and seeded draws depend on (seed, position) only. Af
 that often), the next failure is final: every unfinished request gets FinishReason.ERROR with
 a message, EngineDead, the remaining workers are killed, exit 1.
 
-Frontends are told apart by their zmq identity (= their client_id); a frontend may abort only
-its own requests, and receives outputs only for its own requests. A frontend attaches with
-Hello. The core echoes every Heartbeat (also while a long step runs or replacement workers
-load), so a frontend that hears nothing for `--frontend-timeout` seconds knows the core is
-stopped or hung. One silent for longer than `--frontend-timeout` seconds (they send a
-Heartbeat every `EngineInfo.heartbeat_interval`) is dropped: each of its requests gets
-FinishReason.ERROR with a message, then the frontend gets `Detached`, and its blocks are freed. Any frame but
-Hello from a frontend the core does not know (dropped, or attached to the core this one
-replaced) is answered with `Detached` (an AddRequest also with an ERROR output), never
-served: only the frontend knows which requests it still waits for, so it must say Hello
-again and fail those itself.
+The frontend protocol (Hello, heartbeat echo, dropping silent frontends, `Detached` for
+unknown ones, each output to its own frontend) is `frontend_port.FrontendPort`'s, shared with
+the data-parallel router; the core answers its questions: a frontend may abort only its own
+requests, and a dropped one's requests fail with an error and free their blocks. Heartbeats
+are echoed also while a long step runs or replacement workers load.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass
 
 import zmq
 
@@ -60,8 +52,9 @@ from .config import (
     is_gguf,
     resolve_max_model_len,
 )
-from .core import EngineCore
-from .executor import WorkerError, WorkerFacts, make_executor
+from .core import EngineCore, make_executor
+from .executor import WorkerError, WorkerFacts
+from .frontend_port import FrontendPort
 from .model_files import model_folder
 from .preemption_advice import PreemptionAdvisor, advisor_for
 from .queue_estimate import QueueDelayEstimator
@@ -70,28 +63,11 @@ from .restart_budget import RestartBudget
 from .scheduler import Scheduler
 from ..ipc.lifeline import watch_parent
 from .step_cost import StepCostModel, required_profile
-from ..ipc.messages import (
-    Abort,
-    AddRequest,
-    Detached,
-    EngineDead,
-    EngineInfo,
-    EngineOutputs,
-    FinishReason,
-    Goodbye,
-    Heartbeat,
-    Hello,
-    RequestOutput,
-    StatsQuery,
-)
+from ..ipc.messages import AddRequest, EngineDead, EngineInfo, RequestOutput
 from ..ipc.transport import (
     DEFAULT_FRONTEND_TIMEOUT_S,
-    FrontendDecoder,
-    bind_engine_socket,
     default_engine_address,
-    encode,
     heartbeat_interval,
-    ipc_path,
     write_key_file,
 )
 
@@ -113,37 +89,23 @@ out the 600 s start-up limit, deaf to its frontends."""
 _COLLECT_SLICE_S = 0.5  # a long step is waited for in slices, to notice a stop signal
 
 
-@dataclass
-class _Frontend:
-    """What the daemon knows about one attached frontend."""
-
-    client_id: str
-    last_seen: float  # monotonic
-    kind: str = "python"
-    pid: int = 0
-
-
 class EngineCoreDaemon:
     """One engine core: frontend socket, scheduler, executor; `run()` returns the exit code."""
 
     def __init__(self, config: EngineConfig, listen: str, key_file: str | None = None,
                  frontend_timeout: float = DEFAULT_FRONTEND_TIMEOUT_S,
                  log_level: str = "INFO") -> None:
-        if frontend_timeout <= 0:
-            raise ValueError(f"frontend_timeout must be positive, got {frontend_timeout}")
         self.config = config
         self.listen = listen
-        self.key_file = key_file
         self.frontend_timeout = frontend_timeout
         self.log_level = log_level
         self.ctx = zmq.Context()
-        self.decoder = FrontendDecoder()
-        self.frontends: dict[str, _Frontend] = {}  # client_id -> frontend
+        self.port = FrontendPort(self, listen, key_file, frontend_timeout, self.ctx)
         self.depth = 0  # plans in flight, once the workers said where they run
         self.stop_reason: str | None = None
         self.worker_restarts = RestartBudget(config.parallel.max_worker_restarts)
         self.first_start_s = 0.0  # how long the first start of the workers took
-        self.sock = self.auth = self.executor = self.scheduler = self.info = None
+        self.executor = self.scheduler = self.info = None
         self.core: EngineCore | None = None  # the step loop, once the workers are up
         self.queue_estimator: QueueDelayEstimator | None = None  # with --max-queue-delay
         self.advisor: PreemptionAdvisor | None = None  # with a step cost model
@@ -177,7 +139,7 @@ class EngineCoreDaemon:
             if not is_gguf(self.config.model.model):  # a bad folder fails before binding
                 resolve_max_model_len(self.config)
             self.queue_estimator = _queue_estimator(self.config)
-            self.sock, self.auth = bind_engine_socket(self.ctx, self.listen, self.key_file)
+            self.port.bind()
         except (ValueError, OSError) as e:
             logger.error("cannot start: %s", e)
             return EXIT_BAD_START
@@ -198,15 +160,16 @@ class EngineCoreDaemon:
             self.core = EngineCore(self.scheduler, self.executor, self.depth, on_step, clock)
             self.advisor = advisor_for(self.config, self.scheduler, logger)
         except InterruptedError:
-            self._refuse_pending_hellos(f"engine core stopped during start-up: {self.stop_reason}")
+            self.port.fail_start(f"engine core stopped during start-up: {self.stop_reason}")
             return EXIT_OK
         except (WorkerError, ValueError, OSError) as e:
             # A rank that cannot load, or a KV cache too small for max_model_len, say.
             logger.error("engine core failed to start: %s", e)
-            self._refuse_pending_hellos(f"engine core failed to start: {e}")
+            self.port.fail_start(f"engine core failed to start: {e}")
             return EXIT_BAD_START
         self.vocab_size = facts.vocab_size
         self.info = self._engine_info(facts.num_kv_blocks, facts.max_model_len)
+        self.port.ready(self.info)
         return None
 
     def _start_workers(self, max_model_len: int, stop_requested=None, **options) -> WorkerFacts:
@@ -256,7 +219,7 @@ class EngineCoreDaemon:
             while self.stop_reason is None:
                 try:
                     self._drain_frontends(block=self._is_idle())
-                    self._expire_silent_frontends()
+                    self.port.expire_silent()
                     self._log_progress()
                     if self.advisor is not None:
                         self.advisor.poll(self.scheduler.num_preemptions, time.monotonic())
@@ -336,22 +299,16 @@ class EngineCoreDaemon:
 
     def _fail_everything(self, reason: str) -> None:
         try:
-            self._send_outputs(self.scheduler.fail_all(reason))
+            self.port.send_outputs(self.scheduler.fail_all(reason))
         finally:
-            self._broadcast_dead(reason)
+            self.port.broadcast(EngineDead(reason))
 
     def _close(self) -> None:
         if self.advisor is not None:
             self.advisor.close()
         if self.executor is not None:
             self.executor.kill()
-        if self.sock is not None:
-            self.sock.close()  # linger: queued EngineDead / outputs still go out
-            path = ipc_path(self.listen)
-            if path is not None:
-                _unlink_quietly(path)
-        if self.auth is not None:
-            self.auth.stop()
+        self.port.close()  # linger: queued EngineDead / outputs still go out
         self.ctx.term()
         self._wake_r.close()
         self._wake_w.close()
@@ -385,7 +342,7 @@ class EngineCoreDaemon:
         if block:
             if self._idle_poller is None:
                 self._idle_poller = zmq.Poller()  # frontends, signals, worker exits
-                self._idle_poller.register(self.sock, zmq.POLLIN)
+                self._idle_poller.register(self.port.sock, zmq.POLLIN)
                 self._idle_poller.register(self._wake_r.fileno(), zmq.POLLIN)
                 for fd in self.executor.wait_fds():
                     self._idle_poller.register(fd, zmq.POLLIN)
@@ -394,97 +351,29 @@ class EngineCoreDaemon:
             if self._wake_r.fileno() in events:
                 _drain_socket(self._wake_r)
             self.executor.check_alive()
-        while self.stop_reason is None:
-            try:
-                frames = self.sock.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._on_frames(frames)
+        self.port.drain(lambda: self.stop_reason is not None)
 
     def _idle_wait(self) -> float:
         """Seconds an idle poll may wait: until the next frontend could time out, at most 1 s."""
-        if not self.frontends:
-            return _HOUSEKEEPING_S
-        oldest = min(f.last_seen for f in self.frontends.values())
-        return min(_HOUSEKEEPING_S, max(oldest + self.frontend_timeout - time.monotonic(), 0.01))
+        return self.port.seconds_to_next_expiry(_HOUSEKEEPING_S)
 
-    def _on_frames(self, frames: list[bytes]) -> None:
-        client_id = _client_id(frames[0])
-        if len(frames) != 2:
-            self.decoder.drop(f"{len(frames) - 1} frames where one was expected", client_id)
-            return
-        msg = self.decoder.decode(frames[1], sender=client_id)
-        if msg is None:
-            refusal = self.decoder.undecodable_request(frames[1])
-            if refusal is not None:  # an AddRequest with a bad field: its sender must hear
-                self._refuse(client_id, *refusal)
-            return
-        frontend = self.frontends.get(client_id)
-        if frontend is None:
-            if not isinstance(msg, Hello):
-                self._refuse_unknown(client_id, msg)
-                return
-            frontend = self.frontends[client_id] = _Frontend(client_id, time.monotonic())
-            logger.info("frontend %r attached", client_id)
-        frontend.last_seen = time.monotonic()
-        self._dispatch(frontend, msg)
+    # -- what the frontend port asks (frontend_port.PortOwner) -------------------------------
 
-    def _refuse_unknown(self, client_id: str, msg) -> None:
-        """A frame from a frontend that never said Hello to this core, or was dropped."""
-        if isinstance(msg, Goodbye):
-            return
-        reason = (f"the engine core does not know frontend {client_id!r} (it was dropped, or "
-                  "the engine core restarted): say Hello")
-        logger.info("%s from unknown frontend %r: answered Detached", type(msg).__name__,
-                    client_id)
-        if isinstance(msg, AddRequest):
-            error = RequestOutput(msg.req_id, b"", FinishReason.ERROR, error=reason)
-            self._send(client_id, EngineOutputs([error], timestamp=time.time()))
-        self._send(client_id, Detached(reason))
-
-    def _dispatch(self, frontend: _Frontend, msg) -> None:
-        if isinstance(msg, AddRequest):
-            self._add_request(frontend.client_id, msg)
-        elif isinstance(msg, Abort):
-            self._abort(frontend.client_id, msg.req_ids)
-        elif isinstance(msg, Hello):
-            frontend.kind, frontend.pid = msg.kind, msg.pid
-            self._send(frontend.client_id, self.info)
-        elif isinstance(msg, StatsQuery):
-            self._send(frontend.client_id, EngineOutputs(outputs=[], stats=self._stats(),
-                                                          timestamp=time.time()))
-        elif isinstance(msg, Goodbye):
-            num_aborted = self.scheduler.abort_client(frontend.client_id)
-            del self.frontends[frontend.client_id]
-            logger.info("frontend %r detached (%d unfinished requests aborted)",
-                        frontend.client_id, num_aborted)
-        elif isinstance(msg, Heartbeat):
-            self._send(frontend.client_id, msg)  # echoed: the frontend knows the core lives
-        else:
-            logger.warning("unhandled frontend message %s", type(msg).__name__)
-
-    def _add_request(self, client_id: str, msg: AddRequest) -> None:
+    def add_request(self, client_id: str, msg: AddRequest, frame: bytes) -> None:
         try:
             request = Request.from_add(msg, client_id)
             check_request(request, self.vocab_size, self.config.scheduler.scheduling_policy,
                           self.config.model.structured_outputs_max_bytes)
             self.scheduler.add(request)
-        except ValueError as e:
-            self._refuse(client_id, msg.req_id, str(e))
+        except ValueError as e:  # it never reaches the scheduler or a worker
+            self.port.refuse(client_id, msg.req_id, str(e))
             return
         if self.queue_estimator is not None:  # its intake slows the steps meanwhile
             self.queue_estimator.note_arrival(request.num_prompt_tokens, time.monotonic())
         if self.advisor is not None:
             self.advisor.added(request)
 
-    def _refuse(self, client_id: str, req_id: str, error: str) -> None:
-        """Answer a bad request with its final output (an error naming the field); it never
-        reaches the scheduler or a worker."""
-        logger.warning("request %r from %r refused: %s", req_id, client_id, error)
-        out = RequestOutput(req_id, b"", FinishReason.ERROR, error=error, refused=True)
-        self._send(client_id, EngineOutputs([out], timestamp=time.time()))
-
-    def _abort(self, client_id: str, req_ids: list[str]) -> None:
+    def abort(self, client_id: str, req_ids: list[str]) -> None:
         """Abort the sender's own requests among `req_ids`; other ids are ignored."""
         requests = self.scheduler.requests
         own = [rid for rid in req_ids
@@ -492,50 +381,16 @@ class EngineCoreDaemon:
         if len(own) < len(req_ids):
             logger.debug("abort from %r: %d of %d ids are not its unfinished requests",
                          client_id, len(req_ids) - len(own), len(req_ids))
-        self._send_outputs(self.scheduler.abort(own))
+        self.port.send_outputs(self.scheduler.abort(own))
 
-    def _expire_silent_frontends(self) -> None:
-        now = time.monotonic()
-        for client_id, frontend in list(self.frontends.items()):
-            silent = now - frontend.last_seen
-            if silent > self.frontend_timeout:
-                self._drop_frontend(client_id, f"frontend {client_id!r} was silent for "
-                                    f"{silent:.1f} s (--frontend-timeout "
-                                    f"{self.frontend_timeout:g} s): the engine core dropped "
-                                    "its requests")
+    def stats_query(self, client_id: str) -> None:
+        self.port.send_stats([client_id], self._stats())
 
-    def _drop_frontend(self, client_id: str, reason: str) -> None:
-        """Fail the frontend's requests (ERROR, `reason`), tell it `Detached`, forget it.
-        A frontend that is only stalled reads both when it wakes up."""
-        outputs = self.scheduler.fail_client(client_id, reason)
-        self._send_outputs(outputs)
-        self._send(client_id, Detached(reason))
-        del self.frontends[client_id]
-        logger.warning("%s (%d unfinished)", reason, len(outputs.get(client_id, ())))
+    def detach(self, client_id: str) -> int:
+        return self.scheduler.abort_client(client_id)
 
-    def _send(self, client_id: str, msg) -> None:
-        self.sock.send_multipart([_identity(client_id), encode(msg)], copy=False)
-
-    def _send_outputs(self, outputs_by_client: dict[str, list[RequestOutput]]) -> None:
-        now = time.time()
-        for client_id, outputs in outputs_by_client.items():
-            if outputs:
-                self._send(client_id, EngineOutputs(outputs, timestamp=now))
-
-    def _broadcast_dead(self, reason: str) -> None:
-        for client_id in self.frontends:
-            self._send(client_id, EngineDead(reason))
-
-    def _refuse_pending_hellos(self, reason: str) -> None:
-        """Start-up failed: tell every frontend that already knocked, so none waits forever."""
-        while True:
-            try:
-                frames = self.sock.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            client_id = _client_id(frames[0])
-            self.frontends.setdefault(client_id, _Frontend(client_id, 0.0))
-        self._broadcast_dead(reason)
+    def drop(self, client_id: str, reason: str) -> list[RequestOutput]:
+        return self.scheduler.fail_client(client_id, reason).get(client_id, [])
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -554,7 +409,7 @@ class EngineCoreDaemon:
                 if now > give_up_at:
                     raise WorkerError(f"worker rank 0 still busy {STOP_GRACE_S:.0f} s after "
                                       f"{self.stop_reason}")
-        self._send_outputs(outputs)
+        self.port.send_outputs(outputs)
         if self.core.stalled:
             # The scheduler had nothing to run (say, every waiting request lacks blocks):
             # wait briefly for a frontend instead of spinning.
@@ -597,27 +452,11 @@ def _queue_estimator(config: EngineConfig) -> QueueDelayEstimator | None:
     return QueueDelayEstimator(model)
 
 
-def _client_id(identity: bytes) -> str:
-    """A frontend's zmq identity as its client_id (reversible, whatever the bytes are)."""
-    return identity.decode("utf-8", "surrogateescape")
-
-
-def _identity(client_id: str) -> bytes:
-    return client_id.encode("utf-8", "surrogateescape")
-
-
 def _drain_socket(sock: socket.socket) -> None:
     try:
         while sock.recv(4096):
             pass
     except (BlockingIOError, InterruptedError):
-        pass
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
         pass
 
 
