@@ -343,15 +343,15 @@ def test_the_margin_is_the_p90_of_how_far_first_tokens_ran_over_their_estimates(
 
 def test_a_request_that_cannot_make_it_is_refused_before_its_prompt_is_tokenized(
         tokenizer, monkeypatch):
-    """A core estimate of 0.7 s against a 1 s limit, one tokenizer thread kept busy for 0.5 s
-    (as by other requests' prompts): a request that arrives meanwhile gets its turn at 0.5 s,
-    when even without its own prompt it would wait 0.5 + 0.7 s: 503 without being
-    tokenized."""
+    """A core estimate of 0.7 s against a 1 s limit, the one tokenizer thread of the small
+    prompts' lane kept busy for 0.5 s (as by other requests' prompts): a request that arrives
+    meanwhile gets its turn at 0.5 s, when even without its own prompt it would wait
+    0.5 + 0.7 s: 503 without being tokenized."""
     import tidal.frontend.server.admission as admission
     import tidal.frontend.server.serving as serving_module
 
     monkeypatch.setattr(admission, "DELAY_REFRESH_SECONDS", 0.02)  # kept fresh
-    monkeypatch.setattr(serving_module, "TOKENIZER_THREADS", 1)
+    monkeypatch.setattr(serving_module, "SMALL_LANE_THREADS", 1)
     engine = FakeEngine(tokenizer, token_delay=0.05)
     engine.stats = _estimate(0.7)
     encoded = []
@@ -360,7 +360,7 @@ def test_a_request_that_cannot_make_it_is_refused_before_its_prompt_is_tokenized
 
     async def body(app):
         await asyncio.sleep(0.05)  # the first stats refresh
-        busy = asyncio.ensure_future(app.state.serving.off_loop(time.sleep, 0.5))
+        busy = asyncio.ensure_future(app.state.serving.off_loop(time.sleep, 0.5, chars=1))
         await asyncio.sleep(0.01)  # the thread is taken
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
