@@ -63,7 +63,9 @@ SMALL_PROMPT_CHARS = 16_384
 in a lane of their own, `SMALL_LANE_THREADS` threads, so they never wait behind huge ones:
 four prompts of a million characters held all `TOKENIZER_THREADS` for about 3 s each here
 (the tiny test tokenizer, a shared 2-core machine), where this many characters take ~50 ms."""
-SMALL_LANE_THREADS = 2
+SMALL_LANE_THREADS = TOKENIZER_THREADS
+"""As many as the main pool's: a burst of small prompts is served as fast as before the lanes
+(it queued for the same 4 threads)."""
 
 
 class _Job:
