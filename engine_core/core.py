@@ -19,10 +19,16 @@ injected with `on_step`, an observer told each plan's service time as its tokens
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from .scheduler import Outputs, Scheduler
 from ..ipc.messages import BatchPlan, SampledTokens
+
+if TYPE_CHECKING:
+    import zmq
+
+    from .config import EngineConfig
+    from .executor import MultiprocExecutor
 
 
 class Executor(Protocol):
@@ -47,6 +53,22 @@ class Executor(Protocol):
 
     def kill(self) -> None:
         """Stop every worker at once (after a failure); idempotent."""
+
+
+def make_executor(config: EngineConfig, max_model_len: int, ctx: zmq.Context | None = None,
+                  **options) -> MultiprocExecutor:
+    """The executor `config.parallel.distributed_executor_backend` names, not yet started:
+    `MultiprocExecutor` (mp, `executor.py`) or `RayExecutor` (ray, `ray_executor.py`, a
+    subclass; imported only then, so ray stays optional). `options` are MultiprocExecutor's
+    keyword arguments. It lives here, beside the protocol, so that neither executor module
+    imports the other's."""
+    if config.parallel.distributed_executor_backend == "ray":
+        from .ray_executor import RayExecutor
+
+        return RayExecutor(config, max_model_len, ctx, **options)
+    from .executor import MultiprocExecutor
+
+    return MultiprocExecutor(config, max_model_len, ctx, **options)
 
 
 class EngineCore:

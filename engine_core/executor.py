@@ -1,8 +1,9 @@
-"""The executor: starts one worker process per (pipeline stage, tensor-parallel rank) and
-feeds them plans. Workers are numbered stage-major (rank = stage * tp + tp_rank); the one
-that answers with SampledTokens is TP rank 0 of the last stage (rank 0 without pipelining).
+"""The multiprocess executor (`MultiprocExecutor`, the `mp` backend): starts one worker process
+per (pipeline stage, tensor-parallel rank) and feeds them plans. Workers are numbered
+stage-major (rank = stage * tp + tp_rank); the one that answers with SampledTokens is TP rank 0
+of the last stage (rank 0 without pipelining). `core.make_executor` picks it or the Ray one.
 
-    executor = Executor(config, max_model_len)
+    executor = MultiprocExecutor(config, max_model_len)
     facts = executor.start()                       # spawn ranks, handshake, InitKVCache
     executor.submit(plan)                          # broadcast to every rank, do not wait
     sampled = executor.collect(timeout)            # the sampler's SampledTokens, in step order
@@ -95,7 +96,7 @@ class _Rank:
     pidfd: int | None  # readable once the process exits (Linux >= 5.3), else None
 
 
-class Executor:
+class MultiprocExecutor:
     """Starts and feeds the worker processes of one engine core (see the module docstring)."""
 
     def __init__(self, config: EngineConfig, max_model_len: int, ctx: zmq.Context | None = None,
@@ -362,18 +363,6 @@ class Executor:
         _unlink(self.result_address)
         if self._own_ctx:
             self.ctx.term()
-
-
-def make_executor(config: EngineConfig, max_model_len: int, ctx: zmq.Context | None = None,
-                  **options) -> Executor:
-    """The executor `config.parallel.distributed_executor_backend` names: `Executor` (mp) or
-    `RayExecutor` (ray; imported only then, so ray stays optional). `options` are
-    `Executor`'s keyword arguments."""
-    if config.parallel.distributed_executor_backend == "ray":
-        from .ray_executor import RayExecutor
-
-        return RayExecutor(config, max_model_len, ctx, **options)
-    return Executor(config, max_model_len, ctx, **options)
 
 
 def _unlink(address: str) -> None:

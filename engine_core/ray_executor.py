@@ -1,5 +1,6 @@
 """The Ray executor (`--distributed-executor-backend ray`): the ranks on a Ray cluster, across
-machines, with the same public methods, plans and results as the multiprocess `Executor`.
+machines, with the same public methods, plans and results as the multiprocess executor
+(`RayExecutor` subclasses `MultiprocExecutor`).
 
     engine core (a Ray driver) ── ray.init() ──► the cluster (RAY_ADDRESS, or `ray start`)
       placement group: one bundle per rank, {"GPU": 1} on GPU hosts, {"CPU": T} on CPU hosts
@@ -11,8 +12,8 @@ What travels, and where (the choice, and why):
 - Plans and results keep the multiprocess executor's ZeroMQ conversation unchanged (one
   PUSH per rank, one PULL for WorkerReady / SampledTokens / WorkerFailed; msgspec frames),
   so everything after start-up (`submit`, `collect`, the step timeout, the order check) is
-  `Executor`'s own code. Only the addresses differ: the core binds `tcp://<its node IP, as
-  Ray reports it>:<a random port>` instead of private ipc files, since ranks on another
+  `MultiprocExecutor`'s own code. Only the addresses differ: the core binds `tcp://<its node
+  IP, as Ray reports it>:<a random port>` instead of private ipc files, since ranks on another
   machine cannot reach a file. Ray carries only start-up arguments (strings) and the exit
   codes, never a step, so the hot path pays nothing for Ray.
 - Each actor hosts its rank as a child process rather than being the rank: the engine core
@@ -55,7 +56,7 @@ import zmq
 
 from .config import EngineConfig
 from .cpu_threads import worker_env
-from .executor import Executor, WorkerError
+from .executor import MultiprocExecutor, WorkerError
 from ..ipc.lifeline import lifeline_fd
 from ..ipc.messages import Shutdown
 from ..ipc.transport import (
@@ -136,11 +137,11 @@ class _RayRank:
     plan_address: str
     done: object = None  # ObjectRef of host.wait(): ready once the worker process has exited
     pid: int = 0  # the worker process's pid, on its node
-    pidfd: None = None  # (mp's exit fd: an actor has none; `Executor._close_sockets` reads it)
+    pidfd: None = None  # mp's exit fd: an actor has none (`MultiprocExecutor._close_sockets`)
 
 
-class RayExecutor(Executor):
-    """`Executor` with its ranks in Ray actors (see the module docstring)."""
+class RayExecutor(MultiprocExecutor):
+    """`MultiprocExecutor` with its ranks in Ray actors (see the module docstring)."""
 
     def __init__(self, config: EngineConfig, max_model_len: int, ctx: zmq.Context | None = None,
                  **options) -> None:
@@ -156,7 +157,7 @@ class RayExecutor(Executor):
         # the daemon's may hold its frontend socket's (--engine-key-file).
         super().__init__(config, max_model_len, None, **options)
 
-    # -- start-up (Executor.start calls _spawn_ranks, then waits for every WorkerReady) --------
+    # -- start-up (MultiprocExecutor.start calls _spawn_ranks, then waits for WorkerReady) ------
 
     def _bind(self, sock: zmq.Socket, tag: str) -> str:
         """Bind on this node's IP (reachable from the other nodes), a port of the kernel's,

@@ -6,7 +6,8 @@ import sys
 import pytest
 
 from tidal.engine_core.config import EngineConfig, ModelConfig, ParallelConfig
-from tidal.engine_core.executor import WorkerError, make_executor
+from tidal.engine_core.core import make_executor
+from tidal.engine_core.executor import WorkerError
 from tidal.engine_core.ray_executor import _bundles_that_fit
 
 
