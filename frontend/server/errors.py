@@ -26,6 +26,8 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from .protocol import PROMPT_SHAPES
+
 logger = logging.getLogger("tidal.serve")
 
 RETRY_AFTER_S = 2
@@ -120,8 +122,11 @@ def _validation_param(loc: tuple) -> str | None:
     parts = [str(p) for p in loc if p != "body"]
     if parts and parts[0].isdigit():  # json_invalid: the location is a character position
         return None
-    # pydantic adds the union member it tried ("list[int]", "str") to the location: drop it
-    parts = [p for p in parts if not any(c in p for c in "[]") and p not in ("str", "int")]
+    # pydantic adds the union member it tried ("list[int]", "str", or the tag of a tagged
+    # union such as the prompt's "tokens") to the location: drop it
+    parts = [p for i, p in enumerate(parts) if not any(c in p for c in "[]")
+             and p not in ("str", "int") and not (i and parts[i - 1] == "prompt"
+                                                  and p in PROMPT_SHAPES)]
     return ".".join(parts) or None
 
 

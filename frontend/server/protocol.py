@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from ..structured_output import from_request_fields
 from ...ipc.messages import SamplingParams, StructuredOutputsParams, is_valid_unicode
@@ -178,7 +178,30 @@ class SamplingRequest(OpenAIModel):
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
-Prompt = Union[Text, list[Text], list[TokenId], list[list[TokenId]]]
+def _prompt_kind(value: Any) -> str:
+    """Which of `Prompt`'s shapes a value is, by its first element: pydantic then validates
+    that shape alone. Left to try each shape in turn, it collected an error for every element
+    of a token-id list while trying strings: 1.24 s for a 4.8 MB body of a million ids, on the
+    event loop, against 0.28 s so."""
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, list) and value:
+        if isinstance(value[0], str):
+            return "texts"
+        if isinstance(value[0], list):
+            return "token_lists"
+    return "tokens"
+
+
+PROMPT_SHAPES = ("text", "texts", "tokens", "token_lists")
+"""The tags of `Prompt`'s shapes (pydantic puts the one it validated in an error's location)."""
+
+Prompt = Annotated[Union[
+    Annotated[Text, Tag("text")],
+    Annotated[list[Text], Tag("texts")],
+    Annotated[list[TokenId], Tag("tokens")],
+    Annotated[list[list[TokenId]], Tag("token_lists")],
+], Discriminator(_prompt_kind)]
 
 
 class CompletionRequest(SamplingRequest):

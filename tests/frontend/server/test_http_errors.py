@@ -33,7 +33,7 @@ CASES = [
     (CMPL, {"prompt": "x", "model": "gpt-17"}, 404, "model", "gpt-17"),
     (CMPL, {"prompt": "", "max_tokens": 2}, 400, "prompt", "empty"),
     (CMPL, {"prompt": []}, 400, "prompt", "empty"),
-    (CMPL, {"prompt": [1, "a"]}, 400, "prompt", ""),
+    (CMPL, {"prompt": [1, "a"]}, 400, "prompt.1", ""),  # a token-id list: its element 1
     (CMPL, {"prompt": [100000]}, 400, "prompt", "100000"),
     (CMPL, {"prompt": "word " * 80}, 400, "prompt", "64"),
     (CMPL, {"prompt": "x", "max_tokens": 100}, 400, "max_tokens", "64"),
