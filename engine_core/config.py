@@ -229,7 +229,7 @@ class ParallelConfig:
     with async scheduling) so every stage has work."""
     data_parallel_size: int = 1
     """Engine cores, each with its own scheduler, KV block pool and pp x tp workers, behind
-    one request router that every frontend attaches to (`frontend/dp_router.py`); 1: a
+    one request router that every frontend attaches to (`engine_core/dp_router.py`); 1: a
     single engine core, no router."""
     device: str = "auto"
     """auto (cuda when available, else cpu), cpu or cuda."""

@@ -497,7 +497,12 @@ def run_daemon(config: EngineConfig, listen: str | None = None, key_file: str | 
 
 
 def run_daemon_from_args(ns: argparse.Namespace) -> int:
-    """`tidal core`: run the daemon from parsed engine + daemon flags; the exit code."""
+    """`tidal core`: run the daemon from parsed engine + daemon flags, or with
+    --data-parallel-size N the router and its N cores (`dp_router.py`); the exit code."""
+    if not ns.generate_key_file and _data_parallel_size(ns) > 1:
+        from .dp_router import run_router_from_args
+
+        return run_router_from_args(ns)
     logging.basicConfig(level=ns.log_level,
                         format="%(asctime)s %(levelname)s [tidal core] %(message)s")
     if ns.lifeline_fd is not None:  # a private daemon: stop with the frontend that owns it
@@ -508,14 +513,20 @@ def run_daemon_from_args(ns: argparse.Namespace) -> int:
               "`tidal core --engine-key-file` and to every frontend")
         return EXIT_OK
     try:
-        config = config_from_args(ns)
-        if config.parallel.data_parallel_size > 1:  # the router starts N daemons of DP 1
-            raise ValueError("data_parallel_size > 1 is served by `tidal core` (the router)")
-        return run_daemon(config, ns.listen, ns.engine_key_file, ns.frontend_timeout,
-                          ns.log_level)
+        return run_daemon(config_from_args(ns), ns.listen, ns.engine_key_file,
+                          ns.frontend_timeout, ns.log_level)
     except ValueError as e:
         logger.error("%s", e)
         return EXIT_BAD_START
+
+
+def _data_parallel_size(ns: argparse.Namespace) -> int:
+    """The -dp of the flags or of a frontend's whole config (1 when the config is bad: the
+    daemon then reports the field)."""
+    try:
+        return config_from_args(ns).parallel.data_parallel_size
+    except ValueError:
+        return 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from ..engine_core.config import EngineConfig
-from ..engine_core.cpu_threads import available_cpus, worker_threads
+from .config import EngineConfig
+from .cpu_threads import available_cpus, worker_threads
 
 
 def core_config(config: EngineConfig, model_dir: str | None = None) -> EngineConfig:

@@ -26,7 +26,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..engine_core.block_pool import NONE_HASH, hash_request_blocks
+from .block_pool import NONE_HASH, hash_request_blocks
 from ..ipc.messages import SchedulerStats
 
 WAITING_WEIGHT = 4

@@ -37,11 +37,10 @@ ends with an error, the frontends get `EngineDead` and the router exits 1, and a
 started it starts it again. A core that ends requests itself (a worker failure past its
 `--max-worker-restarts`, SIGTERM) sends their ERROR outputs first: those are forwarded.
 
-The router echoes every frontend heartbeat, as a core does. Frontends silent past
-`--frontend-timeout` are dropped as the daemon drops them (ERROR for
-their requests, aborted in the cores, then `Detached`); a frame from an unknown frontend is
-answered `Detached`. SIGTERM / SIGINT: every unfinished request ends with an error,
-`EngineDead` to the frontends, the cores are stopped, exit 0.
+Toward the frontends the router owns the same `FrontendPort` as a core (frontend_port.py):
+Hello, heartbeat echoes, silent frontends dropped (ERROR for their requests, aborted in the
+cores, then `Detached`), `Detached` for unknown ones. SIGTERM / SIGINT: every unfinished
+request ends with an error, `EngineDead` to the frontends, the cores are stopped, exit 0.
 """
 
 from __future__ import annotations
@@ -57,15 +56,15 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
-from ..engine_core.args import config_from_args
-from ..engine_core.config import EngineConfig
-from ..engine_core.model_files import model_folder
-from ..engine_core.restart_budget import RESTART_WINDOW_S, RestartBudget
+from .args import config_from_args
+from .config import EngineConfig
 from .dp_cores import core_config, core_env, core_gpu_sets, visible_gpus
 from .dp_placement import Placement, merge_stats
-from .engine_client import HeartbeatClock
+from .frontend_port import FrontendPort
 from .launcher import DaemonProcess
-from .output_processor import lost_finish, resume_params
+from .model_files import model_folder
+from .restart_budget import RESTART_WINDOW_S, RestartBudget
+from ..ipc.heartbeat import HeartbeatClock
 from ..ipc.lifeline import watch_parent
 from ..ipc.messages import (
     Abort,
@@ -75,7 +74,6 @@ from ..ipc.messages import (
     EngineInfo,
     EngineOutputs,
     FinishReason,
-    Goodbye,
     Heartbeat,
     Hello,
     RequestOutput,
@@ -84,16 +82,14 @@ from ..ipc.messages import (
     pack_token_ids,
     unpack_token_ids,
 )
+from ..ipc.resume import lost_finish, resume_params
 from ..ipc.transport import (
     DEFAULT_FRONTEND_TIMEOUT_S,
     CoreToFrontendDecoder,
-    FrontendDecoder,
-    bind_engine_socket,
     connect_frontend_socket,
     default_engine_address,
     encode,
     heartbeat_interval,
-    ipc_path,
     new_private_address,
 )
 
@@ -146,21 +142,17 @@ class Router:
                  log_level: str = "INFO") -> None:
         self.config = config
         self.listen = listen
-        self.key_file = key_file
         self.frontend_timeout = frontend_timeout
         self.log_level = log_level
         self.num_cores = config.parallel.data_parallel_size
         self.ctx = zmq.Context()
-        self.frontend_decoder = FrontendDecoder()
+        self.port = FrontendPort(self, listen, key_file, frontend_timeout, self.ctx)
         self.core_decoder = CoreToFrontendDecoder()
         self.placement = Placement(self.num_cores, config.cache.block_size)
         self.cores: list[_Core] = []
-        self.frontends: dict[str, float] = {}  # client_id -> last seen (monotonic)
-        self.waiting_hellos: set[str] = set()  # answered once every core is ready
         self.routed: dict[str, _Routed] = {}  # req_id -> request
-        self.info: EngineInfo | None = None
+        self.info: EngineInfo | None = None  # once every core answered
         self.stop_reason: str | None = None
-        self.sock = self.auth = None
         self._stats_waiters: set[str] = set()  # client ids the running round answers
         self._stats_next: set[str] = set()  # asked during a round: answered by the next one
         self._stats_round: set[int] = set()  # cores whose answer the round still waits for
@@ -198,7 +190,7 @@ class Router:
     def _start(self) -> int | None:
         """Bind, start every core, wait until each answers Hello. An exit code on failure."""
         try:
-            self.sock, self.auth = bind_engine_socket(self.ctx, self.listen, self.key_file)
+            self.port.bind()
         except (ValueError, OSError) as e:
             logger.error("cannot start: %s", e)
             return EXIT_BAD_START
@@ -210,8 +202,7 @@ class Router:
             return EXIT_OK
         except ValueError as e:  # a GGUF file that does not convert, too few GPUs
             logger.error("cannot start: %s", e)
-            self._broadcast(EngineDead(f"engine core failed to start: {e}"),
-                            self._pending_hellos())
+            self.port.fail_start(f"engine core failed to start: {e}")
             return EXIT_BAD_START
         return self._wait_for_cores()
 
@@ -239,25 +230,16 @@ class Router:
                 reason = failed.daemon.failure_message(f"engine core {failed.index} failed "
                                                        "to start")
                 logger.error("%s", reason)
-                self._broadcast(EngineDead(reason), self.waiting_hellos)
+                self.port.fail_start(reason)
                 return EXIT_BAD_START
         if self.stop_reason is not None:
-            self._broadcast(EngineDead(f"stopped during start-up ({self.stop_reason})"),
-                            self.waiting_hellos)
+            self.port.fail_start(f"stopped during start-up ({self.stop_reason})")
             return EXIT_OK
         self.info = self._merged_info()
-        for client_id in self.waiting_hellos:
-            self.frontends[client_id] = time.monotonic()
-            self._send(client_id, self.info)
-        self.waiting_hellos.clear()
+        self.port.ready(self.info)
         logger.info("router ready: %d engine cores, %d KV blocks in all", self.num_cores,
                     self.info.num_kv_blocks)
         return None
-
-    def _pending_hellos(self) -> set[str]:
-        """Every frontend that knocked during start-up (their Hellos are still queued)."""
-        self._drain(self.sock, self._on_frontend_frames)
-        return self.waiting_hellos
 
     def _connect(self, index: int, daemon: DaemonProcess) -> _Core:
         client_id = f"router-{os.getpid()}-{index}"
@@ -302,13 +284,7 @@ class Router:
         for core in self.cores:
             core.daemon.stop()
             core.sock.close(linger=0)
-        if self.sock is not None:
-            self.sock.close()  # linger: queued EngineDead / outputs still go out
-            path = ipc_path(self.listen)
-            if path is not None and os.path.exists(path):
-                os.unlink(path)
-        if self.auth is not None:
-            self.auth.stop()
+        self.port.close()  # linger: queued EngineDead / outputs still go out
         self.ctx.term()
 
     # -- the loop ------------------------------------------------------------------------------
@@ -317,12 +293,12 @@ class Router:
         """Handle what arrived within `_POLL_MS`, then the timers."""
         if self._poller is None:  # rebuilt when a core's socket changes
             self._poller = zmq.Poller()
-            self._poller.register(self.sock, zmq.POLLIN)
+            self._poller.register(self.port.sock, zmq.POLLIN)
             for core in self.cores:
                 self._poller.register(core.sock, zmq.POLLIN)
         events = dict(self._poller.poll(_POLL_MS))
-        if self.sock in events:
-            self._drain(self.sock, self._on_frontend_frames)
+        if self.port.sock in events:
+            self.port.drain()
         for core in self.cores:
             if core.sock in events:
                 self._drain(core.sock, lambda frames, c=core: self._on_core_frames(c, frames))
@@ -345,7 +321,7 @@ class Router:
                 self._beat(core, now)
         if self.info is None:
             return
-        self._expire_silent_frontends(now)
+        self.port.expire_silent()
         if self._stats_round and now - self._stats_round_started > STATS_ROUND_TIMEOUT_S:
             self._finish_stats_round()
         if self._load_changed and not self._stats_round and now - self._last_poll > STATS_POLL_S:
@@ -366,71 +342,50 @@ class Router:
             core.info = None
             core.daemon.kill()
 
-    # -- frontends -----------------------------------------------------------------------------
+    # -- what the frontend port asks (frontend_port.PortOwner) -------------------------------
 
-    def _on_frontend_frames(self, frames: list[bytes]) -> None:
-        client_id = frames[0].decode("utf-8", "surrogateescape")
-        if len(frames) != 2:
-            self.frontend_decoder.drop(f"{len(frames) - 1} frames where one was expected",
-                                       client_id)
-            return
-        msg = self.frontend_decoder.decode(frames[1], sender=client_id)
-        if msg is None:
-            refusal = self.frontend_decoder.undecodable_request(frames[1])
-            if refusal is not None:
-                self._refuse(client_id, *refusal)
-            return
-        if self.info is None:  # starting: Hellos are answered once every core is ready
-            if isinstance(msg, Hello):
-                self.waiting_hellos.add(client_id)
-            return
-        if client_id not in self.frontends:
-            if not isinstance(msg, Hello):
-                self._refuse_unknown(client_id, msg)
-                return
-            logger.info("frontend %r attached", client_id)
-        self.frontends[client_id] = time.monotonic()
-        if isinstance(msg, AddRequest):
-            self._add_request(client_id, msg, frames[1])
-        elif isinstance(msg, Abort):
-            self._abort(client_id, msg.req_ids)
-        elif isinstance(msg, Heartbeat):
-            self._send(client_id, msg)  # echoed, as a core does: the router is alive
-        elif isinstance(msg, Hello):
-            self._send(client_id, self.info)
-        elif isinstance(msg, StatsQuery):
-            # a round already running may have asked before this frontend's last outputs
-            # left their core: answer from a round that starts now
-            self._stats_next.add(client_id)
-            if not self._stats_round:
-                self._start_stats_round()
-        elif isinstance(msg, Goodbye):
-            num = self._forget_client(client_id)
-            logger.info("frontend %r detached (%d unfinished requests aborted)", client_id, num)
-
-    def _refuse_unknown(self, client_id: str, msg) -> None:
-        if isinstance(msg, Goodbye):
-            return
-        reason = (f"the engine core does not know frontend {client_id!r} (it was dropped, or "
-                  "the engine core restarted): say Hello")
-        if isinstance(msg, AddRequest):
-            error = RequestOutput(msg.req_id, b"", FinishReason.ERROR, error=reason)
-            self._send(client_id, EngineOutputs([error], timestamp=time.time()))
-        self._send(client_id, Detached(reason))
-
-    def _refuse(self, client_id: str, req_id: str, error: str) -> None:
-        logger.warning("request %r from %r refused: %s", req_id, client_id, error)
-        out = RequestOutput(req_id, b"", FinishReason.ERROR, error=error, refused=True)
-        self._send(client_id, EngineOutputs([out], timestamp=time.time()))
-
-    def _add_request(self, client_id: str, msg: AddRequest, frame: bytes) -> None:
+    def add_request(self, client_id: str, msg: AddRequest, frame: bytes) -> None:
         if msg.req_id in self.routed:
-            self._refuse(client_id, msg.req_id, f"req_id {msg.req_id!r} is already in flight")
+            self.port.refuse(client_id, msg.req_id, f"req_id {msg.req_id!r} is already in flight")
             return
         request = _Routed(client_id, None, msg, bytearray())
         self.routed[msg.req_id] = request
         self._load_changed = True
         self._place(request, frame)
+
+    def abort(self, client_id: str, req_ids: list[str]) -> None:
+        """Abort the sender's own requests among `req_ids` (others are ignored)."""
+        by_core: dict[int, list[str]] = {}
+        answered = []  # never reached a core: the router answers
+        for req_id in req_ids:
+            request = self.routed.get(req_id)
+            if request is None or request.client_id != client_id:
+                continue
+            if request.core is None:
+                del self.routed[req_id]
+                answered.append(RequestOutput(req_id, b"", FinishReason.ABORT))
+            else:
+                request.aborted = True
+                by_core.setdefault(request.core, []).append(req_id)
+        self.port.send_outputs({client_id: answered})
+        for core, ids in by_core.items():
+            self.cores[core].sock.send(encode(Abort(ids)))
+
+    def stats_query(self, client_id: str) -> None:
+        # a round already running may have asked before this frontend's last outputs
+        # left their core: answer from a round that starts now
+        self._stats_next.add(client_id)
+        if not self._stats_round:
+            self._start_stats_round()
+
+    def detach(self, client_id: str) -> int:
+        return self._forget_client(client_id)
+
+    def drop(self, client_id: str, reason: str) -> list[RequestOutput]:
+        outputs = [RequestOutput(rid, b"", FinishReason.ERROR, error=reason)
+                   for rid, r in self.routed.items() if r.client_id == client_id]
+        self._forget_client(client_id)
+        return outputs
 
     def _place(self, request: _Routed, frame: bytes | None = None) -> None:
         """Send the request to the core the placement picks; with no live core it waits."""
@@ -443,25 +398,8 @@ class Router:
         if core is not None:
             self.cores[core].sock.send(frame if frame is not None else encode(request.add))
 
-    def _abort(self, client_id: str, req_ids: list[str]) -> None:
-        """Abort the sender's own requests among `req_ids` (others are ignored)."""
-        by_core: dict[int, list[str]] = {}
-        for req_id in req_ids:
-            request = self.routed.get(req_id)
-            if request is None or request.client_id != client_id:
-                continue
-            if request.core is None:  # never reached a core: the router answers
-                del self.routed[req_id]
-                out = RequestOutput(req_id, b"", FinishReason.ABORT)
-                self._send(client_id, EngineOutputs([out], timestamp=time.time()))
-            else:
-                request.aborted = True
-                by_core.setdefault(request.core, []).append(req_id)
-        for core, ids in by_core.items():
-            self.cores[core].sock.send(encode(Abort(ids)))
-
     def _forget_client(self, client_id: str) -> int:
-        """Abort every request of the frontend in the cores and forget them and it."""
+        """Abort every request of the frontend in the cores and forget them."""
         own = [rid for rid, r in self.routed.items() if r.client_id == client_id]
         by_core: dict[int, list[str]] = {}
         for req_id in own:
@@ -470,33 +408,9 @@ class Router:
                 by_core.setdefault(request.core, []).append(req_id)
         for core, ids in by_core.items():
             self.cores[core].sock.send(encode(Abort(ids)))
-        self.frontends.pop(client_id, None)
         self._stats_waiters.discard(client_id)
         self._stats_next.discard(client_id)
         return len(own)
-
-    def _expire_silent_frontends(self, now: float) -> None:
-        for client_id, last_seen in list(self.frontends.items()):
-            silent = now - last_seen
-            if silent <= self.frontend_timeout:
-                continue
-            reason = (f"frontend {client_id!r} was silent for {silent:.1f} s (--frontend-timeout "
-                      f"{self.frontend_timeout:g} s): the engine core dropped its requests")
-            outputs = [RequestOutput(rid, b"", FinishReason.ERROR, error=reason)
-                       for rid, r in self.routed.items() if r.client_id == client_id]
-            self._forget_client(client_id)
-            if outputs:
-                self._send(client_id, EngineOutputs(outputs, timestamp=time.time()))
-            self._send(client_id, Detached(reason))
-            logger.warning("%s (%d unfinished)", reason, len(outputs))
-
-    def _send(self, client_id: str, msg) -> None:
-        self.sock.send_multipart([client_id.encode("utf-8", "surrogateescape"), encode(msg)],
-                                 copy=False)
-
-    def _broadcast(self, msg, client_ids) -> None:
-        for client_id in list(client_ids):
-            self._send(client_id, msg)
 
     # -- cores ---------------------------------------------------------------------------------
 
@@ -543,8 +457,7 @@ class Router:
                 del self.routed[out.req_id]
                 self._load_changed = True
             by_client.setdefault(request.client_id, []).append(out)
-        for client_id, outputs in by_client.items():
-            self._send(client_id, EngineOutputs(outputs, timestamp=msg.timestamp))
+        self.port.send_outputs(by_client, msg.timestamp)
 
     def _watch_cores(self) -> None:
         """A core whose process exited: move its requests, start it again."""
@@ -582,7 +495,7 @@ class Router:
                 del self.routed[req_id]
                 final = RequestOutput(req_id, b"", FinishReason.ABORT) if request.aborted \
                     else lost_output(request.add, request.generated)
-                self._send(request.client_id, EngineOutputs([final], timestamp=time.time()))
+                self.port.send_outputs({request.client_id: [final]})
                 continue
             request.add, request.generated = resumed, bytearray()
             self._place(request)
@@ -619,8 +532,7 @@ class Router:
         if self._stats_waiters:
             total = merge_stats([self._latest_stats.get(i) or SchedulerStats()
                                  for i in range(self.num_cores)])
-            msg = EngineOutputs(outputs=[], stats=total, timestamp=time.time())
-            self._broadcast(msg, self._stats_waiters)
+            self.port.send_stats(self._stats_waiters, total)
             self._stats_waiters.clear()
         if self._stats_next:
             self._start_stats_round()
@@ -628,16 +540,15 @@ class Router:
     # -- the end -------------------------------------------------------------------------------
 
     def _fail_everything(self, reason: str) -> None:
-        if self.sock is None:
+        if self.port.sock is None:
             return
         by_client: dict[str, list[RequestOutput]] = {}
         for req_id, request in self.routed.items():
             by_client.setdefault(request.client_id, []).append(
                 RequestOutput(req_id, b"", FinishReason.ERROR, error=reason))
         self.routed.clear()
-        for client_id, outputs in by_client.items():
-            self._send(client_id, EngineOutputs(outputs, timestamp=time.time()))
-        self._broadcast(EngineDead(reason), set(self.frontends) | self.waiting_hellos)
+        self.port.send_outputs(by_client)
+        self.port.broadcast(EngineDead(reason))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,10 @@
-"""Start and stop a private engine-core daemon for one frontend (`LLM(model)`, `AsyncLLM`).
+"""Start and stop a private engine-core daemon for one owner (`LLM(model)`, `AsyncLLM`,
+`tidal serve MODEL`, the data-parallel router for each of its cores).
 
-    python -m tidal.frontend.cli core --engine-config <the EngineConfig as msgspec JSON>
+    python -m tidal.engine_core.daemon --engine-config <the EngineConfig as msgspec JSON>
         --listen <new private address> --lifeline-fd <read end of this process's lifeline pipe>
+
+(With `data_parallel_size` > 1 in the config that process is the data-parallel router.)
 
 The daemon runs in its own process group (so a Ctrl-C in the terminal reaches the frontend,
 which then stops the daemon in order) but in the caller's session: with autogroup scheduling
@@ -28,7 +31,7 @@ import sys
 import threading
 import weakref
 
-from ..engine_core.config import EngineConfig, encode_engine_config
+from .config import EngineConfig, encode_engine_config
 from ..ipc.lifeline import lifeline_fd
 from ..ipc.transport import new_private_address
 
@@ -51,8 +54,9 @@ class DaemonProcess:
         self._extra_args = list(extra_args or [])
         self._env = env
         lifeline = lifeline_fd()
-        argv = [sys.executable, "-m", "tidal.frontend.cli", "core",
-                "--engine-config", encode_engine_config(config), "--listen", self.address, "--lifeline-fd", str(lifeline), *(extra_args or [])]
+        argv = [sys.executable, "-m", "tidal.engine_core.daemon",
+                "--engine-config", encode_engine_config(config), "--listen", self.address,
+                "--lifeline-fd", str(lifeline), *(extra_args or [])]
         self.proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             process_group=0, pass_fds=(lifeline,), env=env)

@@ -45,6 +45,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from ..engine_core.config import EngineConfig
+from ..engine_core.launcher import DaemonProcess
 from ..engine_core.restart_budget import RestartBudget
 from .engine_client import (
     AsyncEngineClient,
@@ -52,7 +53,6 @@ from .engine_client import (
     load_tokenizer,
     read_eos_token_ids,
 )
-from .launcher import DaemonProcess
 from .output_processor import OutputProcessor
 from .outputs import CompletionOutput, RequestOutput
 from .structured_output import GrammarChecker

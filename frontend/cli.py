@@ -89,22 +89,7 @@ def run_core(ns: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"tidal core: {e}", file=sys.stderr)
         return 2
-    if _data_parallel_size(ns) > 1 and not ns.generate_key_file:
-        from .dp_router import run_router_from_args
-
-        return run_router_from_args(ns)  # N engine cores behind one router
-    return run_daemon_from_args(ns)
-
-
-def _data_parallel_size(ns: argparse.Namespace) -> int:
-    """The -dp of the flags or of a frontend's whole config (1 when the config is bad: the
-    daemon then reports the field)."""
-    from ..engine_core.args import config_from_args
-
-    try:
-        return config_from_args(ns).parallel.data_parallel_size
-    except ValueError:
-        return 1
+    return run_daemon_from_args(ns)  # with -dp N: the router and its N cores
 
 
 # ---------------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ FRONTEND_ENGINE_CORE = {
     # "config and launching only": the flags, the config, the daemon that a frontend
     # starts, and the pieces the offline tools (`tidal tune`) reuse by design
     "args", "config", "daemon", "model_files", "step_cost", "cpu_threads",
+    "launcher",  # launching: a private engine core (or -dp router) for a frontend
     "restart_budget",  # launching: the restart limit every supervisor of a core applies
     "scheduler", "request", "block_pool",  # tidal tune's simulator runs the real scheduler
 }

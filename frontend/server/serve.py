@@ -327,7 +327,7 @@ class _Supervisor:
             return self.ns.engine, self.ns.tokenizer, None
         from ...engine_core.args import config_from_args
         from ..demo import apply_demo_model_default
-        from ..launcher import DaemonProcess
+        from ...engine_core.launcher import DaemonProcess
 
         apply_demo_model_default(self.ns)  # no MODEL: the bundled demo model, "tidal-demo"
         config = config_from_args(self.ns)  # ValueError names the flag

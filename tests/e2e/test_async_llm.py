@@ -17,7 +17,7 @@ import time
 import pytest
 
 from tidal.frontend.async_llm import AsyncLLM, EngineUnavailable, run
-from tidal.frontend.launcher import DaemonProcess
+from tidal.engine_core.launcher import DaemonProcess
 from tidal.frontend.llm import engine_config_from_kwargs
 from tidal.ipc.messages import SamplingParams, StructuredOutputsParams
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tidal.frontend.async_llm import AsyncLLM
-from tidal.frontend.launcher import DaemonProcess
+from tidal.engine_core.launcher import DaemonProcess
 from tidal.frontend.llm import LLM, engine_config_from_kwargs
 from tidal.frontend.server.app import build_app
 from tidal.ipc.messages import SamplingParams

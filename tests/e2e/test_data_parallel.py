@@ -32,7 +32,7 @@ from test_llm import (  # noqa: F401 - the shared prompts and transformers' refe
     reference,
 )
 
-from tidal.frontend.launcher import DaemonProcess
+from tidal.engine_core.launcher import DaemonProcess
 from tidal.frontend.llm import LLM, engine_config_from_kwargs
 from tidal.ipc.messages import SamplingParams
 

@@ -33,7 +33,7 @@ import time
 
 import pytest
 
-from tidal.frontend.launcher import DaemonProcess
+from tidal.engine_core.launcher import DaemonProcess
 from tidal.frontend.llm import LLM, engine_config_from_kwargs
 from tidal.ipc.messages import SamplingParams
 

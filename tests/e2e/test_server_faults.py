@@ -63,7 +63,8 @@ def http_processes(supervisor_pid: int) -> list[int]:
 
 
 def core_process(supervisor_pid: int) -> int | None:
-    """The engine-core daemon started by a `tidal serve` (its `tidal core` child)."""
+    """The engine-core daemon started by a `tidal serve` (its `python -m
+    tidal.engine_core.daemon` child)."""
     try:
         with open(f"/proc/{supervisor_pid}/task/{supervisor_pid}/children") as f:
             children = [int(p) for p in f.read().split()]
@@ -72,7 +73,7 @@ def core_process(supervisor_pid: int) -> int | None:
     for pid in children:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"\0core\0" in f.read():
+                if b"\0tidal.engine_core.daemon\0" in f.read():
                     return pid
         except FileNotFoundError:
             pass

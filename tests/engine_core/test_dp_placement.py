@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 from tidal.engine_core.config import EngineConfig, ModelConfig, ParallelConfig
-from tidal.frontend.dp_cores import core_config, core_env, core_gpu_sets, visible_gpus
-from tidal.frontend.dp_placement import PREFIX_SLACK, WAITING_WEIGHT, Placement, merge_stats
-from tidal.frontend.dp_router import lost_output, resume_request
+from tidal.engine_core.dp_cores import core_config, core_env, core_gpu_sets, visible_gpus
+from tidal.engine_core.dp_placement import PREFIX_SLACK, WAITING_WEIGHT, Placement, merge_stats
+from tidal.engine_core.dp_router import lost_output, resume_request
 from tidal.frontend.server.metrics import ServerMetrics
 from tidal.ipc.messages import (
     AddRequest,
@@ -154,7 +154,7 @@ def test_a_request_moves_off_a_dead_core_with_its_delivered_tokens():
 
 def test_each_core_gets_a_share_of_the_cpu_threads(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr("tidal.frontend.dp_cores.available_cpus", lambda: 8)
+    monkeypatch.setattr("tidal.engine_core.dp_cores.available_cpus", lambda: 8)
     config = EngineConfig(ModelConfig("m"), parallel=ParallelConfig(data_parallel_size=2,
                                                                     tensor_parallel_size=2))
     child = core_config(config)
@@ -170,7 +170,7 @@ def test_each_core_gets_a_share_of_the_cpu_threads(monkeypatch):
 def test_cores_whose_threads_outnumber_the_cpus_wait_passive(monkeypatch):
     """-dp 2 with OMP_NUM_THREADS=2 on 2 CPUs: four spinning threads on two cores would each
     wait at every barrier for a partner that is not running."""
-    monkeypatch.setattr("tidal.frontend.dp_cores.available_cpus", lambda: 2)
+    monkeypatch.setattr("tidal.engine_core.dp_cores.available_cpus", lambda: 2)
     dp2 = EngineConfig(ModelConfig("m"), parallel=ParallelConfig(data_parallel_size=2))
     assert core_env(dp2, {"OMP_NUM_THREADS": "2"}, None)["OMP_WAIT_POLICY"] == "PASSIVE"
     kept = core_env(dp2, {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "ACTIVE"}, None)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tidal.engine_core.config import EngineConfig, ModelConfig, ParallelConfig
-from tidal.frontend.dp_router import Router, _Core
+from tidal.engine_core.dp_router import Router, _Core
 from tidal.ipc.messages import (
     Abort,
     AddRequest,
@@ -87,12 +87,13 @@ INFO = EngineInfo(model="m", max_model_len=64, num_kv_blocks=10, block_size=4,
 def router():
     config = EngineConfig(ModelConfig("m"), parallel=ParallelConfig(data_parallel_size=2))
     r = Router(config, "ipc:///nowhere")
-    r.sock = FrontendSocket()
+    r.port.sock = FrontendSocket()
     r._connect = lambda index, daemon: _Core(index, daemon, CoreSocket(), f"router-{index}")
     r.cores = [r._connect(i, FakeDaemon()) for i in range(2)]
     for core in r.cores:
         r._on_core_info(core, INFO)
     r.info = r._merged_info()
+    r.port.ready(r.info)
     for client_id in ("a", "b"):
         frontend_says(r, client_id, Hello(client_id))
     yield r
@@ -100,7 +101,7 @@ def router():
 
 
 def frontend_says(router: Router, client_id: str, msg) -> None:
-    router._on_frontend_frames([client_id.encode(), encode(msg)])
+    router.port.on_frames([client_id.encode(), encode(msg)])
 
 
 def core_says(router: Router, index: int, *outputs: RequestOutput, stats=None) -> None:
@@ -119,7 +120,7 @@ def token(req_id: str, *ids: int, finish=None) -> RequestOutput:
 
 def test_merged_info_sums_the_cores_capacity(router):
     assert router.info.num_kv_blocks == 20 and router.info.max_num_seqs == 16
-    assert router.sock.sent["a"] == [router.info]
+    assert router.port.sock.sent["a"] == [router.info]
 
 
 def test_each_frontend_gets_only_its_own_outputs(router):
@@ -129,8 +130,8 @@ def test_each_frontend_gets_only_its_own_outputs(router):
     assert [m.req_id for m in router.cores[1].sock.take(AddRequest)] == ["rb"]
     core_says(router, 0, token("ra", 11))
     core_says(router, 1, token("rb", 12, finish=FinishReason.LENGTH))
-    assert [o.req_id for o in router.sock.outputs("a")] == ["ra"]
-    assert [o.req_id for o in router.sock.outputs("b")] == ["rb"]
+    assert [o.req_id for o in router.port.sock.outputs("a")] == ["ra"]
+    assert [o.req_id for o in router.port.sock.outputs("b")] == ["rb"]
     assert set(router.routed) == {"ra"}  # rb finished
 
 
@@ -146,7 +147,7 @@ def test_a_dead_cores_requests_continue_elsewhere_with_their_tokens(router):
     assert moved.sampling.max_tokens == 8
     assert router.cores[0].restarts.total == 1 and router.cores[0].info is None
     core_says(router, 1, token("ra", 13))
-    assert [unpack_token_ids(o.new_token_ids).tolist() for o in router.sock.outputs("a")] \
+    assert [unpack_token_ids(o.new_token_ids).tolist() for o in router.port.sock.outputs("a")] \
         == [[11], [12], [13]]
 
 
@@ -170,7 +171,7 @@ def test_aborts_reach_only_the_senders_own_requests(router):
     router.cores[1].daemon.running = False  # dies before answering the abort
     router._watch_cores()
     assert router.cores[0].sock.take(AddRequest) == []  # not moved: answered as aborted
-    assert router.sock.outputs("b")[-1].finish_reason == FinishReason.ABORT
+    assert router.port.sock.outputs("b")[-1].finish_reason == FinishReason.ABORT
     frontend_says(router, "a", Goodbye("a"))
     assert router.cores[0].sock.take(Abort) == [Abort(["ra"])] and router.routed == {}
 
@@ -179,9 +180,9 @@ def test_a_stats_query_is_answered_with_every_core_and_the_total(router):
     frontend_says(router, "a", StatsQuery("a"))
     assert all(len(c.sock.take(StatsQuery)) == 1 for c in router.cores)
     core_says(router, 0, stats=SchedulerStats(num_running=2, generation_tokens=5))
-    assert not any(isinstance(m, EngineOutputs) for m in router.sock.sent["a"])
+    assert not any(isinstance(m, EngineOutputs) for m in router.port.sock.sent["a"])
     core_says(router, 1, stats=SchedulerStats(num_running=1, generation_tokens=7))
-    (answer,) = [m for m in router.sock.sent["a"] if isinstance(m, EngineOutputs)]
+    (answer,) = [m for m in router.port.sock.sent["a"] if isinstance(m, EngineOutputs)]
     assert (answer.stats.num_running, answer.stats.generation_tokens) == (3, 12)
     assert [c.num_running for c in answer.stats.cores] == [2, 1]
     assert router.placement.loads[0].num_running == 2

@@ -280,7 +280,8 @@ def test_the_supervisors_liveness_watch_sees_a_silent_core_and_not_an_echoing_on
     frontend_timeout. A stall of the watcher's own is not taken for the core's."""
     import time
 
-    from tidal.frontend.engine_client import CoreLiveness, stalled_since_last_beat
+    from tidal.frontend.engine_client import CoreLiveness
+    from tidal.ipc.heartbeat import stalled_since_last_beat
 
     address = new_private_address("liveness")
     ctx = zmq.Context()

@@ -6,7 +6,8 @@ core is finished here with the reason the core would have given."""
 
 import pytest
 
-from tidal.frontend.output_processor import OutputProcessor, lost_finish, resume_params
+from tidal.frontend.output_processor import OutputProcessor
+from tidal.ipc.resume import lost_finish, resume_params
 from tidal.ipc.messages import (
     FinishReason,
     SamplingParams,
