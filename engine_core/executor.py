@@ -48,12 +48,15 @@ from ..ipc.messages import (
     WorkerReady,
 )
 from ..ipc.transport import (
+    PLAN_SEND_TIMEOUT_MS,
     WorkerToCoreDecoder,
+    bind_private,
     encode,
     encode_worker_config,
     free_tcp_port,
     ipc_path,
-    new_private_address,
+    plan_socket,
+    results_socket,
 )
 
 logger = logging.getLogger(__name__)
@@ -62,7 +65,6 @@ DEFAULT_STARTUP_TIMEOUT_S = 600.0
 """Most seconds the ranks may take to load the model and report WorkerReady."""
 DEFAULT_STEP_TIMEOUT_S = 300.0
 """Most seconds rank 0 may take to answer a step before the engine core gives up on it."""
-_SEND_TIMEOUT_MS = 5000
 _PEER_DEATH_GRACE_S = 1.0
 """How long a rank's failure waits for a peer's death to show: a rank whose send or
 collective was cut off by a peer that died fails a moment before that peer is reaped."""
@@ -113,8 +115,7 @@ class MultiprocExecutor:
         self.ctx = ctx or zmq.Context()
         self.decoder = WorkerToCoreDecoder()
         self.ranks: list[_Rank] = []
-        self.result_sock = self.ctx.socket(zmq.PULL)
-        self.result_sock.setsockopt(zmq.RCVHWM, 0)
+        self.result_sock = results_socket(self.ctx)
         self.result_address = self._bind(self.result_sock, "results")
         # step_id of each submitted plan whose SampledTokens have not come back yet, in order
         self._pending: deque[int] = deque()
@@ -157,9 +158,7 @@ class MultiprocExecutor:
 
     def _bind(self, sock: zmq.Socket, tag: str) -> str:
         """Bind `sock` where the ranks can reach it; its address (here: private ipc)."""
-        address = new_private_address(tag)
-        sock.bind(address)
-        return address
+        return bind_private(sock, tag)
 
     def _spawn_ranks(self, stop_requested) -> None:
         """Start every rank (appended to `self.ranks`); they report WorkerReady later."""
@@ -169,10 +168,7 @@ class MultiprocExecutor:
 
     def _plan_socket(self, rank: int) -> tuple[zmq.Socket, str]:
         """A bound PUSH socket for rank `rank`'s plans, and its address."""
-        sock = self.ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
-        sock.setsockopt(zmq.LINGER, 0)
+        sock = plan_socket(self.ctx)
         return sock, self._bind(sock, f"plan{rank}")
 
     def _spawn(self, rank: int, dist_init_method: str) -> _Rank:
@@ -312,8 +308,9 @@ class MultiprocExecutor:
                 r.plan_sock.send(frame, copy=False)
             except zmq.Again:
                 self.check_alive()
+                seconds = PLAN_SEND_TIMEOUT_MS / 1000
                 raise WorkerError(f"worker rank {r.rank} does not accept plans "
-                                  f"(nothing read for {_SEND_TIMEOUT_MS / 1000:.0f} s)") from None
+                                  f"(nothing read for {seconds:.0f} s)") from None
 
     # -- shut-down -----------------------------------------------------------------------------
 

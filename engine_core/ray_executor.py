@@ -43,7 +43,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -61,10 +60,11 @@ from ..ipc.lifeline import lifeline_fd
 from ..ipc.messages import Shutdown
 from ..ipc.transport import (
     WORKER_KEYS_ENV,
-    curve_bind,
+    bind_curve_tcp,
     curve_server,
     encode,
     encode_worker_config,
+    free_tcp_port,
     new_keys,
     worker_keys_env,
 )
@@ -93,9 +93,7 @@ class _RankHost:
 
     def free_port(self) -> int:
         """A TCP port free on this node right now (torch.distributed's rendezvous)."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+        return free_tcp_port("")
 
     def start(self, worker_args: list[str], threads: int, keys: str) -> int:
         """Start `python -m tidal.workers.proc worker_args...` with `threads` OpenMP threads
@@ -164,9 +162,7 @@ class RayExecutor(MultiprocExecutor):
         as a CURVE server that admits only our ranks' key (fresh for each executor)."""
         if self._auth is None:
             self._auth = curve_server(self.ctx, self.keys)
-        curve_bind(sock, self.keys)
-        sock.bind(f"tcp://{self.node_ip}:*")
-        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        return bind_curve_tcp(sock, self.node_ip, self.keys)
 
     def _spawn_ranks(self, stop_requested) -> None:
         bundle, device = self._bundle()

@@ -33,6 +33,9 @@ Public API, for the engine core, the workers and the frontends:
     is_loopback_address(address) / check_listen_address(address, key_file)
     connect_frontend_socket(ctx, address, client_id, key_file=None) -> zmq DEALER
     bind_engine_socket(ctx, address, key_file=None) -> (zmq ROUTER, authenticator | None)
+    plan_socket(ctx) / results_socket(ctx) -> the engine core's PUSH to a rank / PULL from all
+    bind_private(sock, tag) / bind_curve_tcp(sock, host, keys) -> the address bound
+    connect_worker_sockets(ctx, plan_address, result_address, keys=None) -> (PULL, PUSH)
 
 CURVE key file (`write_key_file(path)`, read by `read_key_file(path)`): a text file, mode 0600,
 lines `name = value`, `#` comments, holding four Z85 keys:
@@ -329,11 +332,11 @@ def check_ipc_free(address: str) -> None:
     raise ValueError(f"another process is already listening on {address}")
 
 
-def free_tcp_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now (torch.distributed's rendezvous, a
-    server `tidal` starts for itself)."""
+def free_tcp_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` ("": every address of this node) that is free right now
+    (torch.distributed's rendezvous, a server `tidal` starts for itself)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -536,3 +539,64 @@ def connect_frontend_socket(ctx: zmq.Context, address: str, client_id: str,
         sock.curve_serverkey = keys.server_public
     sock.connect(address)
     return sock
+
+
+# ---------------------------------------------------------------------------------------------
+# worker sockets: the engine core binds, each rank connects
+
+PLAN_SEND_TIMEOUT_MS = 5000
+"""How long a plan may wait for its rank to take it before `send` raises zmq.Again (the
+engine core then counts the rank as stuck)."""
+
+
+def plan_socket(ctx: zmq.Context) -> zmq.Socket:
+    """The engine core's PUSH to one rank (CoreToWorker), not bound yet: an unbounded queue,
+    a send that gives up after PLAN_SEND_TIMEOUT_MS, no linger (a rank that is gone gets
+    nothing more)."""
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.SNDTIMEO, PLAN_SEND_TIMEOUT_MS)
+    sock.setsockopt(zmq.LINGER, 0)
+    return sock
+
+
+def results_socket(ctx: zmq.Context) -> zmq.Socket:
+    """The engine core's PULL for what every rank sends (WorkerToCore), not bound yet: an
+    unbounded queue."""
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    return sock
+
+
+def bind_private(sock: zmq.Socket, tag: str) -> str:
+    """Bind `sock` at a fresh private ipc:// address (ranks on this machine); the address."""
+    address = new_private_address(tag)
+    sock.bind(address)
+    return address
+
+
+def bind_curve_tcp(sock: zmq.Socket, host: str, keys: EngineKeys) -> str:
+    """Bind `sock` on `host` at a port of the kernel's, as a CURVE server with `keys` (ranks
+    on other machines; its context runs `curve_server`'s authenticator); the address."""
+    curve_bind(sock, keys)
+    sock.bind(f"tcp://{host}:*")
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def connect_worker_sockets(ctx: zmq.Context, plan_address: str, result_address: str,
+                           keys: EngineKeys | None = None) -> tuple[zmq.Socket, zmq.Socket]:
+    """A rank's (plan PULL, result PUSH), connected to the engine core's `plan_socket` and
+    `results_socket`; with `keys` (`worker_keys_from_env`) as CURVE clients. Unbounded
+    queues; results linger 2 s, so a WorkerFailed sent as the rank exits still arrives."""
+    plan_sock = ctx.socket(zmq.PULL)
+    plan_sock.setsockopt(zmq.RCVHWM, 0)
+    result_sock = ctx.socket(zmq.PUSH)
+    result_sock.setsockopt(zmq.SNDHWM, 0)
+    result_sock.setsockopt(zmq.LINGER, 2000)
+    if keys is not None:
+        curve_connect(plan_sock, keys)
+        curve_connect(result_sock, keys)
+    # plans first: the core starts sending only after every rank has said ready
+    plan_sock.connect(plan_address)
+    result_sock.connect(result_address)
+    return plan_sock, result_sock

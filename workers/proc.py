@@ -40,7 +40,7 @@ from ..ipc.messages import (
 )
 from ..ipc.transport import (
     CoreToWorkerDecoder,
-    curve_connect,
+    connect_worker_sockets,
     decode_worker_config,
     encode,
     worker_keys_from_env,
@@ -64,17 +64,8 @@ class WorkerProcess:
         self.ctx = zmq.Context()
         # Over TCP to another machine (the Ray executor) the core's sockets are CURVE servers.
         keys = worker_keys_from_env(os.environ)
-        # Plans first: the core starts sending only after every rank has said ready.
-        self.plan_sock = self.ctx.socket(zmq.PULL)
-        self.plan_sock.setsockopt(zmq.RCVHWM, 0)
-        self.result_sock = self.ctx.socket(zmq.PUSH)
-        self.result_sock.setsockopt(zmq.SNDHWM, 0)
-        self.result_sock.setsockopt(zmq.LINGER, 2000)
-        if keys is not None:
-            curve_connect(self.plan_sock, keys)
-            curve_connect(self.result_sock, keys)
-        self.plan_sock.connect(plan_address)
-        self.result_sock.connect(result_address)
+        self.plan_sock, self.result_sock = connect_worker_sockets(
+            self.ctx, plan_address, result_address, keys)
         self.decoder = CoreToWorkerDecoder()
         self.worker = None
 

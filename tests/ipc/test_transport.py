@@ -44,11 +44,13 @@ from tidal.ipc.transport import (
     CoreToWorkerDecoder,
     FrontendDecoder,
     WorkerToCoreDecoder,
+    bind_curve_tcp,
     bind_engine_socket,
+    bind_private,
     check_ipc_free,
     check_listen_address,
     connect_frontend_socket,
-    curve_bind,
+    connect_worker_sockets,
     curve_connect,
     curve_server,
     decode_worker_config,
@@ -58,7 +60,9 @@ from tidal.ipc.transport import (
     is_loopback_address,
     new_keys,
     new_private_address,
+    plan_socket,
     read_key_file,
+    results_socket,
     runtime_dir,
     worker_keys_env,
     worker_keys_from_env,
@@ -355,9 +359,10 @@ def test_worker_keys_admit_only_the_ranks_client_key():
 
     ctx = zmq.Context()
     auth = curve_server(ctx, keys)
-    results = ctx.socket(zmq.PULL)
-    curve_bind(results, keys)
-    port = results.bind_to_random_port("tcp://127.0.0.1")
+    results, plans = results_socket(ctx), plan_socket(ctx)
+    result_address = bind_curve_tcp(results, "127.0.0.1", keys)
+    plan_address = bind_curve_tcp(plans, "127.0.0.1", keys)
+    assert result_address.startswith("tcp://127.0.0.1:")
     try:
         foreign = {"plain": None,
                    "other key": worker_keys_from_env({WORKER_KEYS_ENV: worker_keys_env(
@@ -366,17 +371,42 @@ def test_worker_keys_admit_only_the_ranks_client_key():
             push = ctx.socket(zmq.PUSH)
             if client_keys is not None:
                 curve_connect(push, client_keys)
-            push.connect(f"tcp://127.0.0.1:{port}")
+            push.connect(result_address)
             push.send(name.encode())
             assert not results.poll(700), name
             push.close(linger=0)
-        push = ctx.socket(zmq.PUSH)
-        curve_connect(push, worker_keys)
-        push.connect(f"tcp://127.0.0.1:{port}")
-        push.send(b"rank 0")
-        assert results.poll(2000) and results.recv() == b"rank 0"
-        push.close(linger=0)
+        _plans_go_and_results_come_back(ctx, plans, plan_address, results, result_address,
+                                        worker_keys)
     finally:
+        plans.close(linger=0)
         results.close(linger=0)
         auth.stop()
         ctx.term()
+
+
+def test_worker_sockets_over_private_ipc():
+    """The multiprocess executor's sockets: private ipc addresses, plans reach the rank and
+    its results come back."""
+    ctx = zmq.Context()
+    plans, results = plan_socket(ctx), results_socket(ctx)
+    plan_address, result_address = bind_private(plans, "plan0"), bind_private(results, "results")
+    try:
+        assert plan_address.startswith(f"ipc://{runtime_dir()}/") and plan_address != result_address
+        _plans_go_and_results_come_back(ctx, plans, plan_address, results, result_address)
+    finally:
+        plans.close(linger=0)
+        results.close(linger=0)
+        ctx.term()
+
+
+def _plans_go_and_results_come_back(ctx, plans, plan_address, results, result_address,
+                                    keys=None):
+    plan_in, result_out = connect_worker_sockets(ctx, plan_address, result_address, keys)
+    try:
+        result_out.send(b"rank 0")
+        assert results.poll(2000) and results.recv() == b"rank 0"
+        plans.send(b"plan 1")
+        assert plan_in.poll(2000) and plan_in.recv() == b"plan 1"
+    finally:
+        plan_in.close(linger=0)
+        result_out.close(linger=0)
