@@ -12,7 +12,7 @@ Life of the process:
    per file; start one worker per TP rank, wait for every WorkerReady, InitKVCache(min blocks);
 3. answer each Hello with EngineInfo, then loop over steps (`EngineCore.step`, core.py);
    a request that is bad in itself (a token id outside the vocabulary, an AddRequest that
-   does not decode) is refused to its sender alone (`RequestOutput.refused`), never reaches
+   does not decode) is refused to its sender alone (`EngineCoreOutput.refused`), never reaches
    a worker, and the engine goes on serving everyone else;
 4. SIGTERM / SIGINT: stop admitting, fail what is unfinished, EngineDead to every frontend,
    Shutdown to the workers, join them, exit 0. A bad configuration or a failed start-up:
@@ -63,7 +63,7 @@ from .restart_budget import RestartBudget
 from .scheduler import Scheduler
 from ..ipc.lifeline import watch_parent
 from .step_cost import StepCostModel, required_profile
-from ..ipc.messages import AddRequest, EngineDead, EngineInfo, RequestOutput
+from ..ipc.messages import AddRequest, EngineCoreOutput, EngineDead, EngineInfo
 from ..ipc.transport import (
     DEFAULT_FRONTEND_TIMEOUT_S,
     default_engine_address,
@@ -389,7 +389,7 @@ class EngineCoreDaemon:
     def detach(self, client_id: str) -> int:
         return self.scheduler.abort_client(client_id)
 
-    def drop(self, client_id: str, reason: str) -> list[RequestOutput]:
+    def drop(self, client_id: str, reason: str) -> list[EngineCoreOutput]:
         return self.scheduler.fail_client(client_id, reason).get(client_id, [])
 
     # -- one step ------------------------------------------------------------------------------

@@ -70,13 +70,13 @@ from ..ipc.messages import (
     Abort,
     AddRequest,
     Detached,
+    EngineCoreOutput,
     EngineDead,
     EngineInfo,
     EngineOutputs,
     FinishReason,
     Heartbeat,
     Hello,
-    RequestOutput,
     SchedulerStats,
     StatsQuery,
     pack_token_ids,
@@ -363,7 +363,7 @@ class Router:
                 continue
             if request.core is None:
                 del self.routed[req_id]
-                answered.append(RequestOutput(req_id, b"", FinishReason.ABORT))
+                answered.append(EngineCoreOutput(req_id, b"", FinishReason.ABORT))
             else:
                 request.aborted = True
                 by_core.setdefault(request.core, []).append(req_id)
@@ -381,8 +381,8 @@ class Router:
     def detach(self, client_id: str) -> int:
         return self._forget_client(client_id)
 
-    def drop(self, client_id: str, reason: str) -> list[RequestOutput]:
-        outputs = [RequestOutput(rid, b"", FinishReason.ERROR, error=reason)
+    def drop(self, client_id: str, reason: str) -> list[EngineCoreOutput]:
+        outputs = [EngineCoreOutput(rid, b"", FinishReason.ERROR, error=reason)
                    for rid, r in self.routed.items() if r.client_id == client_id]
         self._forget_client(client_id)
         return outputs
@@ -447,7 +447,7 @@ class Router:
     def _on_outputs(self, core: _Core, msg: EngineOutputs) -> None:
         if msg.stats is not None and core.index in self._stats_round:
             self._on_core_stats(core, msg.stats)
-        by_client: dict[str, list[RequestOutput]] = {}
+        by_client: dict[str, list[EngineCoreOutput]] = {}
         for out in msg.outputs:
             request = self.routed.get(out.req_id)
             if request is None or request.core != core.index:
@@ -493,7 +493,7 @@ class Router:
             resumed = None if request.aborted else resume_request(request.add, request.generated)
             if resumed is None:  # aborted (its answer died with the core), or all delivered
                 del self.routed[req_id]
-                final = RequestOutput(req_id, b"", FinishReason.ABORT) if request.aborted \
+                final = EngineCoreOutput(req_id, b"", FinishReason.ABORT) if request.aborted \
                     else lost_output(request.add, request.generated)
                 self.port.send_outputs({request.client_id: [final]})
                 continue
@@ -542,10 +542,10 @@ class Router:
     def _fail_everything(self, reason: str) -> None:
         if self.port.sock is None:
             return
-        by_client: dict[str, list[RequestOutput]] = {}
+        by_client: dict[str, list[EngineCoreOutput]] = {}
         for req_id, request in self.routed.items():
             by_client.setdefault(request.client_id, []).append(
-                RequestOutput(req_id, b"", FinishReason.ERROR, error=reason))
+                EngineCoreOutput(req_id, b"", FinishReason.ERROR, error=reason))
         self.routed.clear()
         self.port.send_outputs(by_client)
         self.port.broadcast(EngineDead(reason))
@@ -570,12 +570,12 @@ def resume_request(add: AddRequest, generated: bytes) -> AddRequest | None:
                                    num_resumed_tokens=add.num_resumed_tokens + len(delivered))
 
 
-def lost_output(add: AddRequest, generated: bytes) -> RequestOutput:
+def lost_output(add: AddRequest, generated: bytes) -> EngineCoreOutput:
     """The final output of a request whose every token was delivered but whose finish was
     lost with its core."""
     delivered = unpack_token_ids(bytes(generated)).tolist()
     reason, stop = lost_finish(add.sampling, delivered, add.eos_token_id)
-    return RequestOutput(add.req_id, b"", FinishReason[reason.upper()], stop_reason=stop)
+    return EngineCoreOutput(add.req_id, b"", FinishReason[reason.upper()], stop_reason=stop)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ data-parallel router.
     port.ready(info)             # answers every Hello that came while starting
     port.drain()                 # each queued frame: protocol here, requests to `owner`
     port.expire_silent()         # frontends silent past frontend_timeout are dropped
-    port.send_outputs({client_id: [RequestOutput, ...]})
+    port.send_outputs({client_id: [EngineCoreOutput, ...]})
     port.close()
 
 A frontend is its zmq identity (= its client_id) on one ROUTER socket. What the port does by
@@ -28,7 +28,7 @@ itself, the same in both processes:
   knows which requests it still waits for, so it must say Hello again and fail those itself.
 - **Bad frames.** A frame that does not decode is logged (rate limited) and dropped; an
   AddRequest whose fields do not decode is refused to its sender alone
-  (`RequestOutput.refused`, the error naming the field).
+  (`EngineCoreOutput.refused`, the error naming the field).
 - **Routing.** Outputs go only to the frontend that sent the request (`send_outputs`).
 
 What the owner decides: `add_request` and `abort` (a frontend may abort only its own
@@ -50,6 +50,7 @@ from ..ipc.messages import (
     Abort,
     AddRequest,
     Detached,
+    EngineCoreOutput,
     EngineDead,
     EngineInfo,
     EngineOutputs,
@@ -57,7 +58,6 @@ from ..ipc.messages import (
     Goodbye,
     Heartbeat,
     Hello,
-    RequestOutput,
     SchedulerStats,
     StatsQuery,
 )
@@ -91,7 +91,7 @@ class PortOwner(Protocol):
         """The frontend said Goodbye: abort its requests; how many there were."""
         ...
 
-    def drop(self, client_id: str, reason: str) -> list[RequestOutput]:
+    def drop(self, client_id: str, reason: str) -> list[EngineCoreOutput]:
         """The frontend went silent: end its requests with ERROR and `reason`; their final
         outputs (the port sends them before `Detached`)."""
         ...
@@ -239,7 +239,7 @@ class FrontendPort:
         logger.info("%s from unknown frontend %r: answered Detached", type(msg).__name__,
                     client_id)
         if isinstance(msg, AddRequest):
-            error = RequestOutput(msg.req_id, b"", FinishReason.ERROR, error=reason)
+            error = EngineCoreOutput(msg.req_id, b"", FinishReason.ERROR, error=reason)
             self.send(client_id, EngineOutputs([error], timestamp=time.time()))
         self.send(client_id, Detached(reason))
 
@@ -279,7 +279,7 @@ class FrontendPort:
         """One message to one frontend."""
         self.sock.send_multipart([identity_of(client_id), encode(msg)], copy=False)
 
-    def send_outputs(self, outputs_by_client: dict[str, list[RequestOutput]],
+    def send_outputs(self, outputs_by_client: dict[str, list[EngineCoreOutput]],
                      timestamp: float | None = None) -> None:
         """Each frontend its own outputs, one `EngineOutputs` each."""
         timestamp = time.time() if timestamp is None else timestamp
@@ -297,7 +297,7 @@ class FrontendPort:
     def refuse(self, client_id: str, req_id: str, error: str) -> None:
         """Answer a bad request with its final output (an error naming the field)."""
         logger.warning("request %r from %r refused: %s", req_id, client_id, error)
-        out = RequestOutput(req_id, b"", FinishReason.ERROR, error=error, refused=True)
+        out = EngineCoreOutput(req_id, b"", FinishReason.ERROR, error=error, refused=True)
         self.send(client_id, EngineOutputs([out], timestamp=time.time()))
 
     def broadcast(self, msg) -> None:

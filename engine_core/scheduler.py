@@ -47,9 +47,9 @@ from .preemption_log import PreemptionLog
 from .request import Request, RequestStatus
 from .request_queue import create_request_queue, priority_key
 from ..ipc.messages import (
-    BatchPlan, CachedRequestData, GrammarToCompile, NewRequestData, PromptLogprobs, RequestFailure, RequestOutput,
-    SampledTokens, SchedulerStats, drop_prompt_positions, join_prompt_logprobs, pack_token_ids,
-    unpack_token_ids,
+    BatchPlan, CachedRequestData, EngineCoreOutput, GrammarToCompile, NewRequestData,
+    PromptLogprobs, RequestFailure, SampledTokens, SchedulerStats, drop_prompt_positions,
+    join_prompt_logprobs, pack_token_ids, unpack_token_ids,
 )
 
 logger = logging.getLogger("tidal.engine_core.scheduler")
@@ -58,7 +58,7 @@ _pack_one = struct.Struct("<i").pack
 _RUNNING = RequestStatus.RUNNING
 _AWAITING = RequestStatus.WAITING_FOR_GRAMMAR
 
-Outputs = dict[str, list[RequestOutput]]
+Outputs = dict[str, list[EngineCoreOutput]]
 """client_id -> outputs for that frontend, in order."""
 
 
@@ -207,7 +207,7 @@ class Scheduler:
             self._finish(request, status)
             request.error = error
             finished.append(request)
-            out = RequestOutput(req_id, b"", status.finish_reason, error=error)
+            out = EngineCoreOutput(req_id, b"", status.finish_reason, error=error)
             self._mark_first_output(request, out)
             outputs.setdefault(request.client_id, []).append(out)
         if finished:
@@ -492,8 +492,8 @@ class Scheduler:
             output_token_ids.append(token)
             request.all_token_ids.append(token)
             lp = logprobs[i] if logprobs else None
-            out = RequestOutput(req_id, _pack_one(token), None, None,
-                                None if lp is None else [lp])
+            out = EngineCoreOutput(req_id, _pack_one(token), None, None,
+                                   None if lp is None else [lp])
             if not request.first_output_sent:
                 request.first_token_time = self.clock()
                 self._mark_first_output(request, out)
@@ -568,7 +568,7 @@ class Scheduler:
         return None
 
     @staticmethod
-    def _mark_first_output(request: Request, out: RequestOutput) -> None:
+    def _mark_first_output(request: Request, out: EngineCoreOutput) -> None:
         if not request.first_output_sent:
             request.first_output_sent = True
             out.num_cached_tokens = request.num_cached_tokens

@@ -42,6 +42,7 @@ from .detokenizer import IncrementalDetokenizer, decode_token
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ..ipc.messages import (
     AddRequest,
+    EngineCoreOutput,
     FinishReason,
     PromptLogprobs,
     SamplingParams,
@@ -49,7 +50,6 @@ from ..ipc.messages import (
     pack_token_ids,
     unpack_token_ids,
 )
-from ..ipc.messages import RequestOutput as EngineRequestOutput
 from ..ipc.resume import lost_finish, resume_params
 
 
@@ -257,7 +257,7 @@ class OutputProcessor:
 
     # -- processing -----------------------------------------------------------------------
 
-    def process_outputs(self, outputs: list[EngineRequestOutput],
+    def process_outputs(self, outputs: list[EngineCoreOutput],
                         now: float | None = None) -> ProcessedOutputs:
         """Apply one message's engine outputs; return the user updates and ids to abort."""
         now = time.time() if now is None else now
@@ -315,7 +315,7 @@ class OutputProcessor:
         """End every request in flight (engine death); return their final updates."""
         return [self.finish_request(rid, finish_reason, reason)[0] for rid in list(self._parents)]
 
-    def _apply(self, parent: _Parent, comp: _Completion, out: EngineRequestOutput,
+    def _apply(self, parent: _Parent, comp: _Completion, out: EngineCoreOutput,
                now: float) -> bool:
         """Apply one engine output to one completion; True if a stop string ended it."""
         new_ids = unpack_token_ids(out.new_token_ids).tolist()
@@ -337,7 +337,7 @@ class OutputProcessor:
             comp.error = out.error
         return stopped_by_string
 
-    def _record_timing(self, comp: _Completion, out: EngineRequestOutput, now: float,
+    def _record_timing(self, comp: _Completion, out: EngineCoreOutput, now: float,
                        has_tokens: bool) -> None:
         if out.queue_time is not None and comp.queue_time is None:
             comp.queue_time = out.queue_time

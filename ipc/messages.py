@@ -447,7 +447,7 @@ def drop_prompt_positions(part: PromptLogprobs, num_rows: int) -> PromptLogprobs
                           part.ranks[num_rows * 4:])
 
 
-class RequestOutput(msgspec.Struct, **_STRUCT):
+class EngineCoreOutput(msgspec.Struct, **_STRUCT):
     """What happened to one request in one step: only the new tokens (a delta)."""
 
     req_id: str
@@ -499,7 +499,7 @@ class SchedulerStats(msgspec.Struct, **_STRUCT):
 class EngineOutputs(msgspec.Struct, tag="outputs", **_STRUCT):
     """One step's outputs for one frontend."""
 
-    outputs: list[RequestOutput]
+    outputs: list[EngineCoreOutput]
     stats: SchedulerStats | None = None
     timestamp: float = 0.0
 

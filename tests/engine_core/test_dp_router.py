@@ -11,12 +11,12 @@ from tidal.engine_core.dp_router import Router, _Core
 from tidal.ipc.messages import (
     Abort,
     AddRequest,
+    EngineCoreOutput,
     EngineInfo,
     EngineOutputs,
     FinishReason,
     Goodbye,
     Hello,
-    RequestOutput,
     SamplingParams,
     SchedulerStats,
     StatsQuery,
@@ -55,7 +55,7 @@ class FrontendSocket:
     def send_multipart(self, frames, copy=True) -> None:
         self.sent.setdefault(frames[0].decode(), []).append(self._decoder.decode(frames[1]))
 
-    def outputs(self, client_id: str) -> list[RequestOutput]:
+    def outputs(self, client_id: str) -> list[EngineCoreOutput]:
         return [o for m in self.sent.get(client_id, []) if isinstance(m, EngineOutputs)
                 for o in m.outputs]
 
@@ -104,7 +104,7 @@ def frontend_says(router: Router, client_id: str, msg) -> None:
     router.port.on_frames([client_id.encode(), encode(msg)])
 
 
-def core_says(router: Router, index: int, *outputs: RequestOutput, stats=None) -> None:
+def core_says(router: Router, index: int, *outputs: EngineCoreOutput, stats=None) -> None:
     router._on_core_frames(router.cores[index],
                            [encode(EngineOutputs(list(outputs), stats=stats))])
 
@@ -114,8 +114,8 @@ def add(req_id: str, prompt=(5, 6, 7), max_tokens: int = 10) -> AddRequest:
                       SamplingParams(temperature=0.0, max_tokens=max_tokens))
 
 
-def token(req_id: str, *ids: int, finish=None) -> RequestOutput:
-    return RequestOutput(req_id, pack_token_ids(list(ids)), finish)
+def token(req_id: str, *ids: int, finish=None) -> EngineCoreOutput:
+    return EngineCoreOutput(req_id, pack_token_ids(list(ids)), finish)
 
 
 def test_merged_info_sums_the_cores_capacity(router):

@@ -16,6 +16,7 @@ from tidal.ipc.messages import (
     Abort,
     AddRequest,
     Detached,
+    EngineCoreOutput,
     EngineDead,
     EngineInfo,
     EngineOutputs,
@@ -23,7 +24,6 @@ from tidal.ipc.messages import (
     Goodbye,
     Heartbeat,
     Hello,
-    RequestOutput,
     SamplingParams,
     SchedulerStats,
     StatsQuery,
@@ -63,9 +63,9 @@ class Owner:
         self.calls.append(("detach", client_id))
         return len(self.requests.pop(client_id, []))
 
-    def drop(self, client_id, reason) -> list[RequestOutput]:
+    def drop(self, client_id, reason) -> list[EngineCoreOutput]:
         self.calls.append(("drop", client_id))
-        return [RequestOutput(r, b"", FinishReason.ERROR, error=reason)
+        return [EngineCoreOutput(r, b"", FinishReason.ERROR, error=reason)
                 for r in self.requests.pop(client_id, [])]
 
 
@@ -212,8 +212,8 @@ def test_an_add_request_that_does_not_decode_is_refused_to_its_sender_alone(ctx,
 
 def test_outputs_reach_only_the_frontend_that_sent_the_request(ctx, port):
     a, b = attached(ctx, port, "a"), attached(ctx, port, "b")
-    port.send_outputs({"a": [RequestOutput("ra", pack_token_ids([7]))],
-                       "b": [RequestOutput("rb", pack_token_ids([8]))], "c": []})
+    port.send_outputs({"a": [EngineCoreOutput("ra", pack_token_ids([7]))],
+                       "b": [EngineCoreOutput("rb", pack_token_ids([8]))], "c": []})
     assert [o.req_id for o in a.hear().outputs] == ["ra"]
     assert [o.req_id for o in b.hear().outputs] == ["rb"]
     assert a.hears_nothing() and b.hears_nothing()

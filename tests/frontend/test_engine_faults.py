@@ -18,12 +18,12 @@ from tidal.ipc.messages import (
     Abort,
     AddRequest,
     Detached,
+    EngineCoreOutput,
     EngineInfo,
     EngineOutputs,
     FinishReason,
     Heartbeat,
     Hello,
-    RequestOutput,
     SamplingParams,
     pack_token_ids,
     unpack_token_ids,
@@ -97,8 +97,8 @@ class FakeCore:
 
 
 def token(req_id: str, finish: FinishReason | None = None, error: str | None = None):
-    return EngineOutputs([RequestOutput(req_id, pack_token_ids([] if error else [65]), finish,
-                                        error=error)])
+    return EngineOutputs([EngineCoreOutput(req_id, pack_token_ids([] if error else [65]), finish,
+                                           error=error)])
 
 
 async def until(predicate, what: str) -> None:

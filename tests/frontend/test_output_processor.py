@@ -10,9 +10,9 @@ from tidal.frontend.detokenizer import IncrementalDetokenizer
 from tidal.frontend.engine_client import encode_prompt, read_eos_token_ids
 from tidal.frontend.output_processor import OutputProcessor, find_stop_string
 from tidal.ipc.messages import (
+    EngineCoreOutput as EngineOut,
     FinishReason,
     PromptLogprobs,
-    RequestOutput as EngineOut,
     SamplingParams,
     TokenLogprobs,
     pack_token_ids,

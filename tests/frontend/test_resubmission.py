@@ -15,7 +15,7 @@ from tidal.ipc.messages import (
     pack_token_ids,
     unpack_token_ids,
 )
-from tidal.ipc.messages import RequestOutput as EngineOut
+from tidal.ipc.messages import EngineCoreOutput as EngineOut
 
 MAX_LEN = 256
 PROMPT = [5, 6, 7]
