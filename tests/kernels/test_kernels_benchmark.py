@@ -1,4 +1,4 @@
-"""benchmarks/kernels.py: its size arithmetic and its refusal to run without CUDA; and the
+"""benchmarks/attention_kernels.py: its size arithmetic and its refusal to run without CUDA; and the
 rule that importing tidal.kernels does not import triton."""
 
 import importlib.util
@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-BENCH_PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "kernels.py"
+BENCH_PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "attention_kernels.py"
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Benchmark the Triton attention kernels on a CUDA device.
 
-    python benchmarks/kernels.py [--dtype bfloat16] [--num-heads 32] [--num-kv-heads 8]
+    python benchmarks/attention_kernels.py [--dtype bfloat16] [--num-heads 32] [--num-kv-heads 8]
                                  [--head-dim 128] [--block-size 16] [--quick]
 
 Times each kernel with CUDA events (median of many runs after warm-up, L2 flushed before each
@@ -267,7 +267,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/kernels.py needs a CUDA device: torch.cuda.is_available() "
+        raise SystemExit("benchmarks/attention_kernels.py needs a CUDA device: torch.cuda.is_available() "
                          "is False here, nothing was timed.")
     dtype = DTYPES[args.dtype]
     shape = AttnShape(args.num_heads, args.num_kv_heads, args.head_dim, args.block_size,
