@@ -9,8 +9,10 @@ loads (`select_cpu_ops`) from the machine and the `cpu_kernels` setting:
                                 to a few rows with AVX2), AMX for a GGUF's larger products
                                 (`amx_gemm.c`), oneDNN's reordered weight for the batches they
                                 do not take, `F.linear` above SMALL_BATCH_ROWS (`cpu_gemm.py`)
-                rms_norm        `layer_ops.c` for float32, else torch's ops
-                rotate_split    `layer_ops.c` for float32, numba for float64, else torch's
+                rms_norm        `layer_ops.c` for float32 (numba without a compiler), else
+                                torch's ops
+                rotate_split    `layer_ops.c` for float32 (numba without a compiler), numba
+                                for float64, else torch's ops
                 decoder_layers  every layer of a step in one C call (`decoder_layers.c`,
                                 `fused_layers.py`) for the steps it takes
     torch     torch's own ops only: `F.linear`, transformers' RMSNorm and rotation (the
@@ -34,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -208,18 +211,16 @@ def select_cpu_ops(spec: str) -> CpuOps:
     onednn = (torch.backends.mkldnn.is_available()
               and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
     found = _Libraries("oneDNN" if onednn else "F.linear")
-    layer_ops = cpu_fused.c_build()
-    found.add("layer_ops", layer_ops, c.kernels,
-              "RMSNorm and rotary take " + ("numba, ~10 us a call more" if numba
-                                            else "torch's ops"))
+    layer_ops = found.add("layer_ops", cpu_fused.c_build, True, "RMSNorm and rotary take "
+                          + ("numba, ~10 us a call more" if numba else "torch's ops"))
     panels = found.add("small_m_gemm", small_m_gemm.build, c.panels, found.panels_instead())
     amx = found.add("amx_gemm", amx_gemm.build, c.amx, found.amx_instead(panels))
     attention = found.add("decode_attention", cpu_attention.build, True,
                           "attention_backend=auto takes numba's kernels")
     fused = found.add("decoder_layers", fused_layers.build, c.fused,
                       "the layers call their kernels one by one")
-    return CpuOps(c, layer_ops.library, numba, onednn, panels, amx and panels,
-                  fused and panels and attention and layer_ops.library is not None,
+    return CpuOps(c, cpu_fused.c_library() if layer_ops else None, numba, onednn, panels,
+                  amx and panels, fused and panels and attention and layer_ops,
                   tuple(found.libraries))
 
 
@@ -236,13 +237,14 @@ class _Libraries:
         self.gemm_fallback = gemm_fallback
         self.libraries: list[Library] = []
 
-    def add(self, name: str, build, chosen: bool, instead: str) -> bool:
-        """Record library `name` (`build`: its `native.Build`, or the function that makes
-        it, called only where `chosen`); whether it is loaded and chosen."""
+    def add(self, name: str, build: Callable[[], native.Build], chosen: bool,
+            instead: str) -> bool:
+        """Record library `name` (`build` makes it, called only where `chosen`; `instead`:
+        what runs where there is none); whether it is loaded and chosen."""
         if not chosen:
             self.libraries.append(Library(name, False, instead, off=True))
             return False
-        built = build() if callable(build) else build
+        built = build()
         if built.library is not None:
             self.libraries.append(Library(name, True, self._takes(name)))
             return True
