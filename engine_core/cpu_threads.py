@@ -55,6 +55,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from ..ipc.paths import cache_dir
+
 NUMBA_LIBGOMP_NAME = "libgomp.so.1.0.0"
 """The file name numba's OpenMP pool (numba/np/ufunc/omppool) asks the loader for."""
 
@@ -152,8 +154,6 @@ def shared_openmp_dir() -> Path | None:
     """A folder holding `NUMBA_LIBGOMP_NAME` as a link to torch's libgomp (made once per
     torch install under tidal's cache folder, atomically); None where torch bundles none (its
     CUDA or macOS builds may not) or the link cannot be made."""
-    from .step_cost import cache_dir  # it imports this module
-
     target = torch_libgomp()
     if target is None:
         return None

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field, replace
 from .config import EngineConfig
 from .cpu_threads import parse_cpu_affinity, worker_threads
 from ..ipc.messages import BatchPlan
+from ..ipc.paths import cache_dir
 
 FEATURES = ("prefill_tokens", "decode_reqs", "decode_context_tokens", "prefill_attention_pairs")
 """The features of a step, in coefficient order (after the intercept)."""
@@ -225,14 +226,6 @@ class StepCostModel:
 
 
 # -- where profiles live -----------------------------------------------------------------------
-
-
-def cache_dir() -> str:
-    """$TIDAL_CACHE_DIR, else $XDG_CACHE_HOME/tidal, else ~/.cache/tidal."""
-    if os.environ.get("TIDAL_CACHE_DIR"):
-        return os.environ["TIDAL_CACHE_DIR"]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "tidal")
 
 
 def profile_key(model: str, dtype: str, device: str, tensor_parallel_size: int,

@@ -5,7 +5,7 @@ module is imported), so a forbidden import fails here before it can blur a folde
     ipc/          nothing                                    -
     engine_core/  ipc                                        never torch (nor triton)
     workers/      ipc, kernels                               -
-    kernels/      nothing                                    -
+    kernels/      ipc (its paths module alone)               -
     frontend/     ipc, engine_core (config and launching)    never torch at module level
 
 Imports inside the package are relative (`from ..ipc.messages import X`), so tools that read
@@ -31,16 +31,22 @@ MAY_IMPORT = {
     "ipc": set(),
     "engine_core": {"ipc"},
     "workers": {"ipc", "kernels"},
-    "kernels": set(),
+    "kernels": {"ipc"},
     "frontend": {"ipc", "engine_core"},
 }
-FRONTEND_ENGINE_CORE = {
-    # "config and launching only": the flags, the config, the daemon that a frontend
-    # starts, and the pieces the offline tools (`tidal tune`) reuse by design
-    "args", "config", "daemon", "model_files", "step_cost", "cpu_threads",
-    "launcher",  # launching: a private engine core (or -dp router) for a frontend
-    "restart_budget",  # launching: the restart limit every supervisor of a core applies
-    "scheduler", "request", "block_pool",  # tidal tune's simulator runs the real scheduler
+ONLY = {
+    # (folder, folder it imports): the modules of it that it may import, where not all
+    ("frontend", "engine_core"): {
+        # "config and launching only": the flags, the config, the daemon that a frontend
+        # starts, and the pieces the offline tools (`tidal tune`) reuse by design
+        "args", "config", "daemon", "model_files", "step_cost", "cpu_threads",
+        "launcher",  # launching: a private engine core (or -dp router) for a frontend
+        "restart_budget",  # launching: the restart limit every supervisor of a core applies
+        "scheduler", "request", "block_pool",  # tidal tune's simulator runs the real scheduler
+    },
+    # the cache folder's rule (ipc/paths.py, standard library only), written once: the C
+    # kernels' builds live there; kernels/ imports nothing else of ours
+    ("kernels", "ipc"): {"paths"},
 }
 KNOWN_EXCEPTIONS = {
     # `tidal tune profile`'s measuring child process builds a Worker inside a function; it
@@ -147,10 +153,10 @@ def _violations(folder: str) -> list[str]:
             if parts[1] not in MAY_IMPORT[folder]:
                 bad.append(f"{where}:{line} imports {name} ({folder}/ may import "
                            f"{sorted(MAY_IMPORT[folder]) or 'nothing of ours'})")
-            elif (folder == "frontend" and parts[1] == "engine_core"
-                  and (len(parts) < 3 or parts[2] not in FRONTEND_ENGINE_CORE)):
-                bad.append(f"{where}:{line} imports {name} (frontend/ takes only "
-                           "engine_core's config and launching)")
+            elif ((folder, parts[1]) in ONLY
+                  and (len(parts) < 3 or parts[2] not in ONLY[folder, parts[1]])):
+                bad.append(f"{where}:{line} imports {name} ({folder}/ takes only "
+                           f"{sorted(ONLY[folder, parts[1]])} of {parts[1]}/)")
     return bad
 
 
@@ -202,3 +208,17 @@ def _is_absolute_import(path: Path, line: int) -> bool:
     return any(getattr(node, "lineno", None) == line and (
         isinstance(node, ast.Import) or (isinstance(node, ast.ImportFrom) and node.level == 0))
         for node in ast.walk(tree))
+
+
+def test_kernels_take_only_the_cache_folder_of_ipc(tmp_path, monkeypatch):
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "ipc").mkdir()
+    for name in ("paths", "messages"):
+        (tmp_path / "ipc" / f"{name}.py").write_text("")
+    (tmp_path / "kernels" / "native.py").write_text(
+        "from ..ipc.paths import cache_dir\nfrom ..ipc.messages import BatchPlan\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    assert _violations("kernels") == [
+        "kernels/native.py:2 imports tidal.ipc.messages (kernels/ takes only ['paths'] of "
+        "ipc/)",
+    ]

@@ -7,8 +7,8 @@ The engine core runs this before it reads the context length or starts a worker
 (`tidal.engine_core.model_files`), since it does not import torch. The folder is
 `<cache>/gguf-v1/<file stem>-<sha256 of the file, 16 hex digits>/` with config.json,
 generation_config.json, the tokenizer (tokenizer.json, tokenizer_config.json, the chat
-template) and model.safetensors in float32; the cache is `$TIDAL_CACHE_DIR`, else
-`$XDG_CACHE_HOME/tidal`, else `~/.cache/tidal`.
+template) and model.safetensors in float32; the cache is tidal's (`ipc/paths.py`:
+`$TIDAL_CACHE_DIR`, else `$XDG_CACHE_HOME/tidal`, else `~/.cache/tidal`).
 
 Why a folder, not the GGUF in every place: transformers parses the whole GGUF again for each
 of config, tokenizer and weights (its reader builds one numpy view per vocabulary entry), so
@@ -46,6 +46,7 @@ import tempfile
 import time
 
 from ..ipc.lifeline import watch_parent
+from ..ipc.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -77,14 +78,6 @@ SUPPORTED = {
 }
 
 
-def cache_root() -> str:
-    """Where converted models live: $TIDAL_CACHE_DIR, $XDG_CACHE_HOME/tidal or ~/.cache/tidal."""
-    if os.environ.get("TIDAL_CACHE_DIR"):
-        return os.environ["TIDAL_CACHE_DIR"]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "tidal")
-
-
 def file_sha256(path: str) -> str:
     """The file's sha256 (hex)."""
     digest = hashlib.sha256()
@@ -106,7 +99,7 @@ def gguf_folder(path: str, root: str | None = None) -> str:
     t0 = time.perf_counter()
     digest = file_sha256(path)
     stem = os.path.splitext(os.path.basename(path))[0]
-    versions = _versions_dir(root or cache_root())
+    versions = _versions_dir(root or cache_dir())
     folder = os.path.join(versions, f"{stem}-{digest[:16]}")
     _remove_abandoned_partials(versions)
     if os.path.isfile(os.path.join(folder, MARKER)):
@@ -335,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="convert a GGUF file into tidal's cache "
                                                  "(run by the engine core)")
     parser.add_argument("file", help="the .gguf file")
-    parser.add_argument("--cache-dir", default=None, help="default: " + cache_root())
+    parser.add_argument("--cache-dir", default=None, help="default: " + cache_dir())
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--lifeline-fd", type=int, default=None,
                         help="read end of the engine core's lifeline pipe (ipc/lifeline.py)")
@@ -344,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s [tidal gguf] %(name)s: %(message)s")
     # SIGTERM: the engine core stopping during start-up, or gone (the lifeline's SIGTERM)
-    root = args.cache_dir or cache_root()
+    root = args.cache_dir or cache_dir()
     signal.signal(signal.SIGTERM, lambda *_: _remove_own_partials_and_exit(root))
     if args.lifeline_fd is not None:  # after the handler: a dead core's SIGTERM cleans up
         watch_parent(args.lifeline_fd, LIFELINE_GRACE_S, what="GGUF converter")

@@ -7,8 +7,9 @@ keyed on its own source alone).
 
 A source is compiled with `$CC` (else `cc`) and `-O3 -march=native -fopenmp` (or
 `-march=MARCH` where the CPU op seam set `march`: `cpu_kernels=auto,march=haswell`) into
-tidal's cache folder (`$TIDAL_CACHE_DIR/kernels`, else `~/.cache/tidal/kernels`), under a name
-keyed by the source, the compiler and flags and this CPU's flags, and loaded from there after
+`kernels` in tidal's cache folder (`ipc/paths.py`, this folder's one import of ours:
+`$TIDAL_CACHE_DIR/kernels`, else `~/.cache/tidal/kernels`), under a name keyed by the source,
+the compiler and flags and this CPU's flags, and loaded from there after
 (a build takes 0.1-0.3 s). A machine without a compiler, a build that fails or a library built
 for a CPU its kernel cannot use (each source exports an `..._available()` that says) gives a
 `Build` without a library and with the reason, and the caller keeps its other path; the CPU op
@@ -30,6 +31,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+from ...ipc.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -128,11 +131,9 @@ def compiler_name() -> str:
 
 
 def cache_folder() -> Path:
-    """$TIDAL_CACHE_DIR/kernels, else under $XDG_CACHE_HOME or ~/.cache (tidal's cache)."""
-    base = os.environ.get("TIDAL_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-        "tidal")
-    return Path(base) / "kernels"
+    """`kernels` in tidal's cache folder (`ipc/paths.py`: $TIDAL_CACHE_DIR, else
+    $XDG_CACHE_HOME/tidal, else ~/.cache/tidal)."""
+    return Path(cache_dir()) / "kernels"
 
 
 def _build_key(source: Path, compiler: str, target: str | None) -> str:
