@@ -49,9 +49,6 @@ ONLY = {
     ("kernels", "ipc"): {"paths"},
 }
 KNOWN_EXCEPTIONS = {
-    # `tidal tune profile`'s measuring child process builds a Worker inside a function; it
-    # belongs in workers/ (noted on issue 14), listed here so nothing else joins it
-    ("frontend/tune/profile.py", "tidal.workers.worker"),
     # the preemption advisor's child process; the advisory wing gets one home (issue 33)
     ("engine_core/preemption_advice.py", "tidal.frontend.tune.advise"),
     # `tidal bench chaos` finds worker processes by their command line to kill them
@@ -60,6 +57,8 @@ KNOWN_EXCEPTIONS = {
 MAY_LAUNCH = {
     # the engine core starts one worker process per rank, and the GGUF converter, by name
     "engine_core": {"tidal.workers.proc", "tidal.workers.gguf"},
+    # `tidal tune profile` times worker steps in a child process that builds the Worker
+    "frontend": {"tidal.workers.step_profile"},
 }
 NEVER = {
     "engine_core": {"torch", "triton"},
