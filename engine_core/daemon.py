@@ -52,17 +52,17 @@ from .config import (
     is_gguf,
     resolve_max_model_len,
 )
-from .core import EngineCore, make_executor
+from .core import EngineCore, Executor, make_executor
 from .executor import WorkerError, WorkerFacts
 from .frontend_port import FrontendPort
 from .model_files import model_folder
 from .preemption_advice import PreemptionAdvisor, advisor_for
 from .queue_estimate import QueueDelayEstimator
 from .request import Request, check_request
-from .restart_budget import RestartBudget
 from .scheduler import Scheduler
 from ..ipc.lifeline import watch_parent
 from .step_cost import StepCostModel, required_profile
+from .supervisor import Supervisor
 from ..ipc.messages import AddRequest, EngineCoreOutput, EngineDead, EngineInfo
 from ..ipc.transport import (
     DEFAULT_FRONTEND_TIMEOUT_S,
@@ -103,7 +103,11 @@ class EngineCoreDaemon:
         self.port = FrontendPort(self, listen, key_file, frontend_timeout, self.ctx)
         self.depth = 0  # plans in flight, once the workers said where they run
         self.stop_reason: str | None = None
-        self.worker_restarts = RestartBudget(config.parallel.max_worker_restarts)
+        self.workers = Supervisor("the workers", self._start_workers,
+                                  config.parallel.max_worker_restarts,
+                                  flag="--max-worker-restarts", how="replacing the workers",
+                                  stop=lambda executor: executor.kill())
+        self.facts: WorkerFacts | None = None  # what the running workers found
         self.first_start_s = 0.0  # how long the first start of the workers took
         self.executor = self.scheduler = self.info = None
         self.core: EngineCore | None = None  # the step loop, once the workers are up
@@ -150,7 +154,8 @@ class EngineCoreDaemon:
                                           lambda: self.stop_reason is not None, self.log_level)
             max_model_len = resolve_max_model_len(self.config, self.model_dir)
             started = time.monotonic()
-            facts = self._start_workers(max_model_len)
+            self.workers.start(max_model_len)
+            facts = self.facts
             self.first_start_s = time.monotonic() - started
             self.scheduler = Scheduler(self.config, facts.num_kv_blocks, facts.max_model_len)
             self.depth = self.config.pipeline_depth(facts.device)
@@ -172,11 +177,11 @@ class EngineCoreDaemon:
         self.port.ready(self.info)
         return None
 
-    def _start_workers(self, max_model_len: int, stop_requested=None, **options) -> WorkerFacts:
-        """A fresh executor with every rank loaded, and what the ranks found; the executor
-        calls `stop_requested()` a few times a second while it waits (default: whether a
-        stop signal came). WorkerError if a rank fails to start; InterruptedError on a stop
-        signal."""
+    def _start_workers(self, max_model_len: int, stop_requested=None, **options) -> Executor:
+        """A fresh executor with every rank loaded (`self.facts`: what the ranks found); the
+        executor calls `stop_requested()` a few times a second while it waits (default:
+        whether a stop signal came). WorkerError if a rank fails to start, InterruptedError
+        on a stop signal: its ranks are killed then."""
         self.executor = make_executor(self.config, max_model_len, self.ctx, **options,
                                       step_timeout=self.config.parallel.worker_timeout,
                                       log_level=self.log_level,
@@ -184,7 +189,13 @@ class EngineCoreDaemon:
         self._idle_poller = None  # it polls the executor's process fds
         if self.core is not None:
             self.core.replace_executor(self.executor)
-        return self.executor.start(stop_requested or (lambda: self.stop_reason is not None))
+        try:
+            self.facts = self.executor.start(stop_requested
+                                             or (lambda: self.stop_reason is not None))
+        except BaseException:
+            self.executor.kill()
+            raise
+        return self.executor
 
     def _stop_requested_answering_frontends(self) -> bool:
         """While replacement workers load (seconds): serve the frontends' frames (heartbeats
@@ -245,31 +256,23 @@ class EngineCoreDaemon:
 
     def _heal(self, failure: WorkerError) -> None:
         """Replace every rank after `failure` and recompute the running requests (see the
-        module docstring); re-raises the failure once `max_worker_restarts` are used up
-        within the restart window (`engine_core/restart_budget.py`)."""
-        budget = self.worker_restarts
-        while True:
-            if not budget.spend():
-                if budget.limit:
-                    failure = WorkerError(
-                        f"{failure} (after {budget.limit} worker restart(s) within "
-                        f"{budget.window_s / 60:g} min, --max-worker-restarts)")
-                raise failure
-            self.executor.kill()
+        module docstring); a WorkerError once --max-worker-restarts are used up within the
+        restart window (`Supervisor`: a replacement that fails to start is one more fault)."""
+        cause = str(failure)
+        while self.workers.may_restart(cause, f"; {len(self.scheduler.running)} running "
+                                       "request(s) will be recomputed from their tokens"):
             self.core.drop_in_flight()
-            num_running = self.scheduler.recompute_all()
-            logger.warning(
-                "%s: replacing the workers (%s, --max-worker-restarts); %d running request(s) "
-                "will be recomputed from their tokens", failure, budget.describe(), num_running)
+            self.scheduler.recompute_all()
             try:
-                facts = self._start_workers(self.scheduler.max_model_len,
-                                            self._stop_requested_answering_frontends,
-                                            startup_timeout=self._heal_startup_timeout())
+                self.workers.respawn(self.scheduler.max_model_len,
+                                     self._stop_requested_answering_frontends,
+                                     startup_timeout=self._heal_startup_timeout())
             except InterruptedError:
                 return  # a stop signal: the serve loop ends and fails what is unfinished
             except WorkerError as e:
-                failure = e
+                cause = str(e)
                 continue
+            facts = self.facts
             if (facts.num_kv_blocks < self.scheduler.num_kv_blocks
                     or facts.vocab_size != self.vocab_size):
                 raise WorkerError(
@@ -277,6 +280,7 @@ class EngineCoreDaemon:
                     f"vocabulary of {facts.vocab_size}, where the engine core uses "
                     f"{self.scheduler.num_kv_blocks} and {self.vocab_size}")
             return
+        raise WorkerError(self.workers.final_reason)
 
     def _heal_startup_timeout(self) -> float:
         """Seconds replacement workers get to report ready: a replacement that hangs while
@@ -289,7 +293,7 @@ class EngineCoreDaemon:
         """The scheduler's snapshot, with the restarts this core made and, with
         --max-queue-delay, the estimate of a new request's wait."""
         stats = self.scheduler.stats()
-        stats.num_worker_restarts = self.worker_restarts.total
+        stats.num_worker_restarts = self.workers.budget.total
         if self.queue_estimator is not None:
             est = self.queue_estimator.estimate(self.scheduler, time.monotonic())
             stats.est_queue_delay_s = est.queue_delay_s

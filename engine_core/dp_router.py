@@ -30,8 +30,8 @@ only itself: its requests are resubmitted to
 the live cores under the same request ids, as the frontends' own healing does (prompt plus the
 tokens already delivered, `max_tokens` / `min_tokens` reduced, the same seed: greedy and
 seeded outputs equal a fault-free run's), so their streams pause and go on. Meanwhile the core
-is started again (at most `MAX_CORE_RESTARTS` times within 10 minutes), and takes requests
-once it answers.
+is started again (at most `MAX_CORE_RESTARTS` times within 10 minutes, by the `Supervisor`
+rule of every restart in tidal), and takes requests once it answers.
 With no live core the requests wait for one; when every core is dead for good, every request
 ends with an error, the frontends get `EngineDead` and the router exits 1, and a frontend that
 started it starts it again. A core that ends requests itself (a worker failure past its
@@ -46,12 +46,13 @@ request ends with an error, `EngineDead` to the frontends, the cores are stopped
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 import zmq
@@ -63,7 +64,8 @@ from .dp_placement import Placement, merge_stats
 from .frontend_port import FrontendPort
 from .launcher import DaemonProcess
 from .model_files import model_folder
-from .restart_budget import RESTART_WINDOW_S, RestartBudget
+from .restart_budget import RESTART_WINDOW_S
+from .supervisor import Supervisor
 from ..ipc.heartbeat import HeartbeatClock
 from ..ipc.lifeline import watch_parent
 from ..ipc.messages import (
@@ -113,13 +115,12 @@ class _Core:
     """One engine core the router started, and its connection."""
 
     index: int
-    daemon: DaemonProcess
+    supervisor: Supervisor[DaemonProcess]  # its process, started again when it dies
     sock: zmq.Socket
     client_id: str
     info: EngineInfo | None = None  # None until it answers Hello (starting or restarting)
     last_hello: float = 0.0
     clock: HeartbeatClock | None = None  # beats to it and its echoes, from its EngineInfo on
-    restarts: RestartBudget = field(default_factory=lambda: RestartBudget(MAX_CORE_RESTARTS))
     dead_for_good: bool = False
 
 
@@ -216,18 +217,21 @@ class Router:
         for index in range(self.num_cores):
             env = core_env(self.config, dict(os.environ),
                            None if gpu_sets is None else gpu_sets[index])
-            daemon = DaemonProcess(child, address=new_private_address(f"core{index}"),
-                                   extra_args=["--log-level", self.log_level], env=env)
-            self.cores.append(self._connect(index, daemon))
+            start = functools.partial(DaemonProcess, child,
+                                      address=new_private_address(f"core{index}"),
+                                      extra_args=["--log-level", self.log_level], env=env)
+            supervisor = Supervisor(f"engine core {index}", start, MAX_CORE_RESTARTS)
+            supervisor.start()
+            self.cores.append(self._connect(index, supervisor))
 
     def _wait_for_cores(self) -> int | None:
         """Until every core answers Hello; then answer the frontends that knocked meanwhile.
         An exit code when a core fails to start or a stop signal comes first."""
         while self.stop_reason is None and any(c.info is None for c in self.cores):
             self._poll_once()
-            failed = next((c for c in self.cores if not c.daemon.alive()), None)
+            failed = next((c for c in self.cores if not c.supervisor.alive()), None)
             if failed is not None:
-                reason = failed.daemon.failure_message(f"engine core {failed.index} failed "
+                reason = failed.supervisor.last_words(f"engine core {failed.index} failed "
                                                        "to start")
                 logger.error("%s", reason)
                 self.port.fail_start(reason)
@@ -241,10 +245,10 @@ class Router:
                     self.info.num_kv_blocks)
         return None
 
-    def _connect(self, index: int, daemon: DaemonProcess) -> _Core:
+    def _connect(self, index: int, supervisor: Supervisor[DaemonProcess]) -> _Core:
         client_id = f"router-{os.getpid()}-{index}"
-        sock = connect_frontend_socket(self.ctx, daemon.address, client_id)
-        core = _Core(index, daemon, sock, client_id)
+        sock = connect_frontend_socket(self.ctx, supervisor.child.address, client_id)
+        core = _Core(index, supervisor, sock, client_id)
         self._poller = None
         self._hello(core)
         return core
@@ -280,9 +284,9 @@ class Router:
 
     def _close(self) -> None:
         for core in self.cores:
-            core.daemon.proc.send_signal(signal.SIGTERM)  # all stop at once, then wait
+            core.supervisor.child.proc.send_signal(signal.SIGTERM)  # all at once, then wait
         for core in self.cores:
-            core.daemon.stop()
+            core.supervisor.stop()
             core.sock.close(linger=0)
         self.port.close()  # linger: queued EngineDead / outputs still go out
         self.ctx.term()
@@ -336,11 +340,9 @@ class Router:
             core.sock.send(encode(Heartbeat(core.client_id)))
         silent = core.clock.silent_for(now)
         if silent > core.info.frontend_timeout:
-            logger.warning("engine core %d sent nothing for %.1f s (it echoes every heartbeat; "
-                           "--frontend-timeout %g s): stopped or hung, killing it", core.index,
-                           silent, core.info.frontend_timeout)
+            core.supervisor.kill_hung(f"echoed no heartbeat for {silent:.1f} s "
+                                      f"(--frontend-timeout {core.info.frontend_timeout:g} s)")
             core.info = None
-            core.daemon.kill()
 
     # -- what the frontend port asks (frontend_port.PortOwner) -------------------------------
 
@@ -462,25 +464,19 @@ class Router:
     def _watch_cores(self) -> None:
         """A core whose process exited: move its requests, start it again."""
         for core in self.cores:
-            if core.dead_for_good or core.daemon.alive():
+            supervisor = core.supervisor
+            if core.dead_for_good or supervisor.alive():
                 continue
             moved = self._move_requests_off(core.index)
-            what = f"engine core {core.index} exited; {moved} of its requests continue on " \
-                   "the other cores"
-            if not core.restarts.spend():
-                logger.error("%s", core.daemon.failure_message(
-                    f"{what}; it was restarted {core.restarts.recent()} times within "
-                    f"{core.restarts.window_s / 60:g} min already: not again"))
+            then = f"; {moved} of its requests continue on the other cores"
+            if not supervisor.may_restart(then=then):
+                logger.error("%s: not again%s", supervisor.final_reason, then)
                 core.dead_for_good, core.info = True, None
-                core.daemon.stop()
+                supervisor.stop()
                 continue
-            logger.warning("%s", core.daemon.failure_message(
-                f"{what}; starting it again ({core.restarts.describe()})"))
-            core.daemon.stop()  # whatever is left of its process group
             core.sock.close(linger=0)
-            restarted = self._connect(core.index, core.daemon.respawn())
-            restarted.restarts = core.restarts
-            self.cores[core.index] = restarted
+            supervisor.respawn()  # what is left of its process group is stopped first
+            self.cores[core.index] = self._connect(core.index, supervisor)
 
     def _move_requests_off(self, index: int) -> int:
         """The dead core's requests continue elsewhere (see the module docstring)."""

@@ -3,9 +3,9 @@
 rare fault now and then, while a fault that repeats (a model that cannot load, a worker that
 crashes on every step) still ends in a final failure instead of a restart loop.
 
-Used for --max-worker-restarts (the daemon's worker healing), --max-engine-restarts (`tidal
-serve` and `LLM` / `AsyncLLM` restarting their core) and the data-parallel router's cores.
-No IO and no torch: the engine core may import it, and so may the frontends.
+Every `Supervisor` (supervisor.py) keeps one: --max-worker-restarts (the daemon's worker
+healing), --max-engine-restarts (`tidal serve` and `LLM` / `AsyncLLM` restarting their core),
+`tidal serve`'s HTTP processes and the data-parallel router's cores. No IO and no torch.
 """
 
 from __future__ import annotations

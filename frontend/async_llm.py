@@ -39,6 +39,7 @@ uvloop by itself.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import uuid
@@ -46,7 +47,7 @@ from collections.abc import AsyncIterator
 
 from ..engine_core.config import EngineConfig
 from ..engine_core.launcher import DaemonProcess
-from ..engine_core.restart_budget import RestartBudget
+from ..engine_core.supervisor import Supervisor
 from .engine_client import (
     AsyncEngineClient,
     encode_prompt,
@@ -68,6 +69,7 @@ from ..ipc.messages import (
     check_priority,
     is_valid_unicode,
 )
+from ..ipc.transport import new_private_address
 
 logger = logging.getLogger(__name__)
 
@@ -181,16 +183,16 @@ class AsyncLLM:
     """The served model name."""
 
     def __init__(self, client: AsyncEngineClient, info: EngineInfo, tokenizer,
-                 eos_token_ids: list[int], daemon: DaemonProcess | None, *,
-                 engine_restart_timeout: float = DEFAULT_ENGINE_RESTART_TIMEOUT_S,
-                 max_engine_restarts: int = DEFAULT_MAX_ENGINE_RESTARTS):
-        """Use `AsyncLLM.create`; this wires already-started parts together."""
+                 eos_token_ids: list[int], supervisor: Supervisor[DaemonProcess] | None, *,
+                 engine_restart_timeout: float = DEFAULT_ENGINE_RESTART_TIMEOUT_S):
+        """Use `AsyncLLM.create`; this wires already-started parts together (`supervisor`:
+        of the private daemon, None when attached to someone else's)."""
         self._client = client
         self.client_id = client.client_id
         self.engine_info = info
         self.tokenizer = tokenizer
         self.model_name = info.served_model_name or info.model
-        self._daemon = daemon
+        self.supervisor = supervisor
         self._processor = OutputProcessor(tokenizer, eos_token_ids[0] if eos_token_ids else None,
                                           eos_token_ids[1:])
         self._grammars = GrammarChecker(tokenizer, info,
@@ -203,12 +205,11 @@ class AsyncLLM:
         self.dead_reason: str | None = None
         self.away_reason: str | None = None  # why no core is attached now
         self.engine_restart_timeout = engine_restart_timeout
-        self.engine_restarts = RestartBudget(max_engine_restarts)  # of the private daemon
         self.num_resubmitted = 0  # engine requests sent again to a new core, all told
         self._give_up: asyncio.TimerHandle | None = None  # ends suspended requests
         self._closed = False
         self._tasks = [asyncio.ensure_future(self._output_loop())]
-        if daemon is not None:
+        if supervisor is not None:
             self._tasks.append(asyncio.ensure_future(self._watch_daemon()))
 
     # -- construction ---------------------------------------------------------------------
@@ -242,31 +243,38 @@ class AsyncLLM:
         if frontend_timeout is not None and (engine is not None or frontend_timeout <= 0):
             raise ValueError("frontend_timeout: a positive number of seconds, for a private "
                              f"daemon only (the attached core has its own); got {frontend_timeout}")
-        daemon = None
+        supervisor = None
         if config is not None:
-            extra = [] if frontend_timeout is None else ["--frontend-timeout", str(frontend_timeout)]
-            daemon = DaemonProcess(config, echo=echo_daemon_output, extra_args=extra)
-            engine = daemon.address
+            extra = [] if frontend_timeout is None else ["--frontend-timeout",
+                                                         str(frontend_timeout)]
+            engine = new_private_address()
+            supervisor = Supervisor(
+                "the engine core", functools.partial(
+                    DaemonProcess, config, address=engine, echo=echo_daemon_output,
+                    extra_args=extra),
+                max_engine_restarts, flag="max_engine_restarts",
+                how="starting it again at the same address")
+            supervisor.start()
             tokenizer = tokenizer or config.model.tokenizer_path
         try:
             return await cls._attach(
-                engine, key_file, client_kind, tokenizer, daemon, startup_timeout,
-                engine_restart_timeout=engine_restart_timeout,
-                max_engine_restarts=max_engine_restarts)
+                engine, key_file, client_kind, tokenizer, supervisor, startup_timeout,
+                engine_restart_timeout=engine_restart_timeout)
         except BaseException:
-            if daemon is not None:
-                await _in_own_thread(daemon.stop)
+            if supervisor is not None:
+                await _in_own_thread(supervisor.stop)
             raise
 
     @classmethod
     async def _attach(cls, address: str, key_file: str | None, kind: str,
-                      tokenizer_path: str | None, daemon: DaemonProcess | None,
+                      tokenizer_path: str | None, supervisor: Supervisor[DaemonProcess] | None,
                       timeout: float, **restart) -> "AsyncLLM":
         client = AsyncEngineClient(address, key_file, kind)
         client.start()
         # load the tokenizer while the daemon starts (its path is known up front when we own it)
         tok_task = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, tokenizer_path)) \
             if tokenizer_path else None
+        daemon = supervisor.child if supervisor is not None else None
         try:
             info = await client.wait_for_info(timeout, daemon.alive if daemon else None)
         except RuntimeError as e:
@@ -285,7 +293,7 @@ class AsyncLLM:
             await client.close()
             raise
         eos_ids = read_eos_token_ids(info.model, tok)  # generation_config.json of the model
-        return cls(client, info, tok, eos_ids, daemon, **restart)
+        return cls(client, info, tok, eos_ids, supervisor, **restart)
 
     # -- requests -------------------------------------------------------------------------
 
@@ -393,7 +401,7 @@ class AsyncLLM:
     @property
     def num_engine_restarts(self) -> int:
         """Times the private daemon was started again, over this frontend's lifetime."""
-        return self.engine_restarts.total
+        return self.supervisor.budget.total if self.supervisor is not None else 0
 
     def num_unfinished_requests(self) -> int:
         """This frontend's requests still in flight."""
@@ -487,27 +495,24 @@ class AsyncLLM:
                 collector.fail(ValueError(error))
 
     async def _watch_daemon(self) -> None:
-        """Start our daemon again when it dies (at most max_engine_restarts times); the
-        client re-attaches to it at the same address (`_on_info`)."""
+        """Start our daemon again when it dies (at most max_engine_restarts times within 10
+        minutes: `Supervisor`); the client re-attaches to it at the same address
+        (`_on_info`)."""
+        supervisor = self.supervisor
         while True:
-            while self._daemon.alive():
+            while supervisor.alive():
                 await asyncio.sleep(_DAEMON_POLL_S)
             if self._closed:
                 return
-            cause = self._daemon.failure_message("the engine core exited")
-            budget = self.engine_restarts
-            if not budget.spend():
-                self._on_dead(f"{cause}; restarted {budget.recent()} times already within "
-                              f"{budget.window_s / 60:g} min "
-                              f"(max_engine_restarts={budget.limit})")
+            if not supervisor.may_restart(then=f"; {self.num_unfinished_requests()} "
+                                          "unfinished requests wait for it"):
+                self._on_dead(supervisor.final_reason)
                 return
-            logger.warning("%s; starting it again (%s), %d unfinished requests wait for it",
-                           cause, budget.describe(), self.num_unfinished_requests())
             self._on_lost(EngineDead("the engine core process died"))  # if not seen yet
-            await _in_own_thread(self._daemon.stop)  # its workers, if any are left
+            await _in_own_thread(supervisor.stop)  # its workers, if any are left
             if self._closed:
                 return
-            self._daemon = self._daemon.respawn()
+            supervisor.start()
 
     def _on_lost(self, msg: EngineDead | Detached) -> None:
         """The core went away or dropped us: suspend every pending request until a core
@@ -515,10 +520,11 @@ class AsyncLLM:
         ends them."""
         if not self._client.attached:
             return  # away already: an answer to a frame sent before our new Hello
-        if self._daemon is not None and self._client.core_silent:
-            self._daemon.kill()  # stopped or hung: `_watch_daemon` starts it again
-        if (self._daemon is not None and isinstance(msg, EngineDead)
-                and self.engine_restarts.limit == 0):
+        if self.supervisor is not None and self._client.core_silent:
+            # `_watch_daemon` starts it again
+            self.supervisor.kill_hung("echoed no heartbeat for its --frontend-timeout")
+        if (self.supervisor is not None and isinstance(msg, EngineDead)
+                and self.supervisor.budget.limit == 0):
             self._on_dead(msg.reason)
             return
         engine_ids = self._processor.engine_req_ids()
@@ -612,13 +618,13 @@ class AsyncLLM:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._daemon is not None:
-            await _in_own_thread(self._daemon.stop)
+        if self.supervisor is not None:
+            await _in_own_thread(self.supervisor.stop)
 
     @property
     def daemon_pid(self) -> int | None:
         """The private daemon's pid, or None when attached to someone else's."""
-        return self._daemon.pid if self._daemon is not None else None
+        return self.supervisor.child.pid if self.supervisor is not None else None
 
     async def __aenter__(self) -> "AsyncLLM":
         return self

@@ -41,7 +41,7 @@ ONLY = {
         # starts, and the pieces the offline tools (`tidal tune`) reuse by design
         "args", "config", "daemon", "model_files", "step_cost", "cpu_threads",
         "launcher",  # launching: a private engine core (or -dp router) for a frontend
-        "restart_budget",  # launching: the restart limit every supervisor of a core applies
+        "supervisor",  # launching: the restart rule every supervisor of a child applies
         "scheduler", "request", "block_pool",  # tidal tune's simulator runs the real scheduler
     },
     # the cache folder's rule (ipc/paths.py, standard library only), written once: the C

@@ -14,7 +14,7 @@ name "tidal-demo" unless --served-model-name says otherwise.
 Processes:
 
     tidal serve (supervisor: binds the port, starts the rest, stops everything on SIGTERM/INT)
-      ├── engine-core daemon (unless --engine)          launcher.DaemonProcess
+      ├── engine-core daemon (unless --engine)          engine_core.launcher.DaemonProcess
       └── HTTP server 0..N-1 (spawned)  uvicorn on uvloop, each with its own AsyncLLM attached
                                          to the daemon, all accepting on the one listening
                                          socket the supervisor bound (the kernel hands each
@@ -24,8 +24,10 @@ With N > 1 the supervisor also makes the shared admission counters (admission.py
 Prometheus multiprocess directory (metrics.py), set in the environment before any server
 process imports prometheus_client.
 
-Faults stay where they happen. An HTTP process that dies is started again under the same
-index (its admission slot zeroed); the others, and their streams, go on. A daemon that dies,
+Faults stay where they happen, and each process is restarted by the one rule of every
+supervisor in tidal (`engine_core/supervisor.py`). An HTTP process that dies is started again
+under the same index (its admission slot zeroed); the others, and their streams, go on. A
+daemon that dies,
 or echoes none of the supervisor's heartbeats for its --frontend-timeout (stopped or hung:
 killed first; `engine_client.CoreLiveness`), is started again at the same address (at most
 --max-engine-restarts times within 10 minutes, a warning with its last words each); the HTTP
@@ -66,7 +68,8 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
-from ...engine_core.restart_budget import RestartBudget
+from ...engine_core.supervisor import Supervisor
+from ...ipc.transport import new_private_address
 from ..async_llm import (
     DEFAULT_ENGINE_RESTART_TIMEOUT_S,
     DEFAULT_MAX_ENGINE_RESTARTS,
@@ -305,17 +308,46 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-class _Supervisor:
-    """Owns the daemon (if any), the server processes and the shared resources."""
+class _HttpProcess:
+    """One HTTP server process (multiprocessing, spawned) as a supervised child."""
+
+    def __init__(self, index: int, spawn_args: tuple) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.proc = ctx.Process(target=_server_process_main, args=(index, *spawn_args),
+                                name=f"tidal-http-{index}")
+        self.proc.start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.exitcode is None
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def stop(self) -> None:
+        if self.proc.exitcode is None:
+            self.proc.terminate()
+        self.proc.join(_STOP_TIMEOUT_S)
+        if self.proc.exitcode is None:
+            self.proc.kill()
+            self.proc.join(2.0)
+
+    def failure_message(self, what: str) -> str:
+        return f"{what} (pid {self.proc.pid}, exit status {self.proc.exitcode})"
+
+
+class _ProcessTree:
+    """Owns the daemon (if any), the server processes and the shared resources; each process
+    has its `Supervisor` (engine_core/supervisor.py), the restart rule of every supervisor."""
 
     def __init__(self, ns: argparse.Namespace):
         self.ns = ns
         self.num_servers = ns.api_server_count
-        self.daemon = None
-        self.procs: list[multiprocessing.Process] = []
-        self.http_restarts = [RestartBudget(_MAX_RESTARTS, _RESTART_WINDOW_S)
-                              for _ in range(self.num_servers)]
-        self.engine_restarts = RestartBudget(ns.max_engine_restarts)
+        self.engine: Supervisor | None = None  # of the daemon, unless --engine
+        self.servers: list[Supervisor] = []  # of each HTTP process index
         self.metrics_dir: str | None = None
         self.stop_event = threading.Event()
         self.exit_code = 0
@@ -326,8 +358,8 @@ class _Supervisor:
         if self.ns.engine:
             return self.ns.engine, self.ns.tokenizer, None
         from ...engine_core.args import config_from_args
-        from ..demo import apply_demo_model_default
         from ...engine_core.launcher import DaemonProcess
+        from ..demo import apply_demo_model_default
 
         apply_demo_model_default(self.ns)  # no MODEL: the bundled demo model, "tidal-demo"
         config = config_from_args(self.ns)  # ValueError names the flag
@@ -337,8 +369,14 @@ class _Supervisor:
             required_profile(config)  # refused at once, not after the daemon starts
         extra = [] if self.ns.frontend_timeout is None else [
             "--frontend-timeout", str(self.ns.frontend_timeout)]
-        self.daemon = DaemonProcess(config, echo=True, extra_args=extra)
-        return self.daemon.address, config.model.tokenizer_path, self.daemon.pid
+        address = new_private_address()
+        self.engine = Supervisor(
+            "the engine core", functools.partial(DaemonProcess, config, address=address,
+                                                 echo=True, extra_args=extra),
+            self.ns.max_engine_restarts, flag="--max-engine-restarts",
+            how="starting it again at the same address")
+        daemon = self.engine.start()
+        return address, config.model.tokenizer_path, daemon.pid
 
     def start_servers(self, spec: ServerSpec, sock: socket.socket) -> None:
         slots = None
@@ -349,60 +387,50 @@ class _Supervisor:
             self.metrics_dir = tempfile.mkdtemp(prefix="tidal-prometheus-")
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_dir
         self._spawn_args = (spec, sock, slots)
-        self.procs = [self._spawn(index) for index in range(self.num_servers)]
+        for index in range(self.num_servers):
+            server = Supervisor(f"HTTP server tidal-http-{index}",
+                                lambda index=index: _HttpProcess(index, self._spawn_args),
+                                _MAX_RESTARTS, window_s=_RESTART_WINDOW_S)
+            server.start()
+            self.servers.append(server)
 
-    def _spawn(self, index: int) -> multiprocessing.Process:
-        ctx = multiprocessing.get_context("spawn")
-        proc = ctx.Process(target=_server_process_main, args=(index, *self._spawn_args),
-                           name=f"tidal-http-{index}")
-        proc.start()
-        return proc
-
-    def _restart(self, index: int) -> bool:
+    def _restart_server(self, index: int) -> bool:
         """Start HTTP process `index` again after it died; False when it must not be: it
         never started serving, or it died too often lately."""
-        proc = self.procs[index]
-        if proc.exitcode == EXIT_NOT_STARTED:
-            logger.error("HTTP server %s could not start; shutting down", proc.name)
+        server = self.servers[index]
+        if server.child.proc.exitcode == EXIT_NOT_STARTED:
+            logger.error("%s could not start; shutting down", server.what)
             return False
-        budget = self.http_restarts[index]
-        if not budget.spend():
-            logger.error("HTTP server %s exited with status %s after %d restarts in %.0f s; "
-                         "shutting down", proc.name, proc.exitcode, budget.recent(),
-                         budget.window_s)
+        if not server.may_restart(then="; the other servers and their streams go on"):
+            logger.error("%s; shutting down", server.final_reason)
             return False
-        logger.error("HTTP server %s (pid %s) exited with status %s; starting it again (the "
-                     "other servers and their streams go on)", proc.name, proc.pid,
-                     proc.exitcode)
         slots = self._spawn_args[2]
         if slots is not None:
             slots[index] = 0  # its unfinished requests died with it
-        self.procs[index] = self._spawn(index)
+        server.respawn()
         return True
 
     def watch(self) -> None:
         """Block until a signal or a dead daemon, restarting HTTP processes that die and
         the daemon when it dies or goes silent (stopped or hung: killed first)."""
         liveness = None
-        if self.daemon is not None:
+        if self.engine is not None:
             from ..engine_client import CoreLiveness
 
-            liveness = CoreLiveness(self.daemon.address)
+            liveness = CoreLiveness(self.engine.child.address)
         try:
             while not self.stop_event.wait(_POLL_S):
-                for index, proc in enumerate(self.procs):
-                    if proc.exitcode is not None and not self._restart(index):
+                for index, server in enumerate(self.servers):
+                    if not server.alive() and not self._restart_server(index):
                         self.exit_code = 1
                         return
                 if liveness is None:
                     continue
                 silent = liveness.silent()
-                if silent is not None and self.daemon.alive():
-                    logger.warning("the engine core (pid %d) echoed no heartbeat for %.1f s: "
-                                   "stopped or hung; killing it", self.daemon.pid, silent)
-                    self.daemon.kill()
-                    self.daemon.wait(5.0)
-                if not self.daemon.alive():
+                if silent is not None and self.engine.alive():
+                    self.engine.kill_hung(f"echoed no heartbeat for {silent:.1f} s")
+                    self.engine.child.wait(5.0)
+                if not self.engine.alive():
                     if not self._restart_engine():
                         self.exit_code = 1
                         return
@@ -414,36 +442,30 @@ class _Supervisor:
     def _restart_engine(self) -> bool:
         """Start the dead daemon again at its address; False when it may not be (it died
         more than --max-engine-restarts times)."""
-        cause = self.daemon.failure_message("the engine core exited")
-        budget = self.engine_restarts
-        if not budget.spend():
-            logger.error("%s; it was restarted %d times already within %g min "
-                         "(--max-engine-restarts %d); shutting down", cause, budget.recent(),
-                         budget.window_s / 60, budget.limit)
+        if not self.engine.may_restart(then="; the HTTP servers re-attach and resubmit their "
+                                       "unfinished requests"):
+            logger.error("%s; shutting down", self.engine.final_reason)
             return False
-        logger.warning("%s; starting it again at the same address (%s); the "
-                       "HTTP servers re-attach and resubmit their unfinished requests", cause,
-                       budget.describe())
-        self.daemon.stop()  # its workers, if any are left
-        self.daemon = self.daemon.respawn()
+        daemon = self.engine.respawn()  # what is left of the old one is stopped first
         spec, sock, slots = self._spawn_args
         # an HTTP process started from now on watches the new daemon while it attaches
-        self._spawn_args = (replace(spec, daemon_pid=self.daemon.pid), sock, slots)
+        self._spawn_args = (replace(spec, daemon_pid=daemon.pid), sock, slots)
         return True
 
     def stop(self) -> None:
         """Servers first (they detach cleanly), then the daemon, then shared files."""
-        for proc in self.procs:
+        procs = [server.child.proc for server in self.servers]
+        for proc in procs:
             if proc.exitcode is None:
-                proc.terminate()
+                proc.terminate()  # all at once, then wait
         deadline = time.monotonic() + _STOP_TIMEOUT_S
-        for proc in self.procs:
+        for proc in procs:
             proc.join(max(0.0, deadline - time.monotonic()))
             if proc.exitcode is None:
                 proc.kill()
                 proc.join(2.0)
-        if self.daemon is not None:
-            self.daemon.stop()
+        if self.engine is not None:
+            self.engine.stop()
         if self.metrics_dir:
             shutil.rmtree(self.metrics_dir, ignore_errors=True)
 
@@ -514,7 +536,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"tidal serve: {exc}", file=sys.stderr)
         return 2
-    sup = _Supervisor(ns)
+    sup = _ProcessTree(ns)
     previous = {sig: signal.signal(sig, lambda *_: sup.stop_event.set())
                 for sig in (signal.SIGTERM, signal.SIGINT)}
     try:

@@ -219,7 +219,7 @@ def assert_daemon_faults_are_healed_then_final(llm: LLM) -> None:
             assert got.outputs[0].text == want.outputs[0].text
         wait_until(lambda: group_gone(faulty_pid), 10, "the faulty daemon's workers to exit")
 
-    llm._llm.engine_restarts.limit = 2  # used up: the next death is final
+    llm._llm.supervisor.budget.limit = 2  # used up: the next death is final
     pgid = llm.daemon_pid
     lost = generate_signalling_the_daemon(llm, prompts, long, signal.SIGKILL)
     assert [o.outputs[0].finish_reason for o in lost] == ["error"] * 3

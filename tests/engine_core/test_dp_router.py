@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from tidal.engine_core.config import EngineConfig, ModelConfig, ParallelConfig
-from tidal.engine_core.dp_router import Router, _Core
+from tidal.engine_core.dp_router import MAX_CORE_RESTARTS, Router, _Core
+from tidal.engine_core.supervisor import Supervisor
 from tidal.ipc.messages import (
     Abort,
     AddRequest,
@@ -72,11 +73,11 @@ class FakeDaemon:
     def failure_message(self, what: str) -> str:
         return what
 
-    def stop(self) -> None:
+    def kill(self) -> None:
         self.running = False
 
-    def respawn(self) -> "FakeDaemon":
-        return FakeDaemon()
+    def stop(self) -> None:
+        self.running = False
 
 
 INFO = EngineInfo(model="m", max_model_len=64, num_kv_blocks=10, block_size=4,
@@ -88,8 +89,11 @@ def router():
     config = EngineConfig(ModelConfig("m"), parallel=ParallelConfig(data_parallel_size=2))
     r = Router(config, "ipc:///nowhere")
     r.port.sock = FrontendSocket()
-    r._connect = lambda index, daemon: _Core(index, daemon, CoreSocket(), f"router-{index}")
-    r.cores = [r._connect(i, FakeDaemon()) for i in range(2)]
+    r._connect = lambda index, supervisor: _Core(index, supervisor, CoreSocket(),
+                                                 f"router-{index}")
+    r.cores = [r._connect(i, started(Supervisor(f"engine core {i}", FakeDaemon,
+                                                MAX_CORE_RESTARTS)))
+               for i in range(2)]
     for core in r.cores:
         r._on_core_info(core, INFO)
     r.info = r._merged_info()
@@ -98,6 +102,11 @@ def router():
         frontend_says(r, client_id, Hello(client_id))
     yield r
     r.ctx.term()
+
+
+def started(supervisor: Supervisor) -> Supervisor:
+    supervisor.start()
+    return supervisor
 
 
 def frontend_says(router: Router, client_id: str, msg) -> None:
@@ -138,14 +147,14 @@ def test_each_frontend_gets_only_its_own_outputs(router):
 def test_a_dead_cores_requests_continue_elsewhere_with_their_tokens(router):
     frontend_says(router, "a", add("ra", max_tokens=10))
     core_says(router, 0, token("ra", 11), token("ra", 12))
-    router.cores[0].daemon.running = False
+    router.cores[0].supervisor.child.running = False
     router._watch_cores()
     (moved,) = router.cores[1].sock.take(AddRequest)
     assert moved.req_id == "ra"
     assert unpack_token_ids(moved.prompt_token_ids).tolist() == [5, 6, 7, 11, 12]
     assert moved.num_resumed_tokens == 2
     assert moved.sampling.max_tokens == 8
-    assert router.cores[0].restarts.total == 1 and router.cores[0].info is None
+    assert router.cores[0].supervisor.budget.total == 1 and router.cores[0].info is None
     core_says(router, 1, token("ra", 13))
     assert [unpack_token_ids(o.new_token_ids).tolist() for o in router.port.sock.outputs("a")] \
         == [[11], [12], [13]]
@@ -153,7 +162,7 @@ def test_a_dead_cores_requests_continue_elsewhere_with_their_tokens(router):
 
 def test_requests_wait_while_no_core_is_live_then_run(router):
     for core in router.cores:
-        core.daemon.running = False
+        core.supervisor.child.running = False
     router._watch_cores()
     frontend_says(router, "a", add("ra"))
     assert router.routed["ra"].core is None
@@ -168,7 +177,7 @@ def test_aborts_reach_only_the_senders_own_requests(router):
     frontend_says(router, "b", Abort(["ra", "rb"]))
     assert router.cores[0].sock.take(Abort) == []
     assert router.cores[1].sock.take(Abort) == [Abort(["rb"])]
-    router.cores[1].daemon.running = False  # dies before answering the abort
+    router.cores[1].supervisor.child.running = False  # dies before answering the abort
     router._watch_cores()
     assert router.cores[0].sock.take(AddRequest) == []  # not moved: answered as aborted
     assert router.port.sock.outputs("b")[-1].finish_reason == FinishReason.ABORT

@@ -148,7 +148,7 @@ def add(req_id: str) -> AddRequest:
     return AddRequest(req_id, pack_token_ids([1, 2, 3]), SamplingParams(max_tokens=4))
 
 
-# -- attaching -----------------------------------------------------------------------------------
+# -- attaching -------------------------------------------------------------------------------------
 
 
 def test_hello_attaches_a_frontend_and_is_answered_with_the_engine_info(ctx, port):
@@ -180,7 +180,7 @@ def test_a_failed_start_tells_every_frontend_that_knocked(ctx, port):
     assert b.hear() == EngineDead("engine core failed to start: no weights")
 
 
-# -- serving ------------------------------------------------------------------------------------
+# -- serving ---------------------------------------------------------------------------------------
 
 
 def test_every_heartbeat_is_echoed(ctx, port):
@@ -280,7 +280,7 @@ def test_engine_dead_is_broadcast_to_every_attached_frontend(ctx, port):
     assert a.hear() == b.hear() == EngineDead("engine core shut down (SIGTERM)")
 
 
-# -- the socket ---------------------------------------------------------------------------------
+# -- the socket ------------------------------------------------------------------------------------
 
 
 def test_an_address_in_use_is_refused_and_close_removes_the_socket_file(ctx, port, owner):
