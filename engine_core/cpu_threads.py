@@ -36,7 +36,7 @@ for every rank and handed to it through its environment before it imports torch:
 A busy neighbour: spinning threads give way to a `nice`d process only if the kernel compares
 their priorities, and with autogroup scheduling (`/proc/sys/kernel/sched_autogroup_enabled`)
 it does so only within one session; so the engine core and its workers stay in the session
-that started them (`frontend/launcher.py`), and a `nice -n 19` job of that session cost the
+that started them (`engine_core/supervisor.py`), and a `nice -n 19` job of that session cost the
 7M run 4-12% of its throughput (1824 tokens/s beside two such busy loops). A neighbour in
 another session gets an equal share of the CPU whatever its nice value; there, PASSIVE
 (`OMP_WAIT_POLICY=PASSIVE`) keeps more.

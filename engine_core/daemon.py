@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
-import socket
 import sys
 import time
 
@@ -57,11 +55,13 @@ from .executor import WorkerError, WorkerFacts
 from .frontend_port import FrontendPort
 from .model_files import model_folder
 from .preemption_advice import PreemptionAdvisor, advisor_for
+from .progress_log import ProgressLog
 from .queue_estimate import QueueDelayEstimator
 from .request import Request, check_request
 from .scheduler import Scheduler
 from ..ipc.lifeline import watch_parent
 from .step_cost import StepCostModel, required_profile
+from .stop_signals import StopSignals
 from .supervisor import Supervisor
 from ..ipc.messages import AddRequest, EngineCoreOutput, EngineDead, EngineInfo
 from ..ipc.transport import (
@@ -74,8 +74,6 @@ from ..ipc.transport import (
 logger = logging.getLogger("tidal.engine_core")
 
 EXIT_OK, EXIT_WORKER_FAILED, EXIT_BAD_START = 0, 1, 2
-LOG_INTERVAL_S = 10.0
-"""Seconds between two progress lines while the engine is busy."""
 STOP_GRACE_S = 5.0
 """Seconds a stop signal waits for a step still running on the workers."""
 LIFELINE_GRACE_S = 15.0
@@ -102,7 +100,7 @@ class EngineCoreDaemon:
         self.ctx = zmq.Context()
         self.port = FrontendPort(self, listen, key_file, frontend_timeout, self.ctx)
         self.depth = 0  # plans in flight, once the workers said where they run
-        self.stop_reason: str | None = None
+        self.signals = StopSignals()  # SIGTERM / SIGINT: stop in order
         self.workers = Supervisor("the workers", self._start_workers,
                                   config.parallel.max_worker_restarts,
                                   flag="--max-worker-restarts", how="replacing the workers",
@@ -115,26 +113,28 @@ class EngineCoreDaemon:
         self.advisor: PreemptionAdvisor | None = None  # with a step cost model
         self.vocab_size = 0  # the model's, reported by the workers at start-up
         self.model_dir = config.model.model  # the folder loaded (a GGUF file's: converted)
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._last_log = time.monotonic()
-        self._last_logged_stats = None
+        self.progress = ProgressLog(logger)
         self._idle_poller: zmq.Poller | None = None
+
+    @property
+    def stop_reason(self) -> str | None:
+        """The stop signal's name once one came."""
+        return self.signals.reason
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     def run(self) -> int:
         """Serve until a signal or a worker failure; returns the process exit code."""
-        old_handlers = self._install_signal_handlers()
         code = EXIT_WORKER_FAILED
-        try:
-            code = self._start()
-            if code is None:
-                code = self._serve()
-            return code
-        finally:
-            self._close()
-            self._restore_signal_handlers(old_handlers)
-            logger.info("engine core stopped (exit code %d)", code)
+        with self.signals:
+            try:
+                code = self._start()
+                if code is None:
+                    code = self._serve()
+                return code
+            finally:
+                self._close()
+                logger.info("engine core stopped (exit code %d)", code)
 
     def _start(self) -> int | None:
         """Bind, convert a GGUF model, start the workers, build the scheduler. An exit code
@@ -150,8 +150,8 @@ class EngineCoreDaemon:
         logger.info("engine core listening on %s (model %s)", self.listen, self.config.model.model)
         try:
             # a GGUF file becomes a cached folder (minutes the first time, a hash later)
-            self.model_dir = model_folder(self.config.model.model,
-                                          lambda: self.stop_reason is not None, self.log_level)
+            self.model_dir = model_folder(self.config.model.model, self.signals.requested,
+                                          self.log_level)
             max_model_len = resolve_max_model_len(self.config, self.model_dir)
             started = time.monotonic()
             self.workers.start(max_model_len)
@@ -190,8 +190,7 @@ class EngineCoreDaemon:
         if self.core is not None:
             self.core.replace_executor(self.executor)
         try:
-            self.facts = self.executor.start(stop_requested
-                                             or (lambda: self.stop_reason is not None))
+            self.facts = self.executor.start(stop_requested or self.signals.requested)
         except BaseException:
             self.executor.kill()
             raise
@@ -231,7 +230,7 @@ class EngineCoreDaemon:
                 try:
                     self._drain_frontends(block=self._is_idle())
                     self.port.expire_silent()
-                    self._log_progress()
+                    self.progress.tick(self.scheduler.stats)
                     if self.advisor is not None:
                         self.advisor.poll(self.scheduler.num_preemptions, time.monotonic())
                     if self.stop_reason is None:
@@ -314,27 +313,6 @@ class EngineCoreDaemon:
             self.executor.kill()
         self.port.close()  # linger: queued EngineDead / outputs still go out
         self.ctx.term()
-        self._wake_r.close()
-        self._wake_w.close()
-
-    # -- signals -------------------------------------------------------------------------------
-
-    def _install_signal_handlers(self):
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
-        old_fd = signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
-        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        return old_fd, old
-
-    def _restore_signal_handlers(self, old_handlers) -> None:
-        old_fd, old = old_handlers
-        signal.set_wakeup_fd(old_fd)
-        for s, handler in old.items():
-            signal.signal(s, handler)
-
-    def _on_signal(self, signum, frame) -> None:
-        if self.stop_reason is None:
-            self.stop_reason = signal.Signals(signum).name
 
     # -- frontends -----------------------------------------------------------------------------
 
@@ -347,15 +325,15 @@ class EngineCoreDaemon:
             if self._idle_poller is None:
                 self._idle_poller = zmq.Poller()  # frontends, signals, worker exits
                 self._idle_poller.register(self.port.sock, zmq.POLLIN)
-                self._idle_poller.register(self._wake_r.fileno(), zmq.POLLIN)
+                self._idle_poller.register(self.signals.fd, zmq.POLLIN)
                 for fd in self.executor.wait_fds():
                     self._idle_poller.register(fd, zmq.POLLIN)
             wait_ms = int(min(self._idle_wait(), max_wait) * 1000)
             events = dict(self._idle_poller.poll(wait_ms))
-            if self._wake_r.fileno() in events:
-                _drain_socket(self._wake_r)
+            if self.signals.fd in events:
+                self.signals.clear()
             self.executor.check_alive()
-        self.port.drain(lambda: self.stop_reason is not None)
+        self.port.drain(self.signals.requested)
 
     def _idle_wait(self) -> float:
         """Seconds an idle poll may wait: until the next frontend could time out, at most 1 s."""
@@ -419,29 +397,6 @@ class EngineCoreDaemon:
             # wait briefly for a frontend instead of spinning.
             self._drain_frontends(block=True, max_wait=0.05)
 
-    # -- progress log --------------------------------------------------------------------------
-
-    def _log_progress(self) -> None:
-        now = time.monotonic()
-        if now - self._last_log < LOG_INTERVAL_S:
-            return
-        stats = self.scheduler.stats()
-        prev = self._last_logged_stats
-        elapsed, self._last_log = now - self._last_log, now
-        self._last_logged_stats = stats
-        if prev is not None and stats.num_steps == prev.num_steps:
-            return  # nothing happened: stay quiet while idle
-        prompt = stats.prompt_tokens - (prev.prompt_tokens if prev else 0)
-        gen = stats.generation_tokens - (prev.generation_tokens if prev else 0)
-        hit_rate = (stats.prefix_cache_hits / stats.prefix_cache_queries
-                    if stats.prefix_cache_queries else 0.0)
-        logger.info(
-            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
-            "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
-            "Prefix cache hit rate: %.1f%%, Preemptions: %d", prompt / elapsed, gen / elapsed,
-            stats.num_running, stats.num_waiting, 100 * stats.kv_cache_usage, 100 * hit_rate,
-            stats.num_preemptions)
-
 
 def _queue_estimator(config: EngineConfig) -> QueueDelayEstimator | None:
     """With --max-queue-delay, the estimator over the step cost model; ValueError when there
@@ -454,14 +409,6 @@ def _queue_estimator(config: EngineConfig) -> QueueDelayEstimator | None:
     logger.info("--max-queue-delay %gs: step cost model %s (%s)",
                 config.scheduler.max_queue_delay, path, model.formula())
     return QueueDelayEstimator(model)
-
-
-def _drain_socket(sock: socket.socket) -> None:
-    try:
-        while sock.recv(4096):
-            pass
-    except (BlockingIOError, InterruptedError):
-        pass
 
 
 # ---------------------------------------------------------------------------------------------
@@ -486,8 +433,8 @@ def add_daemon_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--generate-key-file", metavar="PATH", default=None,
                    help="write a new CURVE key file to PATH and exit")
     g.add_argument("--engine-config", default=None, help=argparse.SUPPRESS)
-    # (msgspec JSON of the whole EngineConfig, from a frontend that starts a private daemon:
-    # frontend/launcher.py; the engine flags are then ignored)
+    # (msgspec JSON of the whole EngineConfig, from an owner that starts a private daemon:
+    # launcher.py; the engine flags are then ignored)
     g.add_argument("--lifeline-fd", type=int, default=None, help=argparse.SUPPRESS)
     # (set by the frontend that starts a private daemon: ipc/lifeline.py)
 

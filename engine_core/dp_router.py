@@ -65,6 +65,7 @@ from .frontend_port import FrontendPort
 from .launcher import DaemonProcess
 from .model_files import model_folder
 from .restart_budget import RESTART_WINDOW_S
+from .stop_signals import StopSignals
 from .supervisor import Supervisor
 from ..ipc.heartbeat import HeartbeatClock
 from ..ipc.lifeline import watch_parent
@@ -153,7 +154,7 @@ class Router:
         self.cores: list[_Core] = []
         self.routed: dict[str, _Routed] = {}  # req_id -> request
         self.info: EngineInfo | None = None  # once every core answered
-        self.stop_reason: str | None = None
+        self.signals = StopSignals()  # SIGTERM / SIGINT: stop in order
         self._stats_waiters: set[str] = set()  # client ids the running round answers
         self._stats_next: set[str] = set()  # asked during a round: answered by the next one
         self._stats_round: set[int] = set()  # cores whose answer the round still waits for
@@ -166,27 +167,27 @@ class Router:
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    def run(self) -> int:
-        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        code = EXIT_CORES_FAILED
-        try:
-            code = self._start()
-            if code is None:
-                code = self._serve()
-            return code
-        except Exception as e:  # noqa: BLE001 - a bug must still reach the frontends
-            logger.exception("router failed")
-            self._fail_everything(f"the data-parallel router failed: {type(e).__name__}: {e}")
-            return EXIT_CORES_FAILED
-        finally:
-            self._close()
-            for s, handler in old.items():
-                signal.signal(s, handler)
-            logger.info("router stopped (exit code %d)", code)
+    @property
+    def stop_reason(self) -> str | None:
+        """The stop signal's name once one came."""
+        return self.signals.reason
 
-    def _on_signal(self, signum, frame) -> None:
-        if self.stop_reason is None:
-            self.stop_reason = signal.Signals(signum).name
+    def run(self) -> int:
+        code = EXIT_CORES_FAILED
+        with self.signals:
+            try:
+                code = self._start()
+                if code is None:
+                    code = self._serve()
+                return code
+            except Exception as e:  # noqa: BLE001 - a bug must still reach the frontends
+                logger.exception("router failed")
+                self._fail_everything(f"the data-parallel router failed: "
+                                      f"{type(e).__name__}: {e}")
+                return EXIT_CORES_FAILED
+            finally:
+                self._close()
+                logger.info("router stopped (exit code %d)", code)
 
     def _start(self) -> int | None:
         """Bind, start every core, wait until each answers Hello. An exit code on failure."""
@@ -210,8 +211,7 @@ class Router:
     def _start_cores(self) -> None:
         """Convert a GGUF file (once here, not by every core at once), then start each core
         on threads or GPUs of its own. ValueError; InterruptedError on a stop signal."""
-        folder = model_folder(self.config.model.model, lambda: self.stop_reason is not None,
-                              self.log_level)
+        folder = model_folder(self.config.model.model, self.signals.requested, self.log_level)
         child = core_config(self.config, folder)
         gpu_sets = core_gpu_sets(self.config, visible_gpus(os.environ))
         for index in range(self.num_cores):
