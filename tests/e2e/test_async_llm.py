@@ -202,38 +202,6 @@ def test_a_request_the_engine_refuses_raises_value_error_naming_the_field(daemon
     assert stats.kv_cache_usage == 0.0
 
 
-@pytest.mark.timeout(120)
-def test_engine_death_ends_every_pending_request_with_error(daemon):
-    """Runs last: SIGKILL the daemon mid-generation. No core comes back within the 2 s
-    engine_restart_timeout: every pending generate() ends with finish_reason "error" within
-    a bounded time, and new requests are refused with EngineUnavailable (the daemon was not
-    ours: a core may come back at its address)."""
-
-    async def body(llm):
-        streams = [llm.generate([5 + i, 6, 7], LONG).__aiter__() for i in range(3)]
-        for s in streams:
-            await s.__anext__()
-        os.kill(daemon.pid, signal.SIGKILL)
-        killed = time.monotonic()
-        lasts = []
-        for s in streams:
-            last = None
-            async for out in s:
-                last = out
-            lasts.append(last)
-        elapsed = time.monotonic() - killed
-        with pytest.raises(EngineUnavailable, match="no engine core is attached"):
-            await collect(llm.generate(PROMPT, GREEDY))
-        return lasts, elapsed, llm.attached, llm.dead
-
-    lasts, elapsed, attached, dead = attach_and(daemon, body, timeout=30,
-                                                engine_restart_timeout=2.0)
-    assert not attached and not dead and elapsed < 10
-    for last in lasts:
-        assert last.finished and last.outputs[0].finish_reason == "error"
-        assert "within 2 s" in last.outputs[0].error
-
-
 SLOW_SCHEMA = {  # 18 KB, shallow; 1-2 s to compile for the tiny model's 512-token vocabulary
     "type": "object",
     "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]{3,30}"} for i in range(300)},
@@ -283,3 +251,35 @@ def test_a_slow_grammar_compiles_while_other_streams_go_on(daemon):
     assert took > 1.0, f"the schema compiled in {took:.2f} s: too fast to show anything"
     assert largest_gap < 1.0, (f"another stream waited {largest_gap:.2f} s for a token while "
                                f"the grammar compiled ({took:.1f} s)")
+
+
+@pytest.mark.timeout(120)
+def test_engine_death_ends_every_pending_request_with_error(daemon):
+    """Runs last: SIGKILL the daemon mid-generation. No core comes back within the 2 s
+    engine_restart_timeout: every pending generate() ends with finish_reason "error" within
+    a bounded time, and new requests are refused with EngineUnavailable (the daemon was not
+    ours: a core may come back at its address)."""
+
+    async def body(llm):
+        streams = [llm.generate([5 + i, 6, 7], LONG).__aiter__() for i in range(3)]
+        for s in streams:
+            await s.__anext__()
+        os.kill(daemon.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        lasts = []
+        for s in streams:
+            last = None
+            async for out in s:
+                last = out
+            lasts.append(last)
+        elapsed = time.monotonic() - killed
+        with pytest.raises(EngineUnavailable, match="no engine core is attached"):
+            await collect(llm.generate(PROMPT, GREEDY))
+        return lasts, elapsed, llm.attached, llm.dead
+
+    lasts, elapsed, attached, dead = attach_and(daemon, body, timeout=30,
+                                                engine_restart_timeout=2.0)
+    assert not attached and not dead and elapsed < 10
+    for last in lasts:
+        assert last.finished and last.outputs[0].finish_reason == "error"
+        assert "within 2 s" in last.outputs[0].error
