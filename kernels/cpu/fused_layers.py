@@ -9,6 +9,14 @@ of which ~1 ms module dispatch, output allocation and ctypes argument conversion
 kernel calls (cProfile and a per-part timer, 2026-12-02; benchmarks/archive/BENCHMARKS.md,
 "One C call for the decoder layers").
 
+What it costs: it is a second writing of the Llama decoder layer's order, so a model feature
+it lacks (biases, per-head norms today) must be added to `decoder_layers.c` or keep the model
+on the layers' own calls (`LlamaDecoderLayer.cpu_parts` returns None). What it pays
+(`benchmarks/cpu_ops.py`, `auto` against `auto,no-fused`, interleaved, 2026-12-03): SmolLM2
+Q4_1's decode steps on the 2-vCPU AVX2 EPYC 2.15x / 1.24x / 1.29x faster at 1 / 4 / 8 requests
+(2 threads), level at 16 where it does not run there; the 7M model's on the AVX-512 Xeon
+1.3-1.7x at 1-32 requests (2026-12-02). `cpu_kernels=auto,no-fused` turns it off.
+
 A model hands the CPU op seam its layers as `DecoderLayerParts` (`ops.CpuOps.decoder_layers`:
 a layer with biases, per-head norms or tensor parallelism has none, and then every step runs
 the layers from Python); `fuse` makes one `FusedLayers` per range of step sizes over which no
