@@ -54,13 +54,13 @@ from .core import EngineCore, Executor, make_executor
 from .executor import WorkerError, WorkerFacts
 from .frontend_port import FrontendPort
 from .model_files import model_folder
-from .preemption_advice import PreemptionAdvisor, advisor_for
+from .advice.preemption_advice import PreemptionAdvisor, advisor_for
 from .progress_log import ProgressLog
-from .queue_estimate import QueueDelayEstimator
+from .advice.queue_estimate import QueueDelayEstimator
 from .request import Request, check_request
 from .scheduler import Scheduler
 from ..ipc.lifeline import watch_parent
-from .step_cost import StepCostModel, required_profile
+from .advice.step_cost import StepCostModel, required_profile
 from .stop_signals import StopSignals
 from .supervisor import Supervisor
 from ..ipc.messages import AddRequest, EngineCoreOutput, EngineDead, EngineInfo

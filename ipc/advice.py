@@ -1,8 +1,8 @@
 """The engine core's side conversation with its preemption advisor, a child process
-(`python -m tidal.frontend.tune.advise FILE`, started by `engine_core/preemption_advice.py`):
-the core writes a `PreemptionWindow` as msgpack to FILE; the child writes a
-`PreemptionPrediction` as msgpack to its stdout. The conventions of `ipc/messages.py` hold
-(array-like Structs, new fields at the end).
+(`python -m tidal.engine_core.advice.advise FILE`, started by
+`engine_core/advice/preemption_advice.py`): the core writes a `PreemptionWindow` as msgpack to
+FILE; the child writes a `PreemptionPrediction` as msgpack to its stdout. The conventions of
+`ipc/messages.py` hold (array-like Structs, new fields at the end).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ messages that side may receive (anything else fails to decode, is logged and dro
 
 and one short-lived side conversation, whose types are in `ipc/advice.py`: after preemptions
 the engine core hands the requests it saw (`PreemptionWindow`, a msgpack file) to a simulator
-process (`tidal.frontend.tune.advise`), which answers with a `PreemptionPrediction` on stdout.
+process (`tidal.engine_core.advice.advise`), which answers with a `PreemptionPrediction` on
+stdout.
 
 Conventions:
 - Structs are `array_like=True` (positional on the wire, new fields go at the end),
@@ -487,7 +488,8 @@ class SchedulerStats(msgspec.Struct, **_STRUCT):
     """Prompt tokens of unfinished requests that have no generated token yet (waiting, or in
     prefill): what --max-num-queued-tokens limits."""
     # --max-queue-delay: a new request's estimated seconds to its first token are
-    # est_queue_delay_s + its prompt tokens * est_s_per_prompt_token (engine_core/queue_estimate.py)
+    # est_queue_delay_s + its prompt tokens * est_s_per_prompt_token
+    # (engine_core/advice/queue_estimate.py)
     est_queue_delay_s: float = 0.0
     est_s_per_prompt_token: float = 0.0
     est_s_per_queued_request: float = 0.0

@@ -59,9 +59,9 @@ def _may_import_table() -> dict[str, set[str]]:
             continue
         if column is None or set(cells[0]) <= set("-: "):
             continue
-        folder = re.fullmatch(r"`(\w+)/`", cells[0])
+        folder = re.fullmatch(r"`([\w/]+)/`", cells[0])  # a subfolder's row: `a/b/`
         if folder and folder.group(1) in test_import_rules.MAY_IMPORT:
-            table[folder.group(1)] = set(re.findall(r"`(\w+)`", cells[column]))
+            table[folder.group(1)] = set(re.findall(r"`([\w/]+)`", cells[column]))
     return table
 
 

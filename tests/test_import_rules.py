@@ -1,12 +1,19 @@
 """The "may import" table (docs/architecture.md §3.1), enforced: imports are read with `ast` (no
 module is imported), so a forbidden import fails here before it can blur a folder's role.
 
-    folder        may import (of ours)                       third-party rule
-    ipc/          nothing                                    -
-    engine_core/  ipc                                        never torch (nor triton)
-    workers/      ipc, kernels                               -
-    kernels/      ipc (its paths module alone)               -
-    frontend/     ipc, engine_core (config and launching)    never torch at module level
+    folder               may import (of ours)                        third-party rule
+    ipc/                 nothing                                     never torch
+    engine_core/         ipc; engine_core/advice (observers, in the  never torch (nor triton)
+                         daemon alone)
+    engine_core/advice/  ipc, engine_core (config, scheduler,        never torch (nor triton)
+                         request, preemption log, CPU threads)
+    workers/             ipc, kernels                                -
+    kernels/             ipc (its paths module alone)                -
+    frontend/            ipc, engine_core (config and launching),    never torch at module level
+                         engine_core/advice
+
+A subfolder with a row of its own (`engine_core/advice/`) is a folder of its own here: its
+modules are held to its row, and its parent's row says what the parent may take of it.
 
 Imports inside the package are relative (`from ..ipc.messages import X`), so tools that read
 the tree without an install follow them; they are resolved here to `tidal.` names the same way
@@ -25,32 +32,42 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = ("ipc", "engine_core", "workers", "kernels", "frontend")
+FOLDERS = ("ipc", "engine_core", "engine_core/advice", "workers", "kernels", "frontend")
 
 MAY_IMPORT = {
     "ipc": set(),
-    "engine_core": {"ipc"},
+    "engine_core": {"ipc", "engine_core/advice"},
+    "engine_core/advice": {"ipc", "engine_core"},
     "workers": {"ipc", "kernels"},
     "kernels": {"ipc"},
-    "frontend": {"ipc", "engine_core"},
+    "frontend": {"ipc", "engine_core", "engine_core/advice"},
 }
 ONLY = {
     # (folder, folder it imports): the modules of it that it may import, where not all
     ("frontend", "engine_core"): {
         # "config and launching only": the flags, the config, the daemon that a frontend
-        # starts, and the pieces the offline tools (`tidal tune`) reuse by design
-        "args", "config", "daemon", "model_files", "step_cost", "cpu_threads",
+        # starts, and launching it
+        "args", "config", "daemon", "model_files",
         "launcher",  # launching: a private engine core (or -dp router) for a frontend
         "supervisor",  # launching: the restart rule every supervisor of a child applies
-        "scheduler", "request", "block_pool",  # tidal tune's simulator runs the real scheduler
+    },
+    # the daemon uses the advisory wing (WIRED_BY below)
+    ("engine_core", "engine_core/advice"): {"preemption_advice", "queue_estimate", "step_cost"},
+    # the advisory wing prices steps and replays the scheduler: the engine core's config, its
+    # scheduler and requests (the simulator runs them), the preemption log (where advice is
+    # quoted) and the CPU threads a worker gets (a cost model's key, a profile's child)
+    ("engine_core/advice", "engine_core"): {
+        "config", "cpu_threads", "preemption_log", "request", "scheduler",
     },
     # the cache folder's rule (ipc/paths.py, standard library only), written once: the C
     # kernels' builds live there; kernels/ imports nothing else of ours
     ("kernels", "ipc"): {"paths"},
 }
+WIRED_BY = {
+    # (folder, folder it imports): the one module of the folder that may import it
+    ("engine_core", "engine_core/advice"): "engine_core/daemon.py",
+}
 KNOWN_EXCEPTIONS = {
-    # the preemption advisor's child process; the advisory wing gets one home (issue 33)
-    ("engine_core/preemption_advice.py", "tidal.frontend.tune.advise"),
     # `tidal bench chaos` finds worker processes by their command line to kill them
     ("frontend/bench/chaos.py", "tidal.workers.proc"),
 }
@@ -58,16 +75,33 @@ MAY_LAUNCH = {
     # the engine core starts one worker process per rank, and the GGUF converter, by name
     "engine_core": {"tidal.workers.proc", "tidal.workers.gguf"},
     # `tidal tune profile` times worker steps in a child process that builds the Worker
-    "frontend": {"tidal.workers.step_profile"},
+    "engine_core/advice": {"tidal.workers.step_profile"},
 }
 NEVER = {
     "engine_core": {"torch", "triton"},
+    "engine_core/advice": {"torch", "triton"},
     "ipc": {"torch", "triton"},
 }
 
 
 def _modules(folder: str) -> list[Path]:
-    return sorted((ROOT / folder).rglob("*.py"))
+    """The folder's modules, less those of a subfolder with a row of its own."""
+    inner = [ROOT / f for f in FOLDERS if f.startswith(folder + "/")]
+    return sorted(path for path in (ROOT / folder).rglob("*.py")
+                  if not any(path.is_relative_to(sub) for sub in inner))
+
+
+def _folder_of(name: str) -> tuple[str, str | None] | None:
+    """(folder of the table, the module's first name inside it) of a `tidal.` module, the
+    deepest folder that holds it; None for a module not of ours (or `tidal` itself)."""
+    parts = name.split(".")
+    if parts[0] != "tidal" or len(parts) < 2:
+        return None
+    for depth in range(len(parts) - 1, 0, -1):
+        folder = "/".join(parts[1:depth + 1])
+        if folder in FOLDERS:
+            return folder, (parts[depth + 1] if len(parts) > depth + 1 else None)
+    return None
 
 
 def _package(path: Path) -> list[str]:
@@ -142,20 +176,23 @@ def _violations(folder: str) -> list[str]:
         for line, name, top in _imports(path):
             if (str(where), name) in KNOWN_EXCEPTIONS or name in MAY_LAUNCH.get(folder, ()):
                 continue
-            parts = name.split(".")
-            if parts[0] in NEVER.get(folder, ()):
+            if name.split(".")[0] in NEVER.get(folder, ()):
                 bad.append(f"{where}:{line} imports {name}")
-            elif folder == "frontend" and parts[0] == "torch" and top:
+            elif folder == "frontend" and name.split(".")[0] == "torch" and top:
                 bad.append(f"{where}:{line} imports torch at module level")
-            if parts[0] != "tidal" or len(parts) < 2 or parts[1] == folder:
+            found = _folder_of(name)
+            if found is None or found[0] == folder:
                 continue
-            if parts[1] not in MAY_IMPORT[folder]:
+            target, module = found
+            if target not in MAY_IMPORT[folder]:
                 bad.append(f"{where}:{line} imports {name} ({folder}/ may import "
                            f"{sorted(MAY_IMPORT[folder]) or 'nothing of ours'})")
-            elif ((folder, parts[1]) in ONLY
-                  and (len(parts) < 3 or parts[2] not in ONLY[folder, parts[1]])):
+            elif (folder, target) in ONLY and module not in ONLY[folder, target]:
                 bad.append(f"{where}:{line} imports {name} ({folder}/ takes only "
-                           f"{sorted(ONLY[folder, parts[1]])} of {parts[1]}/)")
+                           f"{sorted(ONLY[folder, target])} of {target}/)")
+            elif WIRED_BY.get((folder, target), str(where)) != str(where):
+                bad.append(f"{where}:{line} imports {name} (only "
+                           f"{WIRED_BY[folder, target]} takes {target}/)")
     return bad
 
 
@@ -172,7 +209,8 @@ def test_the_rule_catches_a_forbidden_import(tmp_path, monkeypatch):
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     assert _violations("engine_core") == [
         "engine_core/bad.py:1 imports torch",
-        "engine_core/bad.py:2 imports tidal.workers.worker (engine_core/ may import ['ipc'])",
+        "engine_core/bad.py:2 imports tidal.workers.worker (engine_core/ may import "
+        "['engine_core/advice', 'ipc'])",
     ]
 
 
@@ -187,9 +225,12 @@ def test_relative_imports_and_launch_strings_are_held_to_the_table(tmp_path, mon
         "cmd = [sys.executable, '-m', 'tidal.frontend.cli']\n")
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     assert _violations("engine_core") == [
-        "engine_core/bad.py:2 imports tidal.frontend (engine_core/ may import ['ipc'])",
-        "engine_core/bad.py:2 imports tidal.frontend.cli (engine_core/ may import ['ipc'])",
-        "engine_core/bad.py:4 imports tidal.frontend.cli (engine_core/ may import ['ipc'])",
+        "engine_core/bad.py:2 imports tidal.frontend (engine_core/ may import "
+        "['engine_core/advice', 'ipc'])",
+        "engine_core/bad.py:2 imports tidal.frontend.cli (engine_core/ may import "
+        "['engine_core/advice', 'ipc'])",
+        "engine_core/bad.py:4 imports tidal.frontend.cli (engine_core/ may import "
+        "['engine_core/advice', 'ipc'])",
     ]
 
 

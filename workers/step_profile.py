@@ -3,8 +3,8 @@ shapes for about --duration seconds and writes what it ran and how long each sha
 
     python -m tidal.workers.step_profile --config B64 --duration S [--seed N] --output FILE
 
-started by the step profile's parent (`frontend/tune/profile.py`, which never imports torch)
-with the environment a serving worker gets (OMP threads, wait policy, core mask) and
+started by the step profile's parent (`engine_core/advice/profile.py`, which never imports
+torch) with the environment a serving worker gets (OMP threads, wait policy, core mask) and
 the msgpack-encoded `WorkerConfig` of rank 0. FILE gets JSON: `{"samples": [...], "facts":
 {...}}`, one sample per shape, each with its first measured step's plan entries as
 `[num_computed_tokens, num_scheduled_tokens, count]` (the parent prices them with the step

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
+from ...engine_core.advice.latency import DEFAULT_PERCENTILES, latency_stats, pct_label
 
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
-DEFAULT_PERCENTILES = (50.0, 90.0, 99.0)
 
 
 @dataclass
@@ -88,26 +87,6 @@ def meets_slos(result: RequestResult, slos: dict[str, float]) -> bool:
     """Whether a successful request met every SLO (ms) in `slos`."""
     measured = {"ttft": result.ttft, "tpot": result.tpot or 0.0, "e2el": result.latency}
     return result.success and all(measured[k] * 1000.0 <= v for k, v in slos.items())
-
-
-def latency_stats(values_s: list[float], name: str,
-                  percentiles: tuple[float, ...] = DEFAULT_PERCENTILES) -> dict[str, float]:
-    """mean/median/std/pXX of `values_s` in ms, keyed `mean_{name}_ms` etc. (0 when empty)."""
-    arr = np.asarray(values_s, dtype=np.float64) * 1000.0
-    if arr.size == 0:
-        arr = np.zeros(1)
-    stats = {
-        f"mean_{name}_ms": float(arr.mean()),
-        f"median_{name}_ms": float(np.median(arr)),
-        f"std_{name}_ms": float(arr.std()),
-    }
-    for p in percentiles:
-        stats[f"p{_pct_label(p)}_{name}_ms"] = float(np.percentile(arr, p))
-    return stats
-
-
-def _pct_label(p: float) -> str:
-    return str(int(p)) if float(p).is_integer() else str(p)
 
 
 def summarize(results: list[RequestResult], duration: float, *,
@@ -214,6 +193,6 @@ def format_report(summary: dict, title: str = "Serving Benchmark Result") -> str
         for p in summary["percentiles"]:
             if p == 50:
                 continue  # the median, printed above
-            row(f"P{_pct_label(p)} {name.upper()} (ms):", summary[f"p{_pct_label(p)}_{name}_ms"])
+            row(f"P{pct_label(p)} {name.upper()} (ms):", summary[f"p{pct_label(p)}_{name}_ms"])
     lines.append("=" * 60)
     return "\n".join(lines)

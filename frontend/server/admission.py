@@ -27,8 +27,8 @@ queued (else a long prompt would get a 503 however often it is retried); vLLM ad
 the queued tokens are under the limit, whatever the new prompt's size.
 
 `--max-queue-delay`: the engine core estimates the wait from the work it has queued
-(`engine_core/queue_estimate.py`, through the step cost model) and reports it in each stats
-snapshot; here the new request's own prompt is added, and what this process admitted since
+(`engine_core/advice/queue_estimate.py`, through the step cost model) and reports it in each
+stats snapshot; here the new request's own prompt is added, and what this process admitted since
 the snapshot's query was sent (other processes' admissions show in the next snapshot):
 
     wait = waited + max(0, est_queue_delay_s - age of the snapshot)

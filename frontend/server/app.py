@@ -73,7 +73,8 @@ class ServerSettings:
     server_index: int = 0
     """This process's index among the `--api-server-count` processes (its slot)."""
     record_trace: tuple[str, bytes] | None = None
-    """(trace file, hash key) from `tidal.frontend.tune.trace.start_recording` (--record-trace)."""
+    """(trace file, hash key) from `tidal.engine_core.advice.trace.start_recording`
+    (--record-trace)."""
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     """Larger request bodies are answered 413 before they are parsed (body_limit.py)."""
 
@@ -207,7 +208,7 @@ def _start_state(app: FastAPI, engine, settings: ServerSettings) -> list[asyncio
     app.state.metrics = metrics
     recorder = None
     if settings.record_trace is not None:
-        from ..tune.trace import TraceRecorder
+        from ...engine_core.advice.trace import TraceRecorder
 
         recorder = TraceRecorder(*settings.record_trace)
     app.state.serving = OpenAIServing(engine, names, admission, metrics, recorder)

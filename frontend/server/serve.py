@@ -364,7 +364,7 @@ class _ProcessTree:
         apply_demo_model_default(self.ns)  # no MODEL: the bundled demo model, "tidal-demo"
         config = config_from_args(self.ns)  # ValueError names the flag
         if config.scheduler.max_queue_delay is not None:
-            from ...engine_core.step_cost import required_profile
+            from ...engine_core.advice.step_cost import required_profile
 
             required_profile(config)  # refused at once, not after the daemon starts
         extra = [] if self.ns.frontend_timeout is None else [
@@ -513,7 +513,7 @@ def _start_recording(path: str | None) -> tuple[str, bytes] | None:
     """--record-trace: the file (created with its header) and the recording's hash key."""
     if not path:
         return None
-    from ..tune.trace import start_recording
+    from ...engine_core.advice.trace import start_recording
 
     try:
         key = start_recording(path)

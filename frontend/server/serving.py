@@ -193,7 +193,7 @@ class OpenAIServing:
         self.admission = admission
         self.metrics = metrics
         self.recorder = recorder
-        """A `tidal.frontend.tune.trace.TraceRecorder` (--record-trace), or None."""
+        """A `tidal.engine_core.advice.trace.TraceRecorder` (--record-trace), or None."""
         self.tokenizer = engine.tokenizer
         self.vocab_size = _vocab_size(self.tokenizer, engine.engine_info)
         self.scheduling_policy = engine.engine_info.scheduling_policy

@@ -1,12 +1,10 @@
-"""`tidal tune`: pick serving settings by simulation.
+"""`tidal tune`: pick serving settings by simulation; the command around the advisory wing
+(`tidal.engine_core.advice`: the step cost model and its profile, traces, the simulator, the
+tuner).
 
-- `profile`: measure one worker step over a grid of shapes and fit the step cost model
-  (`tidal.engine_core.step_cost`).
-- `trace`: request traces (arrival time, prompt and output length, salted prefix block hashes;
-  never text), from `tidal bench` datasets or recorded by `tidal serve --record-trace`.
-- `simulator`: the engine core's own `Scheduler` and block pool driven by a trace on simulated
-  time, step durations from the cost model.
-- `tuner`: a grid search over scheduler and KV-cache settings against latency SLOs.
-- `advise`: the engine core's child process after a spell of preemptions: that traffic
-  replayed as configured and with each change the preemption warning suggests.
+- `cli`: `tidal tune [profile | simulate]`, the command line;
+- `serving_profile`: the serving terms of the step cost model, measured through a real
+  `tidal serve` with the same engine flags;
+- `workload`: a `tidal bench` dataset as a request trace (what `tidal bench serve` would send);
+- `plot`: the search's picture.
 """

@@ -18,14 +18,17 @@ Without MODEL, the bundled demo model.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
 import time
 
+from ...engine_core.advice.step_cost import (
+    StepCostModel, config_profile_key, find_profile, profile_path,
+)
 from ...engine_core.args import add_engine_args, config_from_args, parse_bytes
 from ...engine_core.config import EngineConfig, resolve_max_model_len
-from ...engine_core.step_cost import StepCostModel, config_profile_key, find_profile
 
 DEFAULT_MAX_NUM_SEQS = (16, 32, 64, 128, 256)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = (512, 1024, 2048, 4096, 8192)
@@ -181,7 +184,8 @@ def num_kv_blocks(config: EngineConfig, cost: StepCostModel,
 
 def _trace(ns: argparse.Namespace, config: EngineConfig):
     """(trace, its request rate)."""
-    from .trace import read_trace, trace_from_dataset
+    from ...engine_core.advice.trace import read_trace
+    from .workload import trace_from_dataset
 
     rate = ns.request_rate
     if rate is not None and not rate > 0:
@@ -217,8 +221,35 @@ def _write_json(path: str | None, document: dict) -> None:
 # -- profile ---------------------------------------------------------------------------------
 
 
+def profile(config: EngineConfig, duration_s: float = 60.0, seed: int = 0,
+            output: str | None = None, max_decode_reqs: int | None = None,
+            max_prefill_tokens: int | None = None,
+            serving: bool = True) -> tuple[StepCostModel, str]:
+    """Time worker steps and fit the step cost model (`engine_core/advice/profile.py`); with
+    `serving`, measure its serving terms through a real `tidal serve` with `config` too
+    (`serving_profile.py`); save it. The model, and where it was written."""
+    from ...engine_core.advice.profile import profile_steps
+
+    model = profile_steps(config, duration_s, seed, max_decode_reqs, max_prefill_tokens)
+    if serving:
+        from .serving_profile import measure_serving_terms
+
+        terms = measure_serving_terms(config, model)
+        model = dataclasses.replace(
+            model, request_latency_s=terms.request_latency_s,
+            per_prompt_token_latency_s=terms.per_prompt_token_latency_s,
+            per_step_overhead_s=terms.per_step_overhead_s,
+            per_streamed_token_s=terms.per_streamed_token_s,
+            per_arrival_s=terms.per_arrival_s,
+            per_arrival_prompt_token_s=terms.per_prompt_token_latency_s,
+            info={**model.info, "serving": terms.info})
+    path = output or profile_path(config_profile_key(config))
+    model.save(path)
+    return model, path
+
+
 def run_profile(ns: argparse.Namespace) -> int:
-    from .profile import format_fit, profile
+    from ...engine_core.advice.profile import format_fit
 
     config = _config(ns)
     start = time.monotonic()
@@ -247,7 +278,7 @@ def run_profile(ns: argparse.Namespace) -> int:
 
 def run_simulate(ns: argparse.Namespace) -> int:
     from ..bench.metrics import format_report
-    from .simulator import simulate
+    from ...engine_core.advice.simulator import simulate
 
     config = _config(ns)
     cost, cost_path = _cost_model(config)
@@ -267,7 +298,7 @@ def run_simulate(ns: argparse.Namespace) -> int:
           f"{100 * summary['max_kv_cache_usage']:.0f}%; cost model {cost_path}")
     if ns.plot:
         from .plot import plot_tune
-        from .tuner import SLO, Evaluation, Setting
+        from ...engine_core.advice.tuner import SLO, Evaluation, Setting
 
         s = config.scheduler
         setting = Setting(s.max_num_seqs, s.max_num_batched_tokens, blocks,
@@ -303,8 +334,8 @@ def _choices(text: str, allowed: dict, name: str) -> list:
 
 
 def run_search(ns: argparse.Namespace) -> int:
-    from .simulator import simulate
-    from .tuner import (
+    from ...engine_core.advice.simulator import simulate
+    from ...engine_core.advice.tuner import (
         SLO, evaluations_to_json, format_table, parse_seconds, search, settings_grid,
     )
 

@@ -13,8 +13,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from .simulator import SimResult  # noqa: E402
-from .tuner import SLO, Evaluation  # noqa: E402
+from ...engine_core.advice.simulator import SimResult  # noqa: E402
+from ...engine_core.advice.tuner import SLO, Evaluation  # noqa: E402
 
 
 def _label(e: Evaluation) -> str:

@@ -55,7 +55,7 @@ import numpy as np
 
 from ...engine_core.args import config_to_argv
 from ...engine_core.config import EngineConfig, resolve_max_model_len
-from ...engine_core.step_cost import StepCostModel, chunk_features
+from ...engine_core.advice.step_cost import StepCostModel, chunk_features
 from ...ipc.lifeline import lifeline_fd
 from ...ipc.transport import free_tcp_port
 

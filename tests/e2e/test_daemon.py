@@ -578,7 +578,7 @@ def test_preemptions_bring_the_simulators_prediction_into_the_log(tiny_llama, tm
     """With a step cost model (--step-cost-model) and a KV cache that preempts, the core has
     the simulator replay the traffic once the preempted requests are done: its log gets the
     table and the best change, and the tokens are the reference's all the same."""
-    from tidal.engine_core.step_cost import StepCostModel
+    from tidal.engine_core.advice.step_cost import StepCostModel
 
     cost = tmp_path / "cost.json"
     StepCostModel(0.002, per_prefill_token_s=1e-5, per_decode_req_s=1e-4).save(str(cost))

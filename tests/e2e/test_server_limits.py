@@ -159,7 +159,7 @@ def test_max_queue_delay_refuses_what_the_real_core_prices_over_the_limit(tiny_l
     ~90 tokens is priced ~1.8 s and answered 503 with Retry-After at once (once
     the core's first estimate has reached the HTTP process); short prompts are served after
     it, so the core's step and arrival accounting ran without a fault."""
-    from tidal.engine_core.step_cost import StepCostModel
+    from tidal.engine_core.advice.step_cost import StepCostModel
 
     cost = tmp_path / "cost.json"
     StepCostModel(0.001, per_prefill_token_s=0.020, per_arrival_s=0.005).save(str(cost))

@@ -1,5 +1,5 @@
 """After a spell of preemptions the engine core has the simulator replay the traffic that
-caused it (engine_core/preemption_advice.py): which requests go in, when, and how the
+caused it (engine_core/advice/preemption_advice.py): which requests go in, when, and how the
 prediction reaches the warnings that follow."""
 
 import logging
@@ -7,11 +7,11 @@ import tempfile
 import time
 
 from sched_utils import FakeWorker, make_request, make_scheduler, step
-from tidal.engine_core import preemption_advice
-from tidal.engine_core.preemption_advice import (
+from tidal.engine_core.advice import preemption_advice
+from tidal.engine_core.advice.preemption_advice import (
     PreemptionAdvisor, RecentRequests, window_request,
 )
-from tidal.engine_core.step_cost import StepCostModel
+from tidal.engine_core.advice.step_cost import StepCostModel
 
 LOGGER = "tidal.test.advice"
 

@@ -5,8 +5,8 @@ decode. Arithmetic in each docstring."""
 import pytest
 from sched_utils import FakeWorker, make_request, make_scheduler, step
 
-from tidal.engine_core.queue_estimate import QueueDelayEstimator
-from tidal.engine_core.step_cost import StepCostModel
+from tidal.engine_core.advice.queue_estimate import QueueDelayEstimator
+from tidal.engine_core.advice.step_cost import StepCostModel
 
 COST = StepCostModel(0.010, per_prefill_token_s=0.001, per_decode_req_s=0.002)
 
@@ -98,7 +98,7 @@ def test_steps_slower_than_their_price_raise_the_estimate():
     the next step is timed (the requests that came in while it ran are read after it); two
     are not enough to go by (the estimate stays the model's); the median takes no notice of
     one outlier."""
-    from tidal.engine_core.queue_estimate import SLOWDOWN_WINDOW
+    from tidal.engine_core.advice.queue_estimate import SLOWDOWN_WINDOW
 
     other = make_scheduler(max_num_batched_tokens=1000)
     other.add(make_request("measured", 100))
@@ -133,7 +133,7 @@ def test_the_intake_of_arriving_requests_slows_the_steps_ahead():
     110 + 55 ms while ten such requests came in (read after it) ran at its price with their
     intake charged (10 * 5.5 ms): a ratio of 1, where without the intake it would have
     counted as 1.5x."""
-    from tidal.engine_core.queue_estimate import ARRIVAL_WINDOW_S, SLOWDOWN_MIN_STEPS
+    from tidal.engine_core.advice.queue_estimate import ARRIVAL_WINDOW_S, SLOWDOWN_MIN_STEPS
 
     burst = QueueDelayEstimator(StepCostModel(0.010, per_arrival_s=0.005,
                                               per_arrival_prompt_token_s=0.00001))
@@ -186,7 +186,7 @@ def test_the_flag_is_refused_without_a_step_cost_model(tiny_llama, tmp_path, mon
     and says how to make one; with the file `tidal tune profile` would write, it starts the
     estimator; an explicit --step-cost-model wins."""
     from tidal.engine_core.daemon import EXIT_BAD_START, EngineCoreDaemon, _queue_estimator
-    from tidal.engine_core.step_cost import config_profile_key, profile_path
+    from tidal.engine_core.advice.step_cost import config_profile_key, profile_path
 
     monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
     config = _config(tiny_llama, max_queue_delay=2.0)

@@ -1,4 +1,4 @@
-"""The preemption advisor (frontend/tune/advise.py): the engine core's window replayed as
+"""The preemption advisor (engine_core/advice/advise.py): the engine core's window replayed as
 configured and with each change the warning suggests; worked out by hand (block size 16,
 every step 10 ms, as in test_simulator's preemption case)."""
 
@@ -8,8 +8,8 @@ import sys
 import msgspec
 
 from tidal.engine_core.config import encode_engine_config
-from tidal.engine_core.step_cost import StepCostModel
-from tidal.frontend.tune.advise import advise, changes, trace_hashes
+from tidal.engine_core.advice.advise import advise, changes, trace_hashes
+from tidal.engine_core.advice.step_cost import StepCostModel
 from tidal.ipc.advice import PreemptionPrediction, PreemptionWindow, WindowRequest
 
 from test_simulator import config
@@ -103,7 +103,7 @@ def test_runs_as_the_engine_cores_child_process(tmp_path):
     """The engine core's way in: a window file, the prediction as msgpack on stdout."""
     path = tmp_path / "window.msgpack"
     path.write_bytes(msgspec.msgpack.encode(_window(tmp_path, num_unfinished=1)))
-    done = subprocess.run([sys.executable, "-m", "tidal.frontend.tune.advise", str(path)],
+    done = subprocess.run([sys.executable, "-m", "tidal.engine_core.advice.advise", str(path)],
                           capture_output=True, timeout=120)
     assert done.returncode == 0, done.stderr.decode()
     prediction = msgspec.msgpack.decode(done.stdout, type=PreemptionPrediction)
@@ -114,7 +114,7 @@ def test_runs_as_the_engine_cores_child_process(tmp_path):
 def test_a_bad_window_file_exits_2_with_a_message(tmp_path):
     path = tmp_path / "window.msgpack"
     path.write_bytes(b"not msgpack")
-    done = subprocess.run([sys.executable, "-m", "tidal.frontend.tune.advise", str(path)],
+    done = subprocess.run([sys.executable, "-m", "tidal.engine_core.advice.advise", str(path)],
                           capture_output=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.decode().startswith("preemption advisor:")

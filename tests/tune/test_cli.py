@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tidal.engine_core.step_cost import StepCostModel
+from tidal.engine_core.advice.step_cost import StepCostModel
 from tidal.frontend.cli import main as tidal_main
 
 
@@ -58,7 +58,7 @@ def test_a_missing_profile_says_how_to_make_one(tmp_path, monkeypatch, capsys):
 
 
 def test_a_recorded_trace_is_rescaled_to_the_requested_rate(cost_file, tmp_path, capsys):
-    from tidal.frontend.tune.trace import Trace, TraceRequest, trace_header, write_trace
+    from tidal.engine_core.advice.trace import Trace, TraceRequest, trace_header, write_trace
 
     path = str(tmp_path / "t.jsonl")
     write_trace(path, Trace([TraceRequest(10.0 + i, 64, 8) for i in range(11)],

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from tidal.engine_core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from tidal.engine_core.step_cost import StepCostModel
-from tidal.frontend.tune.simulator import Simulator, simulate
-from tidal.frontend.tune.trace import Trace, TraceRequest
+from tidal.engine_core.advice.simulator import Simulator, simulate
+from tidal.engine_core.advice.step_cost import StepCostModel
+from tidal.engine_core.advice.trace import Trace, TraceRequest
 
 
 def config(*, max_num_seqs=8, max_num_batched_tokens=2048, async_scheduling=False,

@@ -5,12 +5,13 @@ import stat
 
 import pytest
 
+from tidal.engine_core.advice.trace import (
+    Trace, TraceRecorder, TraceRequest, block_hashes, read_trace, start_recording, trace_header,
+    write_trace,
+)
 from tidal.frontend.bench.datasets import DatasetConfig, build_dataset
 from tidal.frontend.bench.serve import arrival_gaps
-from tidal.frontend.tune.trace import (
-    Trace, TraceRecorder, TraceRequest, block_hashes, read_trace, start_recording,
-    trace_from_dataset, trace_header, write_trace,
-)
+from tidal.frontend.tune.workload import trace_from_dataset
 
 
 def test_write_then_read_gives_the_same_trace(tmp_path):

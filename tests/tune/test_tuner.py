@@ -5,15 +5,15 @@ import random
 import numpy as np
 import pytest
 
+from tidal.engine_core.advice.profile import fit_cost_model
+from tidal.engine_core.advice.step_cost import FEATURES, StepCostModel
+from tidal.engine_core.advice.trace import Trace, TraceRequest
+from tidal.engine_core.advice.tuner import (
+    SLO, Evaluation, Setting, format_table, parse_seconds, rank, search, settings_grid,
+)
 from tidal.engine_core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from tidal.engine_core.step_cost import FEATURES, StepCostModel
-from tidal.frontend.tune.profile import fit_cost_model
 from tidal.frontend.tune.serving_profile import (
     arrival_excess, fit_arrival_term, fit_latency_terms, fit_step_terms,
-)
-from tidal.frontend.tune.trace import Trace, TraceRequest
-from tidal.frontend.tune.tuner import (
-    SLO, Evaluation, Setting, format_table, parse_seconds, rank, search, settings_grid,
 )
 
 BASE = EngineConfig(model=ModelConfig("unused"), cache=CacheConfig(block_size=16),
@@ -141,7 +141,7 @@ def test_a_backlog_growing_through_the_trace_does_not_meet_the_slo():
     small; at 150 it grows through all 200 arrivals (and drains after them), yet with no
     queue (256 slots) TTFT and ITL stay far inside loose limits: only the backlog test
     tells the overload apart."""
-    from tidal.frontend.tune.simulator import simulate
+    from tidal.engine_core.advice.simulator import simulate
 
     config = Setting(256, 4096, 1000).engine_config(BASE)
     cost = StepCostModel(0.0, per_decode_req_s=0.001, per_prefill_token_s=1e-5)

@@ -440,7 +440,7 @@ def test_queue_delay_burst_every_request_gets_an_answer(tokenizer, monkeypatch):
 def test_record_trace_writes_one_line_per_completion(tokenizer, tmp_path):
     """Two requests, one with n=2: three trace lines with the prompt's length and hashes, the
     output length and why it ended; a client that leaves is recorded as an abort. No text."""
-    from tidal.frontend.tune.trace import read_trace, start_recording
+    from tidal.engine_core.advice.trace import read_trace, start_recording
 
     path = str(tmp_path / "trace.jsonl")
     settings = ServerSettings(record_trace=(path, start_recording(path)))

@@ -38,17 +38,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...engine_core.config import EngineConfig
-from ...engine_core.request import Request
-from ...engine_core.scheduler import Scheduler
-from ...engine_core.step_cost import StepCostModel
-from ...ipc.messages import BatchPlan, SampledTokens, SamplingParams, pack_token_ids
+from ..config import EngineConfig
+from ..request import Request
+from ..scheduler import Scheduler
+from .latency import DEFAULT_PERCENTILES, latency_stats
+from .step_cost import StepCostModel
 from .trace import Trace
+from ...ipc.messages import BatchPlan, SampledTokens, SamplingParams, pack_token_ids
 
 _TOKEN = pack_token_ids([1])
 """The token every simulated step samples."""
 _CLIENT = "sim"
-PERCENTILES = (50.0, 90.0, 99.0)
 
 
 @dataclass
@@ -70,10 +70,8 @@ class SimResult:
     timeline: dict = field(default_factory=dict)
     """Lists per step: time, num_running, num_waiting, kv_cache_usage."""
 
-    def summary(self, percentiles=PERCENTILES) -> dict:
+    def summary(self, percentiles=DEFAULT_PERCENTILES) -> dict:
         """The numbers `tidal bench serve` reports, under the same keys (ms, tok/s)."""
-        from ..bench.metrics import latency_stats
-
         done = ~np.isnan(self.finish)
         duration = float(np.nanmax(self.finish)) if done.any() else 0.0
         ttft = (self.first_token - self.arrival)[done]

@@ -9,10 +9,11 @@ that arrived by then and was unfinished at any time since LOOKBACK_S before the 
 once they have all finished (or FINISH_WAIT_S later), the core writes them as a
 `PreemptionWindow` (ipc/messages.py: lengths, the prefix cache's block hashes and the times
 of first token and finish, never tokens) to a file and starts
-`python -m tidal.frontend.tune.advise FILE`: the simulator runs in its own process (at nice
-10, seconds of CPU), never in the step loop, and the engine core imports nothing of it. When
-the child answers, the core logs its table and quotes its summary in the preemption warnings
-that follow (`PreemptionLog.set_prediction`). At most one simulation per ADVICE_INTERVAL_S.
+`python -m tidal.engine_core.advice.advise FILE`: the simulator runs in its own process (at
+nice 10, seconds of CPU), never in the step loop, and the engine core imports nothing of it.
+When the child answers, the core logs its table and quotes its summary in the preemption
+warnings that follow (`PreemptionLog.set_prediction`). At most one simulation per
+ADVICE_INTERVAL_S.
 
 Why a window around the spell: preemptions come from the KV cache the running requests hold,
 so the requests that were running before the first preemption matter as much as those that
@@ -33,12 +34,12 @@ from collections import deque
 
 import msgspec
 
-from .config import EngineConfig, encode_engine_config
-from .preemption_log import PreemptionLog
-from .request import Request
-from .scheduler import Scheduler
+from ..config import EngineConfig, encode_engine_config
+from ..preemption_log import PreemptionLog
+from ..request import Request
+from ..scheduler import Scheduler
 from .step_cost import StepCostModel, find_profile
-from ..ipc.advice import PreemptionPrediction, PreemptionWindow, WindowRequest
+from ...ipc.advice import PreemptionPrediction, PreemptionWindow, WindowRequest
 
 LOOKBACK_S = 60.0
 """Seconds before a spell's first preemption whose requests the window includes."""
@@ -58,7 +59,7 @@ POLL_S = 0.5
 """The daemon loop calls `poll` every iteration; it does its work at most this often."""
 MAX_FINISHED = 50_000
 """Most finished requests remembered (about 200 bytes each, plus 8 per prompt block)."""
-ADVISOR_MODULE = "tidal.frontend.tune.advise"
+ADVISOR_MODULE = "tidal.engine_core.advice.advise"
 
 
 def window_request(request: Request, block_size: int) -> WindowRequest:

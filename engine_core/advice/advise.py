@@ -1,9 +1,9 @@
 """What the simulator predicts after a spell of preemptions: the engine core's traffic replayed
 as configured and with each flag change its preemption warning suggests.
 
-    python -m tidal.frontend.tune.advise WINDOW_FILE
+    python -m tidal.engine_core.advice.advise WINDOW_FILE
 
-The engine core starts this process (`engine_core/preemption_advice.py`) with a
+The engine core starts this process (`engine_core/advice/preemption_advice.py`) with a
 `PreemptionWindow` (msgpack) in WINDOW_FILE: the requests it saw around the preemptions, its
 config, its KV block count and the step cost model file. The answer, a `PreemptionPrediction`
 (msgpack), goes to stdout; the core quotes its summary in the preemption warnings that follow.
@@ -43,8 +43,8 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from ...engine_core.config import EngineConfig, decode_engine_config
-from ...engine_core.step_cost import StepCostModel
+from ..config import EngineConfig, decode_engine_config
+from .step_cost import StepCostModel
 from .simulator import simulate
 from .trace import TRACE_BLOCK_TOKENS, Trace, TraceRequest, normalized
 from .tuner import format_bytes
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     """Read the window file, write the prediction to stdout; 2 on a bad window."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m tidal.frontend.tune.advise WINDOW_FILE", file=sys.stderr)
+        print("usage: python -m tidal.engine_core.advice.advise WINDOW_FILE", file=sys.stderr)
         return 2
     try:
         os.nice(NICE)

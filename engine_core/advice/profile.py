@@ -1,4 +1,4 @@
-"""`tidal tune profile MODEL [engine flags]`: measure worker steps, fit the step cost model.
+"""The step cost model measured: worker steps timed in a child process, the formula fitted.
 
     parent (no torch)                          child: python -m tidal.workers.step_profile
     engine flags -> WorkerConfig  ── spawn ──► Worker(config) of rank 0: load, KV cache, then
@@ -6,11 +6,11 @@
     OMP threads, wait policy, core mask)       shapes fed as BatchPlans, time each `execute`
     features of each shape's plan entries ◄─ JSON ── (plan entries, seconds) per shape
     fit the formulas (least squares)
-    save the best to the cache folder
 
 How the shapes are drawn and timed is the child's (`workers/step_profile.py`); what a step's
 features are is the step cost model's (`chunk_features`), applied here to the plan entries
-the child reports.
+the child reports. `tidal tune profile` (`frontend/tune/cli.py`) adds the serving terms it
+measures through a real server (`frontend/tune/serving_profile.py`) and saves the model.
 
 Candidate formulas, each least squares on relative residuals (a 5 ms step counts as much as a
 500 ms one) with coefficients kept non-negative (a term that would fit negative is dropped):
@@ -36,11 +36,9 @@ import time
 
 import numpy as np
 
-from ...engine_core.config import EngineConfig, resolve_max_model_len
-from ...engine_core.cpu_threads import worker_env
-from ...engine_core.step_cost import (
-    FEATURES, StepCostModel, chunk_features, config_profile_key, profile_path,
-)
+from ..config import EngineConfig, resolve_max_model_len
+from ..cpu_threads import worker_env
+from .step_cost import FEATURES, StepCostModel, chunk_features, config_profile_key
 
 MEASURING_MODULE = "tidal.workers.step_profile"
 """The child process that builds the Worker and times the shapes."""
@@ -53,49 +51,33 @@ CANDIDATES = {
 _TIE = 0.01  # a smaller formula within this much CV error of the best is preferred
 
 
-# -- the parent: spawn, fit, save -----------------------------------------------------------
+# -- the parent: spawn and fit ----------------------------------------------------------------
 
 
-def profile(config: EngineConfig, duration_s: float = 60.0, seed: int = 0,
-            output: str | None = None, max_decode_reqs: int | None = None,
-            max_prefill_tokens: int | None = None,
-            serving: bool = True) -> tuple[StepCostModel, str]:
-    """Measure, fit and save; returns the model and where it was written. `serving`: then
-    measure the serving terms through a real `tidal serve` with `config` too
-    (`serving_profile.py`)."""
+def profile_steps(config: EngineConfig, duration_s: float = 60.0, seed: int = 0,
+                  max_decode_reqs: int | None = None,
+                  max_prefill_tokens: int | None = None) -> StepCostModel:
+    """Time worker steps of `config` for about `duration_s` seconds (at most
+    `max_decode_reqs` decodes and `max_prefill_tokens` prompt tokens a step, else the config's
+    limits) and fit the step cost model (no serving terms)."""
     if config.parallel.tensor_parallel_size != 1:
         raise ValueError("tensor_parallel_size: tidal tune profile measures one rank; TP > 1 "
                          "is not supported yet")
     if duration_s <= 0:
         raise ValueError(f"duration must be positive, got {duration_s}")
     max_model_len = resolve_max_model_len(config)
-    served_config, sched = config, config.scheduler
+    sched = config.scheduler
     config = dataclasses.replace(config, scheduler=dataclasses.replace(
         sched, max_num_seqs=max_decode_reqs or sched.max_num_seqs,
         max_num_batched_tokens=max(max_prefill_tokens or sched.max_num_batched_tokens,
                                    max_decode_reqs or sched.max_num_seqs)))
     worker_config = config.worker_config(0, max_model_len, "")
     samples, facts = _run_child(worker_config, duration_s, seed)
-    model = fit_cost_model(samples, info={
+    return fit_cost_model(samples, info={
         **facts, "key": config_profile_key(config), "max_model_len": max_model_len,
         "max_decode_reqs": config.scheduler.max_num_seqs,
         "max_prefill_tokens": config.scheduler.max_num_batched_tokens,
         "duration_s": duration_s, "created": time.time()})
-    if serving:
-        from .serving_profile import measure_serving_terms
-
-        terms = measure_serving_terms(served_config, model)
-        model = dataclasses.replace(
-            model, request_latency_s=terms.request_latency_s,
-            per_prompt_token_latency_s=terms.per_prompt_token_latency_s,
-            per_step_overhead_s=terms.per_step_overhead_s,
-            per_streamed_token_s=terms.per_streamed_token_s,
-            per_arrival_s=terms.per_arrival_s,
-            per_arrival_prompt_token_s=terms.per_prompt_token_latency_s,
-            info={**model.info, "serving": terms.info})
-    path = output or profile_path(config_profile_key(config))
-    model.save(path)
-    return model, path
 
 
 def _run_child(worker_config, duration_s: float, seed: int) -> tuple[list[dict], dict]:

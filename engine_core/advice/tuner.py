@@ -28,8 +28,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from ...engine_core.config import EngineConfig, check_lengths
-from ...engine_core.step_cost import StepCostModel
+from ..config import EngineConfig, check_lengths
+from .step_cost import StepCostModel
 from .simulator import simulate
 from .trace import Trace
 

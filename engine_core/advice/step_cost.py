@@ -35,10 +35,10 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, replace
 
-from .config import EngineConfig
-from .cpu_threads import parse_cpu_affinity, worker_threads
-from ..ipc.messages import BatchPlan
-from ..ipc.paths import cache_dir
+from ..config import EngineConfig
+from ..cpu_threads import parse_cpu_affinity, worker_threads
+from ...ipc.messages import BatchPlan
+from ...ipc.paths import cache_dir
 
 FEATURES = ("prefill_tokens", "decode_reqs", "decode_context_tokens", "prefill_attention_pairs")
 """The features of a step, in coefficient order (after the intercept)."""

@@ -30,7 +30,6 @@ import os
 import struct
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -237,33 +236,3 @@ class TraceRecorder:
 def new_hash_key() -> bytes:
     """A random key for one recording (never written to the trace)."""
     return os.urandom(16)
-
-
-# -- from tidal bench datasets --------------------------------------------------------------------
-
-
-def trace_from_dataset(dataset_config, request_rate: float, burstiness: float = 1.0,
-                       seed: int = 0, tokenizer=None) -> Trace:
-    """The workload `tidal bench serve` sends with the same dataset flags, seed, rate and
-    burstiness: the same lengths, the same arrival times (its Gamma gaps), and prefix sharing
-    from the prompts' token ids (or words, without a tokenizer)."""
-    from ..bench.datasets import build_dataset
-    from ..bench.serve import arrival_gaps
-
-    bench_requests = build_dataset(dataset_config, tokenizer)
-    gaps = arrival_gaps(len(bench_requests), request_rate, burstiness, seed)
-    key = new_hash_key()
-    requests, t = [], 0.0
-    for request, gap in zip(bench_requests, gaps):
-        t += gap
-        ids = request.prompt_token_ids
-        if ids is None:  # words stand for tokens (prompt_len is their count)
-            ids = [zlib.crc32(w.encode()) for w in request.prompt.split()]
-        requests.append(TraceRequest(t, request.prompt_len, request.output_len,
-                                     block_hashes(ids, key)))
-    header = trace_header(f"tidal bench dataset {dataset_config.name}",
-                          request_rate=None if request_rate == float("inf") else request_rate,
-                          burstiness=burstiness, seed=seed,
-                          dataset={k: v for k, v in vars(dataset_config).items()})
-    trace = Trace(requests, header)  # already sorted; the first gap is kept, as in bench serve
-    return trace
