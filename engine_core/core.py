@@ -11,18 +11,25 @@ theirs. Plans leave the deque in the order they entered it, which is the order t
 answer them.
 
 The daemon (`daemon.py`) owns the IO around it: frontends, signals, heartbeats, worker
-healing (`drop_in_flight` and a fresh executor) and the progress log. The one clock here is
-injected with `on_step`, an observer told each plan's service time as its tokens arrive
-(the `--max-queue-delay` estimate compares it with the step cost model's).
+healing (`drop_in_flight` and a fresh executor) and the progress log.
+
+Whatever watches the loop without steering it is an `EngineObserver`, the one interface the
+core offers: told each request added, each preemption, each plan's time at the workers, each
+stats snapshot going out (to add to it) and each turn of the daemon's loop, on the core's
+clock (injected: a test's is virtual). The advisory wing's queue estimate and preemption
+advisor are observers (`advice/observers.py`, which the daemon calls once to build them); the
+core knows none of them.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
+from .request import Request
 from .scheduler import Outputs, Scheduler
-from ..ipc.messages import BatchPlan, SampledTokens
+from ..ipc.messages import BatchPlan, SampledTokens, SchedulerStats
 
 if TYPE_CHECKING:
     import zmq
@@ -55,6 +62,34 @@ class Executor(Protocol):
         """Stop every worker at once (after a failure); idempotent."""
 
 
+class EngineObserver(Protocol):
+    """Told what the step loop does; nothing it says goes back into the loop. Every event
+    carries the core's clock. Subclass it and override what you need: the rest are no-ops."""
+
+    def attach(self, scheduler: Scheduler) -> None:
+        """The loop starts over `scheduler` (its KV blocks known: the workers are up)."""
+
+    def request_added(self, request: Request, now: float) -> None:
+        """The scheduler took `request`."""
+
+    def preempted(self, num_requests: int, now: float) -> None:
+        """Planning a step preempted `num_requests` running requests."""
+
+    def step_ran(self, plan: BatchPlan, seconds: float, now: float) -> None:
+        """`plan`'s tokens arrived, `seconds` after the later of its submission and the
+        previous plan's tokens (its own time at the workers, when several are in flight).
+        Not told of a plan that only drops requests or polls grammars."""
+
+    def stats(self, stats: SchedulerStats, now: float) -> None:
+        """A stats snapshot is going out: fill in what this observer estimates."""
+
+    def tick(self, now: float) -> None:
+        """The daemon's loop went round (about once a second at least, idle or not)."""
+
+    def close(self) -> None:
+        """The engine core is stopping: end whatever this observer started."""
+
+
 def make_executor(config: EngineConfig, max_model_len: int, ctx: zmq.Context | None = None,
                   **options) -> MultiprocExecutor:
     """The executor `config.parallel.distributed_executor_backend` names, not yet started:
@@ -75,26 +110,53 @@ class EngineCore:
     """Schedules, submits and collects plans, up to `depth` of them in flight."""
 
     def __init__(self, scheduler: Scheduler, executor: Executor, depth: int,
-                 on_step: Callable[[BatchPlan, float], None] | None = None,
-                 clock: Callable[[], float] | None = None) -> None:
+                 observers: Sequence[EngineObserver] = (),
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if depth < 1:
             raise ValueError(f"depth must be at least 1, got {depth}")
-        if (on_step is None) != (clock is None):
-            raise ValueError("on_step and clock come together")
         self.scheduler = scheduler
         self.executor = executor
         self.depth = depth
         self.in_flight: deque[BatchPlan] = deque()  # submitted, not yet updated; oldest first
-        self.on_step = on_step
-        """Told (plan, seconds) as each plan's tokens arrive: the seconds from the later of
-        its submission and the previous plan's tokens (its own time at the workers, when
-        several are in flight) to its own tokens."""
+        self.observers = list(observers)
         self.clock = clock
+        for observer in self.observers:
+            observer.attach(scheduler)
         self._submitted: deque[float] = deque()  # clock() at each in-flight plan's submit
         self._last_collected = float("-inf")
         self.stalled = False
         """The last step had nothing to run and nothing in flight (every waiting request
         lacks blocks, say): the caller should wait for news rather than spin."""
+
+    def add(self, request: Request) -> None:
+        """Queue `request` (the scheduler's checks may raise ValueError: then nobody is
+        told)."""
+        self.scheduler.add(request)
+        if self.observers:
+            now = self.clock()
+            for observer in self.observers:
+                observer.request_added(request, now)
+
+    def stats(self) -> SchedulerStats:
+        """The scheduler's snapshot, with what the observers estimate."""
+        stats = self.scheduler.stats()
+        if self.observers:
+            now = self.clock()
+            for observer in self.observers:
+                observer.stats(stats, now)
+        return stats
+
+    def tick(self) -> None:
+        """Tell the observers the daemon's loop went round."""
+        if self.observers:
+            now = self.clock()
+            for observer in self.observers:
+                observer.tick(now)
+
+    def close(self) -> None:
+        """Tell the observers the core is stopping."""
+        for observer in self.observers:
+            observer.close()
 
     def has_work(self) -> bool:
         """Plans in flight or unfinished requests: `step()` has something to do."""
@@ -109,12 +171,16 @@ class EngineCore:
         """
         self.stalled = False
         if len(self.in_flight) < self.depth and self.scheduler.has_unfinished_requests():
+            num_preemptions = self.scheduler.num_preemptions
             plan = self.scheduler.schedule()
+            if self.observers and self.scheduler.num_preemptions > num_preemptions:
+                now = self.clock()
+                for observer in self.observers:
+                    observer.preempted(self.scheduler.num_preemptions - num_preemptions, now)
             if has_work(plan):
                 self.executor.submit(plan)
                 self.in_flight.append(plan)
-                if self.clock is not None:
-                    self._submitted.append(self.clock())
+                self._submitted.append(self.clock())
                 if len(self.in_flight) < self.depth:
                     return {}  # room for another plan before waiting on a result
             else:  # nothing runnable now: wait for the plans in flight, if any
@@ -125,12 +191,12 @@ class EngineCore:
         if sampled is None:
             return None
         plan = self.in_flight.popleft()
-        if self.on_step is not None:
-            now = self.clock()
-            submitted = self._submitted.popleft()
-            if plan.total_num_scheduled_tokens:  # not a plan that only drops or polls
-                self.on_step(plan, now - max(submitted, self._last_collected))
-            self._last_collected = now
+        now = self.clock()
+        submitted = self._submitted.popleft()
+        if plan.total_num_scheduled_tokens:  # not a plan that only drops or polls
+            for observer in self.observers:
+                observer.step_ran(plan, now - max(submitted, self._last_collected), now)
+        self._last_collected = now
         return self.scheduler.update(plan, sampled)
 
     def replace_executor(self, executor: Executor) -> None:

@@ -44,6 +44,7 @@ import time
 
 import zmq
 
+from .advice.observers import observers_for
 from .args import add_engine_args, config_from_args
 from .config import (
     EngineConfig,
@@ -54,13 +55,10 @@ from .core import EngineCore, Executor, make_executor
 from .executor import WorkerError, WorkerFacts
 from .frontend_port import FrontendPort
 from .model_files import model_folder
-from .advice.preemption_advice import PreemptionAdvisor, advisor_for
 from .progress_log import ProgressLog
-from .advice.queue_estimate import QueueDelayEstimator
 from .request import Request, check_request
 from .scheduler import Scheduler
 from ..ipc.lifeline import watch_parent
-from .advice.step_cost import StepCostModel, required_profile
 from .stop_signals import StopSignals
 from .supervisor import Supervisor
 from ..ipc.messages import AddRequest, EngineCoreOutput, EngineDead, EngineInfo
@@ -109,8 +107,6 @@ class EngineCoreDaemon:
         self.first_start_s = 0.0  # how long the first start of the workers took
         self.executor = self.scheduler = self.info = None
         self.core: EngineCore | None = None  # the step loop, once the workers are up
-        self.queue_estimator: QueueDelayEstimator | None = None  # with --max-queue-delay
-        self.advisor: PreemptionAdvisor | None = None  # with a step cost model
         self.vocab_size = 0  # the model's, reported by the workers at start-up
         self.model_dir = config.model.model  # the folder loaded (a GGUF file's: converted)
         self.progress = ProgressLog(logger)
@@ -142,7 +138,7 @@ class EngineCoreDaemon:
         try:
             if not is_gguf(self.config.model.model):  # a bad folder fails before binding
                 resolve_max_model_len(self.config)
-            self.queue_estimator = _queue_estimator(self.config)
+            observers = observers_for(self.config, logger)  # the advisory wing's, §8
             self.port.bind()
         except (ValueError, OSError) as e:
             logger.error("cannot start: %s", e)
@@ -159,11 +155,7 @@ class EngineCoreDaemon:
             self.first_start_s = time.monotonic() - started
             self.scheduler = Scheduler(self.config, facts.num_kv_blocks, facts.max_model_len)
             self.depth = self.config.pipeline_depth(facts.device)
-            on_step = clock = None
-            if self.queue_estimator is not None:  # steps timed against the cost model
-                on_step, clock = self.queue_estimator.note_step, time.monotonic
-            self.core = EngineCore(self.scheduler, self.executor, self.depth, on_step, clock)
-            self.advisor = advisor_for(self.config, self.scheduler, logger)
+            self.core = EngineCore(self.scheduler, self.executor, self.depth, observers)
         except InterruptedError:
             self.port.fail_start(f"engine core stopped during start-up: {self.stop_reason}")
             return EXIT_OK
@@ -231,8 +223,7 @@ class EngineCoreDaemon:
                     self._drain_frontends(block=self._is_idle())
                     self.port.expire_silent()
                     self.progress.tick(self.scheduler.stats)
-                    if self.advisor is not None:
-                        self.advisor.poll(self.scheduler.num_preemptions, time.monotonic())
+                    self.core.tick()
                     if self.stop_reason is None:
                         self._step()
                 except WorkerError as e:
@@ -289,15 +280,10 @@ class EngineCoreDaemon:
         return max(HEAL_MIN_STARTUP_S, 5 * self.first_start_s)
 
     def _stats(self):
-        """The scheduler's snapshot, with the restarts this core made and, with
-        --max-queue-delay, the estimate of a new request's wait."""
-        stats = self.scheduler.stats()
+        """The scheduler's snapshot, with what the observers estimate (with --max-queue-delay,
+        a new request's wait) and the restarts this core made."""
+        stats = self.core.stats()
         stats.num_worker_restarts = self.workers.budget.total
-        if self.queue_estimator is not None:
-            est = self.queue_estimator.estimate(self.scheduler, time.monotonic())
-            stats.est_queue_delay_s = est.queue_delay_s
-            stats.est_s_per_prompt_token = est.s_per_prompt_token
-            stats.est_s_per_queued_request = est.s_per_queued_request
         return stats
 
     def _fail_everything(self, reason: str) -> None:
@@ -307,8 +293,8 @@ class EngineCoreDaemon:
             self.port.broadcast(EngineDead(reason))
 
     def _close(self) -> None:
-        if self.advisor is not None:
-            self.advisor.close()
+        if self.core is not None:
+            self.core.close()  # the observers: a simulation still running is stopped
         if self.executor is not None:
             self.executor.kill()
         self.port.close()  # linger: queued EngineDead / outputs still go out
@@ -346,14 +332,9 @@ class EngineCoreDaemon:
             request = Request.from_add(msg, client_id)
             check_request(request, self.vocab_size, self.config.scheduler.scheduling_policy,
                           self.config.model.structured_outputs_max_bytes)
-            self.scheduler.add(request)
+            self.core.add(request)
         except ValueError as e:  # it never reaches the scheduler or a worker
             self.port.refuse(client_id, msg.req_id, str(e))
-            return
-        if self.queue_estimator is not None:  # its intake slows the steps meanwhile
-            self.queue_estimator.note_arrival(request.num_prompt_tokens, time.monotonic())
-        if self.advisor is not None:
-            self.advisor.added(request)
 
     def abort(self, client_id: str, req_ids: list[str]) -> None:
         """Abort the sender's own requests among `req_ids`; other ids are ignored."""
@@ -396,19 +377,6 @@ class EngineCoreDaemon:
             # The scheduler had nothing to run (say, every waiting request lacks blocks):
             # wait briefly for a frontend instead of spinning.
             self._drain_frontends(block=True, max_wait=0.05)
-
-
-def _queue_estimator(config: EngineConfig) -> QueueDelayEstimator | None:
-    """With --max-queue-delay, the estimator over the step cost model; ValueError when there
-    is no cost model (the flag is refused rather than guessed: a step time is a property of
-    the machine and model that no built-in constant gets right)."""
-    if config.scheduler.max_queue_delay is None:
-        return None
-    path = required_profile(config)
-    model = StepCostModel.load(path)
-    logger.info("--max-queue-delay %gs: step cost model %s (%s)",
-                config.scheduler.max_queue_delay, path, model.formula())
-    return QueueDelayEstimator(model)
 
 
 # ---------------------------------------------------------------------------------------------

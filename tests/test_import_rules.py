@@ -6,7 +6,8 @@ module is imported), so a forbidden import fails here before it can blur a folde
     engine_core/         ipc; engine_core/advice (observers, in the  never torch (nor triton)
                          daemon alone)
     engine_core/advice/  ipc, engine_core (config, scheduler,        never torch (nor triton)
-                         request, preemption log, CPU threads)
+                         request, preemption log, CPU threads,
+                         the observer interface)
     workers/             ipc, kernels                                -
     kernels/             ipc (its paths module alone)                -
     frontend/            ipc, engine_core (config and launching),    never torch at module level
@@ -51,13 +52,15 @@ ONLY = {
         "launcher",  # launching: a private engine core (or -dp router) for a frontend
         "supervisor",  # launching: the restart rule every supervisor of a child applies
     },
-    # the daemon uses the advisory wing (WIRED_BY below)
-    ("engine_core", "engine_core/advice"): {"preemption_advice", "queue_estimate", "step_cost"},
+    # the step loop offers observers one interface (core.py's EngineObserver); the daemon
+    # builds the advisory wing's once (WIRED_BY below)
+    ("engine_core", "engine_core/advice"): {"observers"},
     # the advisory wing prices steps and replays the scheduler: the engine core's config, its
     # scheduler and requests (the simulator runs them), the preemption log (where advice is
-    # quoted) and the CPU threads a worker gets (a cost model's key, a profile's child)
+    # quoted), the CPU threads a worker gets (a cost model's key, a profile's child) and the
+    # observer interface of the step loop (core.py)
     ("engine_core/advice", "engine_core"): {
-        "config", "cpu_threads", "preemption_log", "request", "scheduler",
+        "config", "core", "cpu_threads", "preemption_log", "request", "scheduler",
     },
     # the cache folder's rule (ipc/paths.py, standard library only), written once: the C
     # kernels' builds live there; kernels/ imports nothing else of ours

@@ -1,17 +1,17 @@
 """After a spell of preemptions, what the simulator predicts for the traffic that caused it.
 
 With a step cost model for this model and machine (`tidal tune profile`, or
-`--step-cost-model`), the engine core keeps the requests it saw lately (`RecentRequests`:
-references to the `Request` objects, nothing copied while they run). A spell starts at the
-first preemption seen; it ends once QUIET_S have passed without one and no request it
-preempted is still unfinished, or MAX_SPELL_S after it began. Its window is every request
-that arrived by then and was unfinished at any time since LOOKBACK_S before the spell began;
-once they have all finished (or FINISH_WAIT_S later), the core writes them as a
-`PreemptionWindow` (ipc/messages.py: lengths, the prefix cache's block hashes and the times
-of first token and finish, never tokens) to a file and starts
+`--step-cost-model`), the advisor observes the engine core (`observers.py`) and keeps the
+requests it saw lately (`RecentRequests`: references to the `Request` objects, nothing copied
+while they run). A spell starts at the first preemption seen; it ends once QUIET_S have passed
+without one and no request it preempted is still unfinished, or MAX_SPELL_S after it began.
+Its window is every request that arrived by then and was unfinished at any time since
+LOOKBACK_S before the spell began; once they have all finished (or FINISH_WAIT_S later), the
+advisor writes them as a `PreemptionWindow` (ipc/advice.py: lengths, the prefix cache's block
+hashes and the times of first token and finish, never tokens) to a file and starts
 `python -m tidal.engine_core.advice.advise FILE`: the simulator runs in its own process (at
 nice 10, seconds of CPU), never in the step loop, and the engine core imports nothing of it.
-When the child answers, the core logs its table and quotes its summary in the preemption
+When the child answers, the advisor logs its table and quotes its summary in the preemption
 warnings that follow (`PreemptionLog.set_prediction`). At most one simulation per
 ADVICE_INTERVAL_S.
 
@@ -37,8 +37,6 @@ import msgspec
 from ..config import EngineConfig, encode_engine_config
 from ..preemption_log import PreemptionLog
 from ..request import Request
-from ..scheduler import Scheduler
-from .step_cost import StepCostModel, find_profile
 from ...ipc.advice import PreemptionPrediction, PreemptionWindow, WindowRequest
 
 LOOKBACK_S = 60.0
@@ -56,7 +54,8 @@ ADVICE_INTERVAL_S = 300.0
 CHILD_TIMEOUT_S = 300.0
 """A simulation not done by then is killed (and said so)."""
 POLL_S = 0.5
-"""The daemon loop calls `poll` every iteration; it does its work at most this often."""
+"""`poll` is called on every turn of the daemon's loop (`observers.py`); it does its work at
+most this often."""
 MAX_FINISHED = 50_000
 """Most finished requests remembered (about 200 bytes each, plus 8 per prompt block)."""
 ADVISOR_MODULE = "tidal.engine_core.advice.advise"
@@ -256,20 +255,3 @@ class PreemptionAdvisor:
     def close(self) -> None:
         """Stop a simulation still running; remove its file."""
         self._end_child()
-
-
-def advisor_for(config: EngineConfig, scheduler: Scheduler,
-                logger: logging.Logger) -> PreemptionAdvisor | None:
-    """With a step cost model for this config, the advisor over `scheduler`; else None (the
-    preemption warning then says how to get one). A model file the simulator could not read
-    is said at once, not after the first spell."""
-    path = find_profile(config)
-    if path is None:
-        return None
-    try:
-        StepCostModel.load(path)
-    except ValueError as e:
-        logger.warning("no simulation after preemptions: %s", e)
-        return None
-    return PreemptionAdvisor(config, scheduler.num_kv_blocks, scheduler.max_model_len, path,
-                             scheduler.preemption_log, logger)

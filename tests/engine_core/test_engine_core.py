@@ -7,7 +7,7 @@ import pytest
 from fake_executor import FakeExecutor
 from sched_utils import FakeWorker, make_request, make_scheduler, output_tokens, reference_tokens
 
-from tidal.engine_core.core import EngineCore
+from tidal.engine_core.core import EngineCore, EngineObserver
 
 
 @pytest.fixture(autouse=True)
@@ -86,8 +86,40 @@ def test_pipeline_keeps_both_stages_busy():
     assert max(utilization[1]) < 0.55, utilization
 
 
+class Recorder(EngineObserver):
+    """Every event, in order: (name, detail)."""
+
+    def __init__(self) -> None:
+        self.events = []
+
+    def attach(self, scheduler):
+        self.events.append(("attach", scheduler))
+
+    def request_added(self, request, now):
+        self.events.append(("added", request.req_id))
+
+    def preempted(self, num_requests, now):
+        self.events.append(("preempted", num_requests))
+
+    def step_ran(self, plan, seconds, now):
+        self.events.append(("step", (plan.step_id, seconds, now)))
+
+    def stats(self, stats, now):
+        stats.est_queue_delay_s = 7.0
+        self.events.append(("stats", now))
+
+    def tick(self, now):
+        self.events.append(("tick", now))
+
+    def close(self):
+        self.events.append(("close", None))
+
+    def named(self, name):
+        return [detail for event, detail in self.events if event == name]
+
+
 def test_each_plans_time_at_the_workers_is_reported():
-    """`on_step` hears (plan, seconds) as each plan's tokens arrive, in the core's clock: a
+    """An observer hears (plan, seconds) as each plan's tokens arrive, in the core's clock: a
     plan's own time at the workers, from the later of its submission and the previous plan's
     tokens. Sync: each plan runs 1 s after its submission. With async scheduling two plans are
     in flight and the second is submitted when the first is, but its own time still counts
@@ -95,17 +127,46 @@ def test_each_plans_time_at_the_workers_is_reported():
     for async_scheduling in (False, True):
         sched = make_scheduler(async_scheduling=async_scheduling)
         executor = FakeExecutor(FakeWorker(16), stage_latency=1.0)
-        seen = []
-        core = EngineCore(sched, executor, sched.config.pipeline_depth("cpu"),
-                          on_step=lambda plan, s: seen.append((plan.step_id, s)),
+        recorder = Recorder()
+        core = EngineCore(sched, executor, sched.config.pipeline_depth("cpu"), [recorder],
                           clock=lambda: executor.now)
-        sched.add(make_request("a", 20, max_tokens=4))
+        core.add(make_request("a", 20, max_tokens=4))
         _run(core, ["a"])
-        assert [s for _, s in seen] == [1.0] * 4
-        assert [i for i, _ in seen] == sorted(i for i, _ in seen)
+        steps = recorder.named("step")
+        assert [s for _, s, _ in steps] == [1.0] * 4
+        assert [i for i, _, _ in steps] == sorted(i for i, _, _ in steps)
 
 
-def test_an_observer_needs_a_clock():
+def test_observers_hear_the_loop_and_add_to_its_stats():
+    """The one observer interface: attached to the scheduler once, told each request added,
+    the preemptions of each plan (they add up to the scheduler's count), each tick; a stats
+    snapshot carries what they fill in; close when the core stops. A request the scheduler
+    refuses is not told."""
+    sched = make_scheduler(num_blocks=11, max_model_len=160, max_num_batched_tokens=512)
+    executor = FakeExecutor(FakeWorker(16), stage_latency=0.5)
+    recorder = Recorder()
+    core = EngineCore(sched, executor, 1, [recorder], clock=lambda: executor.now)
+    assert recorder.events == [("attach", sched)]
+    for i in range(3):  # 50-token prompts in 10 usable blocks: they preempt each other
+        core.add(make_request(i, 50, max_tokens=60))
+    with pytest.raises(ValueError):
+        core.add(make_request(0, 50))  # a duplicate id
+    _run(core, ["0", "1", "2"])
+    core.tick()
+    assert core.stats().est_queue_delay_s == 7.0
+    core.close()
+    assert recorder.named("added") == ["0", "1", "2"]
+    assert sched.num_preemptions > 0
+    assert sum(recorder.named("preempted")) == sched.num_preemptions
+    assert recorder.named("tick") == recorder.named("stats") == [executor.now]
+    assert recorder.events[-1] == ("close", None)
+
+
+def test_without_observers_the_core_runs_alone():
     sched = make_scheduler()
-    with pytest.raises(ValueError, match="come together"):
-        EngineCore(sched, FakeExecutor(FakeWorker(16)), 1, on_step=lambda plan, s: None)
+    core = EngineCore(sched, FakeExecutor(FakeWorker(16)), 1)
+    core.add(make_request("a", 20, max_tokens=3))
+    assert len(_run(core, ["a"])["a"]) == 3
+    core.tick()
+    core.close()
+    assert core.stats().est_queue_delay_s == 0.0

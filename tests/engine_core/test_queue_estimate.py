@@ -2,6 +2,8 @@
 Scheduler with a fabricated step cost model: t = 10 ms + 1 ms per prompt token + 2 ms per
 decode. Arithmetic in each docstring."""
 
+import logging
+
 import pytest
 from sched_utils import FakeWorker, make_request, make_scheduler, step
 
@@ -185,7 +187,11 @@ def test_the_flag_is_refused_without_a_step_cost_model(tiny_llama, tmp_path, mon
     """No profile cached for this model and machine: the engine core does not start (exit 2)
     and says how to make one; with the file `tidal tune profile` would write, it starts the
     estimator; an explicit --step-cost-model wins."""
-    from tidal.engine_core.daemon import EXIT_BAD_START, EngineCoreDaemon, _queue_estimator
+    from tidal.engine_core.advice.observers import queue_estimator
+    from tidal.engine_core.daemon import EXIT_BAD_START, EngineCoreDaemon
+
+    def _queue_estimator(config):
+        return queue_estimator(config, logging.getLogger("tidal.test"))
     from tidal.engine_core.advice.step_cost import config_profile_key, profile_path
 
     monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
