@@ -1,12 +1,14 @@
 """`tidal serve` flags: engine flags and server flags on one parser, validated early."""
 
 import argparse
+from types import SimpleNamespace
 
 import pytest
 
+from tidal.engine_core.supervisor import Supervisor
 from tidal.frontend.server.serve import (
     EXIT_NOT_STARTED, _api_key, _check_args, _hold_metrics_dir, _remove_metrics_dir_if_last,
-    _Supervisor, add_serve_args, bind_socket,
+    _MAX_RESTARTS, _RESTART_WINDOW_S, _ProcessTree, add_serve_args, bind_socket,
 )
 
 
@@ -65,25 +67,45 @@ def test_bind_socket_on_a_free_port():
 
 
 class _ExitedProcess:
+    """An HTTP process that has ended, as `_HttpProcess` shows one to its Supervisor."""
+
     def __init__(self, exitcode):
-        self.exitcode, self.pid, self.name = exitcode, 4242, "tidal-http-0"
+        self.proc = SimpleNamespace(exitcode=exitcode, pid=4242)
+
+    def alive(self) -> bool:
+        return self.proc.exitcode is None
+
+    def kill(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def failure_message(self, what: str) -> str:
+        return f"{what} (exit status {self.proc.exitcode})"
 
 
-def test_a_dead_http_process_is_restarted_but_not_forever(monkeypatch):
+def test_a_dead_http_process_is_restarted_but_not_forever():
     """Killed: started again under its index, its admission slot zeroed; a 6th death within
     a minute, or a process that never started, stops the server instead."""
-    sup = _Supervisor(parse("--api-server-count", "2"))
-    sup._spawn_args = (None, None, [3, 5])  # spec, socket, admission slots
+    tree = _ProcessTree(parse("--api-server-count", "2"))
+    tree._spawn_args = (None, None, [3, 5])  # spec, socket, admission slots
     spawned = []
-    monkeypatch.setattr(sup, "_spawn", lambda index: spawned.append(index) or
-                        _ExitedProcess(-9))
-    sup.procs = [_ExitedProcess(-9), _ExitedProcess(None)]
+
+    def server(index: int, exitcode) -> Supervisor:
+        supervisor = Supervisor(f"HTTP server tidal-http-{index}",
+                                lambda: spawned.append(index) or _ExitedProcess(-9),
+                                _MAX_RESTARTS, window_s=_RESTART_WINDOW_S)
+        supervisor.child = _ExitedProcess(exitcode)
+        return supervisor
+
+    tree.servers = [server(0, -9), server(1, None)]
     for _ in range(5):
-        assert sup._restart(0)
-    assert spawned == [0] * 5 and sup._spawn_args[2] == [0, 5]
-    assert not sup._restart(0)
-    sup.procs[1] = _ExitedProcess(EXIT_NOT_STARTED)
-    assert not sup._restart(1)
+        assert tree._restart_server(0)
+    assert spawned == [0] * 5 and tree._spawn_args[2] == [0, 5]
+    assert not tree._restart_server(0)
+    tree.servers[1].child = _ExitedProcess(EXIT_NOT_STARTED)
+    assert not tree._restart_server(1)
 
 
 def test_the_last_http_process_out_removes_the_metrics_folder(tmp_path, monkeypatch):
