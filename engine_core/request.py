@@ -22,9 +22,9 @@ from ..ipc.messages import (
     PromptLogprobs,
     SamplingParams,
     check_priority,
-    check_structured_outputs,
     unpack_token_ids,
 )
+from ..ipc.grammar import check_structured_outputs
 
 
 class RequestStatus(enum.IntEnum):

@@ -56,7 +56,6 @@ logger = logging.getLogger("tidal.engine_core.scheduler")
 
 _pack_one = struct.Struct("<i").pack
 _RUNNING = RequestStatus.RUNNING
-_AWAITING = RequestStatus.WAITING_FOR_GRAMMAR
 
 Outputs = dict[str, list[EngineCoreOutput]]
 """client_id -> outputs for that frontend, in order."""
@@ -107,9 +106,8 @@ class Scheduler:
         """Requests sent back to waiting outside schedule() (prefix-cache reset)."""
         self.awaiting_grammar: dict[str, Request] = {}
         """req_id -> constrained requests whose grammar the workers compile, in arrival order
-        (in neither queue until it compiled)."""
-        self._grammars_to_send: list[Request] = []
-        """Requests whose grammar the next plan sends to the workers."""
+        (in neither queue until it compiled); those whose `grammar_sent` is False go out
+        in the next plan."""
         self._next_step_id = 1
         self._num_added = 0
         self.clock = time.monotonic
@@ -167,7 +165,6 @@ class Scheduler:
         grammar, which the next plan sends them."""
         request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.awaiting_grammar[request.req_id] = request
-        self._grammars_to_send.append(request)
 
     def _grammars_ready(self, req_ids: list[str]) -> None:
         """Constrained requests whose grammar compiled join the waiting queue."""
@@ -450,12 +447,11 @@ class Scheduler:
     def _take_grammars(self) -> list[GrammarToCompile]:
         """The grammars the workers have not been sent, of requests still waiting for them."""
         jobs = []
-        for request in self._grammars_to_send:
-            if request.status is _AWAITING and not request.grammar_sent:
+        for request in self.awaiting_grammar.values():
+            if not request.grammar_sent:
                 request.grammar_sent = True
                 jobs.append(GrammarToCompile(request.req_id,
                                              request.sampling.structured_outputs))
-        self._grammars_to_send = []
         return jobs
 
     # -- update -------------------------------------------------------------------------------
@@ -622,7 +618,6 @@ class Scheduler:
                        if r.sampling.structured_outputs is not None]
         self.waiting.remove_many(constrained)
         self.awaiting_grammar.clear()
-        self._grammars_to_send = []
         for request in sorted(constrained, key=lambda r: r.arrival_seq):
             request.grammar_sent = False
             self._await_grammar(request)

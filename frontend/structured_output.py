@@ -18,15 +18,14 @@ HTTP fields, each mapped onto one `StructuredOutputsParams` (more than one is a 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import os
 import threading
 import time
 from typing import Any
 
-from ..ipc.messages import (
-    EngineInfo, SamplingParams, StructuredOutputsParams, check_structured_outputs,
+from ..ipc.grammar import (
+    CompileTimer, check_structured_outputs, compile_threads, make_compiler, timeout_error,
 )
+from ..ipc.messages import EngineInfo, SamplingParams, StructuredOutputsParams
 
 POLL_S = 0.05
 """How often a check looks at its compile's CPU time."""
@@ -55,8 +54,7 @@ class GrammarChecker:
         self.eos_token_id = eos_token_id
         self._compiler = None
         self._lock = threading.Lock()
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            COMPILE_THREADS, "grammar-check", initializer=_lower_thread_priority)
+        self._pool = compile_threads(COMPILE_THREADS, "grammar-check")
 
     def check(self, params: SamplingParams) -> None:
         """ValueError naming the field ("structured_outputs.json does not compile: ...") when
@@ -68,11 +66,10 @@ class GrammarChecker:
             return
         check_structured_outputs(params, self.eos_token_id, self.max_bytes)
         compiler = self._get_compiler()  # its first load does not count against the timeout
-        clock: list[int] = []  # the compile thread's CPU-time clock and its start reading
+        timer = CompileTimer()
 
         def compile_it():
-            cpu = time.pthread_getcpuclockid(threading.get_ident())
-            clock.extend((cpu, time.clock_gettime(cpu)))
+            timer.start()
             return spec.compile_with(compiler)
 
         future = self._pool.submit(compile_it)
@@ -83,33 +80,20 @@ class GrammarChecker:
                 return
             except concurrent.futures.TimeoutError:
                 pass
-            if not clock and time.monotonic() - queued_since > self.compile_timeout:
+            if not timer.started and time.monotonic() - queued_since > self.compile_timeout:
                 if future.cancel():
                     raise ValueError(f"structured_outputs.{spec.kind} could not start compiling "
                                      f"within {self.compile_timeout:g} s: every grammar-compile "
                                      "thread is busy with earlier constraints; retry later")
-            elif clock and time.clock_gettime(clock[0]) - clock[1] > self.compile_timeout:
-                raise ValueError(f"structured_outputs.{spec.kind} did not compile within "
-                                 f"{self.compile_timeout:g} s of CPU time "
-                                 "(--structured-outputs-compile-timeout)")
+            elif timer.seconds() > self.compile_timeout:
+                raise ValueError(timeout_error(spec, self.compile_timeout))
 
     def _get_compiler(self):
         with self._lock:
             if self._compiler is None:
-                import xgrammar
-
                 vocab_size = max(self.vocab_size, len(self.tokenizer))
-                info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer,
-                                                               vocab_size=vocab_size)
-                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1,
-                                                          cache_limit_bytes=self.cache_bytes)
+                self._compiler = make_compiler(self.tokenizer, vocab_size, self.cache_bytes)
             return self._compiler
-
-
-def _lower_thread_priority() -> None:
-    """Compile threads run at nice 10, behind the event loop (as the workers' do)."""
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 
 
 def from_request_fields(fields: dict[str, Any]) -> tuple[StructuredOutputsParams | None,

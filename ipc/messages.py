@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import enum
 import json
-import re
 import sys
 from array import array
 from typing import Union
 
 import msgspec
+
+from .grammar import TOO_DEEP, compile_constraint
 
 _STRUCT = dict(array_like=True, omit_defaults=True, gc=False)
 
@@ -100,8 +101,7 @@ class StructuredOutputsParams(msgspec.Struct, **_STRUCT):
             try:
                 self.json = json.dumps(self.json)
             except RecursionError:
-                raise ValueError(f"structured_outputs.json nests deeper than "
-                                 f"{MAX_SCHEMA_DEPTH} levels of JSON objects and arrays") from None
+                raise ValueError(TOO_DEEP) from None
         given = [name for name in ("json", "regex", "choice", "grammar")
                  if getattr(self, name) is not None] + (["json_object"] if self.json_object
                                                         else [])
@@ -131,78 +131,9 @@ class StructuredOutputsParams(msgspec.Struct, **_STRUCT):
         return len(text.encode("utf-8", "surrogatepass"))
 
     def compile_with(self, compiler):
-        """The xgrammar `CompiledGrammar` of this constraint, from an `xgrammar.GrammarCompiler`
-        (whose cache makes a repeated constraint free). ValueError naming the field when it
-        does not compile. (This module does not import xgrammar: it imports torch, and the
-        engine core never does.)"""
-        try:
-            if self.json is not None or self.json_object:
-                schema = self.json if self.json is not None else '{"type": "object"}'
-                return compiler.compile_json_schema(
-                    schema, any_whitespace=not self.disable_any_whitespace)
-            if self.regex is not None:
-                return compiler.compile_regex(self.regex)
-            if self.choice is not None:
-                return compiler.compile_regex("|".join(_regex_literal(c) for c in self.choice))
-            return compiler.compile_grammar(self.grammar)
-        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar: the input is bad
-            raise ValueError(f"structured_outputs.{self.kind} does not compile: "
-                             f"{_xgrammar_message(e)}") from None
-
-
-MAX_SCHEMA_DEPTH = 128
-"""The deepest nesting of JSON objects and arrays a schema's text may have. xgrammar's compile
-time grows faster than linearly with it (on this project's 2-core VM and a 95-token
-vocabulary: 100 nested object schemas, 201 levels of JSON, 0.6 s; 300 of them, 13 s), while
-real schemas stay within a few dozen levels (OpenAI's structured outputs allow 10 levels of
-nested objects)."""
-
-
-def _json_depth(text: str) -> int:
-    """The deepest nesting of objects and arrays in JSON `text`, brackets inside strings
-    aside (the text is not parsed: a schema that is not JSON is xgrammar's to refuse)."""
-    depth = deepest = 0
-    for bracket in _BRACKETS.findall(_JSON_STRING.sub("", text)):
-        depth += 1 if bracket in "[{" else -1
-        deepest = max(deepest, depth)
-    return deepest
-
-
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
-_BRACKETS = re.compile(r"[\[\]{}]")
-
-
-def check_structured_outputs(sampling: "SamplingParams", eos_token_id: int | None,
-                             max_bytes: int) -> None:
-    """ValueError naming the field for a constraint the engine must not take: one larger than
-    `max_bytes` (`--structured-outputs-max-bytes`), or one with no token to stop on (no EOS,
-    and no stop_token_ids: a complete grammar would allow nothing at all).
-    Checked by the frontend and again by the engine core, before anything compiles it."""
-    spec = sampling.structured_outputs
-    if spec is None:
-        return
-    if spec.num_bytes > max_bytes:
-        raise ValueError(f"structured_outputs.{spec.kind} is {spec.num_bytes} bytes, over the "
-                         f"limit of {max_bytes} (--structured-outputs-max-bytes)")
-    if spec.json is not None and _json_depth(spec.json) > MAX_SCHEMA_DEPTH:
-        raise ValueError(f"structured_outputs.json nests deeper than {MAX_SCHEMA_DEPTH} levels "
-                         "of JSON objects and arrays")
-    if eos_token_id is None and not sampling.stop_token_ids:  # (ignore_eos: SamplingParams)
-        raise ValueError("structured_outputs needs a token to stop on: the model declares no "
-                         "EOS token and stop_token_ids is empty; give stop_token_ids")
-
-
-def _regex_literal(text: str) -> str:
-    """`text` as a regex matching exactly it (xgrammar's regex dialect: ECMAScript)."""
-    return "".join("\\" + c if c in r"\^$.|?*+()[]{}/-" else c for c in text)
-
-
-def _xgrammar_message(error: Exception) -> str:
-    """xgrammar's error without its C++ log prefix ("[10:00:00] /project/cpp/x.cc:12: ")."""
-    lines = [line for line in str(error).strip().splitlines() if line.strip()]
-    text = lines[0] if lines else type(error).__name__
-    text = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text)
-    return text.replace("Check failed: (error.empty()) is false: ", "")
+        """The xgrammar `CompiledGrammar` of this constraint (`grammar.compile_constraint`);
+        ValueError naming the field when it does not compile."""
+        return compile_constraint(self, compiler)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -38,13 +38,12 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-import threading
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from ..ipc.grammar import CompileTimer, compile_threads, make_compiler, timeout_error
 from ..ipc.messages import GrammarToCompile, RequestFailure, StructuredOutputsParams
 from .persistent_batch import BadRequestData
 
@@ -65,8 +64,7 @@ class _Compile:
 
     spec: StructuredOutputsParams
     future: concurrent.futures.Future | None = None
-    clock: int | None = None  # the compile thread's CPU-time clock, once it began
-    started: float = 0.0  # that clock's reading when it began
+    timer: CompileTimer = field(default_factory=CompileTimer)  # CPU seconds once it began
     reported: bool = False  # `poll` has said how it ended
     error: str | None = None  # why it failed (a compile error, or the timeout)
 
@@ -95,12 +93,8 @@ class StructuredOutputs:
 
     def compiler(self):
         if self._compiler is None:
-            import xgrammar
-
             tokenizer = _load_tokenizer(self.tokenizer_path)
-            info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1,
-                                                      cache_limit_bytes=self.cache_bytes)
+            self._compiler = make_compiler(tokenizer, self.vocab_size, self.cache_bytes)
         return self._compiler
 
     # -- compiles, off the step path ----------------------------------------------------------
@@ -108,8 +102,7 @@ class StructuredOutputs:
     def start(self, jobs: list[GrammarToCompile]) -> None:
         """Begin compiling each job's grammar on the compile thread; return at once."""
         if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(
-                1, "grammar-compile", initializer=lower_thread_priority)
+            self._pool = compile_threads(1, "grammar-compile")
         for job in jobs:
             c = _Compile(job.spec)
             c.future = self._pool.submit(self._compile, c)
@@ -120,9 +113,7 @@ class StructuredOutputs:
         the wait for the thread and the compiler's first load: a busy machine (the thread runs
         at nice 10) slows a compile without bringing it nearer its timeout."""
         compiler = self.compiler()
-        clock = time.pthread_getcpuclockid(threading.get_ident())
-        c.started = time.clock_gettime(clock)
-        c.clock = clock
+        c.timer.start()
         return c.spec.compile_with(compiler)
 
     def pending(self) -> bool:
@@ -146,10 +137,8 @@ class StructuredOutputs:
                 else:
                     c.error = str(error) if isinstance(error, ValueError) else (
                         f"structured_outputs.{c.spec.kind} does not compile: {error}")
-            elif c.clock is not None and _cpu_seconds(c) > self.compile_timeout:
-                c.error = (f"structured_outputs.{c.spec.kind} did not compile within "
-                           f"{self.compile_timeout:g} s of CPU time "
-                           "(--structured-outputs-compile-timeout)")
+            elif c.timer.seconds() > self.compile_timeout:
+                c.error = timeout_error(c.spec, self.compile_timeout)
             else:
                 continue
             c.reported = True
@@ -229,24 +218,6 @@ class StructuredOutputs:
                 logger.error("request %r sampled token %d outside its grammar; it goes on "
                              "unconstrained", req_id, token)
                 self.matchers.pop(req_id)
-
-
-def _cpu_seconds(c: _Compile) -> float:
-    """CPU seconds the compile thread spent on `c` so far (on the next one, once it ended)."""
-    try:
-        return time.clock_gettime(c.clock) - c.started
-    except OSError:  # the thread is gone
-        return 0.0
-
-
-def lower_thread_priority() -> None:
-    """Run the calling thread at nice 10 (Linux schedules threads apart): on a machine whose
-    cores the step loop already fills, a compile takes what the steps leave rather than half
-    of it. Ignored where the OS does not allow it."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-    except (AttributeError, OSError):
-        pass
 
 
 def _load_tokenizer(path: str):
