@@ -158,23 +158,32 @@ def test_token_limit_gets_503_and_frees_at_the_first_token(tokenizer):
     wait for their first token a third gets 503 (counted under its reason); once the first
     tokens are back (the requests still decode) the next one is admitted. The limit comes
     from the engine (EngineInfo), as --max-num-queued-tokens sets it."""
-    engine = FakeEngine(tokenizer, token_delay=0.3, max_num_queued_tokens=50)
+    engine = FakeEngine(tokenizer, token_delay=1.0, max_num_queued_tokens=50)
     prompt = list(range(30, 50))
+
+    async def until(condition, timeout=5.0):
+        # Polls rather than sleeping a fixed time: a loaded CI machine may take longer than
+        # a tenth of a second to admit two requests.
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not condition():
+            assert asyncio.get_running_loop().time() < deadline, "condition never held"
+            await asyncio.sleep(0.01)
 
     async def body(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
             running = [asyncio.ensure_future(client.post(
                 "/v1/completions", json={"prompt": prompt, "max_tokens": 3})) for _ in range(2)]
-            await asyncio.sleep(0.1)  # both admitted, neither has its first token (0.3 s)
-            assert app.state.serving.admission.num_our_tokens() == 40
+            admission = app.state.serving.admission
+            # Both admitted; neither has its first token (1 s).
+            await until(lambda: admission.num_ours() == 2)
+            assert admission.num_our_tokens() == 40
             third = await client.post("/v1/completions", json={"prompt": prompt,
                                                                 "max_tokens": 1})
             assert third.status_code == 503, third.text
             assert "prefill token backlog" in third.json()["error"]["message"]
-            await asyncio.sleep(0.4)  # first tokens are back; the two still decode
-            assert app.state.serving.admission.num_our_tokens() == 0
-            assert app.state.serving.admission.num_ours() == 2
+            await until(lambda: admission.num_our_tokens() == 0)  # first tokens are back
+            assert admission.num_ours() == 2  # the two still decode
             fourth = await client.post("/v1/completions", json={"prompt": prompt,
                                                                  "max_tokens": 1})
             assert fourth.status_code == 200, fourth.text
