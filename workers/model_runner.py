@@ -51,7 +51,7 @@ from .cuda_graphs import DecodeGraphs
 from .distributed import PipelineParallel
 from .host_memory import commit_pages
 from .layers import kv_heads_per_rank
-from .models.llama import LlamaForCausalLM, ModelArgs
+from .models import CausalLM, ModelConfig
 from .persistent_batch import BadRequestData, PersistentBatch
 from .sampler import Sampler, SamplerOutput, SamplingBatch, token_logprobs
 from .structured_output import POLL_WAIT, StructuredOutputs
@@ -106,7 +106,7 @@ class ModelRunner:
     """Owns the model, its KV cache tensors, the persistent batch and the sampler; prepares
     the attention backend's plan once per step."""
 
-    def __init__(self, config: WorkerConfig, model: LlamaForCausalLM, args: ModelArgs,
+    def __init__(self, config: WorkerConfig, model: CausalLM, args: ModelConfig,
                  device: torch.device, dtype: torch.dtype, attention_backend: AttentionBackend,
                  pp: PipelineParallel = PipelineParallel()):
         self.config, self.model, self.args = config, model, args

@@ -22,7 +22,7 @@ from ..kernels.cpu.ops import log_cpu_ops, select_cpu_ops
 from .distributed import destroy_distributed, init_distributed
 from .loader import load_weights, read_config, resolve_model_path
 from .model_runner import ModelRunner
-from .models.llama import build_model, parse_model_args
+from .models import build_model, parse_model_args
 
 logger = logging.getLogger(__name__)
 

@@ -53,7 +53,8 @@ def test_missing_config(folder):
 
 def test_unknown_architecture(folder):
     _edit_config(folder, architectures=["GPT2LMHeadModel"])
-    with pytest.raises(ValueError, match=r"unknown architecture \['GPT2LMHeadModel'\]"):
+    with pytest.raises(ValueError, match="architecture GPT2LMHeadModel is not supported by "
+                                         "tidal; supported: LlamaForCausalLM"):
         _load(folder)
 
 

@@ -92,13 +92,15 @@ class ModelArgs:
                 f"set max_model_len <= {self.sliding_window}")
 
 
-def parse_model_args(config: dict) -> ModelArgs:
-    """Build `ModelArgs` from config.json contents; ValueError naming any bad field."""
-    archs = config.get("architectures") or []
-    arch = next((a for a in archs if a in ARCHITECTURES), None)
+def parse_model_args(config: dict, arch: str | None = None) -> ModelArgs:
+    """Build `ModelArgs` from config.json contents for `arch` (by default the first of
+    its `architectures` this family implements); ValueError naming any bad field."""
     if arch is None:
-        raise ValueError(f"unknown architecture {archs or '(none in config.json)'}; "
-                         f"supported: {', '.join(ARCHITECTURES)}")
+        archs = config.get("architectures") or []
+        arch = next((a for a in archs if a in ARCHITECTURES), None)
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"architecture {arch or '(none in config.json)'} is not a Llama-"
+                         f"family one ({', '.join(ARCHITECTURES)})")
     flavour = ARCHITECTURES[arch]
     _check_unsupported(config)
     required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
