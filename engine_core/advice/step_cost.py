@@ -229,11 +229,13 @@ class StepCostModel:
 
 
 def profile_key(model: str, dtype: str, device: str, tensor_parallel_size: int,
-                threads: int, attention_backend: str) -> dict:
-    """What a step's time depends on besides its shape: the profile's cache key."""
+                threads: int, attention_backend: str, cpu_kernels: str = "auto") -> dict:
+    """What a step's time depends on besides its shape: the profile's cache key. The CPU
+    ops (`--cpu-kernels`) change a float32 step's time by 1.2-2x at batch 1-8, so a profile
+    taken with torch's ops is not the one for the C kernels."""
     return {"model": os.path.realpath(model), "dtype": dtype, "device": device,
             "tensor_parallel_size": tensor_parallel_size, "threads": threads,
-            "attention_backend": attention_backend}
+            "attention_backend": attention_backend, "cpu_kernels": cpu_kernels}
 
 
 def profile_path(key: dict, directory: str | None = None) -> str:
@@ -251,13 +253,13 @@ def config_profile_key(config: EngineConfig) -> dict:
     threads = worker_threads(p.cpu_threads, affinity[0] if affinity else None,
                              p.tensor_parallel_size, dict(os.environ))
     return profile_key(config.model.model, config.model.dtype, p.device, p.tensor_parallel_size,
-                       threads, p.attention_backend)
+                       threads, p.attention_backend, p.cpu_kernels)
 
 
 def find_profile(config: EngineConfig) -> str | None:
     """The step cost model for this config: `--step-cost-model` if given, else the cached
-    profile `tidal tune profile` wrote for the same model, dtype, device, TP, threads and
-    attention backend, else None."""
+    profile `tidal tune profile` wrote for the same model, dtype, device, TP, threads,
+    attention backend and CPU ops, else None."""
     if config.scheduler.step_cost_model:
         return config.scheduler.step_cost_model
     path = profile_path(config_profile_key(config))

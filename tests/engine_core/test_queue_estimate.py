@@ -207,3 +207,16 @@ def test_the_flag_is_refused_without_a_step_cost_model(tiny_llama, tmp_path, mon
     mine = _config(tiny_llama, max_queue_delay=2.0, step_cost_model=str(tmp_path / "mine.json"))
     assert _queue_estimator(mine).cost_model == other
     assert _queue_estimator(_config(tiny_llama)) is None  # the flag is off
+
+
+def test_a_profile_is_kept_per_cpu_ops_choice(tiny_llama):
+    """A profile taken with torch's ops (--cpu-kernels torch) is not found for the C kernels:
+    the CPU ops are part of the profile's key."""
+    from tidal.engine_core.advice.step_cost import config_profile_key, profile_path
+    from tidal.engine_core.config import EngineConfig, ModelConfig, ParallelConfig
+
+    ours = _config(tiny_llama)
+    torch_ops = EngineConfig(model=ModelConfig(tiny_llama),
+                             parallel=ParallelConfig(cpu_kernels="torch"))
+    assert config_profile_key(ours)["cpu_kernels"] == "auto"
+    assert profile_path(config_profile_key(ours)) != profile_path(config_profile_key(torch_ops))
