@@ -23,8 +23,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .config import (
-    ATTENTION_BACKENDS, DEVICES, EXECUTOR_BACKENDS, SCHEDULING_POLICIES, CacheConfig,
-    EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, decode_engine_config,
+    ATTENTION_BACKENDS, CONVERTS, DEVICES, EXECUTOR_BACKENDS, RUNNERS, SCHEDULING_POLICIES,
+    CacheConfig,
+    EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+    decode_engine_config,
 )
 
 _DTYPE_ALIASES = {
@@ -142,6 +144,12 @@ and type come from its config field (its docstring is the help), so the dataclas
 one place a setting is described."""
 
 
+    "LoRA": [
+        _Flag(LoRAConfig, "enable_lora"),
+        _Flag(LoRAConfig, "max_loras"),
+        _Flag(LoRAConfig, "max_lora_rank"),
+        _Flag(LoRAConfig, "max_cpu_loras"),
+    ],
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
     """The docstring under each field of dataclass `cls`, whitespace folded."""
@@ -224,13 +232,15 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=ModelConfig(**values[ModelConfig]),
                         cache=CacheConfig(**values[CacheConfig]),
                         scheduler=SchedulerConfig(**values[SchedulerConfig]),
-                        parallel=ParallelConfig(**values[ParallelConfig]))
+                        parallel=ParallelConfig(**values[ParallelConfig]),
+                        lora=LoRAConfig(**values[LoRAConfig]))
 
 
 def config_to_argv(config: EngineConfig) -> list[str]:
     """Flags that rebuild `config` through add_engine_args + config_from_args."""
     sections = {ModelConfig: config.model, CacheConfig: config.cache,
-                SchedulerConfig: config.scheduler, ParallelConfig: config.parallel}
+                SchedulerConfig: config.scheduler, ParallelConfig: config.parallel,
+                LoRAConfig: config.lora}
     argv = ["--model", config.model.model]
     for flags in FLAGS.values():
         for flag in flags:

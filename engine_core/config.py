@@ -369,6 +369,40 @@ class EngineConfig:
 
 def encode_engine_config(config: EngineConfig) -> str:
     """`config` as msgspec JSON: how a frontend hands its config to the daemon it starts."""
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (vLLM's flags and meanings; docs/lora.md)."""
+
+    enable_lora: bool = False
+    """Serve LoRA adapters (PEFT folders) beside the base model: a request names one
+    (`model` over HTTP, `lora_request` in Python) and one batch mixes requests of different
+    adapters and of the base model."""
+    max_loras: int = 1
+    """Adapters one step may use (the workers' slots of stacked adapter weights); the
+    scheduler admits a request of another adapter only when a slot is free of running
+    requests."""
+    max_lora_rank: int = 16
+    """The largest adapter rank accepted (the slots are this wide; a smaller rank is padded
+    with zeros)."""
+    max_cpu_loras: int | None = None
+    """Adapters each worker keeps read in host memory (least recently used first out), so
+    one that comes back to a slot is not read from disk again; None: max_loras. At least
+    max_loras."""
+
+    def __post_init__(self) -> None:
+        _require(self.max_loras >= 1, "max_loras", f"must be at least 1, got {self.max_loras}")
+        _require(self.max_lora_rank >= 1, "max_lora_rank",
+                 f"must be at least 1, got {self.max_lora_rank}")
+        _require(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+                 "max_cpu_loras", f"must be at least max_loras={self.max_loras}, got "
+                 f"{self.max_cpu_loras}")
+
+    @property
+    def cpu_loras(self) -> int:
+        """max_cpu_loras, resolved."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
     return msgspec.json.encode(config).decode()
 
 
@@ -381,6 +415,8 @@ def decode_engine_config(text: str) -> EngineConfig:
         raise ValueError(f"engine config: {e}") from None
     except msgspec.DecodeError as e:
         raise ValueError(f"engine config is not valid JSON: {e}") from None
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters."""
 
 
 def check_lengths(config: EngineConfig, max_model_len: int) -> None:
@@ -426,6 +462,10 @@ def read_model_max_len(model_dir: str) -> int:
     sources = [hf_config]
     if isinstance(hf_config.get("text_config"), dict):
         sources.append(hf_config["text_config"])
+            runner=_runner(self, model_dir),
+            max_loras=self.lora.max_loras if self.lora.enable_lora else 0,
+            max_lora_rank=self.lora.max_lora_rank,
+            max_cpu_loras=self.lora.cpu_loras,
     found = [src[k] for src in sources for k in _MAX_LEN_KEYS if isinstance(src.get(k), int)]
     if not found:
         raise ValueError(f"model {model_dir!r}: config.json names no context length "

@@ -210,7 +210,9 @@ class EngineCoreDaemon:
             max_queue_delay=c.scheduler.max_queue_delay,
             structured_outputs_max_bytes=c.model.structured_outputs_max_bytes,
             structured_outputs_compile_timeout=c.model.structured_outputs_compile_timeout,
-            structured_outputs_cache_bytes=c.model.structured_outputs_cache_bytes)
+            structured_outputs_cache_bytes=c.model.structured_outputs_cache_bytes,
+            pooler=self.pooler,
+            max_lora_rank=c.lora.max_lora_rank if c.lora.enable_lora else 0)
 
     def _serve(self) -> int:
         logger.info("engine core ready: %d KV blocks, async scheduling %s, up to %d plan(s) "

@@ -42,6 +42,8 @@ class KVCacheManager:
             return
         parent = hashes[-1] if hashes else NONE_HASH
         salt = request.cache_salt.encode() if request.cache_salt else b""
+        if request.lora is not None:  # KV computed with an adapter is that adapter's alone
+            salt += b"\x00lora\x00%d" % request.lora.lora_int_id
         hashes.extend(hash_request_blocks(request.all_token_ids, self.block_size, start, parent,
                                           num_blocks, salt))
 

@@ -19,6 +19,7 @@ from ..ipc.messages import (
     INT32_MAX,
     AddRequest,
     FinishReason,
+    LoRARequest,
     PromptLogprobs,
     SamplingParams,
     check_priority,
@@ -71,6 +72,7 @@ class Request:
         "first_output_sent", "error", "add_time", "queue_time", "prompt_logprob_parts",
         "next_prompt_logprob", "num_resumed_tokens", "first_token_time", "finish_time",
     )
+        "lora", "pooling",
 
     def __init__(
         self,
@@ -85,6 +87,8 @@ class Request:
         cache_salt: str | None = None,
         num_resumed_tokens: int = 0,
     ) -> None:
+        lora: LoRARequest | None = None,
+        pooling: PoolingParams | None = None,
         self.req_id = req_id
         """Unique within the engine core (frontends make it so)."""
         self.client_id = client_id
@@ -151,6 +155,11 @@ class Request:
         """The prompt's last tokens that an earlier core generated (penalties count them as
         output; see AddRequest)."""
 
+        self.lora = lora
+        """The LoRA adapter it runs with (None: the base model); part of its block hashes."""
+        self.pooling = pooling
+        """An embedding request's pooling (resolved by `check_pooling`): it finishes when its
+        prompt is computed, with the vector the workers pooled (`SampledTokens.pooled`)."""
     @classmethod
     def from_add(cls, msg: AddRequest, client_id: str) -> Request:
         """Build from the wire message a frontend sent (ValueError if the prompt is not
@@ -169,6 +178,8 @@ class Request:
             cache_salt=msg.cache_salt,
             num_resumed_tokens=msg.num_resumed_tokens,
         )
+            lora=msg.lora_request,
+            pooling=msg.pooling,
 
     @property
     def num_tokens(self) -> int:

@@ -43,6 +43,7 @@ import msgspec
 from .block_pool import BlockPool
 from .config import EngineConfig, check_lengths
 from .kv_cache_manager import KVCacheManager
+from .lora import LoRASlots, adapters_in_use
 from .preemption_log import PreemptionLog
 from .request import Request, RequestStatus
 from .request_queue import create_request_queue, priority_key
@@ -109,6 +110,8 @@ class Scheduler:
         (in neither queue until it compiled); those whose `grammar_sent` is False go out
         in the next plan."""
         self._next_step_id = 1
+        self.lora_slots = LoRASlots(config.lora.max_loras) if config.lora.enable_lora else None
+        """Which adapter each of the workers' LoRA slots holds (None: LoRA off)."""
         self._num_added = 0
         self.clock = time.monotonic
         self.preemption_log = PreemptionLog(logger, config, num_kv_blocks)
@@ -150,6 +153,8 @@ class Scheduler:
         room = self.max_model_len - request.num_prompt_tokens
         request.max_tokens = room if request.max_tokens is None else min(request.max_tokens,
                                                                          room)
+        if request.lora is not None:
+            self._check_lora(request.lora)
         self._num_added += 1
         request.arrival_seq = self._num_added
         request.add_time = self.clock()
@@ -165,6 +170,20 @@ class Scheduler:
         grammar, which the next plan sends them."""
         request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.awaiting_grammar[request.req_id] = request
+    def _check_lora(self, lora) -> None:
+        """ValueError naming lora_request when this engine cannot run the adapter."""
+        if self.lora_slots is None:
+            raise ValueError(f"lora_request {lora.lora_name!r} needs an engine started with "
+                             "--enable-lora")
+        self.lora_slots.check(lora)
+
+    def _check_pooling_length(self, request: Request) -> None:
+        """A pooling request generates nothing: its prompt may fill the whole context."""
+        if request.num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt_token_ids: input length ({request.num_prompt_tokens}) must be at most "
+                f"the model's maximum context length ({self.max_model_len})")
+
 
     def _grammars_ready(self, req_ids: list[str]) -> None:
         """Constrained requests whose grammar compiled join the waiting queue."""
@@ -361,8 +380,14 @@ class Scheduler:
                 hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_tokens = len(request.all_token_ids)
             num_new = num_tokens - num_hit
+        slots = self.lora_slots
+        in_use = adapters_in_use(self.running) if slots is not None else set()
+        skipped: list[Request] = []  # other adapters' requests while the slots are taken
             if not self.chunked_prefill:
                 if num_new > step.budget:
+            if slots is not None and not slots.can_admit(request.lora, in_use):
+                skipped.append(self.waiting.pop())  # vLLM's rule: skip, keep the order
+                continue
                     break
             else:
                 if cap and num_new > cap:
@@ -386,6 +411,9 @@ class Scheduler:
         """Waiting -> running, with prefix-cache statistics counted once per admission (not
         for a request that did not look the cache up, as vLLM counts)."""
         num_tokens = len(request.all_token_ids)
+            if request.lora is not None:
+                slots.admit(request.lora, in_use)
+                in_use.add(request.lora.lora_int_id)
         if self.kv_cache_manager.enable_caching and not request.skips_prefix_cache:
             if request.num_preemptions:
                 self.preempted_prefix_cache_queries += num_tokens
@@ -436,7 +464,9 @@ class Scheduler:
                     request.req_id, pack_token_ids(request.all_token_ids),
                     request.num_prompt_tokens, kv.get_block_ids(request.req_id), start,
                     num_new, request.sampling, request.eos_token_id,
-                    request.num_resumed_tokens))
+                    request.num_resumed_tokens,
+                    request.lora.lora_int_id if request.lora is not None else 0,
+                    pooling=request.pooling))
         self.prompt_tokens += num_prompt_tokens
         if total:
             self.num_steps += 1
@@ -453,6 +483,9 @@ class Scheduler:
                 jobs.append(GrammarToCompile(request.req_id,
                                              request.sampling.structured_outputs))
         return jobs
+        if self.lora_slots is not None:
+            plan.lora_slots = self.lora_slots.take_loads()
+        return plan
 
     # -- update -------------------------------------------------------------------------------
 
@@ -647,6 +680,8 @@ class Scheduler:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), request
             assert request.num_computed_tokens == 0 and request.num_output_placeholders == 0
             assert not request.in_worker, f"{request} waits but the workers hold it"
+        if self.lora_slots is not None:  # the new workers hold no adapter
+            self.lora_slots.reset()
 
 
 def _take_prompt_logprobs(request: Request) -> PromptLogprobs:

@@ -17,6 +17,7 @@ _EXPORTS = {
     "Logprob": "tidal.frontend.outputs",
     "SamplingParams": "tidal.ipc.messages",
     "StructuredOutputsParams": "tidal.ipc.messages",
+    "LoRARequest": "tidal.ipc.messages",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -64,12 +64,15 @@ from ..ipc.messages import (
     EngineInfo,
     EngineOutputs,
     SamplingParams,
+    LoRARequest,
     SchedulerStats,
     StatsQuery,
     check_priority,
     is_valid_unicode,
 )
 from ..ipc.transport import new_private_address
+from ..ipc.lora import read_adapter_config
+from ..ipc.pooling import PoolingParams
 
 logger = logging.getLogger(__name__)
 
@@ -304,7 +307,8 @@ class AsyncLLM:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str | None = None, *, priority: int = 0,
-                       stream_interval: int | None = None) -> AsyncIterator[RequestOutput]:
+                       stream_interval: int | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Stream updates of one request: the first token at once, then every
         `stream_interval` tokens (the engine's when None; a request may only raise it), the
         rest when it finishes. Leaving the loop early (break, cancellation, an HTTP client
@@ -315,7 +319,8 @@ class AsyncLLM:
         await self.check_structured_outputs(params)
         request_id, collector = self._add_request(prompt, params, request_id, priority,
                                                   interval, final_only=False,
-                                                  prompt_ids=prompt_ids)
+                                                  prompt_ids=prompt_ids,
+                                                  lora_request=lora_request)
         finished = False
         try:
             while not finished:
@@ -329,7 +334,8 @@ class AsyncLLM:
 
     async def generate_final(self, prompt: str | list[int], params: SamplingParams,
                              request_id: str | None = None, *, priority: int = 0,
-                             prompt_token_ids: list[int] | None = None) -> RequestOutput:
+                             prompt_token_ids: list[int] | None = None,
+                             lora_request: LoRARequest | None = None) -> RequestOutput:
         """The finished result of one request (all n completions), without streaming.
 
         `prompt_token_ids`: the prompt already encoded by `encode_prompt` (not re-checked).
@@ -339,7 +345,38 @@ class AsyncLLM:
             prompt_token_ids = await self._encode_off_loop(prompt)
         await self.check_structured_outputs(params)
         request_id, collector = self._add_request(prompt, params, request_id, priority, 1,
-                                                  final_only=True, prompt_ids=prompt_token_ids)
+                                                  final_only=True, prompt_ids=prompt_token_ids,
+                                                  lora_request=lora_request)
+        try:
+            output = await collector.get()
+        finally:
+            self._collectors.pop(request_id, None)
+            if self._processor.has_request(request_id):
+                self._abort_quietly(request_id)
+        return output
+
+    async def embed(self, prompt: str | list[int], pooling_params: PoolingParams | None = None,
+                    request_id: str | None = None, *,
+                    prompt_token_ids: list[int] | None = None) -> EmbeddingRequestOutput:
+        """One prompt's vector, from an engine started with --runner pooling (a prefill
+        only, batched with everything else: docs/embeddings.md). `pooling_params`' unset
+        fields take the engine's (`EngineInfo.pooler`). ValueError naming the field for a
+        bad prompt (more than max_model_len tokens), `dimensions` the model does not allow,
+        or an engine that only generates; the output's finish_reason says "error" (and
+        `error` why) when the engine failed it."""
+        pooler = self.engine_info.pooler
+        if pooler is None:
+            raise ValueError("pooling: this engine generates text; embeddings need one "
+                             "started with --runner pooling")
+        params = pooler.resolve(pooling_params)
+        if prompt_token_ids is None:
+            self._check_usable()
+            prompt_token_ids = (await asyncio.to_thread(self.encode_embedding_prompt, prompt)
+                                if isinstance(prompt, str)
+                                else self.encode_embedding_prompt(prompt))
+        request_id, collector = self._add_request(
+            prompt, SamplingParams(max_tokens=1, temperature=0.0), request_id, 0, 1,
+            final_only=True, prompt_ids=prompt_token_ids, pooling=params)
         try:
             output = await collector.get()
         finally:
@@ -364,7 +401,14 @@ class AsyncLLM:
 
     def _add_request(self, prompt, params: SamplingParams, request_id: str | None,
                      priority: int, interval: int, final_only: bool,
-                     prompt_ids: list[int] | None = None):
+                     prompt_ids: list[int] | None = None,
+                     lora_request: LoRARequest | None = None,
+                     pooling: PoolingParams | None = None):
+        if (pooling is None) != (self.engine_info.pooler is None):
+            raise ValueError("pooling: this engine " + (
+                "generates text; embeddings need one started with --runner pooling"
+                if pooling is not None else "runs an embedding model (--runner pooling); it "
+                "only embeds (LLM.embed, /v1/embeddings)"))
         self._check_usable()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -376,9 +420,11 @@ class AsyncLLM:
             prompt_ids = self.encode_prompt(prompt)
         messages = self._processor.add_request(
             request_id, f"{self.client_id}-{request_id}",
+        if lora_request is not None:
+            self.check_lora(lora_request)
             prompt if isinstance(prompt, str) else None, prompt_ids, params,
             self.engine_info.max_model_len, priority=priority, final_only=final_only,
-            stream_interval=interval)
+            stream_interval=interval, lora_request=lora_request, pooling=pooling)
         collector = RequestOutputCollector()
         self._collectors[request_id] = collector
         for msg in messages:
@@ -395,6 +441,17 @@ class AsyncLLM:
 
     def _abort_quietly(self, request_id: str) -> None:
         engine_ids = self._processor.abort_request(request_id)
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """ValueError naming lora_request when the engine serves no adapters or the folder is
+        not one it can run (`ipc/lora.py`); workers read the weights themselves."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got "
+                             f"{type(lora_request).__name__}")
+        if not self.engine_info.max_lora_rank:
+            raise ValueError(f"lora_request {lora_request.lora_name!r} needs an engine "
+                             "started with --enable-lora")
+        read_adapter_config(lora_request.lora_path, self.engine_info.max_lora_rank)
+
         if engine_ids and not self.dead:
             self._client.send_nowait(Abort(engine_ids))
 

@@ -39,8 +39,9 @@ from .chat_template import (
     normalize_conversation,
     render_chat,
 )
-from .outputs import RequestOutput
-from ..ipc.messages import SamplingParams, SchedulerStats, check_priority
+from .outputs import EmbeddingRequestOutput, RequestOutput
+from ..ipc.messages import LoRARequest, SamplingParams, SchedulerStats, check_priority
+from ..ipc.pooling import PoolingParams
 
 logger = logging.getLogger(__name__)
 
@@ -150,13 +151,17 @@ class LLM:
     def generate(self, prompts: str | list[int] | dict | Sequence[str | list[int] | dict],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, *,
-                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids, or a vLLM-style dict with "prompt" or
         "prompt_token_ids"); outputs in input order.
 
         `sampling_params`: one for all prompts, or one per prompt (None: the defaults).
         `priority`: one per prompt (with --scheduling-policy priority; lower runs first;
         under fcfs any value but 0 is a ValueError, as in vLLM).
+        `lora_request`: a `LoRARequest(lora_name, lora_int_id, lora_path)` for all prompts, or
+        one (or None: the base model) per prompt, with `enable_lora=True` (docs/lora.md).
         Every prompt is checked (ValueError) before any is sent; a request the engine core
         refuses all the same raises ValueError naming the field, and the rest of the batch
         is aborted. If the engine core dies and no core comes back (see `__init__`), the
@@ -164,9 +169,23 @@ class LLM:
         """
         prompt_list = _normalize_prompts(prompts)
         params = self._check_batch(len(prompt_list), sampling_params, priority)
+        loras = self._check_loras(len(prompt_list), lora_request)
         prompt_ids = [self._llm.encode_prompt(p) for p in prompt_list]
         texts = [p if isinstance(p, str) else None for p in prompt_list]
-        return self._generate(texts, prompt_ids, params, use_tqdm, priority)
+        return self._generate(texts, prompt_ids, params, use_tqdm, priority, loras)
+
+    def _check_loras(self, num_prompts: int, lora_request) -> list[LoRARequest | None]:
+        """One adapter (or None) per prompt, each folder checked (ValueError)."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * num_prompts
+        else:
+            loras = list(lora_request)
+            if len(loras) != num_prompts:
+                raise ValueError(f"lora_request has {len(loras)} entries for {num_prompts} "
+                                 "prompts")
+        for lora in {id(x): x for x in loras if x is not None}.values():
+            self._llm.check_lora(lora)
+        return loras
 
     def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -220,9 +239,11 @@ class LLM:
 
     def _generate(self, texts: list[str | None], prompt_ids: list[list[int]],
                   params: list[SamplingParams], use_tqdm: bool,
-                  priority: Sequence[int] | None) -> list[RequestOutput]:
+                  priority: Sequence[int] | None,
+                  loras: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Run checked prompts (their text, if any, and token ids) to the end."""
-        batch = [(str(next(self._ids)), text, ids, sp, priority[i] if priority else 0)
+        batch = [(str(next(self._ids)), text, ids, sp, priority[i] if priority else 0,
+                  loras[i] if loras else None)
                  for i, (text, ids, sp) in enumerate(zip(texts, prompt_ids, params))]
         progress = _Progress(len(batch), use_tqdm)
         fut = asyncio.run_coroutine_threadsafe(self._run_batch(batch, progress), self._loop)
@@ -241,10 +262,10 @@ class LLM:
 
     async def _run_batch(self, batch, progress: "_Progress") -> list[RequestOutput]:
         tasks = []
-        for request_id, text, ids, sp, prio in batch:
+        for request_id, text, ids, sp, prio, lora in batch:
             task = asyncio.ensure_future(self._llm.generate_final(
                 ids if text is None else text, sp, request_id, priority=prio,
-                prompt_token_ids=ids))
+                prompt_token_ids=ids, lora_request=lora))
             task.add_done_callback(progress.one_done)
             tasks.append(task)
         progress.start(self._llm.num_generated_tokens)

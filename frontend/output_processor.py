@@ -47,6 +47,7 @@ from ..ipc.messages import (
     PromptLogprobs,
     SamplingParams,
     TokenLogprobs,
+    LoRARequest,
     pack_token_ids,
     unpack_token_ids,
 )
@@ -108,6 +109,8 @@ class _Parent:
     def finished(self) -> bool:
         return all(c.finished for c in self.completions)
 
+    lora_request: LoRARequest | None = None  # as sent with the AddRequest
+    pooling: PoolingParams | None = None  # an embedding request: one vector, no tokens
     @property
     def awaits_prompt_logprobs(self) -> bool:
         """Completion 0 will bring them with its first token: until then no completion is
@@ -160,7 +163,9 @@ class OutputProcessor:
     def add_request(self, request_id: str, engine_req_id: str, prompt: str | None,
                     prompt_token_ids: list[int], params: SamplingParams, max_model_len: int,
                     *, priority: int = 0, final_only: bool = False, stream_interval: int = 1,
-                    arrival_time: float | None = None) -> list[AddRequest]:
+                    arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None,
+                    pooling: PoolingParams | None = None) -> list[AddRequest]:
         """Register a request; return the AddRequest message(s) to send to the engine core.
 
         `max_tokens` (None = up to the context length) is capped at
@@ -177,7 +182,10 @@ class OutputProcessor:
         parent = _Parent(request_id, prompt, list(prompt_token_ids), [], final_only,
                          max(1, stream_interval), stop_buffer, arrival_time, priority,
                          self.eos_token_id,
-                         wants_prompt_logprobs=params.prompt_logprobs is not None)
+                         wants_prompt_logprobs=params.prompt_logprobs is not None,
+                         lora_request=lora_request, pooling=pooling)
+        if pooling is not None:
+            max_tokens = 1  # the vector; a prompt may fill the context
         packed_prompt = pack_token_ids(prompt_token_ids)
         messages = []
         for i in range(params.n):
@@ -193,7 +201,8 @@ class OutputProcessor:
                 comp.logprobs, comp.cumulative_logprob = [], 0.0
             parent.completions.append(comp)
             messages.append(AddRequest(req_id, packed_prompt, sent, self.eos_token_id,
-                                       priority, arrival_time))
+                                       priority, arrival_time, lora_request=lora_request,
+                                       pooling=pooling))
         self._parents[request_id] = parent
         for comp in parent.completions:
             self._children[comp.req_id] = (parent, comp)
@@ -250,7 +259,9 @@ class OutputProcessor:
                 prompt = pack_token_ids(parent.prompt_token_ids + comp.token_ids)
                 messages.append(AddRequest(comp.req_id, prompt, params, parent.eos_token_id,
                                            parent.priority, parent.arrival_time,
-                                           num_resumed_tokens=len(comp.token_ids)))
+                                           num_resumed_tokens=len(comp.token_ids),
+                                           lora_request=parent.lora_request,
+                                           pooling=parent.pooling))
             if done_here and (parent.finished or not parent.final_only):
                 finished.append(self._make_output(parent, done_here, time.time()))
         return messages, finished

@@ -297,6 +297,26 @@ class Goodbye(msgspec.Struct, tag="goodbye", **_STRUCT):
 
 
 class AddRequest(msgspec.Struct, tag="add", **_STRUCT):
+class LoRARequest(msgspec.Struct, **_STRUCT):
+    """A LoRA adapter a request runs with (vLLM's `LoRARequest(lora_name, lora_int_id,
+    lora_path)`): a PEFT folder (`adapter_config.json` + `adapter_model.safetensors`) that
+    every worker reads itself, so only the path crosses the wire, never tensors. The id names
+    the adapter in the engine core (its slots, the prefix cache) and must be at least 1; one
+    id always means one (name, path)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.lora_name, str) and self.lora_name != "", "lora_request",
+               "lora_name must be a non-empty string")
+        _check(1 <= self.lora_int_id <= INT32_MAX, "lora_request",
+               f"lora_int_id must be in [1, {INT32_MAX}], got {self.lora_int_id}")
+        _check(isinstance(self.lora_path, str) and self.lora_path != "", "lora_request",
+               "lora_path must be a non-empty path to a PEFT adapter folder")
+
+
     """A new request. `prompt_token_ids` is packed int32 (see `pack_token_ids`)."""
 
     req_id: str
@@ -311,6 +331,12 @@ class AddRequest(msgspec.Struct, tag="add", **_STRUCT):
     was lost (a frontend's or router's resubmission): presence and frequency penalties count
     them as output, and a structured output's grammar replays them, as on the first core."""
 
+    lora_request: LoRARequest | None = None
+    """The LoRA adapter to run with (None: the base model); needs --enable-lora."""
+    pooling: PoolingParams | None = None
+    """An embedding request (`ipc/pooling.py`): its prompt is pooled into one vector when its
+    last token is computed, nothing is sampled (`sampling.max_tokens` is 1); only an engine
+    with `EngineInfo.pooler` takes one, and only such requests."""
 
 class Abort(msgspec.Struct, tag="abort", **_STRUCT):
     """Abort these requests (idempotent: unknown or finished ids are ignored)."""
@@ -472,6 +498,12 @@ class EngineInfo(msgspec.Struct, tag="info", **_STRUCT):
 
 class EngineDead(msgspec.Struct, tag="dead", **_STRUCT):
     """The engine core is shutting down or failed; every unfinished request is over."""
+    max_lora_rank: int = 0
+    """--max-lora-rank with --enable-lora (frontends check an adapter's folder against it
+    before sending a request of it); 0: LoRA off, requests with an adapter are refused."""
+    pooler: PoolerInfo | None = None
+    """Set when the engine runs an embedding model (`--runner pooling`): it takes only
+    pooling requests (`AddRequest.pooling`); None: it only generates."""
 
     reason: str
 
@@ -525,6 +557,10 @@ class WorkerConfig(msgspec.Struct, **_STRUCT):
     @property
     def worker_index(self) -> int:
         """This worker among all of them, stage-major: stage * tensor_parallel_size + rank
+    runner: str  # generate | pooling (no LM head, vectors instead of tokens: workers/pooling.py)
+    max_loras: int  # LoRAConfig: adapter slots per step (0: LoRA off)
+    max_lora_rank: int  # the largest adapter rank the slots hold
+    max_cpu_loras: int  # adapters each worker keeps read in host memory (LRU)
         (its torch.distributed rank, and the rank it reports in WorkerReady/WorkerFailed)."""
         return self.stage * self.tensor_parallel_size + self.rank
 
@@ -557,6 +593,11 @@ class NewRequestData(msgspec.Struct, **_STRUCT):
 
 class CachedRequestData(msgspec.Struct, **_STRUCT):
     """A delta for a request the worker already holds in its persistent batch.
+    lora_int_id: int = 0
+    """The LoRA adapter it runs with (0: the base model); resident in a slot the engine core
+    gave it (`BatchPlan.lora_slots` of this plan or an earlier one)."""
+    pooling: PoolingParams | None = None
+    """A pooling request, resolved (every field set): pooled when its prompt is computed."""
 
     With one pipeline stage the worker appends the token it sampled last step itself (sync
     and async alike), so no token ids travel here; only blocks added this step and the token
@@ -584,6 +625,15 @@ class BatchPlan(msgspec.Struct, tag="plan", **_STRUCT):
     """One step, broadcast to every rank.
 
     Layout of the batch: `new_requests` then `cached_requests`, in that order. For each,
+class LoRASlot(msgspec.Struct, **_STRUCT):
+    """Engine core -> every rank: put this adapter in slot `slot` (0 .. max_loras - 1) before
+    the step runs, replacing whatever the slot held. The worker reads the PEFT folder itself
+    (or takes it from its host-memory LRU of max_cpu_loras adapters)."""
+
+    slot: int
+    lora: LoRARequest
+
+
     tokens [num_computed_tokens, num_computed_tokens + num_scheduled_tokens) are computed;
     a token is sampled for a request when that range reaches the end of its known tokens.
     `finished_req_ids` and `preempted_req_ids` are dropped from the persistent batch before
@@ -611,6 +661,9 @@ class BatchPlan(msgspec.Struct, tag="plan", **_STRUCT):
 
 class InitKVCache(msgspec.Struct, tag="init_kv", **_STRUCT):
     """Engine core → every rank, after the handshake: allocate this many KV blocks."""
+    lora_slots: list[LoRASlot] = []
+    """Adapters to load into slots before this step (the engine core decides residency: every
+    adapter of a request in this plan is resident once these are applied)."""
 
     num_blocks: int
 

@@ -79,6 +79,16 @@ class GemmLayer(nn.Module):
     to the GEMM the CPU op seam gives the weight (`CpuOps.gemm`) once `use_cpu_ops` ran."""
 
     cpu_gemm: SmallBatchGemm | None = None
+    lora = None
+    """The LoRA slots of this projection (`workers/lora.py` LoRAProjection), when the engine
+    serves adapters; its product is added only in steps where a token uses one."""
+
+    def lora_add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y plus each token's adapter product for input x, in steps that use adapters."""
+        lora = self.lora
+        if lora is None or not lora.step.active:
+            return y
+        return lora.add(x, y)
 
     def use_cpu_ops(self, ops: CpuOps) -> bool:
         """Take the seam's GEMM for the loaded weight; False where it has none (torch's ops,
@@ -123,7 +133,7 @@ class ColumnParallelLinear(GemmLayer):
         _copy(param, _take(loaded, 0, self.tp.rank * rows, rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x)
+        y = self.lora_add(x, self.matmul(x))
         return y if self.bias is None else y + self.bias
 
 
@@ -168,7 +178,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         """silu(gate) * up for the two shards (gate, up) of this projection of x, as the MLP
         needs it: [..., 2 * local size] -> [..., local size]. With the CPU GEMM the product
         is a post-op of the up GEMM, equal bit for bit to the unfused `F.silu(gate) * up`."""
-        if self.shard_gemms is not None and self.bias is None and len(self.shard_gemms) == 2:
+        if (self.shard_gemms is not None and self.bias is None and len(self.shard_gemms) == 2
+                and (self.lora is None or not self.lora.step.active)):
             gate_gemm, up_gemm = self.shard_gemms
             return up_gemm.mul(x, F.silu(gate_gemm(x), inplace=True))
         gate, up = self(x).chunk(2, dim=-1)
@@ -255,8 +266,9 @@ class RowParallelLinear(GemmLayer):
         """x W^T (+ b) (+ residual): a decoder layer's residual add is fused into the GEMM
         where nothing comes between them (one rank, no bias)."""
         if residual is not None and self.tp.size == 1 and self.bias is None:
-            return self.matmul_add(x, residual)
-        y = self.tp.all_reduce(self.matmul(x))
+            return self.lora_add(x, self.matmul_add(x, residual))
+        # an adapter's partial product joins the base's before the all-reduce (workers/lora.py)
+        y = self.tp.all_reduce(self.lora_add(x, self.matmul(x)))
         y = y if self.bias is None else y + self.bias
         return y if residual is None else residual + y
 

@@ -129,6 +129,11 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.kv_commit: threading.Thread | None = None  # CPU: making the cache resident
         self.idle = threading.Event()
+        self.pooling = PoolingRequests(args.hidden_size) if config.runner == "pooling" else None
+        """An embedding model's requests (`workers/pooling.py`): pooled, never sampled."""
+        self.lora = None
+        """The model's LoRA slots (`workers/lora.py` LoRAModel) when the engine serves
+        adapters, set by the worker after load."""
         """Set while no step runs (`set_idle`); the CPU cache is made resident only then."""
         self.idle.set()
         self.num_kv_heads = kv_heads_per_rank(args.num_key_value_heads,
@@ -239,7 +244,8 @@ class ModelRunner:
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] for the step's tokens: the final ones on the
         last stage; an earlier stage's output, already sent on to the next stage."""
-        if self.graphs is not None and self.graphs.can_run(inputs):
+        lora_step = self.lora is not None and self.lora.step.active  # eager: grouped rows
+        if self.graphs is not None and not lora_step and self.graphs.can_run(inputs):
             return self.graphs.run(inputs)
         pp = self.pp
         hidden = None
@@ -278,6 +284,8 @@ class ModelRunner:
                 failed.append(RequestFailure(new.req_id, str(e)))
                 self.refused.add(new.req_id)
                 continue
+        if plan.lora_slots:
+            self._lora().load(plan.lora_slots)
             req_ids.append(new.req_id)
             num_scheduled.append(new.num_scheduled_tokens)
         for cached in plan.cached_requests:
@@ -300,6 +308,12 @@ class ModelRunner:
         if spec is None:
             self.structured.remove(new.req_id)
             return row
+    def _lora(self):
+        if self.lora is None:
+            raise ValueError("a plan loads LoRA adapters into a worker built without LoRA "
+                             "slots (max_loras 0)")
+        return self.lora
+
         b = self.batch
         try:  # the grammar has matched the tokens generated so far, resumed ones included
             self.structured.add(new.req_id, spec, b.stop_ids[row],
@@ -333,6 +347,8 @@ class ModelRunner:
             block_tables=to_dev(np.ascontiguousarray(b.block_table[rows, :width]), torch.int32),
             query_start_loc=to_dev(query_start_loc, torch.int32),
             seq_lens=to_dev(seq_lens, torch.int32),
+        if self.lora is not None:
+            self.lora.prepare_step(b.lora_id[rows], num_scheduled)
         )
         return StepInputs(
             input_ids=to_dev(input_ids, torch.int64),

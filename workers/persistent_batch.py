@@ -48,6 +48,7 @@ class PersistentBatch:
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.lora_id = np.zeros(max_num_reqs, dtype=np.int64)  # 0: the base model
         self._init_sampling_arrays(max_num_reqs)
 
     def _init_sampling_arrays(self, n: int) -> None:
@@ -91,6 +92,7 @@ class PersistentBatch:
         self.prompt_len[row] = req.prompt_len
         self.output_start[row] = req.prompt_len - req.num_resumed_tokens
         self.num_computed[row] = req.num_computed_tokens
+        self.lora_id[row] = req.lora_int_id
         self.num_blocks[row] = 0
         self._append_blocks(row, req.block_ids, req.req_id)
         self._set_sampling(row, req)

@@ -21,6 +21,7 @@ from ..kernels.attention import select_attention_backend
 from ..kernels.cpu.ops import log_cpu_ops, select_cpu_ops
 from .distributed import destroy_distributed, init_distributed
 from .loader import load_weights, read_config, resolve_model_path
+from .lora import LoRAModel
 from .model_runner import ModelRunner
 from .models import build_model, parse_model_args
 
@@ -90,6 +91,10 @@ class Worker:
         self.load_seconds = time.perf_counter() - start
         layers = self.pp.layers(self.args.num_hidden_layers)
         stage = (f"; stage {self.pp.stage} of {self.pp.size}: layers {layers.start}-"
+        if self.config.max_loras:
+            self.runner.lora = LoRAModel(model, self.config.max_loras,
+                                         self.config.max_lora_rank, self.config.max_cpu_loras,
+                                         self.dtype, self.device)
                  f"{layers.stop - 1}" if self.pp.size > 1 else "")
         logger.info("rank %d: loaded %s (%s, %.1fM parameters on this rank%s, %s attention) "
                     "from %s in %.2f s", self.rank, self.args.architecture, self.dtype,

@@ -8,7 +8,8 @@ is closed (detached) at shutdown. Tests pass a factory returning a fake engine. 
 with `Server` (uvicorn's, which on shutdown first ends every request in flight with an error:
 streams get an error event and [DONE] instead of a cut connection).
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (and GET /
+DELETE /v1/responses/{id}: responses_api.py), GET /v1/models, POST /tokenize,
 POST /detokenize, GET /health, GET /metrics, GET /version, GET|POST /ping. With an API key,
 every route except health, metrics, version, ping and the API docs needs
 `Authorization: Bearer KEY` (401 otherwise); then a body over --max-request-body-bytes is
@@ -42,6 +43,8 @@ from .protocol import (
     DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelList, TokenizeRequest,
     TokenizeResponse,
 )
+from .response_store import DEFAULT_STORE_SIZE
+from .responses_api import ResponsesAPI, add_responses_routes
 from .serving import OpenAIServing
 
 logger = logging.getLogger("tidal.serve")
@@ -77,6 +80,9 @@ class ServerSettings:
     (--record-trace)."""
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     """Larger request bodies are answered 413 before they are parsed (body_limit.py)."""
+    responses_store_size: int = DEFAULT_STORE_SIZE
+    """Responses this process keeps for GET /v1/responses/{id} and previous_response_id
+    (an LRU; `--responses-store-size`)."""
 
 
 class APIKeyMiddleware:
@@ -171,6 +177,7 @@ def build_app(engine_factory: Callable[[], Awaitable[Any]],
     app = FastAPI(title="tidal", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
     _add_generate_routes(app)
+    add_responses_routes(app)
     _add_info_routes(app)
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_request_body_bytes)
     if settings.api_key:
@@ -212,6 +219,8 @@ def _start_state(app: FastAPI, engine, settings: ServerSettings) -> list[asyncio
 
         recorder = TraceRecorder(*settings.record_trace)
     app.state.serving = OpenAIServing(engine, names, admission, metrics, recorder)
+    app.state.responses = ResponsesAPI(app.state.serving, settings.responses_store_size,
+                                       settings.server_index)
     app.state.root = getattr(info, "model", None)
     logger.info("HTTP server %d attached: serving %s (max_model_len %d%s%s%s)",
                 settings.server_index, ", ".join(names), info.max_model_len,

@@ -6,6 +6,7 @@
                 [--timeout-request-body S]        (read timeouts: server/timeouts.py)
                 [--max-request-body-bytes N]      (413 beyond: server/body_limit.py)
                 [--record-trace FILE]             (a request trace for `tidal tune`)
+                [--responses-store-size N]        (/v1/responses kept: response_store.py)
     tidal serve --engine ADDRESS [--engine-key-file F] [server flags]   (attach, start no daemon)
 
 Without MODEL (or --model) it serves the bundled demo model (tidal.frontend.demo) under the
@@ -75,6 +76,7 @@ from ..async_llm import (
     DEFAULT_MAX_ENGINE_RESTARTS,
 )
 from .body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
+from .response_store import DEFAULT_STORE_SIZE
 from .timeouts import (
     DEFAULT_TIMEOUT_KEEP_ALIVE_S,
     DEFAULT_TIMEOUT_REQUEST_BODY_S,
@@ -158,6 +160,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                    help="answer 413 to a request body larger than N bytes (16MiB, 1GB, ...) "
                    "before it is parsed; a chunked upload once it passes N (default: 16MiB)")
+    g.add_argument("--responses-store-size", type=int, metavar="N", default=DEFAULT_STORE_SIZE,
+                   help="responses each HTTP process keeps for GET /v1/responses/{id} and "
+                   "previous_response_id, least recently used dropped first; 0 keeps none "
+                   f"(default: {DEFAULT_STORE_SIZE}; per process: docs/responses.md)")
 
 
 @dataclass
@@ -178,6 +184,7 @@ class ServerSpec:
     engine_restart_timeout: float = DEFAULT_ENGINE_RESTART_TIMEOUT_S
     record_trace: tuple[str, bytes] | None = None
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    responses_store_size: int = DEFAULT_STORE_SIZE
 
 
 # --------------------------------------------------------------------------------------------
@@ -227,7 +234,8 @@ def serve_one(index: int, spec: ServerSpec, sock: socket.socket, slots) -> int:
     settings = ServerSettings(served_model_names=spec.served_model_names,
                               api_key=spec.api_key, admission_slots=slots, server_index=index,
                               record_trace=spec.record_trace,
-                              max_request_body_bytes=spec.max_request_body_bytes)
+                              max_request_body_bytes=spec.max_request_body_bytes,
+                              responses_store_size=spec.responses_store_size)
     app = build_app(lambda: _attach_engine(spec), settings)
     http = timed_http_protocol(spec.timeout_request_header, spec.timeout_request_body)
     config = uvicorn.Config(app, loop="uvloop", http=http, lifespan="on",
@@ -484,6 +492,8 @@ def _check_args(ns: argparse.Namespace) -> None:
         value = getattr(ns, flag)
         if not value > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    if ns.responses_store_size < 0:
+        raise ValueError(f"--responses-store-size must be >= 0, got {ns.responses_store_size}")
     if ns.max_engine_restarts < 0:
         raise ValueError(f"--max-engine-restarts must be >= 0, got {ns.max_engine_restarts}")
     if not ns.engine_restart_timeout >= 0:
@@ -548,7 +558,8 @@ def run_serve(ns: argparse.Namespace) -> int:
                           not ns.disable_uvicorn_access_log, ns.timeout_keep_alive,
                           ns.timeout_request_header, ns.timeout_request_body,
                           ns.engine_restart_timeout, record_trace,
-                          max_request_body_bytes=ns.max_request_body_bytes)
+                          max_request_body_bytes=ns.max_request_body_bytes,
+                          responses_store_size=ns.responses_store_size)
         sup.start_servers(spec, sock)
         host, port = sock.getsockname()[:2]
         logger.info("listening on http://%s:%d; starting %d HTTP server process(es) for the "

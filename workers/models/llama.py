@@ -292,8 +292,21 @@ class LlamaModel(nn.Module):
         stage but the first)."""
         h = self.embed_tokens(input_ids) if self.pp.is_first else hidden
         rope = self.rotary.tables(positions, h.dtype)  # gathered once for every layer
-        fused = self.fused.for_step(h, attn_inputs.plan) if self.fused is not None else None
+        fused = (self.fused.for_step(h, attn_inputs.plan) if self.fused is not None and (
+            self.lora_step is None or not self.lora_step.active) else None)
         if fused is not None:
+    lora_step = None
+    """The LoRA step state (`workers/lora.py`) when the engine serves adapters: the one-call C
+    layers cannot add an adapter's product, so a step that uses one takes the per-module
+    path."""
+
+    def rotary_embedding(self, args: ModelArgs, max_position: int) -> RotaryEmbedding:
+        return RotaryEmbedding(args.head_dim, max_position, args.rope_theta, args.rope_scaling)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first stage's input to the first layer."""
+        return self.embed_tokens(input_ids)
+
             fused(h, rope.cos, rope.sin, kv_caches, attn_inputs.meta.slot_mapping,
                   attn_inputs.plan)  # h: this step's own embeddings, updated in place
             return self.norm(h)

@@ -1,0 +1,241 @@
+"""LoRA on the worker: slots of stacked adapter weights per projection and the batched
+(segmented) product that adds each request's adapter to the base layers' output.
+
+Layout, per LoRA-capable projection of this rank (qkv_proj, o_proj, gate_up_proj,
+down_proj) and `max_loras` slots, punica style:
+
+    A  [max_loras, n_sub * R, in_local]     the sub-projections' A stacked along the rank
+    B  [max_loras, out_local, n_sub * R]    block-diagonal: sub-projection i's rows of the
+                                            local output take columns i*R .. (i+1)*R
+    R = max_lora_rank; an adapter of a smaller rank is zero-padded, B holds scaling · B.
+
+so one adapter on a packed projection (q, k, v in qkv_proj; gate, up in gate_up_proj) is two
+matmuls. A slot that an adapter does not target for a module stays zero there.
+
+Tensor parallelism shards the adapter as the base layer is sharded: a column-parallel
+projection keeps A whole and takes its rank's rows of B (the same heads / rows as the base
+weight, replicated KV heads included); a row-parallel one takes its rank's columns of A and
+B whole, and its partial product joins the base's partial sums before the all-reduce (x A^T
+summed over ranks is the whole x A^T, and B is linear).
+
+One step (`LoRAStep`, shared by every projection): each token's slot (-1: the base model),
+grouped by slot once per step: for each adapter in the batch (at most max_loras) the rows of
+its tokens, a slice when they are contiguous (requests sit in the batch one after another),
+else an index tensor. The product is then, per group, y[rows] += (x[rows] A_s^T) B_s^T: a
+grouped matmul, never a loop over tokens. A step with no adapter costs one attribute test
+per projection (`active` is False), and keeps the CUDA graphs and the CPU's one-call decoder
+layers; a step with one takes the per-module path, eagerly.
+
+Adapters come from PEFT folders the worker reads itself (`ipc/lora.py` checks the config),
+kept in host memory in an LRU of max_cpu_loras (full tensors, this rank's shards cut when
+one goes into a slot).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..ipc.lora import WEIGHTS_FILE, read_adapter_config
+from ..ipc.messages import LoRARequest, LoRASlot
+
+logger = logging.getLogger(__name__)
+
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+"""A PEFT tensor name: base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight."""
+
+PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0),
+          "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
+"""PEFT's module name -> (this model's projection, its index among the packed ones)."""
+
+
+@dataclass
+class LoRAStep:
+    """One step's tokens by adapter slot, shared by every LoRA projection."""
+
+    active: bool = False
+    """Some token of this step uses an adapter."""
+    groups: list = field(default_factory=list)
+    """(slot, rows): rows a slice or an int64 index tensor of the step's tokens."""
+
+
+@dataclass
+class Adapter:
+    """An adapter read from its folder, in host memory: per (layer, PEFT module) the full
+    A [r, in] and scaling · B [out, r] in float32."""
+
+    lora: LoRARequest
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+def read_adapter(lora: LoRARequest, max_lora_rank: int) -> Adapter:
+    """Read a PEFT folder (ValueError naming lora_path when tidal cannot run it)."""
+    from safetensors import safe_open
+
+    config = read_adapter_config(lora.lora_path, max_lora_rank)
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    with safe_open(f"{lora.lora_path}/{WEIGHTS_FILE}", framework="pt") as f:
+        for name in f.keys():
+            m = _KEY.search(name)
+            if m is None or m.group(2) not in PACKED:
+                raise ValueError(f"lora_path {lora.lora_path!r}: tensor {name} is not on a "
+                                 f"supported projection ({', '.join(PACKED)})")
+            halves.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = \
+                f.get_tensor(name).to(torch.float32)
+    weights = {}
+    for key, pair in halves.items():
+        if set(pair) != {"A", "B"}:
+            raise ValueError(f"lora_path {lora.lora_path!r}: layer {key[0]} {key[1]} lacks "
+                             f"lora_{'B' if 'A' in pair else 'A'}")
+        a, b = pair["A"], pair["B"]
+        rank = a.shape[0]
+        if rank > max_lora_rank or b.shape[1] != rank:
+            raise ValueError(f"lora_path {lora.lora_path!r}: layer {key[0]} {key[1]} has rank "
+                             f"{rank} (B {list(b.shape)}), above --max-lora-rank "
+                             f"{max_lora_rank} or inconsistent")
+        weights[key] = (a, b * config.scaling(rank))
+    return Adapter(lora, weights)
+
+
+class LoRAProjection:
+    """The slots of one projection of this rank, and its share of the product."""
+
+    def __init__(self, layer: nn.Module, kind: str, step: LoRAStep, max_loras: int,
+                 rank: int, dtype: torch.dtype, device: torch.device):
+        self.layer, self.kind, self.step, self.rank = layer, kind, step, rank
+        self.row_parallel = kind in ("o_proj", "down_proj")
+        self.num_sub = {"qkv_proj": 3, "gate_up_proj": 2}.get(kind, 1)
+        w = layer.weight
+        out_local, in_local = w.shape[0], w.shape[1]
+        self.A = torch.zeros(max_loras, self.num_sub * rank, in_local, dtype=dtype,
+                             device=device)
+        self.B = torch.zeros(max_loras, out_local, self.num_sub * rank, dtype=dtype,
+                             device=device)
+
+    def clear(self, slot: int) -> None:
+        self.A[slot].zero_()
+        self.B[slot].zero_()
+
+    def put(self, slot: int, sub: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Sub-projection `sub` of an adapter (full A [r, in], scaled B [out, r]) into
+        `slot`, cut to this rank's shard."""
+        layer, r, R = self.layer, a.shape[0], self.rank
+        tp_rank, tp_size = layer.tp.rank, layer.tp.size
+        if self.row_parallel:
+            cols = a.shape[1] // tp_size
+            a = a[:, tp_rank * cols:(tp_rank + 1) * cols]
+            rows, offset = slice(None), 0
+        else:
+            b, offset = self._rows_of(sub, b, tp_rank, tp_size)
+            rows = slice(offset, offset + b.shape[0])
+        self.A[slot, sub * R:sub * R + r].copy_(a)
+        self.B[slot, rows, sub * R:sub * R + r].copy_(b)
+
+    def _rows_of(self, sub: int, b: torch.Tensor, tp_rank: int,
+                 tp_size: int) -> tuple[torch.Tensor, int]:
+        """This rank's rows of sub-projection `sub`'s B and where they sit in the local
+        output (the base layer's loader's rule)."""
+        layer = self.layer
+        if self.kind == "qkv_proj":
+            d = layer.head_dim
+            if sub == 0:
+                n = layer.num_heads
+                return b[tp_rank * n * d:(tp_rank + 1) * n * d], 0
+            n, start = layer.num_kv_heads, layer.kv_head_start
+            offset = layer.num_heads + (0 if sub == 1 else n)
+            return b[start * d:(start + n) * d], offset * d
+        rows = b.shape[0] // tp_size
+        return b[tp_rank * rows:(tp_rank + 1) * rows], sub * rows
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y + each token's adapter product (y [tokens, out_local], written in place)."""
+        for slot, rows in self.step.groups:
+            xs = x[rows]
+            delta = (xs @ self.A[slot].t()) @ self.B[slot].t()
+            if isinstance(rows, slice):
+                y[rows] += delta
+            else:
+                y.index_add_(0, rows, delta)
+        return y
+
+
+class LoRAModel:
+    """Every LoRA projection of this rank's model, its slots and the host-memory LRU."""
+
+    def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int,
+                 max_cpu_loras: int, dtype: torch.dtype, device: torch.device):
+        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
+        self.max_cpu_loras = max_cpu_loras
+        self.device = device
+        self.step = LoRAStep()
+        self.projections: dict[tuple[int, str], LoRAProjection] = {}
+        for name, module in model.named_modules():
+            m = re.search(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)$", name)
+            if m is None or m.group(2) not in ("qkv_proj", "o_proj", "gate_up_proj",
+                                               "down_proj"):
+                continue
+            proj = LoRAProjection(module, m.group(2), self.step, max_loras, max_lora_rank,
+                                  dtype, device)
+            module.lora = proj
+            self.projections[(int(m.group(1)), m.group(2))] = proj
+        for module in model.modules():  # the decoder: no one-call C layers in LoRA steps
+            if hasattr(type(module), "lora_step"):
+                module.lora_step = self.step
+        self.slot_of: dict[int, int] = {}
+        """lora_int_id -> slot, as the engine core's plans set them."""
+        self.cpu: OrderedDict[tuple[int, str], Adapter] = OrderedDict()
+        """(lora_int_id, path) -> the adapter read, least recently used first."""
+
+    def load(self, loads: list[LoRASlot]) -> None:
+        """Put adapters into slots (a plan's `lora_slots`, before the step runs)."""
+        for load in loads:
+            adapter = self._read(load.lora)
+            slot = load.slot
+            for lora_id, s in list(self.slot_of.items()):
+                if s == slot:
+                    del self.slot_of[lora_id]
+            for proj in self.projections.values():
+                proj.clear(slot)
+            for (layer, module), (a, b) in adapter.weights.items():
+                kind, sub = PACKED[module]
+                proj = self.projections.get((layer, kind))
+                if proj is not None:  # another pipeline stage's layer otherwise
+                    proj.put(slot, sub, a, b)
+            self.slot_of[load.lora.lora_int_id] = slot
+            logger.info("LoRA adapter %r (id %d) in slot %d", load.lora.lora_name,
+                        load.lora.lora_int_id, slot)
+
+    def _read(self, lora: LoRARequest) -> Adapter:
+        key = (lora.lora_int_id, lora.lora_path)
+        adapter = self.cpu.get(key)
+        if adapter is None:
+            adapter = read_adapter(lora, self.max_lora_rank)
+            self.cpu[key] = adapter
+            while len(self.cpu) > self.max_cpu_loras:
+                self.cpu.popitem(last=False)
+        self.cpu.move_to_end(key)
+        return adapter
+
+    def prepare_step(self, lora_ids: np.ndarray, num_scheduled: np.ndarray) -> None:
+        """Group the step's tokens by slot from each request's adapter id (0: none) and its
+        token count, in batch order."""
+        step = self.step
+        step.groups = []
+        step.active = bool(lora_ids.any())
+        if not step.active:
+            return
+        slots = np.array([self.slot_of[i] if i else -1 for i in lora_ids.tolist()], np.int64)
+        token_slots = np.repeat(slots, num_scheduled)
+        for slot in np.unique(slots[slots >= 0]).tolist():
+            rows = np.nonzero(token_slots == slot)[0]
+            if rows[-1] - rows[0] + 1 == len(rows):
+                step.groups.append((slot, slice(int(rows[0]), int(rows[-1]) + 1)))
+            else:
+                step.groups.append((slot, torch.from_numpy(rows).to(self.device)))
