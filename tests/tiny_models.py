@@ -67,6 +67,16 @@ _ARCH_DEFAULTS = {
     "llama": dict(),
     "qwen2": dict(),
     "qwen3": dict(head_dim=16),
+    # mixture-of-experts: 8 experts (Granite-MoE 4), top-2 (workers/models/moe_decoder.py)
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64, mlp_only_layers=[1]),  # 1 dense
+    "qwen3_moe": dict(head_dim=16, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=32, norm_topk_prob=True),
+    "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, clip_qkv=1.5),
+    "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64,
+                       embedding_multiplier=2.0, residual_multiplier=0.5,
+                       attention_multiplier=0.2, logits_scaling=2.0),
 }
 
 
@@ -102,10 +112,15 @@ def make_tiny_model(path: str, arch: str = "llama", seed: int = 0, dtype: str = 
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
+        "granitemoe": (transformers.GraniteMoeConfig, transformers.GraniteMoeForCausalLM),
     }[arch]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**common)).to(torch.float32)
-    if arch == "qwen2":  # HF initialises biases to zero; make them matter
+    if arch in ("qwen2", "qwen2_moe"):  # HF initialises biases to zero; make them matter
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("bias"):

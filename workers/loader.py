@@ -89,11 +89,15 @@ def iterate_checkpoint(path: str) -> Iterator[tuple[str, object]]:
 def load_weights(model: nn.Module, path: str) -> None:
     """Fill every parameter of `model` from the folder's checkpoint (this rank's slices).
 
-    Checkpoint names go through `model.packed_modules_mapping` (q_proj -> qkv_proj shard q,
-    ...). A tensor the model has no place for, or a parameter no tensor fills, is an error.
+    Checkpoint names go through the model's `param_for(name)` where it has one (a family's
+    own names, e.g. one MoE expert's tensor -> the stacked experts' parameter and shard), else
+    `model.packed_modules_mapping` (q_proj -> qkv_proj shard q, ...). A weight loader may
+    return the shard ids it filled (a stacked tensor fills many); None means its own. A
+    tensor the model has no place for, or a parameter no tensor fills, is an error.
     """
     params = dict(model.named_parameters())
     mapping = getattr(model, "packed_modules_mapping", {})
+    param_for = getattr(model, "param_for", lambda name: None)
     tied = getattr(getattr(model, "args", None), "tie_word_embeddings", False)
     on_this_stage = getattr(model, "checkpoint_name", lambda name: name)  # pipeline stages
     loaded: set[tuple[str, object]] = set()
@@ -104,14 +108,14 @@ def load_weights(model: nn.Module, path: str) -> None:
         name = on_this_stage(name)
         if name is None:
             continue  # another pipeline stage's tensor
-        param_name, shard_id = _map_name(name, mapping)
+        param_name, shard_id = param_for(name) or _map_name(name, mapping)
         param = params.get(param_name)
         if param is None:
             unexpected.append(name)
             continue
         param.checkpoint_name = name
-        param.weight_loader(param, tensor, shard_id)
-        loaded.add((param_name, shard_id))
+        filled = param.weight_loader(param, tensor, shard_id)
+        loaded.update((param_name, shard) for shard in (filled or (shard_id,)))
     if unexpected:
         raise ValueError(f"checkpoint in {path!r} has tensors this model does not use: "
                          f"{_short_list(unexpected)}")

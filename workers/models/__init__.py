@@ -18,9 +18,9 @@ from typing import Protocol
 
 import torch
 
-from . import llama
+from . import granite_moe, llama, mixtral, olmoe, qwen_moe
 
-FAMILIES = (llama,)
+FAMILIES = (llama, mixtral, qwen_moe, olmoe, granite_moe)
 """Every family module; the first that lists an architecture implements it."""
 
 _BY_ARCHITECTURE = {}

@@ -1,0 +1,183 @@
+"""Mixture-of-experts building blocks: the router's top-k choice (each model family's own
+normalisation) and the experts of one layer, stacked and computed grouped by expert.
+
+Routing (`Routing`, `route`), as transformers computes it for each family:
+
+    softmax_topk   softmax over all experts (float32), the top k, renormalised to sum to one
+                   where the model says so (Mixtral always; Qwen2/3-MoE and OLMoE by their
+                   `norm_topk_prob`)
+    topk_softmax   the top k logits (float32), softmax over those k (Granite-MoE)
+
+`weights_float32` keeps the k weights in float32 for the combine (Mixtral) instead of casting
+them to the activations' dtype first (the others); with float32 activations the two agree.
+
+Experts (`FusedMoE`), per layer, for E experts of intermediate size I on P tensor-parallel
+ranks (rank r):
+
+    w13  [E, 2 * I/P, hidden]   rows [gate rows r*I/P.. | up rows r*I/P..] of every expert
+    w2   [E, hidden, I/P]       columns r*I/P.. of every expert's down projection
+
+so each rank computes every expert on its slice of the intermediate dimension and returns a
+partial sum; the caller all-reduces once after the combine (and the shared expert, whose
+down projection is split the same way). The router is replicated: every rank routes the same
+tokens to the same experts. Expert parallelism (whole experts per rank) is not built:
+docs/models.md says why.
+
+The forward pass groups the (token, expert) pairs by expert: a stable sort of the T*k
+chosen expert ids, one gather of the token rows in that order, then for each expert with
+tokens one gate/up GEMM, silu * up and one down GEMM over its contiguous run of rows, and
+one `index_add_` of the weighted rows back into their tokens. One host sync per layer (the
+counts per expert); no Python loop over tokens.
+
+Checkpoints name the experts one by one (`experts.3.w1.weight`, `experts.3.gate_proj.weight`)
+or stacked (transformers 5's `experts.gate_up_proj` [E, 2I, hidden] / `experts.down_proj`
+[E, hidden, I], Granite-MoE's `input_linear.weight` / `output_linear.weight`, the same
+layout); `w13.weight_loader` takes shard ids `(expert, 0)` gate, `(expert, 1)` up and
+`STACKED`; `w2`'s `(expert, None)` and `STACKED`. A stacked tensor fills every expert's
+shards at once, and its loader says so (returns them) to the loader's completeness check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels.cpu.cpu_gemm import SmallBatchGemm
+from ..kernels.cpu.ops import CpuOps
+from .distributed import TensorParallel
+from .layers import _check_shape, _copy, _take
+
+STACKED = "stacked"
+"""Shard id of a checkpoint tensor holding every expert ([E, ...])."""
+
+SCORINGS = ("softmax_topk", "topk_softmax")
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a family's router turns logits into k experts and their weights."""
+
+    top_k: int
+    scoring: str = "softmax_topk"
+    """`softmax_topk` or `topk_softmax` (module docstring)."""
+    renormalize: bool = True
+    """softmax_topk: divide the k probabilities by their sum."""
+    weights_float32: bool = False
+    """Combine with float32 weights (Mixtral) rather than weights cast to the activations'
+    dtype (Qwen2/3-MoE, OLMoE, Granite-MoE)."""
+
+
+def route(logits: torch.Tensor, routing: Routing, dtype: torch.dtype
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights [T, k], expert ids [T, k] int64), in the order
+    torch.topk gives (largest first); weights in float32 or `dtype` per `routing`."""
+    if routing.scoring == "topk_softmax":
+        top, ids = logits.float().topk(routing.top_k, dim=-1)
+        return torch.softmax(top, dim=-1).to(dtype), ids
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top, ids = torch.topk(probs, routing.top_k, dim=-1)
+    if routing.renormalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return (top if routing.weights_float32 else top.to(dtype)), ids
+
+
+class FusedMoE(nn.Module):
+    """The experts of one layer, stacked; `forward(x, weights, ids)` -> this rank's partial
+    sum of the k weighted expert outputs per token (all-reduce it over the TP group)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        self.num_experts, self.hidden_size = num_experts, hidden_size
+        self.intermediate_size = intermediate_size
+        self.local_size = tp.split(intermediate_size, "moe intermediate size")
+        i = self.local_size
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * i, hidden_size),
+                                requires_grad=False)
+        self.w13.weight_loader = self.load_w13
+        self.w13.shard_ids = tuple((e, j) for e in range(num_experts) for j in (0, 1))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, i), requires_grad=False)
+        self.w2.weight_loader = self.load_w2
+        self.w2.shard_ids = tuple((e, None) for e in range(num_experts))
+        self.gemms: list[tuple[SmallBatchGemm, SmallBatchGemm, SmallBatchGemm]] | None = None
+        """Per expert (gate, up, down) GEMMs from the CPU op seam (`use_cpu_ops`)."""
+
+    # -- loading -----------------------------------------------------------------------------
+
+    def load_w13(self, param: nn.Parameter, loaded: Any, shard_id) -> tuple | None:
+        """One expert's gate (`(e, 0)`) or up (`(e, 1)`) [I, hidden], or every expert's gate
+        and up stacked (`STACKED`, [E, 2I, hidden]): this rank's rows of each."""
+        i, big = self.local_size, self.intermediate_size
+        start = self.tp.rank * i
+        if shard_id == STACKED:
+            _check_shape(param, loaded, (self.num_experts, 2 * big, self.hidden_size))
+            _copy(param[:, :i], loaded[:, start:start + i])
+            _copy(param[:, i:], loaded[:, big + start:big + start + i])
+            return self.w13.shard_ids
+        expert, half = shard_id
+        _check_shape(param, loaded, (big, self.hidden_size))
+        _copy(param[expert, half * i:(half + 1) * i], _take(loaded, 0, start, i))
+        return None
+
+    def load_w2(self, param: nn.Parameter, loaded: Any, shard_id) -> tuple | None:
+        """One expert's down projection (`(e, None)`, [hidden, I]) or every expert's
+        (`STACKED`, [E, hidden, I]): this rank's columns."""
+        i = self.local_size
+        start = self.tp.rank * i
+        if shard_id == STACKED:
+            _check_shape(param, loaded, (self.num_experts, self.hidden_size,
+                                         self.intermediate_size))
+            _copy(param, loaded[:, :, start:start + i])
+            return self.w2.shard_ids
+        expert = shard_id[0]
+        _check_shape(param, loaded, (self.hidden_size, self.intermediate_size))
+        _copy(param[expert], _take(loaded, 1, start, i))
+        return None
+
+    # -- the CPU op seam ---------------------------------------------------------------------
+
+    def use_cpu_ops(self, ops: CpuOps) -> bool:
+        """Take the seam's small-batch GEMM for every expert's gate, up and down weight
+        (an expert sees few rows a step: the decode regime those GEMMs are for); False where
+        the seam has none (torch's ops, not float32) and `F.linear` stays."""
+        i = self.local_size
+        gemms = [(ops.gemm(self.w13[e, :i]), ops.gemm(self.w13[e, i:]), ops.gemm(self.w2[e]))
+                 for e in range(self.num_experts)]
+        self.gemms = None if any(None in g for g in gemms) else gemms
+        return self.gemms is not None
+
+    # -- forward -----------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+                ) -> torch.Tensor:
+        """x [T, hidden], weights / ids [T, k] -> [T, hidden] in x's dtype: sum over k of
+        weight * expert(x) for this rank's slice of the intermediate dimension."""
+        num_tokens, top_k = ids.shape
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens in order
+        token_of = order // top_k  # the token of each sorted pair
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one host sync
+        rows = x[token_of]
+        out = torch.empty_like(rows)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n:
+                out[start:start + n] = self._expert(expert, rows[start:start + n])
+                start += n
+        weighted = out * weights.reshape(-1)[order].unsqueeze(-1)
+        result = torch.zeros_like(x)
+        return result.index_add_(0, token_of, weighted.to(x.dtype))
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate(x)) * up(x)) of expert e, on this rank's slice."""
+        if self.gemms is not None:
+            gate, up, down = self.gemms[e]
+            return down(up.mul(x, F.silu(gate(x), inplace=True)))
+        gate, up = F.linear(x, self.w13[e]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.w2[e])
+
