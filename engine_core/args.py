@@ -82,6 +82,7 @@ class _Flag:
     type: Callable[[str], Any] | None = None  # default: int, float or str by the annotation
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
+    nargs: str | None = None  # "+": one value or several (a list in the config)
 
     @property
     def option(self) -> str:
@@ -98,11 +99,16 @@ FLAGS: dict[str, list[_Flag]] = {
         _Flag(ModelConfig, "dtype", type=_dtype),
         _Flag(ModelConfig, "max_model_len"),
         _Flag(ModelConfig, "seed"),
-        _Flag(ModelConfig, "served_model_name"),
+        _Flag(ModelConfig, "served_model_name", nargs="+", metavar="NAME"),
+        _Flag(ModelConfig, "revision"),
+        _Flag(ModelConfig, "download_dir", metavar="DIR"),
         _Flag(ModelConfig, "structured_outputs_max_bytes", type=parse_bytes, metavar="BYTES"),
         _Flag(ModelConfig, "structured_outputs_compile_timeout", metavar="SECONDS"),
         _Flag(ModelConfig, "structured_outputs_cache_bytes", type=parse_bytes,
               metavar="BYTES"),
+        _Flag(ModelConfig, "runner", choices=RUNNERS),
+        _Flag(ModelConfig, "convert", choices=CONVERTS),
+        _Flag(ModelConfig, "pooler_config", metavar="JSON"),
     ],
     "KV cache": [
         _Flag(CacheConfig, "block_size"),
@@ -138,18 +144,18 @@ FLAGS: dict[str, list[_Flag]] = {
         _Flag(ParallelConfig, "cpu_affinity"),
         _Flag(ParallelConfig, "distributed_executor_backend", choices=EXECUTOR_BACKENDS),
     ],
-}
-"""Every engine flag but MODEL, grouped as `--help` shows them. A flag's default, help text
-and type come from its config field (its docstring is the help), so the dataclasses are the
-one place a setting is described."""
-
-
     "LoRA": [
         _Flag(LoRAConfig, "enable_lora"),
         _Flag(LoRAConfig, "max_loras"),
         _Flag(LoRAConfig, "max_lora_rank"),
         _Flag(LoRAConfig, "max_cpu_loras"),
     ],
+}
+"""Every engine flag but MODEL, grouped as `--help` shows them. A flag's default, help text
+and type come from its config field (its docstring is the help), so the dataclasses are the
+one place a setting is described."""
+
+
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
     """The docstring under each field of dataclass `cls`, whitespace folded."""
@@ -209,7 +215,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
                 kwargs.update(type=_parser_type(flag), choices=flag.choices,
-                              metavar=flag.metavar)
+                              metavar=flag.metavar, nargs=flag.nargs)
             group.add_argument(flag.option, *flag.aliases, **kwargs)
 
 
@@ -247,6 +253,8 @@ def config_to_argv(config: EngineConfig) -> list[str]:
             value = getattr(sections[flag.section], flag.field)
             if isinstance(value, bool):
                 argv.append(flag.option if value else "--no-" + flag.option[2:])
+            elif isinstance(value, list):
+                argv += [flag.option, *map(str, value)]
             elif value is not None:
                 argv += [flag.option, repr(value) if isinstance(value, float) else str(value)]
     return argv

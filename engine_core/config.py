@@ -29,6 +29,8 @@ ATTENTION_BACKENDS = ("auto", "cpu", "numba", "torch", "triton", "reference")  #
 CPU_KERNELS = ("auto", "torch")  # = tidal.kernels.cpu.ops.CPU_KERNELS
 CPU_KERNEL_OPTIONS = ("no-amx", "no-panels", "no-fused", "march=")  # = ops.CPU_KERNEL_OPTIONS
 EXECUTOR_BACKENDS = ("mp", "ray")
+RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", "embed")
 
 
 def is_gguf(model: str) -> bool:
@@ -55,9 +57,11 @@ class ModelConfig:
     """Which model to serve and how to load it."""
 
     model: str
-    """A local Hugging Face model folder (config.json, tokenizer files, safetensors), or a
-    GGUF file (`*.gguf`), which the engine core converts once into a cached folder
-    (`engine_core/model_files.py`)."""
+    """A local Hugging Face model folder (config.json, tokenizer files, safetensors), a GGUF
+    file (`*.gguf`, converted once by the engine core into a cached folder), or a Hugging Face
+    Hub id: ORG/NAME, ORG/NAME:FILE.gguf or ORG/NAME:QUANT (Q4_K_M, ...), fetched once into
+    the Hub's cache before anything starts (`engine_core/hub.py`; HF_HOME, HF_TOKEN and
+    HF_HUB_OFFLINE apply as in vLLM)."""
     tokenizer: str | None = None
     """Tokenizer folder; None means the model folder (for a GGUF file: the converted one)."""
     dtype: str = "auto"
@@ -70,8 +74,14 @@ class ModelConfig:
     config.json (`max_position_embeddings` and friends). May not exceed the model's."""
     seed: int = 0
     """Seed for sampling of requests that do not carry their own seed."""
-    served_model_name: str | None = None
-    """The model name the OpenAI API reports and accepts; None means `model`."""
+    served_model_name: str | list[str] | None = None
+    """The model name(s) the OpenAI API accepts (several: any of them; the first is the one
+    reported); None means `model` as given (a Hub id, not the folder it was fetched into)."""
+    revision: str | None = None
+    """The Hub revision (branch, tag or commit) of a model given by its Hub id; None: main."""
+    download_dir: str | None = None
+    """Where a model given by its Hub id is fetched to (a Hub cache folder); None:
+    huggingface_hub's cache ($HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub)."""
     structured_outputs_max_bytes: int = 128 * 2**10
     """Bytes: the largest structured-output constraint a request may carry (a JSON schema's
     text, a regex, a grammar, or its choices together); a larger one is refused (HTTP 400)
@@ -84,6 +94,20 @@ class ModelConfig:
     structured_outputs_cache_bytes: int = 512 * 2**20
     """Bytes of compiled grammars each process keeps for reuse (the HTTP process and every
     worker; least recently used first out). vLLM's xgrammar cache default."""
+    runner: str = "auto"
+    """generate: text generation (completions, chat). pooling: embeddings (/v1/embeddings,
+    `LLM.embed`): each prompt is one prefill whose final hidden states are pooled into one
+    vector, with no LM head (docs/embeddings.md). auto, as vLLM: pooling for a folder with a
+    sentence-transformers pooling config (modules.json) or an architecture named *Model
+    (Qwen3Model), else generate. An engine does one or the other."""
+    convert: str = "auto"
+    """embed: run a *ForCausalLM checkpoint as an embedding model (implies --runner pooling);
+    none: as it is; auto: embed under --runner pooling, none otherwise (vLLM's --convert)."""
+    pooler_config: str | None = None
+    """JSON, as vLLM's --pooler-config: {"pooling_type": "LAST" | "MEAN" | "CLS",
+    "normalize": true | false}; what is not given comes from the folder's
+    sentence-transformers config (1_Pooling/config.json, a Normalize module in modules.json),
+    else LAST and normalize (vLLM's defaults for a converted decoder)."""
 
     def __post_init__(self) -> None:
         _require(isinstance(self.model, str) and self.model != "", "model",
@@ -92,8 +116,10 @@ class ModelConfig:
         _require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
                  f"must be at least 1, got {self.max_model_len}")
         _require(-(2**63) <= self.seed < 2**63, "seed", "must fit in a signed 64-bit integer")
-        _require(self.served_model_name is None or self.served_model_name != "",
-                 "served_model_name", "must not be empty")
+        names = self.served_model_name
+        _require(names is None or (names != "" and names != [] and (
+            isinstance(names, str) or all(isinstance(n, str) and n for n in names))),
+                 "served_model_name", "must be a non-empty name or list of non-empty names")
         _require(self.structured_outputs_max_bytes >= 1, "structured_outputs_max_bytes",
                  f"must be at least 1, got {self.structured_outputs_max_bytes}")
         _require(0 < self.structured_outputs_compile_timeout < float("inf"),
@@ -101,6 +127,13 @@ class ModelConfig:
                  f"got {self.structured_outputs_compile_timeout}")
         _require(self.structured_outputs_cache_bytes >= 0, "structured_outputs_cache_bytes",
                  f"must be non-negative, got {self.structured_outputs_cache_bytes}")
+        _require(self.runner in RUNNERS, "runner", f"must be one of {RUNNERS}, got "
+                 f"{self.runner!r}")
+        _require(self.convert in CONVERTS, "convert", f"must be one of {CONVERTS}, got "
+                 f"{self.convert!r}")
+        _require(not (self.runner == "generate" and self.convert == "embed"), "convert",
+                 "embed needs --runner pooling (or auto), not generate")
+        parse_pooler_config(self.pooler_config)  # ValueError naming the field
 
     @property
     def tokenizer_path(self) -> str | None:
@@ -111,9 +144,38 @@ class ModelConfig:
         return self.tokenizer or self.model
 
     @property
+    def names(self) -> list[str]:
+        """Every name API users may give (`served_model_name`, else `model`)."""
+        names = self.served_model_name or self.model
+        return [names] if isinstance(names, str) else list(names)
+
+    @property
     def name(self) -> str:
-        """The model name shown to API users."""
-        return self.served_model_name or self.model
+        """The model name shown to API users (the first of `names`)."""
+        return self.names[0]
+
+
+def parse_pooler_config(text: str | None) -> dict:
+    """`--pooler-config` JSON as a dict of the keys given (pooling_type upper-cased);
+    ValueError naming pooler_config for anything else."""
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"pooler_config is not valid JSON: {e}") from None
+    _require(isinstance(value, dict), "pooler_config", f"must be a JSON object, got {text!r}")
+    unknown = sorted(set(value) - {"pooling_type", "normalize"})
+    _require(not unknown, "pooler_config", f"takes pooling_type and normalize; "
+             f"{', '.join(unknown)} is not supported")
+    kind = value.get("pooling_type")
+    if kind is not None:
+        _require(isinstance(kind, str) and kind.upper() in ("LAST", "MEAN", "CLS"),
+                 "pooler_config", f"pooling_type must be LAST, MEAN or CLS, got {kind!r}")
+        value["pooling_type"] = kind.upper()
+    _require(value.get("normalize") in (None, True, False), "pooler_config",
+             f"normalize must be true or false, got {value.get('normalize')!r}")
+    return {k: v for k, v in value.items() if v is not None}
 
 
 @dataclass(frozen=True)
@@ -308,6 +370,40 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (vLLM's flags and meanings; docs/lora.md)."""
+
+    enable_lora: bool = False
+    """Serve LoRA adapters (PEFT folders) beside the base model: a request names one
+    (`model` over HTTP, `lora_request` in Python) and one batch mixes requests of different
+    adapters and of the base model."""
+    max_loras: int = 1
+    """Adapters one step may use (the workers' slots of stacked adapter weights); the
+    scheduler admits a request of another adapter only when a slot is free of running
+    requests."""
+    max_lora_rank: int = 16
+    """The largest adapter rank accepted (the slots are this wide; a smaller rank is padded
+    with zeros)."""
+    max_cpu_loras: int | None = None
+    """Adapters each worker keeps read in host memory (least recently used first out), so
+    one that comes back to a slot is not read from disk again; None: max_loras. At least
+    max_loras."""
+
+    def __post_init__(self) -> None:
+        _require(self.max_loras >= 1, "max_loras", f"must be at least 1, got {self.max_loras}")
+        _require(self.max_lora_rank >= 1, "max_lora_rank",
+                 f"must be at least 1, got {self.max_lora_rank}")
+        _require(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+                 "max_cpu_loras", f"must be at least max_loras={self.max_loras}, got "
+                 f"{self.max_cpu_loras}")
+
+    @property
+    def cpu_loras(self) -> int:
+        """max_cpu_loras, resolved."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine core needs; built once, never changed."""
 
@@ -319,6 +415,8 @@ class EngineConfig:
     """Continuous batching."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Workers."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters."""
 
     def __post_init__(self) -> None:
         if self.model.max_model_len is not None:
@@ -364,45 +462,21 @@ class EngineConfig:
             cpu_cores=cores,
             grammar_compile_timeout=self.model.structured_outputs_compile_timeout,
             grammar_cache_bytes=self.model.structured_outputs_cache_bytes,
+            runner=_runner(self, model_dir),
+            max_loras=self.lora.max_loras if self.lora.enable_lora else 0,
+            max_lora_rank=self.lora.max_lora_rank,
+            max_cpu_loras=self.lora.cpu_loras,
         )
+
+
+def _runner(config: EngineConfig, model_dir: str | None) -> str:
+    from .pooling import resolve_runner  # it imports this module
+
+    return resolve_runner(config, model_dir)
 
 
 def encode_engine_config(config: EngineConfig) -> str:
     """`config` as msgspec JSON: how a frontend hands its config to the daemon it starts."""
-@dataclass(frozen=True)
-class LoRAConfig:
-    """LoRA adapters (vLLM's flags and meanings; docs/lora.md)."""
-
-    enable_lora: bool = False
-    """Serve LoRA adapters (PEFT folders) beside the base model: a request names one
-    (`model` over HTTP, `lora_request` in Python) and one batch mixes requests of different
-    adapters and of the base model."""
-    max_loras: int = 1
-    """Adapters one step may use (the workers' slots of stacked adapter weights); the
-    scheduler admits a request of another adapter only when a slot is free of running
-    requests."""
-    max_lora_rank: int = 16
-    """The largest adapter rank accepted (the slots are this wide; a smaller rank is padded
-    with zeros)."""
-    max_cpu_loras: int | None = None
-    """Adapters each worker keeps read in host memory (least recently used first out), so
-    one that comes back to a slot is not read from disk again; None: max_loras. At least
-    max_loras."""
-
-    def __post_init__(self) -> None:
-        _require(self.max_loras >= 1, "max_loras", f"must be at least 1, got {self.max_loras}")
-        _require(self.max_lora_rank >= 1, "max_lora_rank",
-                 f"must be at least 1, got {self.max_lora_rank}")
-        _require(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
-                 "max_cpu_loras", f"must be at least max_loras={self.max_loras}, got "
-                 f"{self.max_cpu_loras}")
-
-    @property
-    def cpu_loras(self) -> int:
-        """max_cpu_loras, resolved."""
-        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
-
-
     return msgspec.json.encode(config).decode()
 
 
@@ -415,8 +489,6 @@ def decode_engine_config(text: str) -> EngineConfig:
         raise ValueError(f"engine config: {e}") from None
     except msgspec.DecodeError as e:
         raise ValueError(f"engine config is not valid JSON: {e}") from None
-    lora: LoRAConfig = field(default_factory=LoRAConfig)
-    """LoRA adapters."""
 
 
 def check_lengths(config: EngineConfig, max_model_len: int) -> None:
@@ -462,10 +534,6 @@ def read_model_max_len(model_dir: str) -> int:
     sources = [hf_config]
     if isinstance(hf_config.get("text_config"), dict):
         sources.append(hf_config["text_config"])
-            runner=_runner(self, model_dir),
-            max_loras=self.lora.max_loras if self.lora.enable_lora else 0,
-            max_lora_rank=self.lora.max_lora_rank,
-            max_cpu_loras=self.lora.cpu_loras,
     found = [src[k] for src in sources for k in _MAX_LEN_KEYS if isinstance(src.get(k), int)]
     if not found:
         raise ValueError(f"model {model_dir!r}: config.json names no context length "

@@ -56,7 +56,8 @@ from .executor import WorkerError, WorkerFacts
 from .frontend_port import FrontendPort
 from .model_files import model_folder
 from .progress_log import ProgressLog
-from .request import Request, check_request
+from .pooling import pooler_info
+from .request import Request, check_pooling, check_request
 from .scheduler import Scheduler
 from ..ipc.lifeline import watch_parent
 from .stop_signals import StopSignals
@@ -109,6 +110,7 @@ class EngineCoreDaemon:
         self.core: EngineCore | None = None  # the step loop, once the workers are up
         self.vocab_size = 0  # the model's, reported by the workers at start-up
         self.model_dir = config.model.model  # the folder loaded (a GGUF file's: converted)
+        self.pooler = None  # the embedding model's pooler (--runner pooling), else None
         self.progress = ProgressLog(logger)
         self._idle_poller: zmq.Poller | None = None
 
@@ -149,6 +151,10 @@ class EngineCoreDaemon:
             self.model_dir = model_folder(self.config.model.model, self.signals.requested,
                                           self.log_level)
             max_model_len = resolve_max_model_len(self.config, self.model_dir)
+            self.pooler = pooler_info(self.config, self.model_dir)
+            logger.info("starting %d worker(s): torch, the model's weights from %s, the KV "
+                        "cache (a first start on this machine also compiles the C kernels)",
+                        self.config.parallel.world_size, self.model_dir)
             started = time.monotonic()
             self.workers.start(max_model_len)
             facts = self.facts
@@ -334,6 +340,7 @@ class EngineCoreDaemon:
             request = Request.from_add(msg, client_id)
             check_request(request, self.vocab_size, self.config.scheduler.scheduling_policy,
                           self.config.model.structured_outputs_max_bytes)
+            check_pooling(request, self.pooler)
             self.core.add(request)
         except ValueError as e:  # it never reaches the scheduler or a worker
             self.port.refuse(client_id, msg.req_id, str(e))

@@ -26,6 +26,7 @@ from ..ipc.messages import (
     unpack_token_ids,
 )
 from ..ipc.grammar import check_structured_outputs
+from ..ipc.pooling import PoolerInfo, PoolingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -71,8 +72,8 @@ class Request:
         "num_worker_tokens",
         "first_output_sent", "error", "add_time", "queue_time", "prompt_logprob_parts",
         "next_prompt_logprob", "num_resumed_tokens", "first_token_time", "finish_time",
-    )
         "lora", "pooling",
+    )
 
     def __init__(
         self,
@@ -86,9 +87,9 @@ class Request:
         arrival_time: float = 0.0,
         cache_salt: str | None = None,
         num_resumed_tokens: int = 0,
-    ) -> None:
         lora: LoRARequest | None = None,
         pooling: PoolingParams | None = None,
+    ) -> None:
         self.req_id = req_id
         """Unique within the engine core (frontends make it so)."""
         self.client_id = client_id
@@ -154,12 +155,12 @@ class Request:
         self.num_resumed_tokens = num_resumed_tokens
         """The prompt's last tokens that an earlier core generated (penalties count them as
         output; see AddRequest)."""
-
         self.lora = lora
         """The LoRA adapter it runs with (None: the base model); part of its block hashes."""
         self.pooling = pooling
         """An embedding request's pooling (resolved by `check_pooling`): it finishes when its
         prompt is computed, with the vector the workers pooled (`SampledTokens.pooled`)."""
+
     @classmethod
     def from_add(cls, msg: AddRequest, client_id: str) -> Request:
         """Build from the wire message a frontend sent (ValueError if the prompt is not
@@ -177,9 +178,9 @@ class Request:
             arrival_time=msg.arrival_time,
             cache_salt=msg.cache_salt,
             num_resumed_tokens=msg.num_resumed_tokens,
-        )
             lora=msg.lora_request,
             pooling=msg.pooling,
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -189,8 +190,11 @@ class Request:
     @property
     def skips_prefix_cache(self) -> bool:
         """Its prompt logprobs are still to come: cached positions would have no logits, so it
-        computes its whole prompt (vLLM's rule)."""
-        return self.prompt_logprob_parts is not None
+        computes its whole prompt (vLLM's rule). Likewise a MEAN or CLS pooling request, whose
+        vector needs the hidden states of cached positions too (LAST needs only the last
+        token's, which is always computed)."""
+        return self.prompt_logprob_parts is not None or (
+            self.pooling is not None and self.pooling.pooling_type != "LAST")
 
     def __repr__(self) -> str:
         return (f"Request({self.req_id!r}, {self.status.name}, computed="
@@ -238,3 +242,20 @@ def check_request(request: Request, vocab_size: int, scheduling_policy: str = "f
     if not math.isfinite(request.arrival_time):
         raise ValueError(f"arrival_time must be a finite number, got {request.arrival_time}")
 
+
+
+def check_pooling(request: Request, pooler: PoolerInfo | None) -> None:
+    """An embedding engine (`pooler`) takes only pooling requests, a generating one none
+    (vLLM's runners); a pooling request's unset fields take the engine's defaults
+    (`PoolerInfo.resolve`: ValueError naming `dimensions` the model does not allow) and it
+    samples nothing: max_tokens 1 stands for the vector."""
+    if pooler is None:
+        if request.pooling is not None:
+            raise ValueError("pooling: this engine generates text (--runner generate); it "
+                             "takes no embedding requests")
+        return
+    if request.pooling is None:
+        raise ValueError("pooling: this engine runs an embedding model (--runner pooling); "
+                         "it takes only embedding requests")
+    request.pooling = pooler.resolve(request.pooling)
+    request.max_tokens = 1

@@ -48,7 +48,8 @@ from .preemption_log import PreemptionLog
 from .request import Request, RequestStatus
 from .request_queue import create_request_queue, priority_key
 from ..ipc.messages import (
-    BatchPlan, CachedRequestData, EngineCoreOutput, GrammarToCompile, NewRequestData,
+    BatchPlan, CachedRequestData, EngineCoreOutput, FinishReason, GrammarToCompile,
+    NewRequestData, PooledOutput,
     PromptLogprobs, RequestFailure, SampledTokens, SchedulerStats, drop_prompt_positions,
     join_prompt_logprobs, pack_token_ids, unpack_token_ids,
 )
@@ -109,9 +110,9 @@ class Scheduler:
         """req_id -> constrained requests whose grammar the workers compile, in arrival order
         (in neither queue until it compiled); those whose `grammar_sent` is False go out
         in the next plan."""
-        self._next_step_id = 1
         self.lora_slots = LoRASlots(config.lora.max_loras) if config.lora.enable_lora else None
         """Which adapter each of the workers' LoRA slots holds (None: LoRA off)."""
+        self._next_step_id = 1
         self._num_added = 0
         self.clock = time.monotonic
         self.preemption_log = PreemptionLog(logger, config, num_kv_blocks)
@@ -146,15 +147,19 @@ class Scheduler:
             raise ValueError(f"req_id {request.req_id!r} is already in use")
         if request.num_prompt_tokens == 0:
             raise ValueError("prompt_token_ids must not be empty")
-        if request.num_prompt_tokens >= self.max_model_len:
+        if request.pooling is not None:
+            self._check_pooling_length(request)
+        elif request.num_prompt_tokens >= self.max_model_len:
             raise ValueError(
                 f"prompt_token_ids: input length ({request.num_prompt_tokens}) must be below "
                 f"the model's maximum context length ({self.max_model_len})")
+        if request.lora is not None:
+            self._check_lora(request.lora)
         room = self.max_model_len - request.num_prompt_tokens
         request.max_tokens = room if request.max_tokens is None else min(request.max_tokens,
                                                                          room)
-        if request.lora is not None:
-            self._check_lora(request.lora)
+        if request.pooling is not None:
+            request.max_tokens = 1  # the vector: the one "output" its last chunk makes
         self._num_added += 1
         request.arrival_seq = self._num_added
         request.add_time = self.clock()
@@ -165,11 +170,6 @@ class Scheduler:
         else:
             self._await_grammar(request)
 
-    def _await_grammar(self, request: Request) -> None:
-        """Hold a constrained request out of the queues until the workers compiled its
-        grammar, which the next plan sends them."""
-        request.status = RequestStatus.WAITING_FOR_GRAMMAR
-        self.awaiting_grammar[request.req_id] = request
     def _check_lora(self, lora) -> None:
         """ValueError naming lora_request when this engine cannot run the adapter."""
         if self.lora_slots is None:
@@ -184,6 +184,11 @@ class Scheduler:
                 f"prompt_token_ids: input length ({request.num_prompt_tokens}) must be at most "
                 f"the model's maximum context length ({self.max_model_len})")
 
+    def _await_grammar(self, request: Request) -> None:
+        """Hold a constrained request out of the queues until the workers compiled its
+        grammar, which the next plan sends them."""
+        request.status = RequestStatus.WAITING_FOR_GRAMMAR
+        self.awaiting_grammar[request.req_id] = request
 
     def _grammars_ready(self, req_ids: list[str]) -> None:
         """Constrained requests whose grammar compiled join the waiting queue."""
@@ -287,7 +292,10 @@ class Scheduler:
             if placeholders and self.pipelined:
                 continue  # its token is still in the pipeline; the first stage lacks it
             num_projected = len(request.all_token_ids) + placeholders
-            if (num_projected >= max_model_len
+            if request.pooling is not None:
+                if placeholders:
+                    continue  # its prompt is computed; its vector is on the way
+            elif (num_projected >= max_model_len
                     or len(request.output_token_ids) + placeholders >= request.max_tokens):
                 continue  # its last token is in flight: scheduling more would be wasted
             num_computed = request.num_computed_tokens
@@ -372,22 +380,22 @@ class Scheduler:
         kv = self.kv_cache_manager
         cap = self._long_prefill_cap()
         now = None
+        slots = self.lora_slots
+        in_use = adapters_in_use(self.running) if slots is not None else set()
+        skipped: list[Request] = []  # other adapters' requests while the slots are taken
         while self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
+            if slots is not None and not slots.can_admit(request.lora, in_use):
+                skipped.append(self.waiting.pop())  # vLLM's rule: skip, keep the order
+                continue
             if request.skips_prefix_cache:
                 hit_blocks, num_hit = [], 0
             else:
                 hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_tokens = len(request.all_token_ids)
             num_new = num_tokens - num_hit
-        slots = self.lora_slots
-        in_use = adapters_in_use(self.running) if slots is not None else set()
-        skipped: list[Request] = []  # other adapters' requests while the slots are taken
             if not self.chunked_prefill:
                 if num_new > step.budget:
-            if slots is not None and not slots.can_admit(request.lora, in_use):
-                skipped.append(self.waiting.pop())  # vLLM's rule: skip, keep the order
-                continue
                     break
             else:
                 if cap and num_new > cap:
@@ -403,17 +411,19 @@ class Scheduler:
             self.waiting.pop()
             if now is None:
                 now = self.clock()
+            if request.lora is not None:
+                slots.admit(request.lora, in_use)
+                in_use.add(request.lora.lora_int_id)
             self._admit(request, num_hit, now)
             step.scheduled[request.req_id] = (request, num_new, new_block_ids, True)
             step.budget -= num_new
+        for request in reversed(skipped):
+            self.waiting.prepend(request)
 
     def _admit(self, request: Request, num_hit: int, now: float) -> None:
         """Waiting -> running, with prefix-cache statistics counted once per admission (not
         for a request that did not look the cache up, as vLLM counts)."""
         num_tokens = len(request.all_token_ids)
-            if request.lora is not None:
-                slots.admit(request.lora, in_use)
-                in_use.add(request.lora.lora_int_id)
         if self.kv_cache_manager.enable_caching and not request.skips_prefix_cache:
             if request.num_preemptions:
                 self.preempted_prefix_cache_queries += num_tokens
@@ -471,8 +481,11 @@ class Scheduler:
         if total:
             self.num_steps += 1
         finished, self._finished_req_ids = self._finished_req_ids, []
-        return BatchPlan(step.step_id, new_reqs, cached_reqs, finished, step.preempted_req_ids,
+        plan = BatchPlan(step.step_id, new_reqs, cached_reqs, finished, step.preempted_req_ids,
                          total, self._take_grammars(), bool(self.awaiting_grammar))
+        if self.lora_slots is not None:
+            plan.lora_slots = self.lora_slots.take_loads()
+        return plan
 
     def _take_grammars(self) -> list[GrammarToCompile]:
         """The grammars the workers have not been sent, of requests still waiting for them."""
@@ -483,9 +496,6 @@ class Scheduler:
                 jobs.append(GrammarToCompile(request.req_id,
                                              request.sampling.structured_outputs))
         return jobs
-        if self.lora_slots is not None:
-            plan.lora_slots = self.lora_slots.take_loads()
-        return plan
 
     # -- update -------------------------------------------------------------------------------
 
@@ -508,6 +518,8 @@ class Scheduler:
         logprobs = sampled.logprobs
         if sampled.prompt_logprobs:
             self._add_prompt_logprobs(sampled.prompt_logprobs, step_id)
+        if sampled.pooled:
+            self._finish_pooled(sampled.pooled, step_id, outputs)
         num_finished = num_accepted = 0
         for i, req_id in enumerate(sampled.req_ids):
             request = requests.get(req_id)
@@ -546,6 +558,27 @@ class Scheduler:
         if num_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]
         return outputs
+
+    def _finish_pooled(self, pooled: list[PooledOutput], step_id: int,
+                       outputs: Outputs) -> None:
+        """Pooling requests whose prompt the step computed: each finishes (STOP) with its
+        vector and frees its blocks (a result planned before a preemption is dropped, as
+        a token is: the request recomputes its prompt)."""
+        num_finished = 0
+        for item in pooled:
+            request = self.requests.get(item.req_id)
+            if (request is None or step_id < request.discard_before_step
+                    or request.num_output_placeholders <= 0 or request.pooling is None):
+                continue
+            request.num_output_placeholders -= 1
+            request.first_token_time = self.clock()
+            out = EngineCoreOutput(item.req_id, b"", FinishReason.STOP, pooled=item.data)
+            self._mark_first_output(request, out)
+            self._finish(request, RequestStatus.FINISHED_STOPPED)
+            outputs.setdefault(request.client_id, []).append(out)
+            num_finished += 1
+        if num_finished:
+            self.running = [r for r in self.running if r.status == _RUNNING]
 
     def _add_prompt_logprobs(self, parts: list[PromptLogprobs], step_id: int) -> None:
         """Keep each request's prompt logprobs in position order until its first output.
@@ -647,6 +680,8 @@ class Scheduler:
         self.reset_prefix_cache(reset_running_requests=True)
         self._finished_req_ids.clear()
         self._preempted_req_ids.clear()
+        if self.lora_slots is not None:  # the new workers hold no adapter
+            self.lora_slots.reset()
         constrained = [r for r in self.requests.values()
                        if r.sampling.structured_outputs is not None]
         self.waiting.remove_many(constrained)
@@ -680,8 +715,6 @@ class Scheduler:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), request
             assert request.num_computed_tokens == 0 and request.num_output_placeholders == 0
             assert not request.in_worker, f"{request} waits but the workers hold it"
-        if self.lora_slots is not None:  # the new workers hold no adapter
-            self.lora_slots.reset()
 
 
 def _take_prompt_logprobs(request: Request) -> PromptLogprobs:

@@ -47,6 +47,7 @@ from collections.abc import AsyncIterator
 
 from ..engine_core.config import EngineConfig
 from ..engine_core.launcher import DaemonProcess
+from ..engine_core.model_files import prepare_model
 from ..engine_core.supervisor import Supervisor
 from .engine_client import (
     AsyncEngineClient,
@@ -55,7 +56,7 @@ from .engine_client import (
     read_eos_token_ids,
 )
 from .output_processor import OutputProcessor
-from .outputs import CompletionOutput, RequestOutput
+from .outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
 from .structured_output import GrammarChecker
 from ..ipc.messages import (
     Abort,
@@ -63,16 +64,16 @@ from ..ipc.messages import (
     EngineDead,
     EngineInfo,
     EngineOutputs,
-    SamplingParams,
     LoRARequest,
+    SamplingParams,
     SchedulerStats,
     StatsQuery,
     check_priority,
     is_valid_unicode,
 )
-from ..ipc.transport import new_private_address
 from ..ipc.lora import read_adapter_config
 from ..ipc.pooling import PoolingParams
+from ..ipc.transport import new_private_address
 
 logger = logging.getLogger(__name__)
 
@@ -248,6 +249,9 @@ class AsyncLLM:
                              f"daemon only (the attached core has its own); got {frontend_timeout}")
         supervisor = None
         if config is not None:
+            # a Hub id is fetched now (once, before the daemon), and what can be checked
+            # without torch is, so a bad model is one ValueError, not a failed start-up
+            config = await asyncio.to_thread(prepare_model, config)
             extra = [] if frontend_timeout is None else ["--frontend-timeout",
                                                          str(frontend_timeout)]
             engine = new_private_address()
@@ -304,6 +308,12 @@ class AsyncLLM:
         """Token ids of `prompt`; ValueError if empty or too long (both numbers given)."""
         return encode_prompt(self.tokenizer, prompt, self.engine_info.max_model_len,
                              self.engine_info.vocab_size)
+
+    def encode_embedding_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of an embedding prompt; ValueError if empty or over max_model_len (it
+        generates nothing, so it may fill the context)."""
+        return encode_prompt(self.tokenizer, prompt, self.engine_info.max_model_len,
+                             self.engine_info.vocab_size, pooling=True)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str | None = None, *, priority: int = 0,
@@ -410,6 +420,8 @@ class AsyncLLM:
                 if pooling is not None else "runs an embedding model (--runner pooling); it "
                 "only embeds (LLM.embed, /v1/embeddings)"))
         self._check_usable()
+        if lora_request is not None:
+            self.check_lora(lora_request)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         check_priority(priority, self.engine_info.scheduling_policy)
@@ -420,8 +432,6 @@ class AsyncLLM:
             prompt_ids = self.encode_prompt(prompt)
         messages = self._processor.add_request(
             request_id, f"{self.client_id}-{request_id}",
-        if lora_request is not None:
-            self.check_lora(lora_request)
             prompt if isinstance(prompt, str) else None, prompt_ids, params,
             self.engine_info.max_model_len, priority=priority, final_only=final_only,
             stream_interval=interval, lora_request=lora_request, pooling=pooling)
@@ -431,16 +441,6 @@ class AsyncLLM:
             self._client.send_nowait(msg)
         return request_id, collector
 
-    async def abort(self, request_id: str) -> None:
-        """Abort a request; its generator ends with finish_reason "abort". Unknown ids: no-op."""
-        output, engine_ids = self._processor.finish_request(request_id, "abort")
-        if engine_ids:
-            self._client.send_nowait(Abort(engine_ids))
-        if output is not None and request_id in self._collectors:
-            self._collectors[request_id].put(output)
-
-    def _abort_quietly(self, request_id: str) -> None:
-        engine_ids = self._processor.abort_request(request_id)
     def check_lora(self, lora_request: LoRARequest) -> None:
         """ValueError naming lora_request when the engine serves no adapters or the folder is
         not one it can run (`ipc/lora.py`); workers read the weights themselves."""
@@ -452,6 +452,16 @@ class AsyncLLM:
                              "started with --enable-lora")
         read_adapter_config(lora_request.lora_path, self.engine_info.max_lora_rank)
 
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its generator ends with finish_reason "abort". Unknown ids: no-op."""
+        output, engine_ids = self._processor.finish_request(request_id, "abort")
+        if engine_ids:
+            self._client.send_nowait(Abort(engine_ids))
+        if output is not None and request_id in self._collectors:
+            self._collectors[request_id].put(output)
+
+    def _abort_quietly(self, request_id: str) -> None:
+        engine_ids = self._processor.abort_request(request_id)
         if engine_ids and not self.dead:
             self._client.send_nowait(Abort(engine_ids))
 

@@ -280,6 +280,49 @@ class LLM:
             logger.error("the engine core died during generate(): %s", self._llm.dead_reason)
         return list(outputs)
 
+    def embed(self, prompts: str | list[int] | dict | Sequence[str | list[int] | dict],
+              pooling_params: PoolingParams | None = None, use_tqdm: bool = True
+              ) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt (text, token ids, or a dict with "prompt" or
+        "prompt_token_ids"), in input order, as vLLM's `LLM.embed`: `out.outputs.embedding`.
+        Needs an engine started with runner="pooling" (docs/embeddings.md); every prompt is
+        batched through the scheduler as a prefill. ValueError naming the field for a bad
+        prompt, `dimensions` the model does not allow, or an engine that only generates."""
+        prompt_list = _normalize_prompts(prompts)
+        if self.engine_info.pooler is None:
+            raise ValueError("pooling: this engine generates text; LLM.embed needs "
+                             "LLM(model, runner=\"pooling\")")
+        self.engine_info.pooler.resolve(pooling_params)  # ValueError before anything is sent
+        prompt_ids = [self._llm.encode_embedding_prompt(p) for p in prompt_list]
+        batch = [(str(next(self._ids)), p if isinstance(p, str) else None, ids)
+                 for p, ids in zip(prompt_list, prompt_ids)]
+        progress = _Progress(len(batch), use_tqdm)
+
+        async def run_all() -> list[EmbeddingRequestOutput]:
+            tasks = [asyncio.ensure_future(self._llm.embed(
+                ids if text is None else text, pooling_params, request_id,
+                prompt_token_ids=ids)) for request_id, text, ids in batch]
+            for task in tasks:
+                task.add_done_callback(progress.one_done)
+            progress.start(0)
+            try:
+                return list(await asyncio.gather(*tasks))
+            except BaseException:  # a refused request: the rest of the batch stops
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+
+        fut = asyncio.run_coroutine_threadsafe(run_all(), self._loop)
+        try:
+            return fut.result()
+        except BaseException:
+            fut.cancel()
+            _settle(self._loop)
+            raise
+        finally:
+            progress.close(0)
+
     def get_stats(self) -> SchedulerStats:
         """A fresh snapshot of the engine core's statistics."""
         return self._call(self._llm.get_stats())

@@ -39,18 +39,22 @@ from dataclasses import dataclass, field
 import msgspec
 
 from .detokenizer import IncrementalDetokenizer, decode_token
-from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from .outputs import (
+    CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestMetrics,
+    RequestOutput,
+)
 from ..ipc.messages import (
     AddRequest,
     EngineCoreOutput,
     FinishReason,
+    LoRARequest,
     PromptLogprobs,
     SamplingParams,
     TokenLogprobs,
-    LoRARequest,
     pack_token_ids,
     unpack_token_ids,
 )
+from ..ipc.pooling import PoolingParams, unpack_floats
 from ..ipc.resume import lost_finish, resume_params
 
 
@@ -81,6 +85,7 @@ class _Completion:
     queue_time: float | None = None
     num_cached_tokens: int = 0
     inter_token_latencies: list[float] = field(default_factory=list)
+    pooled: bytes | None = None  # a pooling request's vector (float32), once it came
 
     @property
     def finished(self) -> bool:
@@ -104,13 +109,13 @@ class _Parent:
     num_resubmits: int = 0  # times sent again to a new engine core
     wants_prompt_logprobs: bool = False
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # from completion 0
+    lora_request: LoRARequest | None = None  # as sent with the AddRequest
+    pooling: PoolingParams | None = None  # an embedding request: one vector, no tokens
 
     @property
     def finished(self) -> bool:
         return all(c.finished for c in self.completions)
 
-    lora_request: LoRARequest | None = None  # as sent with the AddRequest
-    pooling: PoolingParams | None = None  # an embedding request: one vector, no tokens
     @property
     def awaits_prompt_logprobs(self) -> bool:
         """Completion 0 will bring them with its first token: until then no completion is
@@ -169,7 +174,9 @@ class OutputProcessor:
         """Register a request; return the AddRequest message(s) to send to the engine core.
 
         `max_tokens` (None = up to the context length) is capped at
-        `max_model_len - len(prompt_token_ids)`, as vLLM's default is.
+        `max_model_len - len(prompt_token_ids)`, as vLLM's default is. With `pooling` (an
+        embedding request: `params` is SamplingParams(max_tokens=1), `final_only`) the
+        request's one update is an `EmbeddingRequestOutput`.
         """
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -331,6 +338,8 @@ class OutputProcessor:
         """Apply one engine output to one completion; True if a stop string ended it."""
         new_ids = unpack_token_ids(out.new_token_ids).tolist()
         self._record_timing(comp, out, now, bool(new_ids))
+        if out.pooled is not None:
+            comp.pooled = out.pooled
         if out.prompt_logprobs is not None and parent.prompt_logprobs is None:
             parent.prompt_logprobs = [None, *self._convert_prompt_logprobs(out.prompt_logprobs)]
         stop_token_finish = out.finish_reason == FinishReason.STOP
@@ -439,6 +448,8 @@ class OutputProcessor:
     def _make_output(self, parent: _Parent, comps: list[_Completion],
                      now: float) -> RequestOutput:
         """Build the user update for `comps`; drop the parent's state once it is finished."""
+        if parent.pooling is not None:
+            return self._embedding_output(parent)
         if parent.final_only:
             comps = parent.completions
         finished = parent.finished
@@ -450,6 +461,17 @@ class OutputProcessor:
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
                              outputs, finished, self._metrics(parent, now, finished),
                              parent.prompt_logprobs)
+
+    def _embedding_output(self, parent: _Parent) -> EmbeddingRequestOutput:
+        """An embedding request's one update, final (the vector, or why there is none);
+        its state is dropped."""
+        self._parents.pop(parent.request_id, None)
+        comp = parent.completions[0]
+        self._children.pop(comp.req_id, None)
+        vector = None if comp.pooled is None else EmbeddingOutput(unpack_floats(comp.pooled))
+        return EmbeddingRequestOutput(parent.request_id, vector, parent.prompt_token_ids,
+                                      True, parent.prompt, comp.finish_reason or "abort",
+                                      comp.error)
 
     def _snapshot(self, parent: _Parent, comp: _Completion) -> CompletionOutput:
         """The completion as reported now; advances what counts as already sent."""

@@ -29,7 +29,9 @@ from typing import Union
 
 import msgspec
 
+from .batch_view import BatchView
 from .grammar import TOO_DEEP, compile_constraint
+from .pooling import PooledOutput, PoolerInfo, PoolingParams
 
 _STRUCT = dict(array_like=True, omit_defaults=True, gc=False)
 
@@ -296,7 +298,6 @@ class Goodbye(msgspec.Struct, tag="goodbye", **_STRUCT):
     client_id: str
 
 
-class AddRequest(msgspec.Struct, tag="add", **_STRUCT):
 class LoRARequest(msgspec.Struct, **_STRUCT):
     """A LoRA adapter a request runs with (vLLM's `LoRARequest(lora_name, lora_int_id,
     lora_path)`): a PEFT folder (`adapter_config.json` + `adapter_model.safetensors`) that
@@ -317,6 +318,7 @@ class LoRARequest(msgspec.Struct, **_STRUCT):
                "lora_path must be a non-empty path to a PEFT adapter folder")
 
 
+class AddRequest(msgspec.Struct, tag="add", **_STRUCT):
     """A new request. `prompt_token_ids` is packed int32 (see `pack_token_ids`)."""
 
     req_id: str
@@ -330,13 +332,13 @@ class LoRARequest(msgspec.Struct, **_STRUCT):
     """The prompt's last N tokens were generated for this completion by an engine core that
     was lost (a frontend's or router's resubmission): presence and frequency penalties count
     them as output, and a structured output's grammar replays them, as on the first core."""
-
     lora_request: LoRARequest | None = None
     """The LoRA adapter to run with (None: the base model); needs --enable-lora."""
     pooling: PoolingParams | None = None
     """An embedding request (`ipc/pooling.py`): its prompt is pooled into one vector when its
     last token is computed, nothing is sampled (`sampling.max_tokens` is 1); only an engine
     with `EngineInfo.pooler` takes one, and only such requests."""
+
 
 class Abort(msgspec.Struct, tag="abort", **_STRUCT):
     """Abort these requests (idempotent: unknown or finished ids are ignored)."""
@@ -348,6 +350,9 @@ class StatsQuery(msgspec.Struct, tag="stats_query", **_STRUCT):
     """Ask the engine core for a `SchedulerStats` snapshot right now."""
 
     client_id: str
+    view_since: int = -1
+    """With 0 or more: also the live batch view (`SchedulerStats.view`) with the steps after
+    step id `view_since` (`ipc/batch_view.py`); -1: the counters only."""
 
 
 FrontendMessage = Union[Hello, Heartbeat, Goodbye, AddRequest, Abort, StatsQuery]
@@ -423,6 +428,9 @@ class EngineCoreOutput(msgspec.Struct, **_STRUCT):
     prompt_logprobs: PromptLogprobs | None = None
     """On the first output with a token, when `sampling.prompt_logprobs` was set: every
     prompt position from 1 on, in one piece (empty for a one-token prompt)."""
+    pooled: bytes | None = None
+    """A pooling request's vector (little-endian float32), on its one output (finish_reason
+    STOP, no token)."""
 
 
 class SchedulerStats(msgspec.Struct, **_STRUCT):
@@ -453,6 +461,9 @@ class SchedulerStats(msgspec.Struct, **_STRUCT):
     cores: list[SchedulerStats] = []
     """With data parallelism (the router's answer): each engine core's own snapshot, in core
     order; the fields above are then the whole server's. Empty from a single core."""
+    view: BatchView | None = None
+    """The live batch view, when the `StatsQuery` asked for it (with data parallelism, in
+    each of `cores`)."""
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", **_STRUCT):
@@ -494,16 +505,16 @@ class EngineInfo(msgspec.Struct, tag="info", **_STRUCT):
     structured_outputs_compile_timeout: float = 10.0
     structured_outputs_cache_bytes: int = 512 * 2**20
     """The core's structured-output limits (`ModelConfig`), which frontends apply first."""
-
-
-class EngineDead(msgspec.Struct, tag="dead", **_STRUCT):
-    """The engine core is shutting down or failed; every unfinished request is over."""
     max_lora_rank: int = 0
     """--max-lora-rank with --enable-lora (frontends check an adapter's folder against it
     before sending a request of it); 0: LoRA off, requests with an adapter are refused."""
     pooler: PoolerInfo | None = None
     """Set when the engine runs an embedding model (`--runner pooling`): it takes only
     pooling requests (`AddRequest.pooling`); None: it only generates."""
+
+
+class EngineDead(msgspec.Struct, tag="dead", **_STRUCT):
+    """The engine core is shutting down or failed; every unfinished request is over."""
 
     reason: str
 
@@ -553,14 +564,14 @@ class WorkerConfig(msgspec.Struct, **_STRUCT):
     tokenizer: str | None  # structured output's tokenizer folder (None: `model`)
     grammar_compile_timeout: float  # ModelConfig.structured_outputs_compile_timeout
     grammar_cache_bytes: int  # ModelConfig.structured_outputs_cache_bytes
-
-    @property
-    def worker_index(self) -> int:
-        """This worker among all of them, stage-major: stage * tensor_parallel_size + rank
     runner: str  # generate | pooling (no LM head, vectors instead of tokens: workers/pooling.py)
     max_loras: int  # LoRAConfig: adapter slots per step (0: LoRA off)
     max_lora_rank: int  # the largest adapter rank the slots hold
     max_cpu_loras: int  # adapters each worker keeps read in host memory (LRU)
+
+    @property
+    def worker_index(self) -> int:
+        """This worker among all of them, stage-major: stage * tensor_parallel_size + rank
         (its torch.distributed rank, and the rank it reports in WorkerReady/WorkerFailed)."""
         return self.stage * self.tensor_parallel_size + self.rank
 
@@ -589,15 +600,15 @@ class NewRequestData(msgspec.Struct, **_STRUCT):
     """The model's EOS token: masked while fewer than `sampling.min_tokens` are generated."""
     num_resumed_tokens: int = 0
     """The last N of the `prompt_len` tokens count as output for penalties (see AddRequest)."""
-
-
-class CachedRequestData(msgspec.Struct, **_STRUCT):
-    """A delta for a request the worker already holds in its persistent batch.
     lora_int_id: int = 0
     """The LoRA adapter it runs with (0: the base model); resident in a slot the engine core
     gave it (`BatchPlan.lora_slots` of this plan or an earlier one)."""
     pooling: PoolingParams | None = None
     """A pooling request, resolved (every field set): pooled when its prompt is computed."""
+
+
+class CachedRequestData(msgspec.Struct, **_STRUCT):
+    """A delta for a request the worker already holds in its persistent batch.
 
     With one pipeline stage the worker appends the token it sampled last step itself (sync
     and async alike), so no token ids travel here; only blocks added this step and the token
@@ -621,10 +632,6 @@ class GrammarToCompile(msgspec.Struct, **_STRUCT):
     spec: StructuredOutputsParams
 
 
-class BatchPlan(msgspec.Struct, tag="plan", **_STRUCT):
-    """One step, broadcast to every rank.
-
-    Layout of the batch: `new_requests` then `cached_requests`, in that order. For each,
 class LoRASlot(msgspec.Struct, **_STRUCT):
     """Engine core -> every rank: put this adapter in slot `slot` (0 .. max_loras - 1) before
     the step runs, replacing whatever the slot held. The worker reads the PEFT folder itself
@@ -634,6 +641,10 @@ class LoRASlot(msgspec.Struct, **_STRUCT):
     lora: LoRARequest
 
 
+class BatchPlan(msgspec.Struct, tag="plan", **_STRUCT):
+    """One step, broadcast to every rank.
+
+    Layout of the batch: `new_requests` then `cached_requests`, in that order. For each,
     tokens [num_computed_tokens, num_computed_tokens + num_scheduled_tokens) are computed;
     a token is sampled for a request when that range reaches the end of its known tokens.
     `finished_req_ids` and `preempted_req_ids` are dropped from the persistent batch before
@@ -657,13 +668,13 @@ class LoRASlot(msgspec.Struct, **_STRUCT):
     """Requests wait for a grammar compile: a plan with nothing else to run is sent anyway,
     and a worker with nothing to compute waits a moment (at most 50 ms) for a compile to end
     before it answers, so the engine core polls without spinning."""
+    lora_slots: list[LoRASlot] = []
+    """Adapters to load into slots before this step (the engine core decides residency: every
+    adapter of a request in this plan is resident once these are applied)."""
 
 
 class InitKVCache(msgspec.Struct, tag="init_kv", **_STRUCT):
     """Engine core → every rank, after the handshake: allocate this many KV blocks."""
-    lora_slots: list[LoRASlot] = []
-    """Adapters to load into slots before this step (the engine core decides residency: every
-    adapter of a request in this plan is resident once these are applied)."""
 
     num_blocks: int
 
@@ -714,6 +725,9 @@ class SampledTokens(msgspec.Struct, tag="sampled", **_STRUCT):
     grammars_ready: list[str] = []
     """Requests whose grammar (`BatchPlan.grammars`) finished compiling since the last answer;
     one that failed to compile (or ran past the compile timeout) is in `failed` instead."""
+    pooled: list[PooledOutput] = []
+    """Pooling requests whose last prompt token was computed this step, with their vectors
+    (not in `req_ids`: nothing was sampled for them)."""
 
 
 class WorkerFailed(msgspec.Struct, tag="failed", **_STRUCT):

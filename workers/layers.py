@@ -410,3 +410,122 @@ class RotaryEmbedding(nn.Module):
         """The factors of `positions` [num_tokens], for activations of `dtype`."""
         return RopeTables(self.cos_cache[positions].to(dtype).unsqueeze(1),
                           self.sin_cache[positions].to(dtype).unsqueeze(1))
+
+
+# ---------------------------------------------------------------------------------------------
+# pieces of the families beyond Llama (Granite, OLMo 2, Phi-3, Gemma: workers/models/)
+
+
+def load_fused_rows(layer: ColumnParallelLinear, param: nn.Parameter, loaded: Any,
+                    sizes: list[int], shard_ids: tuple) -> None:
+    """A checkpoint tensor that already fuses the shards of `layer` (Phi-3's qkv_proj and
+    gate_up_proj: their full rows one after the other, `sizes` of them) into `param`: each
+    shard's rows go through the layer's own `load_shard`, which takes this rank's part."""
+    _check_shape(param, loaded, (sum(sizes),) + tuple(param.shape[1:]))
+    full = loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+    for shard_id, rows in zip(shard_ids, full.split(sizes)):
+        layer.load_shard(param, rows, shard_id)
+
+
+def load_checkpoint_fused(layer: ColumnParallelLinear) -> None:
+    """Make `layer` (a `QKVParallelLinear` or a two-way `MergedColumnParallelLinear`) load its
+    weight and bias from one fused checkpoint tensor each instead of one per shard."""
+    if isinstance(layer, QKVParallelLinear):
+        d = layer.head_dim
+        sizes = [layer.total_num_heads * d] + [layer.total_num_kv_heads * d] * 2
+        shard_ids = ("q", "k", "v")
+    else:
+        sizes, shard_ids = layer.output_sizes, tuple(range(len(layer.output_sizes)))
+    for param in (layer.weight, layer.bias):
+        if param is not None:
+            param.weight_loader = (lambda p, loaded, shard_id=None:
+                                   load_fused_rows(layer, p, loaded, sizes, shard_ids))
+            param.shard_ids = (None,)
+
+
+class ShardedRMSNorm(RMSNorm):
+    """RMSNorm over features that tensor parallelism splits across ranks (OLMo 2's q/k norms
+    over the whole q or k projection): this rank holds features [start, start + size) of
+    `full_size` and their weights; the sum of squares is all-reduced. On one rank it is
+    `RMSNorm` itself, bit for bit."""
+
+    def __init__(self, full_size: int, eps: float, tp: TensorParallel, start: int = 0,
+                 size: int | None = None):
+        super().__init__(full_size if size is None else size, eps)
+        self.tp, self.full_size, self.start = tp, full_size, start
+        self.weight.weight_loader = self.load_slice
+
+    def load_slice(self, param: nn.Parameter, loaded: Any, shard_id=None) -> None:
+        _check_shape(param, loaded, (self.full_size,))
+        _copy(param, _take(loaded, 0, self.start, param.shape[0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(x)
+        x32 = x.to(torch.float32)
+        sum_sq = self.tp.all_reduce(x32.pow(2).sum(-1, keepdim=True))
+        return self.weight * (x32 * torch.rsqrt(sum_sq / self.full_size + self.eps)).to(x.dtype)
+
+
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the normalized rows times (1 + weight), all in float32, cast to the
+    activations' dtype once at the end. For float32 activations this is `RMSNorm` with
+    weight 1 + w (the same float32 value), so the CPU op seam's kernel takes it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = 1.0 + self.weight.to(torch.float32)
+        if x.dtype == torch.float32:
+            return self.ops.rms_norm(x, scale, self.eps)
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * scale).to(x.dtype)
+
+
+def rotate_partial(ops: CpuOps, qk: torch.Tensor, rope: RopeTables, num_heads: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`CpuOps.rotate_split` of the first 2 * rope.cos.shape[-1] features of each head (a
+    partial rotary factor: Phi-4-mini's 0.75), the rest passed through as transformers does."""
+    rotary_dim = 2 * rope.cos.shape[-1]
+    if rotary_dim == qk.shape[-1]:
+        return ops.rotate_split(qk, rope.cos, rope.sin, num_heads)
+    q_rot, k_rot = ops.rotate_split(qk[..., :rotary_dim], rope.cos, rope.sin, num_heads)
+    q = torch.cat((q_rot, qk[:, :num_heads, rotary_dim:]), dim=-1)
+    k = torch.cat((k_rot, qk[:, num_heads:, rotary_dim:]), dim=-1)
+    return q, k
+
+
+class LongRopeEmbedding(RotaryEmbedding):
+    """LongRoPE (Phi-3 `rope_type: longrope`): inverse frequencies 1 / (factor_i *
+    theta^(2i/d)) with `short_factor` for positions below `original_max_position_embeddings`
+    and `long_factor` from there on, cos and sin times the attention factor (given, else
+    sqrt(1 + ln(s) / ln(original)) for s = max_position_embeddings / original > 1).
+
+    transformers picks the factors per forward by the longest sequence in it (`seq_len >
+    original`): a decode step at position p uses the long ones when p >= original, which is
+    this per-position rule. A prompt longer than `original` in one forward is rotated with the
+    long factors throughout there; here its first `original` positions keep the short ones,
+    so that a key's rotation depends on its position alone and chunked prefill, batching and
+    the prefix cache cannot change it."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, rope: dict,
+                 max_position_embeddings: int):
+        nn.Module.__init__(self)
+        original = int(rope["original_max_position_embeddings"])
+        factor = rope.get("factor") or max_position_embeddings / original
+        attention = rope.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor)
+                                                             / math.log(original))
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        positions = torch.arange(max_position, dtype=torch.int64).to(torch.float32)
+        tables = []
+        for key in ("short_factor", "long_factor"):
+            factors = torch.tensor(rope[key], dtype=torch.float32)
+            if factors.shape != exponents.shape:
+                raise ValueError(f"rope_scaling.{key} has {factors.numel()} entries; the "
+                                 f"rotary dimension {head_dim} needs {exponents.numel()}")
+            inv_freq = 1.0 / (factors * theta ** exponents)
+            tables.append(positions[:, None] * inv_freq[None, :])
+        freqs = torch.where(positions[:, None] < original, *tables)
+        self.register_buffer("cos_cache", freqs.cos() * attention, persistent=False)
+        self.register_buffer("sin_cache", freqs.sin() * attention, persistent=False)

@@ -53,6 +53,7 @@ from .host_memory import commit_pages
 from .layers import kv_heads_per_rank
 from .models import CausalLM, ModelConfig
 from .persistent_batch import BadRequestData, PersistentBatch
+from .pooling import PoolingRequests
 from .sampler import Sampler, SamplerOutput, SamplingBatch, token_logprobs
 from .structured_output import POLL_WAIT, StructuredOutputs
 
@@ -78,6 +79,7 @@ class StepInputs:
     num_tokens: int
     decode_only: bool  # every request schedules exactly one token
     prompt_logprobs: "PromptLogprobRows | None" = None  # requests that want them, this step
+    pooling: list | None = None  # a pooling worker's requests' rows (`PoolingRequests.plan`)
 
 
 @dataclass
@@ -100,6 +102,7 @@ class StepResult:
     failed: list[RequestFailure]  # new requests refused for their own data (not run)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)  # rank 0 only
     grammars_ready: list[str] = field(default_factory=list)  # compiles that ended well
+    pooled: list = field(default_factory=list)  # PooledOutputs of prompts finished (pooling)
 
 
 class ModelRunner:
@@ -126,14 +129,14 @@ class ModelRunner:
                                             config.grammar_cache_bytes)
         """Grammar matchers of the requests with structured_outputs (see its module)."""
         self.kv_caches: list[KVCache] = []
-        self.graphs: DecodeGraphs | None = None
-        self.kv_commit: threading.Thread | None = None  # CPU: making the cache resident
-        self.idle = threading.Event()
         self.pooling = PoolingRequests(args.hidden_size) if config.runner == "pooling" else None
         """An embedding model's requests (`workers/pooling.py`): pooled, never sampled."""
         self.lora = None
         """The model's LoRA slots (`workers/lora.py` LoRAModel) when the engine serves
         adapters, set by the worker after load."""
+        self.graphs: DecodeGraphs | None = None
+        self.kv_commit: threading.Thread | None = None  # CPU: making the cache resident
+        self.idle = threading.Event()
         """Set while no step runs (`set_idle`); the CPU cache is made resident only then."""
         self.idle.set()
         self.num_kv_heads = kv_heads_per_rank(args.num_key_value_heads,
@@ -215,6 +218,9 @@ class ModelRunner:
         hidden = self.run_model(inputs)
         if not self.pp.is_last:
             return StepResult([], np.zeros(0, np.int32), None, failed)
+        if inputs.pooling is not None:
+            return StepResult([], np.zeros(0, np.int32), None, failed,
+                              pooled=self.pooling.pool(hidden, inputs.pooling))
         prompt_logprobs = []
         if inputs.prompt_logprobs is not None:
             prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_logprobs)
@@ -265,6 +271,9 @@ class ModelRunner:
         nothing runs); new requests refused for their own data are left out and listed."""
         if not self.kv_caches:
             raise RuntimeError("init_kv_cache must run before the first step")
+        for req_id in plan.finished_req_ids + plan.preempted_req_ids:
+            if self.pooling is not None:
+                self.pooling.remove(req_id)
         for req_id in plan.finished_req_ids:
             self.batch.remove(req_id)
             self.structured.forget(req_id)
@@ -275,6 +284,8 @@ class ModelRunner:
             self.refused.discard(req_id)
         if plan.grammars:
             self.structured.start(plan.grammars)
+        if plan.lora_slots:
+            self._lora().load(plan.lora_slots)
         req_ids, rows, num_scheduled, failed = [], [], [], []
         for new in plan.new_requests:
             try:
@@ -284,8 +295,6 @@ class ModelRunner:
                 failed.append(RequestFailure(new.req_id, str(e)))
                 self.refused.add(new.req_id)
                 continue
-        if plan.lora_slots:
-            self._lora().load(plan.lora_slots)
             req_ids.append(new.req_id)
             num_scheduled.append(new.num_scheduled_tokens)
         for cached in plan.cached_requests:
@@ -299,21 +308,30 @@ class ModelRunner:
         return self._build_inputs(req_ids, np.asarray(rows, np.int64),
                                   np.asarray(num_scheduled, np.int64)), failed
 
-    def _add_new(self, new: NewRequestData) -> int:
-        """The row of a request joining the batch; a constrained one gets its grammar
-        matcher, replayed over the tokens it already generated. BadRequestData (the request
-        left out) when its data or its grammar is unusable."""
-        row = self.batch.add(new)
-        spec = new.sampling.structured_outputs
-        if spec is None:
-            self.structured.remove(new.req_id)
-            return row
     def _lora(self):
         if self.lora is None:
             raise ValueError("a plan loads LoRA adapters into a worker built without LoRA "
                              "slots (max_loras 0)")
         return self.lora
 
+    def _add_new(self, new: NewRequestData) -> int:
+        """The row of a request joining the batch; a constrained one gets its grammar
+        matcher, replayed over the tokens it already generated. BadRequestData (the request
+        left out) when its data or its grammar is unusable."""
+        if (self.pooling is None) != (new.pooling is None):
+            raise BadRequestData("pooling: this worker " + (
+                "generates text; it takes no pooling requests" if self.pooling is None
+                else "runs an embedding model; it takes only pooling requests"))
+        if self.pooling is not None:
+            try:
+                self.pooling.add(new.req_id, new.pooling)
+            except ValueError as e:
+                raise BadRequestData(str(e)) from None
+        row = self.batch.add(new)
+        spec = new.sampling.structured_outputs
+        if spec is None:
+            self.structured.remove(new.req_id)
+            return row
         b = self.batch
         try:  # the grammar has matched the tokens generated so far, resumed ones included
             self.structured.add(new.req_id, spec, b.stop_ids[row],
@@ -329,6 +347,8 @@ class ModelRunner:
         start = b.num_computed[rows]
         seq_lens = start + num_scheduled
         _check_schedule(req_ids, rows, num_scheduled, seq_lens, b, bs)
+        if self.lora is not None:
+            self.lora.prepare_step(b.lora_id[rows], num_scheduled)
         query_start_loc = np.zeros(len(rows) + 1, np.int64)
         np.cumsum(num_scheduled, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
@@ -341,14 +361,17 @@ class ModelRunner:
                         + positions % bs)
         width = max(1, int((seq_lens.max() + bs - 1) // bs))
         samples = seq_lens >= b.num_tokens[rows]
+        pooling = None
+        if self.pooling is not None:  # every request pools; none samples
+            pooling = self.pooling.plan(req_ids, start, seq_lens, b.prompt_len[rows],
+                                        query_start_loc)
+            samples = np.zeros_like(samples)
         to_dev = self._to_device
         meta = AttentionMetadata(
             slot_mapping=to_dev(slot_mapping, torch.int64),
             block_tables=to_dev(np.ascontiguousarray(b.block_table[rows, :width]), torch.int32),
             query_start_loc=to_dev(query_start_loc, torch.int32),
             seq_lens=to_dev(seq_lens, torch.int32),
-        if self.lora is not None:
-            self.lora.prepare_step(b.lora_id[rows], num_scheduled)
         )
         return StepInputs(
             input_ids=to_dev(input_ids, torch.int64),
@@ -361,6 +384,7 @@ class ModelRunner:
             decode_only=bool((num_scheduled == 1).all()),
             prompt_logprobs=self._prompt_logprob_rows(req_ids, rows, start, seq_lens,
                                                       query_start_loc),
+            pooling=pooling,
         )
 
     def _prompt_logprob_rows(self, req_ids: list[str], rows: np.ndarray, start: np.ndarray,
@@ -529,7 +553,7 @@ class ModelRunner:
             num_tokens, self.args.hidden_size, dtype=self.dtype, device=self.device)
         hidden = self.model(ids, self._to_device(positions, torch.int64), kv_caches,
                             self.attention_inputs(meta), stage_input)
-        if not self.pp.is_last:
+        if not self.pp.is_last or self.pooling is not None:  # no LM head, no sampler
             del kv_caches, hidden
             return
         rows = min(num_seqs, num_tokens)

@@ -24,6 +24,7 @@ from .loader import load_weights, read_config, resolve_model_path
 from .lora import LoRAModel
 from .model_runner import ModelRunner
 from .models import build_model, parse_model_args
+from .pooling import drop_lm_head, embedding_checkpoint_name, embedding_config
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,9 @@ class Worker:
                                             num_stages=config.pipeline_parallel_size)
         self.model_path = resolve_model_path(config.model)
         self.hf_config = read_config(self.model_path)
-        self.args = parse_model_args(self.hf_config)
+        self.pooling = config.runner == "pooling"  # an embedding model: no LM head
+        self.args = parse_model_args(embedding_config(self.hf_config) if self.pooling
+                                     else self.hf_config)
         self.args.check_max_model_len(config.max_model_len)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         if config.dtype == "auto" and DTYPES.get(checkpoint_dtype(self.hf_config)) != self.dtype:
@@ -76,7 +79,10 @@ class Worker:
         with _default_dtype(self.dtype), torch.device(self.device):
             model = build_model(self.args, self.tp, backend, self.config.max_model_len,
                                 self.pp)
-        load_weights(model, self.model_path)
+        if self.pooling:
+            drop_lm_head(model)
+        load_weights(model, self.model_path,
+                     rename=embedding_checkpoint_name if self.pooling else None)
         model.eval()
         self.num_params = sum(p.numel() for p in model.parameters())
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -85,16 +91,16 @@ class Worker:
             ops.warm_up()  # numba's RMSNorm and rotary: compiled once, then disk-cached
         self.runner = ModelRunner(self.config, model, self.args, self.device, self.dtype,
                                   backend, self.pp)
+        if self.config.max_loras:
+            self.runner.lora = LoRAModel(model, self.config.max_loras,
+                                         self.config.max_lora_rank, self.config.max_cpu_loras,
+                                         self.dtype, self.device)
         warm_up_s = backend.warm_up(self.dtype)  # e.g. numba: compiled once, then disk-cached
         logger.debug("rank %d: %s attention backend warmed up in %.2f s", self.rank,
                      backend.name, warm_up_s)
         self.load_seconds = time.perf_counter() - start
         layers = self.pp.layers(self.args.num_hidden_layers)
         stage = (f"; stage {self.pp.stage} of {self.pp.size}: layers {layers.start}-"
-        if self.config.max_loras:
-            self.runner.lora = LoRAModel(model, self.config.max_loras,
-                                         self.config.max_lora_rank, self.config.max_cpu_loras,
-                                         self.dtype, self.device)
                  f"{layers.stop - 1}" if self.pp.size > 1 else "")
         logger.info("rank %d: loaded %s (%s, %.1fM parameters on this rank%s, %s attention) "
                     "from %s in %.2f s", self.rank, self.args.architecture, self.dtype,
@@ -188,7 +194,7 @@ class Worker:
                              token_ids=pack_token_ids(result.token_ids),
                              logprobs=result.logprobs, failed=result.failed,
                              prompt_logprobs=result.prompt_logprobs,
-                             grammars_ready=result.grammars_ready)
+                             grammars_ready=result.grammars_ready, pooled=result.pooled)
 
     def shutdown(self) -> None:
         """Release the KV cache and leave the process group."""

@@ -83,6 +83,10 @@ class ModelArgs:
     """Attention window from the config; only full attention is implemented, so a model
     with one runs only when max_model_len fits inside it (checked by `check_max_model_len`)."""
 
+    def attention_scale(self) -> float:
+        """The factor on q.k in attention (head_dim^-1/2; another family's args may differ)."""
+        return self.head_dim ** -0.5
+
     def check_max_model_len(self, max_model_len: int) -> None:
         """ValueError when max_model_len needs sliding-window attention."""
         if self.sliding_window is not None and max_model_len > self.sliding_window:
@@ -101,8 +105,17 @@ def parse_model_args(config: dict, arch: str | None = None) -> ModelArgs:
     if arch not in ARCHITECTURES:
         raise ValueError(f"architecture {arch or '(none in config.json)'} is not a Llama-"
                          f"family one ({', '.join(ARCHITECTURES)})")
-    flavour = ARCHITECTURES[arch]
-    _check_unsupported(config)
+    return ModelArgs(**base_fields(config, arch, ARCHITECTURES[arch]))
+
+
+def base_fields(config: dict, arch: str, flavour: Flavour = Flavour(),
+                activations: tuple[str, ...] = ("silu",)) -> dict:
+    """`ModelArgs`' fields from config.json for `arch`, for this family and the families built
+    on it (which add their own fields); ValueError naming any bad field."""
+    act = config.get("hidden_activation") or config.get("hidden_act", activations[0])
+    if act not in activations:
+        raise ValueError(f"hidden_act {act!r} is not supported by {arch} (supported: "
+                         f"{', '.join(activations)})")
     required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads")
     missing = [k for k in required if k not in config]
@@ -112,7 +125,7 @@ def parse_model_args(config: dict, arch: str | None = None) -> ModelArgs:
     theta, rope = _rope_config(config)
     attention_bias = bool(config.get("attention_bias", False))
     forced_qkv_bias = flavour.qkv_bias is not None  # Qwen2: bias on q/k/v, none on o
-    return ModelArgs(
+    return dict(
         architecture=arch,
         vocab_size=config["vocab_size"],
         hidden_size=config["hidden_size"],
@@ -133,12 +146,6 @@ def parse_model_args(config: dict, arch: str | None = None) -> ModelArgs:
         eos_token_ids=_as_list(config.get("eos_token_id")),
         sliding_window=_sliding_window(config),
     )
-
-
-def _check_unsupported(config: dict) -> None:
-    act = config.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
 
 
 def _sliding_window(config: dict) -> int | None:
@@ -189,7 +196,8 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(d, args.rms_norm_eps)
             self.k_norm = RMSNorm(d, args.rms_norm_eps)
         self.qk_norm = args.qk_norm
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d ** -0.5, backend)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, args.attention_scale(),
+                                   backend)
         self.ops = TORCH_OPS  # the rotation's (`use_cpu_ops`)
 
     def use_cpu_ops(self, ops: CpuOps) -> bool:
@@ -197,8 +205,17 @@ class LlamaAttention(nn.Module):
         return True
 
     def forward(self, rope: RopeTables, x: torch.Tensor, kv_cache: KVCache,
-                attn_inputs: AttentionInputs, residual: torch.Tensor) -> torch.Tensor:
-        """residual + attention(x) (the add fused into o_proj where it can be)."""
+                attn_inputs: AttentionInputs, residual: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """residual + attention(x) (the add fused into o_proj where it can be); attention(x)
+        alone without a residual."""
+        q, k, v = self.project(rope, x)
+        return self.o_proj(self.attn(q, k, v, kv_cache, attn_inputs), residual)
+
+    def project(self, rope: RopeTables, x: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [tokens, hidden] -> rotated q [tokens, heads, d], rotated k and v [tokens,
+        kv_heads, d]."""
         num_tokens, d = x.shape[0], self.head_dim
         num_heads, num_kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x)  # [tokens, (heads + 2 kv_heads) * d]: q heads | k heads | v heads
@@ -209,7 +226,7 @@ class LlamaAttention(nn.Module):
                            dim=1)
         # q and k heads side by side: one rotation
         q, k = self.ops.rotate_split(qk, rope.cos, rope.sin, num_heads)
-        return self.o_proj(self.attn(q, k, v, kv_cache, attn_inputs), residual)
+        return q, k, v
 
 
 class LlamaMLP(nn.Module):
@@ -220,16 +237,20 @@ class LlamaMLP(nn.Module):
                                                        args.mlp_bias, tp)
         self.down_proj = RowParallelLinear(inter, args.hidden_size, args.mlp_bias, tp)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + mlp(x)."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual + mlp(x) (mlp(x) without a residual)."""
         return self.down_proj(self.gate_up_proj.silu_and_mul(x), residual)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, tp: TensorParallel, backend: AttentionBackend):
+    attention_cls = LlamaAttention
+    mlp_cls = LlamaMLP
+
+    def __init__(self, args: ModelArgs, tp: TensorParallel, backend: AttentionBackend,
+                 index: int = 0):
         super().__init__()
-        self.self_attn = LlamaAttention(args, tp, backend)
-        self.mlp = LlamaMLP(args, tp)
+        self.self_attn = self.attention_cls(args, tp, backend)
+        self.mlp = self.mlp_cls(args, tp)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -254,22 +275,36 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_cls = LlamaDecoderLayer
+    """Built for every layer index of the stage (`layer_cls(args, tp, backend, index)`)."""
+
     def __init__(self, args: ModelArgs, tp: TensorParallel, backend: AttentionBackend,
                  max_model_len: int, pp: PipelineParallel):
         super().__init__()
         self.pp = pp
         if pp.is_first:
             self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp)
-        self.rotary = RotaryEmbedding(args.head_dim, max(max_model_len, 1), args.rope_theta,
-                                      args.rope_scaling)
+        self.rotary = self.rotary_embedding(args, max(max_model_len, 1))
         # keyed "7" for layer 7 wherever it sits: parameter names match the checkpoint's
-        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(args, tp, backend)
+        self.layers = nn.ModuleDict({str(i): self.layer_cls(args, tp, backend, i)
                                      for i in pp.layers(args.num_hidden_layers)})
         if pp.is_last:
             self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.args = args
         self.fused: DecoderLayers | None = None
         """Every layer in one C call a step, for the steps it takes (`use_cpu_ops`)."""
+
+    lora_step = None
+    """The LoRA step state (`workers/lora.py`) when the engine serves adapters: the one-call C
+    layers cannot add an adapter's product, so a step that uses one takes the per-module
+    path."""
+
+    def rotary_embedding(self, args: ModelArgs, max_position: int) -> RotaryEmbedding:
+        return RotaryEmbedding(args.head_dim, max_position, args.rope_theta, args.rope_scaling)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first stage's input to the first layer."""
+        return self.embed_tokens(input_ids)
 
     def use_cpu_ops(self, ops: CpuOps) -> bool:
         """Ask the CPU op seam for the decoder layers in one call (its modules already took
@@ -290,23 +325,11 @@ class LlamaModel(nn.Module):
         """The stage's output: final (normed) hidden states on the last stage, else the
         residual stream after its last layer. `hidden`: the previous stage's output (every
         stage but the first)."""
-        h = self.embed_tokens(input_ids) if self.pp.is_first else hidden
+        h = self.embed(input_ids) if self.pp.is_first else hidden
         rope = self.rotary.tables(positions, h.dtype)  # gathered once for every layer
         fused = (self.fused.for_step(h, attn_inputs.plan) if self.fused is not None and (
             self.lora_step is None or not self.lora_step.active) else None)
         if fused is not None:
-    lora_step = None
-    """The LoRA step state (`workers/lora.py`) when the engine serves adapters: the one-call C
-    layers cannot add an adapter's product, so a step that uses one takes the per-module
-    path."""
-
-    def rotary_embedding(self, args: ModelArgs, max_position: int) -> RotaryEmbedding:
-        return RotaryEmbedding(args.head_dim, max_position, args.rope_theta, args.rope_scaling)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The first stage's input to the first layer."""
-        return self.embed_tokens(input_ids)
-
             fused(h, rope.cos, rope.sin, kv_caches, attn_inputs.meta.slot_mapping,
                   attn_inputs.plan)  # h: this step's own embeddings, updated in place
             return self.norm(h)
@@ -318,6 +341,11 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The decoder plus the LM head. `forward` returns final hidden states for every new
     token; `compute_logits` turns the few rows that sample into full-vocabulary logits."""
+
+    model_cls = LlamaModel
+    fused_layers_lack: str | None = None
+    """Why this architecture's layers never take the one-call decoder layers (for the
+    start-up line), or None where they may."""
 
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
@@ -332,7 +360,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.args = args
         self.pp = pp
-        self.model = LlamaModel(args, tp, backend, max_model_len, pp)
+        self.model = self.model_cls(args, tp, backend, max_model_len, pp)
         if pp.is_last:
             self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp)
             if args.tie_word_embeddings and pp.is_first:
@@ -374,6 +402,9 @@ class LlamaForCausalLM(nn.Module):
         if self.model.use_cpu_ops(ops):
             ranges = ", ".join(f"{low}-{high}" for low, high in self.model.fused.ranges)
             taken += f", the decoder layers in one C call for steps of {ranges} tokens"
+        elif self.fused_layers_lack:
+            taken += (f", the decoder layers module by module ({self.fused_layers_lack}, "
+                      "which the one-call layers lack)")
         return taken
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
