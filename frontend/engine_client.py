@@ -123,12 +123,13 @@ def read_eos_token_ids(model_dir: str, tokenizer) -> list[int]:
 
 
 def encode_prompt(tokenizer, prompt: str | list[int], max_model_len: int,
-                  model_vocab_size: int = 0) -> list[int]:
+                  model_vocab_size: int = 0, *, pooling: bool = False) -> list[int]:
     """Token ids of `prompt` (text is tokenized with special tokens, as vLLM does).
 
     ValueError for an empty prompt, ids outside the vocabulary (the tokenizer's, and the
     model's when `model_vocab_size` is known: EngineInfo.vocab_size), or a prompt that leaves
-    no room to generate: like vLLM, a prompt of `max_model_len` tokens or more is refused.
+    no room to generate: like vLLM, a prompt of `max_model_len` tokens or more is refused
+    (with `pooling`, an embedding prompt, which generates nothing: more than max_model_len).
     """
     if isinstance(prompt, str):
         if not is_valid_unicode(prompt):
@@ -142,7 +143,10 @@ def encode_prompt(tokenizer, prompt: str | list[int], max_model_len: int,
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
     if not ids:
         raise ValueError("prompt must not be empty")
-    if len(ids) >= max_model_len:
+    if pooling and len(ids) > max_model_len:
+        raise ValueError(f"prompt is too long: {len(ids)} tokens, but the model's maximum "
+                         f"context length (max_model_len) is {max_model_len}")
+    if not pooling and len(ids) >= max_model_len:
         raise ValueError(
             f"prompt is too long: {len(ids)} tokens, but the model's maximum context length "
             f"(max_model_len) is {max_model_len}, and at least one token must be generated "

@@ -101,3 +101,33 @@ class RequestOutput:
     (nothing precedes it), then the prompt token's log-probability plus the top alternatives
     (vLLM's shape); present from the update with the first generated token on. None when not
     asked for."""
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's vector (vLLM's `EmbeddingOutput`)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        """Its length."""
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt and `AsyncLLM.embed` gives (vLLM's shape:
+    `outputs.embedding`)."""
+
+    request_id: str
+    outputs: EmbeddingOutput | None
+    """The vector; None when the request ended without one (finish_reason abort / error)."""
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+    """The prompt text, or None when it was given as token ids."""
+    finish_reason: str | None = None
+    """"stop" with a vector; "abort" or "error" without."""
+    error: str | None = None
+    """With finish_reason "error": what went wrong."""

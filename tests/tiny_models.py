@@ -203,3 +203,44 @@ def _add_gguf_tokenizer(writer, model_dir: str, eos_id: int) -> None:
     writer.add_eos_token_id(eos_id)
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
+
+
+def make_tiny_embedding_model(path: str, seed: int = 0, pooling: str = "lasttoken",
+                              architecture: str = "Qwen3ForCausalLM") -> str:
+    """A random-weight Qwen3 embedding model laid out as Qwen3-Embedding's folder is: the bare
+    decoder's weights (transformers' Qwen3Model: no `lm_head`, tensor names without the
+    `model.` prefix), config.json naming `architecture`, and a sentence-transformers pooling
+    config (modules.json, 1_Pooling/config.json with `pooling`, a Normalize module)."""
+    import torch
+    import transformers
+
+    os.makedirs(path, exist_ok=True)
+    make_tokenizer(path)
+    eos_id = _token_id(path, "<|endoftext|>")
+    config = transformers.Qwen3Config(
+        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        rms_norm_eps=1e-6, rope_theta=10000.0, initializer_range=0.2,
+        tie_word_embeddings=False, bos_token_id=eos_id, eos_token_id=eos_id,
+        pad_token_id=eos_id)
+    torch.manual_seed(seed)
+    transformers.Qwen3Model(config).to(torch.float32).save_pretrained(
+        path, safe_serialization=True)
+    with open(os.path.join(path, "config.json")) as f:
+        saved = json.load(f)
+    saved["architectures"] = [architecture]
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(saved, f, indent=2)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Normalize",
+                "type": "sentence_transformers.models.Normalize"}]
+    with open(os.path.join(path, "modules.json"), "w") as f:
+        json.dump(modules, f)
+    os.makedirs(os.path.join(path, "1_Pooling"), exist_ok=True)
+    modes = ("cls_token", "mean_tokens", "max_tokens", "lasttoken")
+    with open(os.path.join(path, "1_Pooling", "config.json"), "w") as f:
+        json.dump({"word_embedding_dimension": 64,
+                   **{f"pooling_mode_{m}": m == pooling for m in modes}}, f)
+    return path

@@ -12,7 +12,7 @@ import glob
 import json
 import logging
 import os
-from typing import Iterator
+from typing import Callable, Iterator
 
 from torch import nn
 
@@ -86,7 +86,8 @@ def iterate_checkpoint(path: str) -> Iterator[tuple[str, object]]:
                 yield name, f.get_slice(name)
 
 
-def load_weights(model: nn.Module, path: str) -> None:
+def load_weights(model: nn.Module, path: str,
+                 rename: Callable[[str], str | None] | None = None) -> None:
     """Fill every parameter of `model` from the folder's checkpoint (this rank's slices).
 
     Checkpoint names go through the model's `param_for(name)` where it has one (a family's
@@ -94,6 +95,8 @@ def load_weights(model: nn.Module, path: str) -> None:
     `model.packed_modules_mapping` (q_proj -> qkv_proj shard q, ...). A weight loader may
     return the shard ids it filled (a stacked tensor fills many); None means its own. A
     tensor the model has no place for, or a parameter no tensor fills, is an error.
+    `rename` comes first where given (an embedding model's: `model.` added to a bare
+    decoder's names, the LM head's dropped: `workers/pooling.py`); None skips the tensor.
     """
     params = dict(model.named_parameters())
     mapping = getattr(model, "packed_modules_mapping", {})
@@ -103,6 +106,8 @@ def load_weights(model: nn.Module, path: str) -> None:
     loaded: set[tuple[str, object]] = set()
     unexpected: list[str] = []
     for name, tensor in iterate_checkpoint(path):
+        if rename is not None and (name := rename(name)) is None:
+            continue
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name.startswith("lm_head.")):
             continue
         name = on_this_stage(name)
