@@ -14,10 +14,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..kernels.attention import AttentionBackend
+from ..kernels.attention import AttentionBackend, check_window_and_cap
 from ..kernels.attention.metadata import AttentionMetadata
 
-__all__ = ["AttentionInputs", "AttentionMetadata", "KVCache", "PagedAttention"]
+__all__ = ["AttentionInputs", "AttentionMetadata", "KVCache", "PagedAttention",
+           "uniform_sliding_window"]
 
 
 @dataclass(frozen=True)
@@ -39,14 +40,27 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 class PagedAttention(nn.Module):
     """Write this step's K/V into the cache, then causal attention of the new queries over
-    every cached token of their request (the K/V just written included)."""
+    every cached token of their request (the K/V just written included).
+
+    Per layer, as the model's config says:
+      sliding_window  W: a query at position p sees keys at positions j with
+                      p - W < j <= p (transformers' `sliding_window_overlay`), and the
+                      backends skip the cache blocks wholly before that; None: every
+                      position up to p.
+      logits_soft_cap c: scores become c * tanh(score / c) before the mask and the softmax
+                      (Gemma 2's `attn_logit_softcapping`); None: no cap.
+    ValueError naming the field for a window below 1 or a cap that is not positive."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 backend: AttentionBackend):
+                 backend: AttentionBackend, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None):
         super().__init__()
+        check_window_and_cap(sliding_window, logits_soft_cap)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.backend = backend
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = None if logits_soft_cap is None else float(logits_soft_cap)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                 attn_inputs: AttentionInputs) -> torch.Tensor:
@@ -55,5 +69,17 @@ class PagedAttention(nn.Module):
         meta = attn_inputs.meta
         self.backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         out = self.backend.attend(q, key_cache, value_cache, meta, attn_inputs.plan,
-                                  self.scale)
+                                  self.scale, sliding_window=self.sliding_window,
+                                  soft_cap=self.logits_soft_cap)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+
+def uniform_sliding_window(model: nn.Module) -> int | None:
+    """The window every attention layer of `model` shares, or None when any layer attends
+    globally (or the model has no `PagedAttention`). Only then can the engine core free a
+    request's out-of-window blocks: with one block table per request, a single global layer
+    (Gemma 2/3 interleave them) still reads every block."""
+    windows = {m.sliding_window for m in model.modules() if isinstance(m, PagedAttention)}
+    if len(windows) != 1:
+        return None
+    return windows.pop()

@@ -14,7 +14,8 @@ All of them must equal the reference. A step drives a backend like this (the mod
     plan = backend.prepare(meta, block_size, num_kv_heads, head_dim, dtype)   # once a step
     for every layer:
         backend.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
-        backend.attend(query, key_cache, value_cache, meta, plan, scale)
+        backend.attend(query, key_cache, value_cache, meta, plan, scale,
+                       sliding_window=layer's window or None, soft_cap=layer's cap or None)
 
 Layouts of the tensors are in `kernels/attention/reference.py`; `meta` is an `AttentionMetadata`
 (`kernels/attention/metadata.py`). Backend modules are imported only when selected, so CPU-only use
@@ -83,10 +84,17 @@ class AttentionBackend(abc.ABC):
     @abc.abstractmethod
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                meta: AttentionMetadata, plan: object | None, scale: float,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, *, sliding_window: int | None = None,
+               soft_cap: float | None = None) -> torch.Tensor:
         """Causal attention of each request's new tokens over its paged K/V, equal to
-        `paged_attention_ref`; `plan` is what `prepare` returned for this `meta`. Rows of
-        `out` that no request owns are left untouched."""
+        `paged_attention_ref`; `plan` is what `prepare` returned for this `meta` (a plan
+        serves layers of any window and cap: they are per layer, the plan per step). Rows of
+        `out` that no request owns are left untouched.
+
+        `sliding_window` W: the query at position p sees keys at p - W < j <= p only
+        (transformers' convention), and cache blocks wholly before that are never read (the
+        engine core may have given them to another request). `soft_cap` c: scores become
+        c * tanh(score / c) before the mask and softmax (Gemma 2)."""
 
 
 class FunctionBackend(AttentionBackend):
@@ -102,9 +110,21 @@ class FunctionBackend(AttentionBackend):
 
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                meta: AttentionMetadata, plan: None, scale: float,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, *, sliding_window: int | None = None,
+               soft_cap: float | None = None) -> torch.Tensor:
         return self.attention(query, key_cache, value_cache, meta.block_tables,
-                              meta.query_start_loc, meta.seq_lens, scale, out)
+                              meta.query_start_loc, meta.seq_lens, scale, out,
+                              sliding_window=sliding_window, soft_cap=soft_cap)
+
+
+def check_window_and_cap(sliding_window: int | None, soft_cap: float | None) -> None:
+    """ValueError naming the field when a layer's window or cap cannot be honoured."""
+    if sliding_window is not None and (isinstance(sliding_window, bool)
+                                       or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"logits_soft_cap must be positive or None, got {soft_cap!r}")
 
 
 def select_attention_backend(name: str, device_type: str,

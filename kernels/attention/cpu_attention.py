@@ -53,6 +53,14 @@ def _declare(library: ctypes.CDLL) -> None:
     library.tidal_prefill_attention.argtypes = [p, p, p, p, i, i, n, i, i, i, i, n, n, n,
                                                 ctypes.c_float, p]
     library.tidal_prefill_attention.restype = ctypes.c_int
+    # the same with (window, soft cap) before out: 0 for none
+    library.tidal_decode_attention_window.argtypes = [p, p, p, p, n, p, p, p, n, i, i, i, i, n,
+                                                      n, n, ctypes.c_float, i, ctypes.c_float,
+                                                      p]
+    library.tidal_decode_attention_window.restype = ctypes.c_int
+    library.tidal_prefill_attention_window.argtypes = [p, p, p, p, i, i, n, i, i, i, i, n, n,
+                                                       n, ctypes.c_float, i, ctypes.c_float, p]
+    library.tidal_prefill_attention_window.restype = ctypes.c_int
     library.tidal_prefill_attention_available.restype = ctypes.c_int
     library.tidal_decode_attention_head_dim_ok.argtypes = [i]
     library.tidal_write_kv.argtypes = [p, p, n, n, n, n, p, p, p, n, i, i, i, n, n, n, n]
@@ -216,11 +224,14 @@ class CpuBackend(NumbaBackend):
 
     def _attend_decodes(self, query, key_cache, value_cache,
                         plan: CpuAttentionPlan | NumbaAttentionPlan, scale: float,
-                        out: torch.Tensor) -> None:
+                        out: torch.Tensor, window: int | None = None,
+                        soft_cap: float | None = None) -> None:
         """Everything the C kernels take: the rows (decodes, short chunks) in one call, then
-        each longer prefill chunk through the blocked kernel."""
+        each longer prefill chunk through the blocked kernel; within `window` (each row over
+        its own window, the blocks before it unread) and soft-capped at `soft_cap`."""
         if isinstance(plan, NumbaAttentionPlan):
-            super()._attend_decodes(query, key_cache, value_cache, plan, scale, out)
+            super()._attend_decodes(query, key_cache, value_cache, plan, scale, out, window,
+                                    soft_cap)
             return
         if plan.rows is None and not plan.chunks:
             return
@@ -235,10 +246,10 @@ class CpuBackend(NumbaBackend):
         # heads, KV heads, head size, block size, then the caches' strides: block, position,
         # KV head (any order: `kv_cache`)
         geometry = (q.shape[1], key.shape[2], q.shape[2], key.shape[1], *key.stride()[:3],
-                    scale)
+                    scale, window or 0, soft_cap or 0.0)
         written = []
         if plan.rows is not None:
-            status = library.tidal_decode_attention(
+            status = library.tidal_decode_attention_window(
                 q.data_ptr(), key.data_ptr(), value.data_ptr(), *plan.row_call, *geometry,
                 result.data_ptr())
             if status != 0:
@@ -246,7 +257,7 @@ class CpuBackend(NumbaBackend):
             if not direct:
                 written.append(torch.from_numpy(plan.rows.token_rows))
         for chunk in plan.chunks:
-            status = library.tidal_prefill_attention(
+            status = library.tidal_prefill_attention_window(
                 q.data_ptr(), key.data_ptr(), value.data_ptr(),
                 tables[chunk.request].ctypes.data, chunk.q_end - chunk.q_start, chunk.seq_len,
                 chunk.q_start, *geometry, result.data_ptr())

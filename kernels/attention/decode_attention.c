@@ -164,14 +164,16 @@ static float softmax_row(float *row, int len, float top) {
 }
 
 /* One work item for head size D = VL DV: `group` query heads q [group, D] sharing KV head
- * offset `head`, over `seq_len` positions; writes out [group, D]. scores: group x seq_len
- * floats of scratch. */
+ * offset `head`, over positions [lo, seq_len) (lo > 0 under a sliding window: the blocks
+ * before it are never read); writes out [group, D]. Scores above 0 in `cap` are soft-capped,
+ * cap tanh(s / cap). scores: group x (seq_len - lo) floats of scratch. */
 #define ITEM(DV)                                                                            \
 static void item_##DV(const float *q, const float *kc, const float *vc, const int *table,   \
-                      int seq_len, layout_t at, long head, int group,                       \
-                      float scale, float *out, float *scores) {                             \
+                      int lo, int seq_len, layout_t at, long head, int group,               \
+                      float scale, float cap, float *out, float *scores) {                  \
     vec qv[MAX_GROUP][DV], acc[MAX_GROUP][DV];                                              \
     float top[MAX_GROUP], inverse[MAX_GROUP];                                               \
+    int n = seq_len - lo;                                                                   \
     for (int g = 0; g < group; g++) {                                                       \
         top[g] = -INFINITY;                                                                 \
         for (int c = 0; c < DV; c++) {                                                      \
@@ -180,9 +182,9 @@ static void item_##DV(const float *q, const float *kc, const float *vc, const in
             acc[g][c] = V(setzero_ps)();                                                    \
         }                                                                                   \
     }                                                                                       \
-    walk_t kw = walk_from(kc, table, at, head, 0, seq_len);                                 \
-    walk_t ka = walk_from(kc, table, at, head, PREFETCH, seq_len);                          \
-    for (int p = 0; p < seq_len; p++, walk_next(&kw)) {                                     \
+    walk_t kw = walk_from(kc, table, at, head, lo, seq_len);                                \
+    walk_t ka = walk_from(kc, table, at, head, lo + PREFETCH, seq_len);                     \
+    for (int p = 0; p < n; p++, walk_next(&kw)) {                                           \
         prefetch_walk(&ka, 4 * VL * DV);                                                    \
         const float *k = kw.row;                                                            \
         vec kv[DV];                                                                         \
@@ -191,21 +193,22 @@ static void item_##DV(const float *q, const float *kc, const float *vc, const in
             vec s = V(mul_ps)(qv[g][0], kv[0]);                                             \
             for (int c = 1; c < DV; c++) s = V(fmadd_ps)(qv[g][c], kv[c], s);               \
             float score = vsum(s);                                                          \
-            scores[g * seq_len + p] = score;                                                \
+            if (cap > 0.0f) score = cap * tanhf(score / cap);                               \
+            scores[g * n + p] = score;                                                      \
             top[g] = score > top[g] ? score : top[g];                                       \
         }                                                                                   \
     }                                                                                       \
     for (int g = 0; g < group; g++)                                                         \
-        inverse[g] = softmax_row(scores + g * seq_len, seq_len, top[g]);                    \
-    walk_t vw = walk_from(vc, table, at, head, 0, seq_len);                                 \
-    walk_t va = walk_from(vc, table, at, head, PREFETCH, seq_len);                          \
-    for (int p = 0; p < seq_len; p++, walk_next(&vw)) {                                     \
+        inverse[g] = softmax_row(scores + g * n, n, top[g]);                                \
+    walk_t vw = walk_from(vc, table, at, head, lo, seq_len);                                \
+    walk_t va = walk_from(vc, table, at, head, lo + PREFETCH, seq_len);                     \
+    for (int p = 0; p < n; p++, walk_next(&vw)) {                                           \
         prefetch_walk(&va, 4 * VL * DV);                                                    \
         const float *v = vw.row;                                                            \
         vec vv[DV];                                                                         \
         for (int c = 0; c < DV; c++) vv[c] = V(loadu_ps)(v + VL * c);                       \
         for (int g = 0; g < group; g++) {                                                   \
-            vec w = V(set1_ps)(scores[g * seq_len + p]);                                    \
+            vec w = V(set1_ps)(scores[g * n + p]);                                          \
             for (int c = 0; c < DV; c++) acc[g][c] = V(fmadd_ps)(w, vv[c], acc[g][c]);      \
         }                                                                                   \
     }                                                                                       \
@@ -221,8 +224,8 @@ ITEM(1) ITEM(2) ITEM(3) ITEM(4) ITEM(5) ITEM(6) ITEM(7) ITEM(8) ITEM(16)
 ITEM(2) ITEM(4) ITEM(6) ITEM(8) ITEM(10) ITEM(12) ITEM(14) ITEM(16) ITEM(32)
 #endif
 
-typedef void (*item_fn)(const float *, const float *, const float *, const int *, int,
-                        layout_t, long, int, float, float *, float *);
+typedef void (*item_fn)(const float *, const float *, const float *, const int *, int, int,
+                        layout_t, long, int, float, float, float *, float *);
 
 static item_fn item_for(int head_dim) {
     switch (head_dim / VL * (head_dim % VL == 0)) {
@@ -272,7 +275,8 @@ static inline float row_max(const float *row, int len) {
 #define PREFILL_ITEM(DV)                                                                    \
 static void prefill_##DV(const float *const *qs, float *const *outs, const int *limits,    \
                          int nq, const float *kt, const float *vc, const int *table,        \
-                         layout_t at, long head, float scale, float *scores, int stride) {  \
+                         layout_t at, long head, float scale, float *scores, int stride,    \
+                         int window, float cap) {                                           \
     enum { QV = PREFILL_QV(DV), D = VL * (DV) };                                            \
     /* the item's query vectors times scale; past nq, copies of the last (computed, never  \
      * written), so every loop below runs QV wide */                                        \
@@ -283,7 +287,15 @@ static void prefill_##DV(const float *const *qs, float *const *outs, const int *
         for (int d = 0; d < D; d++) qb[v][d] = src[d] * scale;                              \
     }                                                                                       \
     for (int v = 0; v < nq; v++) len = limits[v] + 1 > len ? limits[v] + 1 : len;          \
-    for (int b = 0; b * VL < len; b++) {                                                    \
+    /* vector v sees [lows[v], limits[v]]; whole VL-blocks before the first one's are    \
+     * skipped (under a sliding window) */                                                 \
+    int lows[QV], from = len;                                                               \
+    for (int v = 0; v < nq; v++) {                                                          \
+        lows[v] = window > 0 && limits[v] + 1 > window ? limits[v] + 1 - window : 0;        \
+        from = lows[v] < from ? lows[v] : from;                                             \
+    }                                                                                       \
+    from = from / VL * VL;                                                                  \
+    for (int b = from / VL; b * VL < len; b++) {                                            \
         const float *kb = kt + (long)b * D * VL;                                            \
         vec s[QV];                                                                          \
         for (int v = 0; v < QV; v++) s[v] = V(setzero_ps)();                                \
@@ -295,20 +307,25 @@ static void prefill_##DV(const float *const *qs, float *const *outs, const int *
     }                                                                                       \
     float inverse[QV];                                                                      \
     for (int v = 0; v < nq; v++) {                                                          \
-        float *row = scores + v * stride, top = row_max(row, limits[v] + 1);                \
-        inverse[v] = softmax_row(row, limits[v] + 1, top);                                  \
+        float *row = scores + v * stride;                                                   \
+        int lo = lows[v], n = limits[v] + 1 - lo;                                           \
+        if (cap > 0.0f)                                                                     \
+            for (int p = lo; p <= limits[v]; p++) row[p] = cap * tanhf(row[p] / cap);       \
+        float top = row_max(row + lo, n);                                                   \
+        inverse[v] = softmax_row(row + lo, n, top);                                         \
+        for (int p = from; p < lo; p++) row[p] = 0.0f;                                      \
         for (int p = limits[v] + 1; p < len; p++) row[p] = 0.0f;                            \
     }                                                                                       \
     for (int v = nq; v < QV; v++) { /* the copies: weights 0 */                             \
         inverse[v] = 0.0f;                                                                  \
-        for (int p = 0; p < len; p++) scores[v * stride + p] = 0.0f;                        \
+        for (int p = from; p < len; p++) scores[v * stride + p] = 0.0f;                     \
     }                                                                                       \
     vec acc[QV][DV];                                                                        \
     for (int v = 0; v < QV; v++)                                                            \
         for (int c = 0; c < DV; c++) acc[v][c] = V(setzero_ps)();                           \
-    walk_t vw = walk_from(vc, table, at, head, 0, len);                                     \
-    walk_t va = walk_from(vc, table, at, head, PREFETCH, len);                              \
-    for (int p = 0; p < len; p++, walk_next(&vw)) {                                         \
+    walk_t vw = walk_from(vc, table, at, head, from, len);                                  \
+    walk_t va = walk_from(vc, table, at, head, from + PREFETCH, len);                       \
+    for (int p = from; p < len; p++, walk_next(&vw)) {                                      \
         prefetch_walk(&va, 4 * D);                                                          \
         const float *vr = vw.row;                                                           \
         vec vv[DV];                                                                         \
@@ -327,7 +344,7 @@ PREFILL_ITEM(6) PREFILL_ITEM(7) PREFILL_ITEM(8) PREFILL_ITEM(16)
 
 typedef void (*prefill_fn)(const float *const *, float *const *, const int *, int,
                            const float *, const float *, const int *, layout_t, long, float,
-                           float *, int);
+                           float *, int, int, float);
 
 /* (function, query vectors an item takes) for a head size, or (0, 0). */
 static prefill_fn prefill_for(int head_dim, int *qv) {
@@ -363,13 +380,17 @@ int tidal_decode_attention_head_dim_ok(int head_dim) {
 }
 
 /* Attend query row rows[i] over the first lens[i] >= 1 positions of request requests[i] (a
- * row of tables), i < n; writes those rows of out. Returns 0, or -1 for a head size
- * it does not take (out untouched) or -2 when scratch could not be allocated. */
-int tidal_decode_attention(const float *q, const float *key_cache, const float *value_cache,
-                           const int *tables, long max_blocks, const int *lens,
-                           const long *requests, const long *rows, long n, int num_heads,
-                           int num_kv_heads, int head_dim, int block_size, long block_stride,
-                           long pos_stride, long head_stride, float scale, float *out) {
+ * row of tables), i < n, of those only the last `window` when window > 0 (the rows'
+ * sliding window: blocks before it are never read), scores soft-capped at soft_cap when it is
+ * above 0; writes those rows of out. Returns 0, or -1 for a head size it does not take (out
+ * untouched) or -2 when scratch could not be allocated. */
+int tidal_decode_attention_window(const float *q, const float *key_cache,
+                                  const float *value_cache, const int *tables, long max_blocks,
+                                  const int *lens, const long *requests, const long *rows,
+                                  long n, int num_heads, int num_kv_heads, int head_dim,
+                                  int block_size, long block_stride, long pos_stride,
+                                  long head_stride, float scale, int window, float soft_cap,
+                                  float *out) {
 #if TIDAL_DECODE_ATTENTION
     item_fn item = item_for(head_dim);
     if (!item) return -1;
@@ -390,16 +411,16 @@ int tidal_decode_attention(const float *q, const float *key_cache, const float *
             int first = kv_head * group + part * MAX_GROUP;
             int heads = group - part * MAX_GROUP < MAX_GROUP ? group - part * MAX_GROUP : MAX_GROUP;
             int seq_len = lens[i / (num_kv_heads * parts)];
-            if ((long)heads * seq_len > capacity) {
+            int lo = window > 0 && seq_len > window ? seq_len - window : 0;
+            if ((long)heads * (seq_len - lo) > capacity) {
                 free(scores);
-                capacity = (long)heads * seq_len;
+                capacity = (long)heads * (seq_len - lo);
                 scores = malloc(capacity * sizeof(float));
                 if (!scores) { capacity = 0; failed = 1; continue; }
             }
             item(q + (row * num_heads + first) * head_dim, key_cache, value_cache,
-                 tables + request * max_blocks, seq_len, at, kv_head * head_stride, heads, scale,
-                 out + (row * num_heads + first) * head_dim,
-                 scores);
+                 tables + request * max_blocks, lo, seq_len, at, kv_head * head_stride, heads,
+                 scale, soft_cap, out + (row * num_heads + first) * head_dim, scores);
         }
         free(scores);
     }
@@ -408,21 +429,35 @@ int tidal_decode_attention(const float *q, const float *key_cache, const float *
     (void)q; (void)key_cache; (void)value_cache; (void)tables; (void)max_blocks;
     (void)lens; (void)requests; (void)rows; (void)n; (void)num_heads; (void)num_kv_heads;
     (void)head_dim; (void)block_size; (void)block_stride; (void)pos_stride; (void)head_stride;
-    (void)scale; (void)out;
+    (void)scale; (void)window; (void)soft_cap; (void)out;
     return -1;
 #endif
 }
 
+/* tidal_decode_attention_window without a window or a cap (the fused decoder layers' call). */
+int tidal_decode_attention(const float *q, const float *key_cache, const float *value_cache,
+                           const int *tables, long max_blocks, const int *lens,
+                           const long *requests, const long *rows, long n, int num_heads,
+                           int num_kv_heads, int head_dim, int block_size, long block_stride,
+                           long pos_stride, long head_stride, float scale, float *out) {
+    return tidal_decode_attention_window(q, key_cache, value_cache, tables, max_blocks, lens,
+                                         requests, rows, n, num_heads, num_kv_heads, head_dim,
+                                         block_size, block_stride, pos_stride, head_stride,
+                                         scale, 0, 0.0f, out);
+}
+
 /* One prefill chunk of one request: q_len query rows q[q_row0 + r] at positions seq_len -
- * q_len + r, each over the positions up to its own, K and V read through `table` (the
- * request's block-table row); writes those rows of out. Returns 0, -1 for a head size it
- * does not take or a build without it (out untouched), -2 when scratch could not be
- * allocated. */
-int tidal_prefill_attention(const float *q, const float *key_cache, const float *value_cache,
-                            const int *table, int q_len, int seq_len, long q_row0,
-                            int num_heads, int num_kv_heads, int head_dim, int block_size,
-                            long block_stride, long pos_stride, long head_stride, float scale,
-                            float *out) {
+ * q_len + r, each over the positions up to its own (the last `window` of them when window >
+ * 0: blocks wholly before the first row's window are neither transposed nor read), K and V
+ * read through `table` (the request's block-table row), scores soft-capped at soft_cap when
+ * it is above 0; writes those rows of out. Returns 0, -1 for a head size it does not take or
+ * a build without it (out untouched), -2 when scratch could not be allocated. */
+int tidal_prefill_attention_window(const float *q, const float *key_cache,
+                                   const float *value_cache, const int *table, int q_len,
+                                   int seq_len, long q_row0, int num_heads, int num_kv_heads,
+                                   int head_dim, int block_size, long block_stride,
+                                   long pos_stride, long head_stride, float scale, int window,
+                                   float soft_cap, float *out) {
 #if TIDAL_PREFILL_ATTENTION
     int qv;
     prefill_fn item = prefill_for(head_dim, &qv);
@@ -430,6 +465,7 @@ int tidal_prefill_attention(const float *q, const float *key_cache, const float 
     int group = num_heads / num_kv_heads, start = seq_len - q_len;
     layout_t at = {block_size, block_stride, pos_stride};
     long blocks = (seq_len + VL - 1) / VL, block_floats = (long)head_dim * VL;
+    long first = window > 0 && start + 1 > window ? (start + 1 - window) / VL : 0;
     float *kt = aligned_alloc(64, (size_t)num_kv_heads * blocks * block_floats * sizeof(float));
     if (!kt) return -2;
     int vectors = q_len * group, per_head = (vectors + qv - 1) / qv;
@@ -441,6 +477,7 @@ int tidal_prefill_attention(const float *q, const float *key_cache, const float 
         for (long hb = 0; hb < num_kv_heads * blocks; hb++) {
             long h = hb / blocks, b = hb % blocks;
             float *dst = kt + hb * block_floats;
+            if (b < first) continue; /* before every row's window: never read */
             for (int j = 0; j < VL; j++) {
                 long p = b * VL + j;
                 const float *k = p < seq_len
@@ -466,7 +503,7 @@ int tidal_prefill_attention(const float *q, const float *key_cache, const float 
                 limits[v] = start + r;
             }
             item(qs, outs, limits, nq, kt + (long)h * blocks * block_floats, value_cache,
-                 table, at, (long)h * head_stride, scale, scores, stride);
+                 table, at, (long)h * head_stride, scale, scores, stride, window, soft_cap);
         }
         free(scores);
     }
@@ -475,9 +512,22 @@ int tidal_prefill_attention(const float *q, const float *key_cache, const float 
 #else
     (void)q; (void)key_cache; (void)value_cache; (void)table; (void)q_len; (void)seq_len;
     (void)q_row0; (void)num_heads; (void)num_kv_heads; (void)head_dim; (void)block_size;
-    (void)block_stride; (void)pos_stride; (void)head_stride; (void)scale; (void)out;
+    (void)block_stride; (void)pos_stride; (void)head_stride; (void)scale; (void)window;
+    (void)soft_cap; (void)out;
     return -1;
 #endif
+}
+
+/* tidal_prefill_attention_window without a window or a cap (the fused decoder layers' call). */
+int tidal_prefill_attention(const float *q, const float *key_cache, const float *value_cache,
+                            const int *table, int q_len, int seq_len, long q_row0,
+                            int num_heads, int num_kv_heads, int head_dim, int block_size,
+                            long block_stride, long pos_stride, long head_stride, float scale,
+                            float *out) {
+    return tidal_prefill_attention_window(q, key_cache, value_cache, table, q_len, seq_len,
+                                          q_row0, num_heads, num_kv_heads, head_dim, block_size,
+                                          block_stride, pos_stride, head_stride, scale, 0, 0.0f,
+                                          out);
 }
 
 /* Write token t's K and V rows (num_kv_heads x head_dim floats each, strides in floats: token,

@@ -14,7 +14,9 @@ when the worker has several):
         out[t, h]    = sum_p e[h, p] * V[slot(p), h // group] / sum_p e[h, p]
 
 with slot(p) = (table[p // block_size], p % block_size). Positions at or past `seq_len` are
-never read, so the cache may hold anything there. Arithmetic is in the query's dtype
+never read, so the cache may hold anything there. A layer with a sliding window W runs p over
+the window only, seq_len - W <= p < seq_len (earlier blocks are never read); a soft cap c
+replaces each score s by c * tanh(s / c) before the softmax. Arithmetic is in the query's dtype
 (float32 or float64 only: `select_attention_backend` refuses this backend for others).
 `fastmath` lets the compiler reorder the 64-term dot products into SIMD sums, so float32
 results differ from the reference by rounding only (tested at the reference tolerances).
@@ -37,7 +39,7 @@ import torch
 
 from . import NUMBA_DTYPES
 from .metadata import AttentionMetadata
-from .torch_attention import PrefillChunk, TorchBackend, split_requests
+from .torch_attention import PrefillChunk, TorchBackend, _prefill, split_requests
 
 try:
     import numba
@@ -88,6 +90,9 @@ class NumbaBackend(TorchBackend):
         paged_decode_numba(query, cache, cache, np.ones((1, 1), dtype=np.int32), one,
                            np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), 1.0,
                            torch.empty_like(query))
+        paged_decode_numba(query, cache, cache, np.ones((1, 1), dtype=np.int32), one,
+                           np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), 1.0,
+                           torch.empty_like(query), 1, 1.0)  # the capped variant
         return time.perf_counter() - start
 
     def prepare(self, meta: AttentionMetadata, block_size: int, num_kv_heads: int,
@@ -104,12 +109,27 @@ class NumbaBackend(TorchBackend):
             block_tables=np.ascontiguousarray(meta.block_tables.numpy()), seq_lens=seq_lens,
             requests=requests[order], token_rows=token_rows[order]), prefills)
 
+    def attend(self, query, key_cache, value_cache, meta, plan: NumbaAttentionPlan, scale,
+               out=None, *, sliding_window=None, soft_cap=None) -> torch.Tensor:
+        """The decodes in the compiled kernel (window and cap included), the prefill chunks
+        through the torch backend's SDPA path."""
+        if out is None:
+            out = torch.empty_like(query)
+        self._attend_decodes(query, key_cache, value_cache, plan, scale, out, sliding_window,
+                             soft_cap)
+        for chunk in plan.prefills:
+            _prefill(query, key_cache, value_cache, meta.block_tables[chunk.request], chunk,
+                     scale, out, sliding_window, soft_cap)
+        return out
+
     def _attend_decodes(self, query, key_cache, value_cache, plan: NumbaAttentionPlan,
-                        scale: float, out: torch.Tensor) -> None:
+                        scale: float, out: torch.Tensor, window: int | None = None,
+                        soft_cap: float | None = None) -> None:
         d = plan.decode
         if d is not None:
             paged_decode_numba(query, key_cache, value_cache, d.block_tables, d.seq_lens,
-                               d.requests, d.token_rows, scale, out)
+                               d.requests, d.token_rows, scale, out, window or 0,
+                               soft_cap or 0.0)
 
 
 def balanced_order(lengths: np.ndarray, num_threads: int) -> np.ndarray:
@@ -136,14 +156,17 @@ def _match_torch_threads() -> None:
 def paged_decode_numba(query: torch.Tensor, key_cache: torch.Tensor,
                        value_cache: torch.Tensor, block_tables: np.ndarray,
                        seq_lens: np.ndarray, requests: np.ndarray, token_rows: np.ndarray,
-                       scale: float, out: torch.Tensor) -> None:
+                       scale: float, out: torch.Tensor, window: int = 0,
+                       soft_cap: float = 0.0) -> None:
     """Attend the query rows `token_rows` (one new token each) of the requests `requests`
-    (row indices of `block_tables` / `seq_lens`) and write them into `out` in place."""
+    (row indices of `block_tables` / `seq_lens`) and write them into `out` in place; over
+    the last `window` positions only when it is above 0, scores soft-capped at `soft_cap`
+    when it is above 0."""
     q = query.detach().contiguous()
     result = out if out.is_contiguous() and out.dtype == q.dtype else torch.empty_like(q)
     _decode_kernel(q.numpy(), key_cache.detach().numpy(), value_cache.detach().numpy(),
                    block_tables, seq_lens, requests, token_rows, float(scale),
-                   result.numpy())
+                   result.numpy(), int(window), float(soft_cap))
     if result is not out:
         out.index_copy_(0, torch.from_numpy(token_rows),
                         result.index_select(0, torch.from_numpy(token_rows)).to(out.dtype))
@@ -204,13 +227,17 @@ if numba is not None:
 
     @njit(fastmath=True, cache=True, nogil=True, parallel=True)
     def _decode_kernel(q, key_cache, value_cache, block_tables, seq_lens, requests,
-                       token_rows, scale, out):  # pragma: no cover - compiled, not traced
+                       token_rows, scale, out, window,
+                       soft_cap):  # pragma: no cover - compiled, not traced
         num_heads, head_dim = q.shape[1], q.shape[2]
         block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
         group = num_heads // num_kv_heads
         for i in prange(requests.shape[0]):
             r, t = requests[i], token_rows[i]
-            seq_len = seq_lens[r]
+            end = seq_lens[r]
+            # positions [lo, end): the window's (scores[h, p - lo]); blocks before lo unread
+            lo = max(end - window, 0) if window > 0 else 0
+            seq_len = end - lo
             scores = np.empty((num_heads, seq_len), dtype=q.dtype)
             acc = np.zeros((num_heads, head_dim), dtype=q.dtype)
             qs = np.empty((num_heads, head_dim), dtype=q.dtype)
@@ -224,7 +251,8 @@ if numba is not None:
                 for d in range(head_dim):
                     qs[h, d] = q[t, h, d] * scale
             for p in range(seq_len):  # scores: one pass over K
-                block, offset = block_tables[r, p // block_size], p % block_size
+                block = block_tables[r, (lo + p) // block_size]
+                offset = (lo + p) % block_size
                 for kh in range(num_kv_heads):
                     for g in range(group):
                         h = kh * group + g
@@ -232,6 +260,10 @@ if numba is not None:
                         for d in range(head_dim):
                             s += qs[h, d] * key_cache[block, offset, kh, d]
                         scores[h, p] = s
+            if soft_cap > 0:
+                for h in range(num_heads):  # float64 cap: exact for float64 scores
+                    for p in range(seq_len):
+                        scores[h, p] = soft_cap * math.tanh(scores[h, p] / soft_cap)
             for h in range(num_heads):  # softmax over positions, per head
                 row = scores[h]
                 top = row[0]
@@ -244,7 +276,8 @@ if numba is not None:
                 inverse[h] = 1  # the output row is normalised, not every weight
                 inverse[h] /= total
             for p in range(seq_len):  # weighted sum: one pass over V
-                block, offset = block_tables[r, p // block_size], p % block_size
+                block = block_tables[r, (lo + p) // block_size]
+                offset = (lo + p) % block_size
                 for kh in range(num_kv_heads):
                     for g in range(group):
                         h = kh * group + g

@@ -16,7 +16,12 @@ Batch layout of one attention call (`num_seqs` requests, their new query tokens 
     block_tables[num_seqs, max_blocks_per_seq]   block ids, padded with 0
 
 The j-th new token of request i sits at position p = seq_lens[i] - q_len_i + j and attends
-causally to cached positions 0..p (its own K/V are written before attention runs).
+causally to cached positions 0..p (its own K/V are written before attention runs); with a
+sliding window W to positions p - W < j <= p only (transformers' `sliding_window_overlay`:
+kv_idx > q_idx - W), and cache blocks wholly before the request's first visible position
+are never read: their table entries may name blocks the engine core has given to another
+request, or the null block. With a soft cap c each score s = scale * q.k becomes
+c * tanh(s / c) before the mask and the softmax (Gemma 2).
 Softmax is computed in float32; the output has the query's dtype (float64 stays float64).
 """
 
@@ -51,8 +56,11 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each request's new tokens over its paged K/V (GQA aware)."""
+    """Causal attention of each request's new tokens over its paged K/V (GQA aware), within
+    `sliding_window` and soft-capped by `soft_cap` when given (see the module docstring)."""
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -66,21 +74,40 @@ def paged_attention_ref(
         q_len = q_end - q_start
         if q_len == 0:
             continue
+        # blocks [first, num_blocks): the first holds the first position any query sees
+        first = first_visible(seq_len - q_len, sliding_window) // block_size
         num_blocks = (seq_len + block_size - 1) // block_size
-        blocks = block_tables[i, :num_blocks].long()
-        k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        blocks = block_tables[i, first:num_blocks].long()
+        base = first * block_size
+        k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len - base]
+        v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len - base]
         # [kv_heads, seq, d] -> repeat each KV head for its `group` query heads
         k = k.transpose(0, 1).repeat_interleave(group, dim=0).to(acc_dtype)
         v = v.transpose(0, 1).repeat_interleave(group, dim=0).to(acc_dtype)
         q = query[q_start:q_end].transpose(0, 1).to(acc_dtype)  # [heads, q_len, d]
-        scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [heads, q_len, seq]
+        scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [heads, q_len, seq - base]
+        if soft_cap is not None:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
         q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-        k_pos = torch.arange(seq_len).unsqueeze(0)
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        k_pos = torch.arange(base, seq_len).unsqueeze(0)
+        scores = scores.masked_fill(~visible(q_pos, k_pos, sliding_window), float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.matmul(probs, v).transpose(0, 1).to(out.dtype)
     return out
+
+
+def first_visible(q_pos: int, sliding_window: int | None) -> int:
+    """The first cached position the query at `q_pos` sees (0 without a window)."""
+    return 0 if sliding_window is None else max(0, q_pos - sliding_window + 1)
+
+
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """Whether the key at `k_pos` is visible to the query at `q_pos` (broadcast): causal, and
+    k_pos > q_pos - sliding_window with a window, as transformers' masks."""
+    seen = k_pos <= q_pos
+    if sliding_window is not None:
+        seen = seen & (k_pos > q_pos - sliding_window)
+    return seen
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ the query's dtype. Rows of `out` that no request owns are left untouched.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from . import AttentionBackend
 from .metadata import AttentionMetadata
+from .reference import first_visible, visible
 
 DEFAULT_DECODE_CHUNK_BYTES = 1 << 21
 """Gathered K+V bytes per decode chunk: requests are attended a few at a time so that their
@@ -79,10 +80,13 @@ class DecodeChunk:
     """Decode requests of similar length attended together, and where their data is.
 
     Their K/V are gathered block by block into a padded copy
-    `[num_seqs, padded_len, num_kv_heads, head_dim]` (`padded_len` = the chunk's longest
-    context rounded up to whole blocks). Rows past a request's `seq_len` (the tail of its last
-    block, and whole blocks of table padding) may hold anything, NaN included: `pad_rows`
-    names them so they are zeroed after the gather, and `mask` keeps them out of the softmax.
+    `[num_seqs, padded_len, num_kv_heads, head_dim]`: request r's row j is cached position
+    `starts[r] + j`, where `starts[r]` is 0, or with a sliding window the start of the block
+    that holds its first visible position (the blocks before it are never read), and
+    `padded_len` is the chunk's longest such span rounded up to whole blocks. Rows outside a
+    request's visible positions (past its `seq_len`, whole blocks of table padding, the part
+    of its first block before the window) may hold anything, NaN included: `pad_rows` names
+    them so they are zeroed after the gather, and `mask` keeps them out of the softmax.
     """
 
     token_rows: torch.Tensor  # [num_seqs] int64: the requests' query rows
@@ -99,13 +103,19 @@ class TorchAttentionPlan:
 
     decode_chunks: list[DecodeChunk]
     """The decode requests, shortest context first, cut into chunks of about
-    `decode_chunk_bytes` of gathered K/V (empty when the step has no decodes)."""
+    `decode_chunk_bytes` of gathered K/V (empty when the step has no decodes), for layers
+    without a sliding window."""
     prefills: list[PrefillChunk]
     """The requests with more than one new token, in batch order."""
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None
     """K and V gather buffers [blocks of the largest chunk, block elements], allocated by the
     first layer and reused by every chunk of every layer of this step (fresh large
     allocations page-fault)."""
+    decode_requests: list[tuple[int, int]] = field(default_factory=list)
+    """(request, query row) of every decode, as `decode_chunks` were cut from them."""
+    windowed_chunks: dict[int, list[DecodeChunk]] = field(default_factory=dict)
+    """Sliding window -> the decode chunks of layers with that window, built by the first
+    such layer of the step (only the window's blocks are gathered)."""
 
 
 class TorchBackend(AttentionBackend):
@@ -129,14 +139,23 @@ class TorchBackend(AttentionBackend):
         """The decode chunks (requests sorted by length, index tensors built) and the
         prefill chunks of this step."""
         decodes, prefills = split_requests(meta)
+        plan = TorchAttentionPlan([], prefills, decode_requests=decodes)
+        plan.decode_chunks = self._decode_chunks(meta, plan, block_size, num_kv_heads,
+                                                 head_dim, dtype, None)
+        return plan
+
+    def _decode_chunks(self, meta: AttentionMetadata, plan: TorchAttentionPlan,
+                       block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                       window: int | None) -> list[DecodeChunk]:
+        """The step's decodes, sorted by the span they read, cut into chunks by bytes."""
         lens = meta.seq_lens.tolist()
-        decodes.sort(key=lambda d: lens[d[0]])  # similar lengths share a chunk: little padding
+        spans = [_span(n, window, block_size)[1] for n in lens]
+        decodes = sorted(plan.decode_requests, key=lambda d: spans[d[0]])  # little padding
         acc = _acc_dtype(dtype)
         bytes_per_slot = 2 * num_kv_heads * head_dim * acc.itemsize  # K and V of one position
-        chunks = [_decode_chunk_index(meta.block_tables, members, lens, block_size, acc)
-                  for members in self._chunk_by_bytes(decodes, lens, block_size,
-                                                      bytes_per_slot)]
-        return TorchAttentionPlan(chunks, prefills)
+        return [_decode_chunk_index(meta.block_tables, members, lens, block_size, acc, window)
+                for members in self._chunk_by_bytes(decodes, spans, block_size,
+                                                    bytes_per_slot)]
 
     def _chunk_by_bytes(self, decodes: list[tuple[int, int]], lens: list[int],
                         block_size: int, bytes_per_slot: int) -> list[list[tuple[int, int]]]:
@@ -153,29 +172,54 @@ class TorchBackend(AttentionBackend):
 
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                meta: AttentionMetadata, plan: TorchAttentionPlan, scale: float,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, *, sliding_window: int | None = None,
+               soft_cap: float | None = None) -> torch.Tensor:
         if out is None:
             out = torch.empty_like(query)
-        self._attend_decodes(query, key_cache, value_cache, plan, scale, out)
+        if sliding_window is None and soft_cap is None:
+            self._attend_decodes(query, key_cache, value_cache, plan, scale, out)
+        else:
+            self._attend_windowed_decodes(query, key_cache, value_cache, meta, plan, scale,
+                                          out, sliding_window, soft_cap)
         for chunk in plan.prefills:
             _prefill(query, key_cache, value_cache, meta.block_tables[chunk.request], chunk,
-                     scale, out)
+                     scale, out, sliding_window, soft_cap)
         return out
 
     def _attend_decodes(self, query, key_cache, value_cache, plan: TorchAttentionPlan,
                         scale: float, out: torch.Tensor) -> None:
         """One new token per decode request, a chunk at a time."""
-        if not plan.decode_chunks:
+        self._attend_chunks(query, key_cache, value_cache, plan, plan.decode_chunks, scale,
+                            out, None)
+
+    def _attend_windowed_decodes(self, query, key_cache, value_cache, meta, plan, scale, out,
+                                 window: int | None, soft_cap: float | None) -> None:
+        """The decodes of a layer with a window or a cap: the window's own chunks (built
+        once a step per window), then the chunks through SDPA or, capped, by hand."""
+        chunks = plan.decode_chunks
+        if window is not None and plan.decode_requests:
+            chunks = plan.windowed_chunks.get(window)
+            if chunks is None:
+                chunks = plan.windowed_chunks[window] = self._decode_chunks(
+                    meta, plan, key_cache.shape[1], key_cache.shape[2], key_cache.shape[3],
+                    query.dtype, window)
+        self._attend_chunks(query, key_cache, value_cache, plan, chunks, scale, out, soft_cap)
+
+    @staticmethod
+    def _attend_chunks(query, key_cache, value_cache, plan: TorchAttentionPlan,
+                       chunks: list[DecodeChunk], scale: float, out: torch.Tensor,
+                       soft_cap: float | None) -> None:
+        if not chunks:
             return
-        if plan.workspace is None:
-            rows = max(chunk.blocks.numel() for chunk in plan.decode_chunks)
+        rows = max(chunk.blocks.numel() for chunk in chunks)
+        if plan.workspace is None or plan.workspace[0].shape[0] < rows:
             plan.workspace = tuple(torch.empty(rows, key_cache[0].numel(),
                                                dtype=key_cache.dtype, device=key_cache.device)
                                    for _ in range(2))
-        for chunk in plan.decode_chunks:
+        for chunk in chunks:
             result = _decode_chunk(query.index_select(0, chunk.token_rows), key_cache,
                                    value_cache, chunk, scale, _acc_dtype(query.dtype),
-                                   plan.workspace)
+                                   plan.workspace, soft_cap)
             out.index_copy_(0, chunk.token_rows, result.to(out.dtype))
 
 
@@ -193,16 +237,32 @@ def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
+def _span(seq_len: int, window: int | None, block_size: int) -> tuple[int, int]:
+    """(first position read, positions read) of a decode over `seq_len` cached positions:
+    from the start of the block holding its first visible position."""
+    start = first_visible(seq_len - 1, window) // block_size * block_size
+    return start, seq_len - start
+
+
 def _decode_chunk_index(block_tables: torch.Tensor, members: list[tuple[int, int]],
-                        all_lens: list[int], block_size: int, acc: torch.dtype) -> DecodeChunk:
+                        all_lens: list[int], block_size: int, acc: torch.dtype,
+                        window: int | None = None) -> DecodeChunk:
     """The index tensors of one chunk of (request, query row) decodes."""
     device = block_tables.device
     lens = [all_lens[request] for request, _ in members]
-    num, padded_len = len(members), _round_up(max(lens), block_size)
+    starts, spans = zip(*(_span(n, window, block_size) for n in lens))
+    num, padded_len = len(members), _round_up(max(spans), block_size)
+    width = padded_len // block_size
     requests = torch.tensor([request for request, _ in members], device=device)
-    blocks = block_tables.index_select(0, requests)[:, :padded_len // block_size]
-    valid = (torch.arange(padded_len, device=device).unsqueeze(0)
-             < torch.tensor(lens, device=device).unsqueeze(1))  # [n, padded_len]
+    first_blocks = torch.tensor(starts, device=device) // block_size
+    columns = first_blocks.unsqueeze(1) + torch.arange(width, device=device).unsqueeze(0)
+    tables = block_tables.index_select(0, requests)
+    inside = columns < tables.shape[1]
+    blocks = torch.where(inside, tables.gather(1, columns.clamp(max=tables.shape[1] - 1)), 0)
+    positions = (torch.tensor(starts, device=device).unsqueeze(1)
+                 + torch.arange(padded_len, device=device).unsqueeze(0))  # [n, padded_len]
+    q_pos = torch.tensor(lens, device=device).unsqueeze(1) - 1
+    valid = visible(q_pos, positions, window)
     return DecodeChunk(
         token_rows=torch.tensor([row for _, row in members], device=device),
         blocks=blocks.reshape(-1).long(),
@@ -217,7 +277,8 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _decode_chunk(q, key_cache, value_cache, chunk: DecodeChunk, scale, acc, workspace):
+def _decode_chunk(q, key_cache, value_cache, chunk: DecodeChunk, scale, acc, workspace,
+                  soft_cap: float | None = None):
     """q [n, heads, d] of one chunk's requests -> [n, heads, d] in `acc` dtype."""
     num, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
@@ -231,40 +292,78 @@ def _decode_chunk(q, key_cache, value_cache, chunk: DecodeChunk, scale, acc, wor
         if chunk.pad_rows.numel():
             kv.view(num * chunk.padded_len, -1).index_fill_(0, chunk.pad_rows, 0)
         gathered.append(kv.to(acc).transpose(1, 2))  # [n, kv_heads, padded_len, d] view
+    q = q.to(acc).view(num, num_heads, 1, head_dim)
+    if soft_cap is not None:
+        return _capped_attention(q, gathered[0], gathered[1], chunk.mask, scale,
+                                 soft_cap).view(num, num_heads, head_dim)
     o = F.scaled_dot_product_attention(
-        q.to(acc).view(num, num_heads, 1, head_dim), gathered[0], gathered[1],
+        q, gathered[0], gathered[1],
         attn_mask=chunk.mask, scale=scale, enable_gqa=num_heads != num_kv_heads)
     return o.view(num, num_heads, head_dim)
 
 
-def _prefill(query, key_cache, value_cache, table, chunk: PrefillChunk, scale, out):
-    """A chunk of q_len > 1 new tokens of one request: SDPA with a bottom-right causal mask.
-    `table` is the request's block-table row."""
+def _capped_attention(q, k, v, mask, scale: float, soft_cap: float) -> torch.Tensor:
+    """SDPA's result with soft-capped scores, by hand (SDPA has no cap): q [b, heads, t, d],
+    k/v [b, kv_heads, n, d], mask additive or boolean (True: attended), broadcast to
+    [b, heads, t, n]."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = soft_cap * torch.tanh(scores / soft_cap)
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+def _prefill(query, key_cache, value_cache, table, chunk: PrefillChunk, scale, out,
+             window: int | None = None, soft_cap: float | None = None):
+    """A chunk of q_len > 1 new tokens of one request: SDPA with a bottom-right causal mask
+    (and the window's, reading only the blocks from the one holding the chunk's first
+    visible position). `table` is the request's block-table row."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     acc = _acc_dtype(query.dtype)
     q_start, q_end, seq_len = chunk.q_start, chunk.q_end, chunk.seq_len
     q_len = q_end - q_start
+    first = first_visible(seq_len - q_len, window) // block_size
+    base = first * block_size
     num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = table[:num_blocks].long()
-    # [blocks, block_size, kv_heads, d] -> [kv_heads, seq_len, d]
-    k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1).to(acc)
-    v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1).to(acc)
+    blocks = table[first:num_blocks].long()
+    # [blocks, block_size, kv_heads, d] -> [kv_heads, seq_len - base, d]
+    k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len - base]
+    v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len - base]
+    k, v = k.transpose(0, 1).to(acc), v.transpose(0, 1).to(acc)
     q = query[q_start:q_end].transpose(0, 1).to(acc)  # [heads, q_len, d]
-    # 4-D [1, heads, tokens, d]: on the CPU only batched inputs take the fused (flash)
-    # kernel, ~5x faster at 512 tokens than the unfused fallback that 3-D inputs get
-    o = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale,
-                                       enable_gqa=num_heads != num_kv_heads,
-                                       **_causal_mask(q_len, seq_len, query.device))
+    mask = _causal_mask(q_len, seq_len, query.device, window, base)
+    if soft_cap is not None:
+        if "is_causal" in mask:
+            mask = {"attn_mask": _visible_mask(q_len, seq_len, query.device, None, 0)}
+        o = _capped_attention(q[None], k[None], v[None], mask["attn_mask"], scale, soft_cap)
+    else:
+        # 4-D [1, heads, tokens, d]: on the CPU only batched inputs take the fused (flash)
+        # kernel, ~5x faster at 512 tokens than the unfused fallback that 3-D inputs get
+        o = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale,
+                                           enable_gqa=num_heads != num_kv_heads, **mask)
     out[q_start:q_end] = o[0].transpose(0, 1).to(out.dtype)
 
 
-def _causal_mask(q_len: int, seq_len: int, device) -> dict:
-    """SDPA's mask arguments for q_len new tokens at the end of seq_len: `is_causal` when the
-    chunk is the whole sequence (its flash kernel then skips the blocks above the diagonal:
-    bit-identical output, 25% faster at 512 tokens and 35% at 1024 on this CPU), otherwise
-    an explicit bottom-right-aligned mask (`is_causal` aligns top-left)."""
-    if q_len == seq_len:
+def _causal_mask(q_len: int, seq_len: int, device, window: int | None = None,
+                 base: int = 0) -> dict:
+    """SDPA's mask arguments for q_len new tokens at the end of seq_len (keys from position
+    `base`): `is_causal` when the chunk is the whole sequence and there is no window (its
+    flash kernel then skips the blocks above the diagonal: bit-identical output, 25% faster
+    at 512 tokens and 35% at 1024 on this CPU), otherwise an explicit bottom-right-aligned
+    mask (`is_causal` aligns top-left)."""
+    if q_len == seq_len and window is None:
         return {"is_causal": True}
+    return {"attn_mask": _visible_mask(q_len, seq_len, device, window, base)}
+
+
+def _visible_mask(q_len: int, seq_len: int, device, window: int | None,
+                  base: int) -> torch.Tensor:
+    """[q_len, seq_len - base] booleans: True where the key is visible to the query."""
     q_pos = torch.arange(seq_len - q_len, seq_len, device=device).unsqueeze(1)
-    return {"attn_mask": torch.arange(seq_len, device=device).unsqueeze(0) <= q_pos}
+    return visible(q_pos, torch.arange(base, seq_len, device=device).unsqueeze(0), window)

@@ -270,17 +270,31 @@ def _load_kv_tile(
 
 
 @triton.jit
+def _soft_cap_log2(s, SOFT_CAP: tl.constexpr):
+    """Scores in base 2 (score * log2 e) soft-capped in natural units:
+    SOFT_CAP * tanh(score / SOFT_CAP) * log2 e, tanh from exp2 (the interpreter has no
+    tanh): tanh |x| = (1 - e^-2|x|) / (1 + e^-2|x|)."""
+    x = s * (1.0 / (1.4426950408889634 * SOFT_CAP))  # score / cap
+    t = tl.exp2(tl.abs(x) * -2.8853900817779268)  # exp(-2 |x|)
+    tanh = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -tanh, tanh) * (SOFT_CAP * 1.4426950408889634)
+
+
+@triton.jit
 def _attend(
     q, q_pos, key_cache_ptr, value_cache_ptr, block_table_row_ptr, kv_head, dims, dim_valid,
-    tile_lo, tile_hi, kv_end, scale_log2,
+    tile_lo, tile_hi, kv_lo, kv_end, scale_log2,
     stride_kc_block, stride_kc_slot, stride_kc_head, stride_kc_dim,
     stride_vc_block, stride_vc_slot, stride_vc_head, stride_vc_dim,
     BLOCK_M: tl.constexpr, HEAD_PAD: tl.constexpr, TILE_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, ACC_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    USE_DOT: tl.constexpr, PRECISION: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
 ):
     """Online softmax of the query tile `q` [BLOCK_M, HEAD_PAD] over KV tiles
-    [tile_lo, tile_hi) (positions < kv_end, causal against `q_pos`).
+    [tile_lo, tile_hi) (positions in [kv_lo, kv_end), causal against `q_pos`, and within
+    SLIDING_WINDOW of it when above 0; nothing before kv_lo is loaded, block table entry
+    included; scores soft-capped at SOFT_CAP when above 0).
 
     Returns (acc [BLOCK_M, HEAD_PAD] un-normalised, m [BLOCK_M] running max in base 2,
     l [BLOCK_M] running sum); m stays -inf for rows that saw no position."""
@@ -290,12 +304,16 @@ def _attend(
     q = q.to(DOT_DTYPE)
     for tile in range(tile_lo, tile_hi):
         pos = tile * TILE_N + tl.arange(0, TILE_N)
-        pos_valid = pos < kv_end
+        pos_valid = (pos >= kv_lo) & (pos < kv_end)
         k = _load_kv_tile(key_cache_ptr, block_table_row_ptr, pos, pos_valid, kv_head, dims,
                           dim_valid, stride_kc_block, stride_kc_slot, stride_kc_head,
                           stride_kc_dim, BLOCK_SIZE)
         s = _mm(q, tl.trans(k.to(DOT_DTYPE)), ACC_DTYPE, USE_DOT, PRECISION) * scale_log2
+        if SOFT_CAP > 0:
+            s = _soft_cap_log2(s, SOFT_CAP)
         visible = (pos[None, :] <= q_pos[:, None]) & pos_valid[None, :]
+        if SLIDING_WINDOW > 0:
+            visible = visible & (pos[None, :] > q_pos[:, None] - SLIDING_WINDOW)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked rows: no NaN
@@ -326,6 +344,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, TILE_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, ACC_DTYPE: tl.constexpr,
     DOT_DTYPE: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):
     """Program (q block, kv head, split): see the module docstring for the tile layout."""
     q_block = tl.program_id(0)
@@ -357,17 +376,23 @@ def _paged_attention_kernel(
     # causal reach of this tile: the last valid row's position + 1
     kv_end = tl.minimum(seq_len, ctx_len + (q_block_local + 1) * BLOCK_Q)
     tile_hi = tl.cdiv(kv_end, TILE_N)
-    tile_lo = 0
+    # sliding window: the tile's first row sees nothing before kv_lo, so whole tiles before
+    # it are skipped and nothing before it is loaded (its blocks may be freed)
+    kv_lo = 0
+    if SLIDING_WINDOW > 0:
+        kv_lo = tl.maximum(ctx_len + q_block_local * BLOCK_Q - SLIDING_WINDOW + 1, 0)
+    tile_lo = kv_lo // TILE_N
     if NUM_SPLITS > 1:
         tiles_per_split = tl.cdiv(tl.cdiv(seq_len, TILE_N), NUM_SPLITS)
-        tile_lo = split * tiles_per_split
-        tile_hi = tl.minimum(tile_hi, tile_lo + tiles_per_split)
+        tile_lo = tl.maximum(tile_lo, split * tiles_per_split)
+        tile_hi = tl.minimum(tile_hi, split * tiles_per_split + tiles_per_split)
     acc, m, l = _attend(
         q, q_pos, key_cache_ptr, value_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt_seq,
-        kv_head, dims, dim_valid, tile_lo, tile_hi, kv_end, scale_log2,
+        kv_head, dims, dim_valid, tile_lo, tile_hi, kv_lo, kv_end, scale_log2,
         stride_kc_block, stride_kc_slot, stride_kc_head, stride_kc_dim,
         stride_vc_block, stride_vc_slot, stride_vc_head, stride_vc_dim,
         BLOCK_M, HEAD_PAD, TILE_N, BLOCK_SIZE, ACC_DTYPE, DOT_DTYPE, USE_DOT, PRECISION,
+        SLIDING_WINDOW, SOFT_CAP,
     )
     if NUM_SPLITS == 1:
         out = acc / l[:, None]
@@ -448,10 +473,13 @@ def paged_attention_triton(
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each request's new tokens over its paged K/V (GQA aware);
-    see `paged_attention_ref`. The launch (tiles, split-K) comes from `choose_launch`,
-    derived from shapes alone, without a host sync."""
+    """Causal attention of each request's new tokens over its paged K/V (GQA aware), within
+    `sliding_window` and soft-capped at `soft_cap` when given; see `paged_attention_ref`.
+    The launch (tiles, split-K) comes from `choose_launch`, derived from shapes alone,
+    without a host sync."""
     _check_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out)
     launch = choose_launch(
         num_tokens=query.shape[0], num_seqs=seq_lens.shape[0], num_heads=query.shape[1],
@@ -460,7 +488,7 @@ def paged_attention_triton(
         num_sms=_device_sms(query.device), dtype=query.dtype,
     )
     return _launch(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
-                   out, launch)
+                   out, launch, sliding_window, soft_cap)
 
 
 def run_paged_attention(
@@ -473,15 +501,18 @@ def run_paged_attention(
     scale: float,
     out: torch.Tensor | None,
     launch: AttentionLaunch,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """`paged_attention_triton` with an explicit launch (tests and benchmarks)."""
     _check_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out)
     return _launch(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
-                   out, launch)
+                   out, launch, sliding_window, soft_cap)
 
 
 def _launch(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, out,
-            launch: AttentionLaunch) -> torch.Tensor:
+            launch: AttentionLaunch, sliding_window: int | None = None,
+            soft_cap: float | None = None) -> torch.Tensor:
     if out is None:
         out = torch.empty_like(query)
     num_tokens, num_heads, head_dim = query.shape
@@ -515,6 +546,8 @@ def _launch(query, key_cache, value_cache, block_tables, query_start_loc, seq_le
         block_tables.stride(0),
         **_kernel_constants(query.dtype, group, group_pad, block_q, head_dim,
                             key_cache.shape[1], launch),
+        # per layer: a kernel compiled for each (window, cap) a model has (Gemma: two)
+        SLIDING_WINDOW=sliding_window or 0, SOFT_CAP=float(soft_cap or 0.0),
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     if splits > 1:
