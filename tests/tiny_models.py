@@ -1,7 +1,8 @@
 """Tiny Hugging Face model folders for tests: random weights from a fixed seed, and a
 byte-level BPE tokenizer trained offline on a built-in corpus. Nothing is downloaded.
 
-    make_tiny_model(path, arch="llama" | "qwen2" | "qwen3", dtype="float32",
+    make_tiny_model(path, arch="llama" | "qwen2" | "qwen3" | "granite" | "olmo2" | "phi3" |
+                    "gemma2" | "gemma3" | ..., dtype="float32",
                     **config_overrides) -> path
     make_tiny_gguf(model_dir, path, qtype="F32" | "Q8_0" | ..., arch=None) -> path
 
@@ -77,7 +78,32 @@ _ARCH_DEFAULTS = {
     "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64,
                        embedding_multiplier=2.0, residual_multiplier=0.5,
                        attention_multiplier=0.2, logits_scaling=2.0),
+    # dense families beyond Llama (workers/models/granite.py, olmo2.py, phi3.py, gemma.py).
+    # Granite: multipliers away from 1 so each one matters, mild enough for peaked logits
+    "granite": dict(embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.5,
+                    logits_scaling=2.0),
+    "olmo2": dict(),
+    # LongRoPE: short factors below position 32, long ones from there on; 3/4 of each head
+    # rotates (Phi-4-mini's partial rotary factor)
+    "phi3": dict(max_position_embeddings=128, original_max_position_embeddings=32,
+                 partial_rotary_factor=0.75, rope_scaling={
+                     "rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                     "long_factor": [2.0 + 0.5 * i for i in range(6)]}),
+    # windows of 8 keys on the sliding layers, shorter than the tests' prompts
+    "gemma2": dict(head_dim=16, query_pre_attn_scalar=32, sliding_window=8,
+                   attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                   tie_word_embeddings=True),
+    "gemma3": dict(head_dim=16, query_pre_attn_scalar=32, sliding_window=8,
+                   num_hidden_layers=3, tie_word_embeddings=True,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   rope_parameters={
+                       "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                       "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                          "rope_theta": 1000000.0}}),
 }
+_RANDOM_NORMS = {"olmo2": 1.0, "gemma2": 0.0, "gemma3": 0.0}
+"""Norm weights drawn around transformers' initial value (OLMo's 1, Gemma's offset 0), so a
+norm applied wrongly shows."""
 
 
 def make_tiny_model(path: str, arch: str = "llama", seed: int = 0, dtype: str = "float32",
@@ -117,7 +143,14 @@ def make_tiny_model(path: str, arch: str = "llama", seed: int = 0, dtype: str = 
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
         "granitemoe": (transformers.GraniteMoeConfig, transformers.GraniteMoeForCausalLM),
+        "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
+        "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[arch]
+    if "rope_parameters" in common:
+        common.pop("rope_theta")  # each layer type's rope carries its own
     torch.manual_seed(seed)
     model = model_cls(config_cls(**common)).to(torch.float32)
     if arch in ("qwen2", "qwen2_moe"):  # HF initialises biases to zero; make them matter
@@ -125,6 +158,11 @@ def make_tiny_model(path: str, arch: str = "llama", seed: int = 0, dtype: str = 
             for name, p in model.named_parameters():
                 if name.endswith("bias"):
                     p.normal_(0.0, 0.2)
+    if arch in _RANDOM_NORMS:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(_RANDOM_NORMS[arch], 0.2)
     model.generation_config.do_sample = False
     model.to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
     return path

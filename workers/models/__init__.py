@@ -18,9 +18,9 @@ from typing import Protocol
 
 import torch
 
-from . import granite_moe, llama, mixtral, olmoe, qwen_moe
+from . import gemma, granite, granite_moe, llama, mixtral, olmo2, olmoe, phi3, qwen_moe
 
-FAMILIES = (llama, mixtral, qwen_moe, olmoe, granite_moe)
+FAMILIES = (llama, granite, olmo2, phi3, gemma, mixtral, qwen_moe, olmoe, granite_moe)
 """Every family module; the first that lists an architecture implements it."""
 
 _BY_ARCHITECTURE = {}

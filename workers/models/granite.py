@@ -1,0 +1,73 @@
+"""IBM Granite 3 (`GraniteForCausalLM`): a Llama with four scalars from config.json.
+
+    embedding_multiplier   the embedding output is multiplied by it
+    attention_multiplier   the attention scale (instead of head_dim^-1/2)
+    residual_multiplier    each block's output (attention, MLP) is multiplied by it before
+                           the residual add: h = x + m * attn(norm(x))
+    logits_scaling         the logits are divided by it
+
+The residual multiplier sits between the projection and the add, so the layers take the
+per-module path (the one-call C layers add unscaled).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, ModelArgs, base_fields
+
+ARCHITECTURES = ("GraniteForCausalLM",)
+
+
+@dataclass(frozen=True)
+class GraniteArgs(ModelArgs):
+    embedding_multiplier: float = 1.0
+    attention_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+
+    def attention_scale(self) -> float:
+        return self.attention_multiplier
+
+
+def parse_model_args(config: dict, architecture: str = "GraniteForCausalLM") -> GraniteArgs:
+    fields = base_fields(config, architecture)
+    scalars = {name: float(config.get(name, 1.0)) for name in (  # transformers' defaults
+        "embedding_multiplier", "attention_multiplier", "residual_multiplier",
+        "logits_scaling")}
+    return GraniteArgs(**fields, **scalars)
+
+
+class GraniteDecoderLayer(LlamaDecoderLayer):
+    def __init__(self, args: GraniteArgs, tp, backend, index: int = 0):
+        super().__init__(args, tp, backend, index)
+        self.residual_multiplier = args.residual_multiplier
+
+    def forward(self, rope, x, kv_cache, attn_inputs) -> torch.Tensor:
+        m = self.residual_multiplier
+        h = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, attn_inputs) * m
+        return h + self.mlp(self.post_attention_layernorm(h)) * m
+
+    def cpu_parts(self):
+        return None  # the residual multiplier
+
+
+class GraniteModel(LlamaModel):
+    layer_cls = GraniteDecoderLayer
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.args.embedding_multiplier
+
+
+class GraniteForCausalLM(LlamaForCausalLM):
+    model_cls = GraniteModel
+    fused_layers_lack = "Granite's residual multiplier"
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden) / self.args.logits_scaling
+
+
+def build_model(args: GraniteArgs, tp, backend, max_model_len: int, pp) -> GraniteForCausalLM:
+    return GraniteForCausalLM(args, tp, backend, max_model_len, pp)
