@@ -22,6 +22,34 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
+HERMES_TOOLS_TEMPLATE = (
+    "{% if tools %}<|system|>\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>\n'
+    "{% elif messages[0].role == 'system' %}<|system|>\n{{ messages[0].content }}\n"
+    "{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'system' and loop.first %}"
+    "{% elif m.role == 'assistant' %}<|assistant|>\n{{ m.content or '' }}"
+    "{% for call in m.tool_calls or [] %}"
+    "{% set f = call.function if call.function is defined else call %}"
+    '<tool_call>\n{"name": "{{ f.name }}", "arguments": {{ f.arguments | tojson }}}'
+    "\n</tool_call>{% endfor %}{{ '\\n' }}"
+    "{% elif m.role == 'tool' %}<|user|>\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response>\n"
+    "{% else %}<|{{ m.role }}|>\n{{ m.content }}\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+"""A chat template that renders `tools` and tool calls the way Qwen 2.5 / 3's does (the tools'
+JSON in the system turn, calls as <tool_call> blocks, results as <tool_response>), with the
+tiny tokenizer's role markers; for `--chat-template` in the tool-calling tests."""
+
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. A continuous batching engine admits requests as
 soon as there is room and retires them the step they finish. Tokens flow from the prompt into

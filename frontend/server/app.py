@@ -80,6 +80,10 @@ class ServerSettings:
     (--record-trace)."""
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     """Larger request bodies are answered 413 before they are parsed (body_limit.py)."""
+    tool_settings: Any = None
+    """--enable-auto-tool-choice / --tool-call-parser (`tools.ToolSettings`); None: neither."""
+    chat_template: str | None = None
+    """--chat-template's text (None: the tokenizer's template)."""
     responses_store_size: int = DEFAULT_STORE_SIZE
     """Responses this process keeps for GET /v1/responses/{id} and previous_response_id
     (an LRU; `--responses-store-size`)."""
@@ -218,7 +222,8 @@ def _start_state(app: FastAPI, engine, settings: ServerSettings) -> list[asyncio
         from ...engine_core.advice.trace import TraceRecorder
 
         recorder = TraceRecorder(*settings.record_trace)
-    app.state.serving = OpenAIServing(engine, names, admission, metrics, recorder)
+    app.state.serving = OpenAIServing(engine, names, admission, metrics, recorder,
+                                      settings.tool_settings, settings.chat_template)
     app.state.responses = ResponsesAPI(app.state.serving, settings.responses_store_size,
                                        settings.server_index)
     app.state.root = getattr(info, "model", None)

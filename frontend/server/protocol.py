@@ -241,6 +241,11 @@ class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextContent] | None = None
     name: Text | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    """An assistant's calls (OpenAI's shape, `function.arguments` a JSON string), handed to
+    the chat template with the arguments as an object, as HF templates expect."""
+    tool_call_id: Text | None = None
+    """A tool message's answer to which call."""
 
     def text(self) -> str:
         """The content as one string (text parts joined)."""
@@ -269,7 +274,14 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     """(vLLM) extra variables for the chat template."""
     tools: list[dict[str, Any]] | None = None
-    """Not supported (rejected when non-empty)."""
+    """Functions the model may call, `[{"type": "function", "function": {"name",
+    "description", "parameters": JSON schema}}]`, handed to the chat template (docs/tools.md)."""
+    tool_choice: str | dict[str, Any] | None = None
+    """"none", "auto" (the default with tools; needs --enable-auto-tool-choice), "required",
+    or `{"type": "function", "function": {"name": N}}`; "required" and named choices are
+    enforced by a grammar of the tools' schemas."""
+    parallel_tool_calls: bool | None = None
+    """False: at most one call per answer (default true)."""
 
     def to_sampling_params(self) -> SamplingParams:
         """SamplingParams for the conversation; ValueError names the bad field."""
@@ -364,9 +376,22 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str
+    """The arguments as a JSON string."""
+
+
+class ToolCallInfo(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallInfo] | None = None
 
 
 class ChatChoice(BaseModel):

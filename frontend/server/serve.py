@@ -75,6 +75,8 @@ from ..async_llm import (
     DEFAULT_ENGINE_RESTART_TIMEOUT_S,
     DEFAULT_MAX_ENGINE_RESTARTS,
 )
+from ..tools.options import add_tool_args, tools_from_args
+from ..tools.request import ToolSettings
 from .body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
 from .response_store import DEFAULT_STORE_SIZE
 from .timeouts import (
@@ -107,6 +109,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     from ...engine_core.args import add_engine_args, parse_bytes
 
     add_engine_args(parser)
+    add_tool_args(parser)
     g = parser.add_argument_group("HTTP server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: "
                    "127.0.0.1; 0.0.0.0 for every interface)")
@@ -185,6 +188,8 @@ class ServerSpec:
     record_trace: tuple[str, bytes] | None = None
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     responses_store_size: int = DEFAULT_STORE_SIZE
+    tool_settings: ToolSettings | None = None
+    chat_template: str | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -235,7 +240,9 @@ def serve_one(index: int, spec: ServerSpec, sock: socket.socket, slots) -> int:
                               api_key=spec.api_key, admission_slots=slots, server_index=index,
                               record_trace=spec.record_trace,
                               max_request_body_bytes=spec.max_request_body_bytes,
-                              responses_store_size=spec.responses_store_size)
+                              responses_store_size=spec.responses_store_size,
+                              tool_settings=spec.tool_settings,
+                              chat_template=spec.chat_template)
     app = build_app(lambda: _attach_engine(spec), settings)
     http = timed_http_protocol(spec.timeout_request_header, spec.timeout_request_body)
     config = uvicorn.Config(app, loop="uvloop", http=http, lifespan="on",
@@ -542,6 +549,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         watch_parent(ns.lifeline_fd, _SUPERVISOR_LIFELINE_GRACE_S, what="tidal serve")
     try:
         _check_args(ns)
+        tool_settings, chat_template = tools_from_args(ns)
         sock = bind_socket(ns.host, ns.port)
     except (ValueError, OSError) as exc:
         print(f"tidal serve: {exc}", file=sys.stderr)
@@ -559,7 +567,8 @@ def run_serve(ns: argparse.Namespace) -> int:
                           ns.timeout_request_header, ns.timeout_request_body,
                           ns.engine_restart_timeout, record_trace,
                           max_request_body_bytes=ns.max_request_body_bytes,
-                          responses_store_size=ns.responses_store_size)
+                          responses_store_size=ns.responses_store_size,
+                          tool_settings=tool_settings, chat_template=chat_template)
         sup.start_servers(spec, sock)
         host, port = sock.getsockname()[:2]
         logger.info("listening on http://%s:%d; starting %d HTTP server process(es) for the "

@@ -48,6 +48,7 @@ from .errors import (
     APIError, bad_request, engine_unavailable, from_value_error, json_response,
 )
 from .metrics import ServerMetrics
+from ..tools import ToolSettings, template_messages
 from .protocol import (
     MAX_N, ChatMessage, DetokenizeRequest, TokenizeRequest,
 )
@@ -187,8 +188,14 @@ class OpenAIServing:
     """The OpenAI endpoints of one server process, on top of one AsyncLLM."""
 
     def __init__(self, engine, served_names: list[str], admission: AdmissionController,
-                 metrics: ServerMetrics, recorder=None):
+                 metrics: ServerMetrics, recorder=None, tool_settings: ToolSettings | None = None,
+                 chat_template: str | None = None):
         self.engine = engine
+        self.tool_settings = tool_settings or ToolSettings()
+        """--enable-auto-tool-choice and --tool-call-parser (frontend/tools)."""
+        self.chat_template = chat_template
+        """--chat-template's text, used instead of the tokenizer's template; None: the
+        tokenizer's."""
         self.served_names = served_names
         self.admission = admission
         self.metrics = metrics
@@ -480,24 +487,31 @@ class OpenAIServing:
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
                     continue_final_message: bool = False,
-                    template_kwargs: dict | None = None) -> list[int]:
-        """The conversation through the tokenizer's chat template, as token ids (blocking:
-        call it through `off_loop`); a rendered text too long to possibly fit is refused
-        untokenized (`check_prompt_size`)."""
-        if not has_chat_template(self.tokenizer):
-            raise bad_request("This model has no chat template; use /v1/completions.",
-                              "messages")
+                    template_kwargs: dict | None = None,
+                    tools: list[dict] | None = None) -> list[int]:
+        """The conversation through the chat template (--chat-template's, else the
+        tokenizer's; `tools` handed to it as `tools=`), as token ids (blocking: call it
+        through `off_loop`); a rendered text too long to possibly fit is refused untokenized
+        (`check_prompt_size`)."""
+        if self.chat_template is None and not has_chat_template(self.tokenizer):
+            raise bad_request("This model has no chat template; use /v1/completions, or "
+                              "start the server with --chat-template FILE.", "messages")
         conversation = []
         for message in messages:
             item = {"role": message.role, "content": message.text()}
-            if message.name:
-                item["name"] = message.name
+            for key in ("name", "tool_calls", "tool_call_id"):
+                if getattr(message, key):
+                    item[key] = getattr(message, key)
             conversation.append(item)
         extra = {k: v for k, v in (template_kwargs or {}).items()
                  if k not in RESERVED_TEMPLATE_KWARGS}
+        if tools:
+            extra["tools"] = tools
         try:
             text = render_chat_text(
-                self.tokenizer, conversation, continue_final_message=continue_final_message,
+                self.tokenizer, template_messages(conversation),
+                chat_template=self.chat_template,
+                continue_final_message=continue_final_message,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
                 chat_template_kwargs=extra)
         except ValueError as exc:
