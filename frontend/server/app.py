@@ -36,6 +36,7 @@ from .admission import AdmissionController
 from .body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
 from .chat import create_chat_completion
 from .completions import create_completion
+from .embeddings import EmbeddingRequest, create_embedding
 from .errors import APIError, install_error_handlers, json_response
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (
@@ -249,6 +250,11 @@ def _add_generate_routes(app: FastAPI) -> None:
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         """OpenAI chat completions through the model's chat template."""
         return await create_chat_completion(request.app.state.serving, req, request)
+
+    @app.post("/v1/embeddings", responses=_ERRORS)
+    async def embeddings(req: EmbeddingRequest, request: Request) -> Response:
+        """OpenAI embeddings, from a server started with --runner pooling."""
+        return await create_embedding(request.app.state.serving, req, request)
 
     @app.post("/tokenize", responses={200: {"model": TokenizeResponse}, **_ERRORS})
     async def tokenize(req: TokenizeRequest, request: Request) -> Response:

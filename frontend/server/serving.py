@@ -342,6 +342,10 @@ class OpenAIServing:
 
     def sampling_params(self, req, renames: dict | None = None):
         """The request's SamplingParams; a ValueError becomes a 400 naming the field."""
+        if getattr(self.engine.engine_info, "pooler", None) is not None:  # vLLM's 400
+            raise bad_request("The model does not support generation: this server runs an "
+                              "embedding model (--runner pooling); use /v1/embeddings.",
+                              "model")
         try:
             params = req.to_sampling_params()
         except ValueError as exc:

@@ -402,7 +402,7 @@ class LlamaForCausalLM(nn.Module):
         if self.model.use_cpu_ops(ops):
             ranges = ", ".join(f"{low}-{high}" for low, high in self.model.fused.ranges)
             taken += f", the decoder layers in one C call for steps of {ranges} tokens"
-        elif self.fused_layers_lack:
+        elif self.fused_layers_lack and ops.fused:
             taken += (f", the decoder layers module by module ({self.fused_layers_lack}, "
                       "which the one-call layers lack)")
         return taken
