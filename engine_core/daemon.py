@@ -45,6 +45,7 @@ import time
 import zmq
 
 from .advice.observers import observers_for
+from .batch_view import BatchViewObserver
 from .args import add_engine_args, config_from_args
 from .config import (
     EngineConfig,
@@ -113,6 +114,8 @@ class EngineCoreDaemon:
         self.pooler = None  # the embedding model's pooler (--runner pooling), else None
         self.progress = ProgressLog(logger)
         self._idle_poller: zmq.Poller | None = None
+        self.batch_view = BatchViewObserver()  # the live view's steps and warnings
+        logging.getLogger("tidal").addHandler(self.batch_view.warnings)
 
     @property
     def stop_reason(self) -> str | None:
@@ -159,9 +162,11 @@ class EngineCoreDaemon:
             self.workers.start(max_model_len)
             facts = self.facts
             self.first_start_s = time.monotonic() - started
-            self.scheduler = Scheduler(self.config, facts.num_kv_blocks, facts.max_model_len)
+            self.scheduler = Scheduler(self.config, facts.num_kv_blocks, facts.max_model_len,
+                                       sliding_window=facts.sliding_window or None)
             self.depth = self.config.pipeline_depth(facts.device)
-            self.core = EngineCore(self.scheduler, self.executor, self.depth, observers)
+            self.core = EngineCore(self.scheduler, self.executor, self.depth,
+                                   [*observers, self.batch_view])
         except InterruptedError:
             self.port.fail_start(f"engine core stopped during start-up: {self.stop_reason}")
             return EXIT_OK
@@ -301,6 +306,7 @@ class EngineCoreDaemon:
             self.port.broadcast(EngineDead(reason))
 
     def _close(self) -> None:
+        logging.getLogger("tidal").removeHandler(self.batch_view.warnings)
         if self.core is not None:
             self.core.close()  # the observers: a simulation still running is stopped
         if self.executor is not None:
@@ -355,8 +361,11 @@ class EngineCoreDaemon:
                          client_id, len(req_ids) - len(own), len(req_ids))
         self.port.send_outputs(self.scheduler.abort(own))
 
-    def stats_query(self, client_id: str) -> None:
-        self.port.send_stats([client_id], self._stats())
+    def stats_query(self, client_id: str, view_since: int = -1) -> None:
+        stats = self._stats()
+        if view_since >= 0:  # the live batch view (ipc/batch_view.py)
+            stats.view = self.batch_view.view(view_since, self.core.clock())
+        self.port.send_stats([client_id], stats)
 
     def detach(self, client_id: str) -> int:
         return self.scheduler.abort_client(client_id)

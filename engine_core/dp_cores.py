@@ -23,7 +23,7 @@ def core_config(config: EngineConfig, model_dir: str | None = None) -> EngineCon
     if threads is None and p.cpu_affinity is None and "OMP_NUM_THREADS" not in os.environ:
         threads = max(1, available_cpus() // (p.data_parallel_size * p.tensor_parallel_size))
     if model_dir is not None and model_dir != m.model:
-        m = dataclasses.replace(m, model=model_dir, served_model_name=m.name)
+        m = dataclasses.replace(m, model=model_dir, served_model_name=m.names)
     return dataclasses.replace(
         config, model=m,
         parallel=dataclasses.replace(p, data_parallel_size=1, cpu_threads=threads))

@@ -1,5 +1,14 @@
-"""The folder behind a model argument: a Hugging Face folder as given, or the folder a GGUF
-file is converted into.
+"""The folder behind a model argument: a Hugging Face folder as given, the folder a GGUF
+file is converted into, or what a Hub id names, fetched first.
+
+`prepare_model(config)` runs where the user started tidal (`tidal serve`, `tidal core`,
+`LLM`, `AsyncLLM.create`, `tidal tune`, `tidal bench`), before any engine core or worker
+starts: a Hub id becomes its local folder or GGUF file (`hub.py`; the name users know stays
+the served name), and what can be checked without torch is checked there, once, so that a
+deterministic start-up error is one line and no process is started, let alone restarted: the
+path exists, config.json reads, `--max-model-len` fits the model's, `-tp` divides the
+attention heads, `-pp` does not exceed the layers. (An unknown architecture is the workers'
+to find; the engine core then exits with EXIT_BAD_START and is not started again.)
 
 A GGUF file is converted once into a cached Hugging Face folder by a child process,
 
@@ -24,13 +33,61 @@ import subprocess
 import sys
 from collections.abc import Callable
 
+import dataclasses
+import os
+
 from ..ipc.lifeline import lifeline_fd
-from .config import is_gguf
+from .config import EngineConfig, is_gguf, resolve_max_model_len
+from .hub import hub_id, resolve_model
 
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.5
 _STOP_GRACE_S = 10.0
+
+
+def prepare_model(config: EngineConfig) -> EngineConfig:
+    """`config` with its model (and tokenizer) as local paths, a Hub id fetched first, and
+    the checks above passed; ValueError (one line, naming the model or the flag) otherwise."""
+    m = config.model
+    model = resolve_model(m.model, m.revision, m.download_dir)
+    tokenizer = m.tokenizer
+    if tokenizer is not None and not os.path.exists(tokenizer) and hub_id(tokenizer):
+        tokenizer = resolve_model(tokenizer, None, m.download_dir)
+    if os.path.isfile(model) and not is_gguf(model):
+        raise ValueError(f"model {m.model!r} is a file; expected a model folder or a .gguf "
+                         "file")
+    if model != m.model or tokenizer != m.tokenizer:
+        names = m.served_model_name or m.model  # the Hub id, not the cache folder
+        m = dataclasses.replace(m, model=model, tokenizer=tokenizer, served_model_name=names)
+        config = dataclasses.replace(config, model=m)
+    if not is_gguf(model):  # a GGUF file's config is known once it is converted
+        check_model_folder(config)
+    return config
+
+
+def check_model_folder(config: EngineConfig) -> None:
+    """What the model folder's config.json lets the frontend check (ValueError naming the
+    flag): the context length against --max-model-len, the heads against -tp, the layers
+    against -pp."""
+    resolve_max_model_len(config)  # config.json reads; --max-model-len fits
+    with open(os.path.join(config.model.model, "config.json"), encoding="utf-8") as f:
+        hf = json.load(f)
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
+    p = config.parallel
+    heads = text.get("num_attention_heads")
+    kv_heads = text.get("num_key_value_heads", heads)
+    tp = p.tensor_parallel_size
+    if isinstance(heads, int) and heads % tp:
+        raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's "
+                         f"num_attention_heads ({heads})")
+    if isinstance(kv_heads, int) and kv_heads % tp and tp % kv_heads:
+        raise ValueError(f"tensor_parallel_size ({tp}) must divide or be a multiple of the "
+                         f"model's num_key_value_heads ({kv_heads})")
+    layers = text.get("num_hidden_layers")
+    if isinstance(layers, int) and p.pipeline_parallel_size > layers:
+        raise ValueError(f"pipeline_parallel_size ({p.pipeline_parallel_size}) exceeds the "
+                         f"model's num_hidden_layers ({layers}): every stage needs a layer")
 
 
 def model_folder(model: str, stop_requested: Callable[[], bool] = lambda: False,

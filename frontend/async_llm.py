@@ -474,12 +474,14 @@ class AsyncLLM:
         """This frontend's requests still in flight."""
         return self._processor.num_unfinished_requests()
 
-    async def get_stats(self) -> SchedulerStats:
-        """A fresh snapshot of the engine core's statistics (the whole server)."""
+    async def get_stats(self, view_since: int = -1) -> SchedulerStats:
+        """A fresh snapshot of the engine core's statistics (the whole server); with
+        `view_since` 0 or more, the live batch view's steps after that step id too
+        (`SchedulerStats.view`, absent from an answer that another query asked for)."""
         self._check_usable()
         fut = asyncio.get_running_loop().create_future()
         self._stats_waiters.append(fut)
-        self._client.send_nowait(StatsQuery(self.client_id))
+        self._client.send_nowait(StatsQuery(self.client_id, view_since))
         try:
             return await asyncio.wait_for(fut, _STATS_TIMEOUT_S)
         except asyncio.TimeoutError:

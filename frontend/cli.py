@@ -46,7 +46,10 @@ def _resolve(module: str, name: str):
 
 def build_parser(command: str | None) -> argparse.ArgumentParser:
     """The `tidal` parser; only `command`'s flags are loaded (its module imported)."""
+    from .. import __version__
+
     parser = argparse.ArgumentParser(prog="tidal", description="tidal LLM inference engine")
+    parser.add_argument("-V", "--version", action="version", version=f"tidal {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, adders, _, help_text) in _SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -58,9 +61,23 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
     return parser
 
 
+def dashed(argv: list[str]) -> list[str]:
+    """`--max_model_len 8` as `--max-model-len 8` (vLLM accepts both spellings): underscores
+    in a long option's name become dashes; values, and everything after `--`, are kept."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + argv[i:]
+        if arg.startswith("--") and "_" in arg.split("=", 1)[0]:
+            name, eq, value = arg.partition("=")
+            arg = name.replace("_", "-") + eq + value
+        out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `tidal` console script; returns the exit code."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = dashed(list(sys.argv[1:] if argv is None else argv))
     if argv and argv[0] in _SELF_PARSING:
         return int(_resolve("", _SELF_PARSING[argv[0]][0])(argv[1:]) or 0)
     command = argv[0] if argv and argv[0] in _SUBCOMMANDS else None
@@ -83,9 +100,15 @@ def run_core(ns: argparse.Namespace) -> int:
     from ..engine_core.daemon import run_daemon_from_args
     from .demo import apply_demo_model_default
 
+    from ..engine_core.args import config_from_args
+    from ..engine_core.config import encode_engine_config
+    from ..engine_core.model_files import prepare_model
+
     try:
-        if not ns.engine_config:  # a whole config from a frontend names its model
+        if not ns.engine_config and not ns.generate_key_file:  # a frontend's config is ready
             apply_demo_model_default(ns)
+            # a Hub id is fetched here, once; the daemon (or -dp router) gets local paths
+            ns.engine_config = encode_engine_config(prepare_model(config_from_args(ns)))
     except ValueError as e:
         print(f"tidal core: {e}", file=sys.stderr)
         return 2

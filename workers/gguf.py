@@ -68,13 +68,20 @@ LIFELINE_GRACE_S = 5.0
 process's partial folder (a Python handler waits for the C call under way, one tensor's
 de-quantization or write); a partial left by the SIGKILL is removed by the next start."""
 
-# transformers model_type (= the GGUF's general.architecture for these) -> the class the
-# workers implement (tidal.workers.models.llama.ARCHITECTURES)
+# transformers model_type (the GGUF's general.architecture, but gemma3's is gemma3_text) ->
+# the class the workers implement (tidal.workers.models.ARCHITECTURES). transformers' GGUF
+# reader maps no more than these of the families tidal runs (not granite, olmo2); of phi3 it
+# reads no LongRoPE factors, of gemma2 / gemma3 no soft caps, query_pre_attn_scalar or local
+# rope base, so a file whose model needs other values than transformers' defaults converts
+# into a folder that is not that model (docs/models.md)
 SUPPORTED = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 
@@ -107,6 +114,9 @@ def gguf_folder(path: str, root: str | None = None) -> str:
                     time.perf_counter() - t0)
         return folder
     os.makedirs(versions, exist_ok=True)
+    logger.info("GGUF %s: converting it into a Hugging Face folder under %s, once per file "
+                "(config, tokenizer, then the weights de-quantized: about a minute per "
+                "billion parameters)", path, versions)
     partial, lock = _new_partial(versions, stem)
     try:
         seconds = convert(path, partial)
@@ -246,11 +256,12 @@ def convert(path: str, out: str) -> dict[str, float]:
     arch = SUPPORTED.get(config.model_type)
     if arch is None:
         raise ValueError(f"GGUF file {path!r}: architecture {config.model_type!r} is not "
-                         f"supported; tidal runs {', '.join(SUPPORTED)} (the Llama family)")
+                         f"supported; tidal runs {', '.join(SUPPORTED)}")
     seconds["config"] = _lap(t)
     t = time.perf_counter()
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
     seconds["tokenizer"] = _lap(t)
+    logger.info("GGUF %s: %s config and tokenizer read; de-quantizing the weights", path, arch)
     t = time.perf_counter()
     model = transformers.AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=name, config=config, dtype=torch.float32, **_dequantize_all())
@@ -259,6 +270,8 @@ def convert(path: str, out: str) -> dict[str, float]:
         raise ValueError(f"GGUF file {path!r}: transformers kept tensors packed "
                          f"({', '.join(packed[:3])}...) instead of de-quantizing them")
     seconds["weights"] = _lap(t)
+    logger.info("GGUF %s: weights de-quantized in %.1f s; saving the folder", path,
+                seconds["weights"])
     t = time.perf_counter()
     _save(model, arch, tokenizer, out)
     seconds["save"] = _lap(t)

@@ -23,23 +23,13 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 
 
 def resolve_model_path(model: str) -> str:
-    """A local folder as is; otherwise a hub id fetched through huggingface_hub (only when
-    the machine is online and HF_HUB_OFFLINE is not set)."""
+    """The model folder, which is local by now: a Hub id was fetched by the process the user
+    started, before any worker (`engine_core/model_files.prepare_model`)."""
     if os.path.isdir(model):
         return model
     if os.path.exists(model):
         raise ValueError(f"model {model!r} is a file; expected a model folder")
-    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
-    if offline or model.count("/") != 1 or model.startswith(("/", ".")):
-        raise ValueError(f"model folder {model!r} does not exist"
-                         + (" (HF_HUB_OFFLINE is set, so no hub download)" if offline else ""))
-    from huggingface_hub import snapshot_download
-
-    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
-    try:
-        return snapshot_download(model, allow_patterns=patterns)
-    except Exception as exc:  # network, auth, missing repo: one clear message
-        raise ValueError(f"cannot fetch model {model!r} from the Hugging Face hub: {exc}") from exc
+    raise ValueError(f"model folder {model!r} does not exist")
 
 
 def read_config(path: str) -> dict:

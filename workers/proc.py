@@ -68,6 +68,7 @@ class WorkerProcess:
             self.ctx, plan_address, result_address, keys)
         self.decoder = CoreToWorkerDecoder()
         self.worker = None
+        self.ready = False  # WorkerReady sent
 
     def run(self) -> int:
         try:
@@ -79,11 +80,17 @@ class WorkerProcess:
             self.worker.load()
             self.worker.determine_num_kv_blocks()
             self.result_sock.send(encode(self.worker.ready_message()))
+            self.ready = True
             self._loop()
             return 0
-        except Exception:  # noqa: BLE001 - report anything to the core, then exit non-zero
+        except Exception as exc:  # noqa: BLE001 - report anything to the core, exit non-zero
             error = traceback.format_exc()
-            logger.error("worker rank %d failed:\n%s", self.config.worker_index, error)
+            # A ValueError while loading is the model's or the config's (an architecture tidal
+            # does not run, say): the engine core prints it once, in one line; the traceback
+            # is for --log-level debug. Anything else may be a bug: its traceback, always.
+            expected = isinstance(exc, ValueError) and not self.ready
+            logger.log(logging.DEBUG if expected else logging.ERROR,
+                       "worker rank %d failed:\n%s", self.config.worker_index, error)
             self.result_sock.send(encode(WorkerFailed(self.config.worker_index,
                                                       error[-4000:])))
             return 1

@@ -268,12 +268,13 @@ def _engine_config(ns: argparse.Namespace):
     import dataclasses
 
     from ...engine_core.args import config_from_args
+    from ...engine_core.model_files import prepare_model
 
     if not (ns.model_tag or ns.model):
         from ..llm import default_model
 
         ns.model = default_model()  # the bundled demo model, as LLM() does
-    config = config_from_args(ns)
+    config = prepare_model(config_from_args(ns))  # a Hub id: fetched once, here
     if ns.random_weights:
         model_dir = random_weights_model(ns.random_weights, config.model.model,
                                          ns.random_weights_dir)

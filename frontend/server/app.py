@@ -4,7 +4,10 @@
 
 `engine_factory` is an async callable returning a started AsyncLLM (attached to the engine
 daemon); it is awaited in the app's lifespan, on the server's own event loop, and the engine
-is closed (detached) at shutdown. Tests pass a factory returning a fake engine. Run the app
+is closed (detached) at shutdown. With `attach_in_background` (`tidal serve`) the server
+answers at once while the engine core loads: GET /health (and /ping) 503 `Loading model`,
+every other route a 503 that says the model is loading (`LoadingMiddleware`), as
+llama-server does, so probes and scripts can wait for /health's 200 instead of hanging. Tests pass a factory returning a fake engine. Run the app
 with `Server` (uvicorn's, which on shutdown first ends every request in flight with an error:
 streams get an error event and [DONE] instead of a cut connection).
 
@@ -25,7 +28,7 @@ import hmac
 import logging
 import time
 from importlib import metadata
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 import uvicorn
@@ -44,16 +47,19 @@ from .protocol import (
     DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelList, TokenizeRequest,
     TokenizeResponse,
 )
+from .lora_routes import LoRARegistry, add_lora_routes, model_cards
 from .response_store import DEFAULT_STORE_SIZE
 from .responses_api import ResponsesAPI, add_responses_routes
 from .serving import OpenAIServing
+from .ui import PAGE_PATHS, add_ui_routes
 
 logger = logging.getLogger("tidal.serve")
 __version__ = metadata.version("tidal")
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping", "/openapi.json", "/docs",
-                        "/docs/oauth2-redirect", "/redoc"})
-"""Paths served without the API key."""
+                        "/docs/oauth2-redirect", "/redoc", *PAGE_PATHS})
+"""Paths served without the API key (the live page's files hold no data; its feed is
+guarded)."""
 
 STATS_TIMEOUT_SECONDS = 2.0
 
@@ -81,6 +87,11 @@ class ServerSettings:
     (--record-trace)."""
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     """Larger request bodies are answered 413 before they are parsed (body_limit.py)."""
+    attach_in_background: bool = False
+    """Serve at once and attach to the engine core meanwhile (503 "loading" until then);
+    False: the lifespan waits for the engine (tests with a fake engine)."""
+    on_attach_failed: Callable[[BaseException], None] | None = None
+    """Called when a background attach fails (`tidal serve`: the server process ends)."""
     tool_settings: Any = None
     """--enable-auto-tool-choice / --tool-call-parser (`tools.ToolSettings`); None: neither."""
     chat_template: str | None = None
@@ -88,6 +99,42 @@ class ServerSettings:
     responses_store_size: int = DEFAULT_STORE_SIZE
     """Responses this process keeps for GET /v1/responses/{id} and previous_response_id
     (an LRU; `--responses-store-size`)."""
+    lora_modules: list[tuple[str, str]] = field(default_factory=list)
+    """--lora-modules: (name, PEFT folder) of each adapter served as a model name."""
+    runtime_lora_loads: bool = True
+    """Whether /v1/load_lora_adapter may add names (one HTTP process only: lora_routes.py)."""
+    ui: bool = True
+    """The live page at / and its feed (`--no-ui` turns them off: frontend/server/ui.py)."""
+
+
+LOADING_RETRY_AFTER_S = 2
+
+
+class LoadingMiddleware:
+    """Pure ASGI middleware: while this process has no engine yet (`app.state.serving` is
+    None), /health and /ping answer 503 `Loading model` and every other route (but /version
+    and the API docs) a 503 that says so, with Retry-After, instead of waiting."""
+
+    _PASS = frozenset({"/version", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc",
+                       *PAGE_PATHS})
+
+    def __init__(self, app, state):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if (scope["type"] != "http" or getattr(self.state, "serving", None) is not None
+                or scope["path"] in self._PASS):
+            await self.app(scope, receive, send)
+            return
+        if scope["path"] in ("/health", "/ping"):
+            message = "Loading model"
+        else:
+            message = ("The model is loading: the server answers once the engine core is "
+                       "ready (GET /health answers 200 then); retry later.")
+        response = APIError(503, message, headers={
+            "Retry-After": str(LOADING_RETRY_AFTER_S)}).response()
+        await response(scope, receive, send)
 
 
 class APIKeyMiddleware:
@@ -168,28 +215,50 @@ def build_app(engine_factory: Callable[[], Awaitable[Any]],
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine = await engine_factory()
-        tasks = _start_state(app, engine, settings)
+        app.state.serving = None
+        tasks: list[asyncio.Task] = []
+        attaching = asyncio.ensure_future(_attach(app, engine_factory, settings, tasks))
+        if not settings.attach_in_background:
+            await attaching
         try:
             yield
         finally:
+            await _stop_tasks([attaching])
             await _stop_tasks(tasks)
-            app.state.serving.close()
-            await engine.close()
-            if app.state.serving.recorder is not None:
-                app.state.serving.recorder.close()
+            if app.state.serving is not None:
+                app.state.serving.close()
+                await app.state.engine.close()
+                if app.state.serving.recorder is not None:
+                    app.state.serving.recorder.close()
 
     app = FastAPI(title="tidal", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
     _add_generate_routes(app)
     add_responses_routes(app)
+    add_lora_routes(app)
     _add_info_routes(app)
+    add_ui_routes(app, settings.ui)
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_request_body_bytes)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(LoadingMiddleware, state=app.state)
     app.add_middleware(ServerIndexMiddleware, index=settings.server_index)
     app.add_middleware(ReceivedAtMiddleware)  # added last: the outermost, so the first to run
     return app
+
+
+async def _attach(app: FastAPI, engine_factory, settings: ServerSettings,
+                  tasks: list[asyncio.Task]) -> None:
+    """Attach to the engine core, then serve (`app.state.serving` set, background tasks
+    appended to `tasks`). In the background, a failure goes to `settings.on_attach_failed`."""
+    try:
+        engine = await engine_factory()
+    except Exception as exc:
+        if not settings.attach_in_background or settings.on_attach_failed is None:
+            raise
+        settings.on_attach_failed(exc)
+        return
+    tasks += _start_state(app, engine, settings)
 
 
 async def _stop_tasks(tasks: list[asyncio.Task]) -> None:
@@ -225,6 +294,8 @@ def _start_state(app: FastAPI, engine, settings: ServerSettings) -> list[asyncio
         recorder = TraceRecorder(*settings.record_trace)
     app.state.serving = OpenAIServing(engine, names, admission, metrics, recorder,
                                       settings.tool_settings, settings.chat_template)
+    app.state.serving.loras = LoRARegistry(settings.lora_modules, info.max_lora_rank, names,
+                                           settings.runtime_lora_loads)
     app.state.responses = ResponsesAPI(app.state.serving, settings.responses_store_size,
                                        settings.server_index)
     app.state.root = getattr(info, "model", None)
@@ -281,6 +352,7 @@ def _add_info_routes(app: FastAPI) -> None:
                   "root": request.app.state.root, "parent": None,
                   "max_model_len": serving.max_model_len, "permission": []}
                  for name in serving.served_names]
+        cards += model_cards(serving.loras, serving.served_names[0], created)
         return json_response({"object": "list", "data": cards})
 
     @app.get("/health")

@@ -163,6 +163,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                    help="answer 413 to a request body larger than N bytes (16MiB, 1GB, ...) "
                    "before it is parsed; a chunked upload once it passes N (default: 16MiB)")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) served as model names, with "
+                   "--enable-lora: name=path, or JSON {\"name\": ..., \"path\": ...} "
+                   "(docs/lora.md)")
+    g.add_argument("--no-ui", action="store_true",
+                   help="do not serve the live page of the batch and its playground at / "
+                   "(docs/ui.md; as llama-server's --no-webui)")
     g.add_argument("--responses-store-size", type=int, metavar="N", default=DEFAULT_STORE_SIZE,
                    help="responses each HTTP process keeps for GET /v1/responses/{id} and "
                    "previous_response_id, least recently used dropped first; 0 keeps none "
@@ -190,6 +197,9 @@ class ServerSpec:
     responses_store_size: int = DEFAULT_STORE_SIZE
     tool_settings: ToolSettings | None = None
     chat_template: str | None = None
+    lora_modules: list[tuple[str, str]] | None = None  # --lora-modules (name, path)
+    api_server_count: int = 1
+    ui: bool = True  # --no-ui turns the live page off
 
 
 # --------------------------------------------------------------------------------------------
@@ -236,13 +246,26 @@ def serve_one(index: int, spec: ServerSpec, sock: socket.socket, slots) -> int:
     from .app import Server, ServerSettings, build_app
 
     _setup_logging(index)
+    failed: list[BaseException] = []
+
+    def attach_failed(exc: BaseException) -> None:
+        # Our own daemon's failure is echoed by it, once; an --engine attach's is ours to say.
+        logger.log(logging.DEBUG if spec.daemon_pid else logging.ERROR,
+                   "HTTP server %d could not attach to the engine core: %s", index, exc)
+        failed.append(exc)
+        server.should_exit = True
+
     settings = ServerSettings(served_model_names=spec.served_model_names,
                               api_key=spec.api_key, admission_slots=slots, server_index=index,
                               record_trace=spec.record_trace,
                               max_request_body_bytes=spec.max_request_body_bytes,
                               responses_store_size=spec.responses_store_size,
                               tool_settings=spec.tool_settings,
-                              chat_template=spec.chat_template)
+                              chat_template=spec.chat_template,
+                              lora_modules=spec.lora_modules or [],
+                              runtime_lora_loads=spec.api_server_count == 1,
+                              ui=spec.ui,
+                              attach_in_background=True, on_attach_failed=attach_failed)
     app = build_app(lambda: _attach_engine(spec), settings)
     http = timed_http_protocol(spec.timeout_request_header, spec.timeout_request_body)
     config = uvicorn.Config(app, loop="uvloop", http=http, lifespan="on",
@@ -251,7 +274,7 @@ def serve_one(index: int, spec: ServerSpec, sock: socket.socket, slots) -> int:
                             timeout_keep_alive=spec.timeout_keep_alive)
     server = Server(config)
     server.run(sockets=[sock])
-    return 0 if server.started else EXIT_NOT_STARTED
+    return 0 if server.started and not failed else EXIT_NOT_STARTED
 
 
 def _server_process_main(index: int, spec: ServerSpec, sock: socket.socket, slots) -> None:
@@ -374,10 +397,12 @@ class _ProcessTree:
             return self.ns.engine, self.ns.tokenizer, None
         from ...engine_core.args import config_from_args
         from ...engine_core.launcher import DaemonProcess
+        from ...engine_core.model_files import prepare_model
         from ..demo import apply_demo_model_default
 
         apply_demo_model_default(self.ns)  # no MODEL: the bundled demo model, "tidal-demo"
-        config = config_from_args(self.ns)  # ValueError names the flag
+        # ValueError names the flag; a Hub id is fetched now, once, before anything starts
+        config = prepare_model(config_from_args(self.ns))
         if config.scheduler.max_queue_delay is not None:
             from ...engine_core.advice.step_cost import required_profile
 
@@ -435,6 +460,9 @@ class _ProcessTree:
             liveness = CoreLiveness(self.engine.child.address)
         try:
             while not self.stop_event.wait(_POLL_S):
+                if self._engine_could_not_start():  # before its servers, which it takes down
+                    self.exit_code = 1
+                    return
                 for index, server in enumerate(self.servers):
                     if not server.alive() and not self._restart_server(index):
                         self.exit_code = 1
@@ -453,6 +481,20 @@ class _ProcessTree:
         finally:
             if liveness is not None:
                 liveness.close()
+
+    def _engine_could_not_start(self) -> bool:
+        """Whether the daemon's first start failed with a start-up error (EXIT_BAD_START: the
+        model or the config, found by its workers): not restarted, since the same error would
+        recur; its one-line error was echoed already, so this says only what happens."""
+        if self.engine is None or self.engine.budget.total or self.engine.alive():
+            return False
+        from ...engine_core.daemon import EXIT_BAD_START
+
+        if self.engine.child.returncode() != EXIT_BAD_START:
+            return False
+        logger.error("the engine core could not start (its error is above); not starting it "
+                     "again, the same error would recur")
+        return True
 
     def _restart_engine(self) -> bool:
         """Start the dead daemon again at its address; False when it may not be (it died
@@ -488,6 +530,8 @@ class _ProcessTree:
 def _check_args(ns: argparse.Namespace) -> None:
     if ns.api_server_count < 1:
         raise ValueError(f"--api-server-count must be at least 1, got {ns.api_server_count}")
+    if _lora_modules(ns) and not ns.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     for flag in ("max_num_queued_reqs", "max_num_queued_tokens"):
         value = getattr(ns, flag)
         if value is not None and value < 1:
@@ -512,6 +556,13 @@ def _check_args(ns: argparse.Namespace) -> None:
                              "give it to `tidal core`")
         if ns.frontend_timeout <= 0:
             raise ValueError(f"--frontend-timeout must be positive, got {ns.frontend_timeout}")
+
+
+def _lora_modules(ns: argparse.Namespace) -> list[tuple[str, str]]:
+    """--lora-modules' (name, path) pairs (ValueError naming the flag)."""
+    from .lora_routes import parse_lora_modules  # fastapi: the HTTP processes' import
+
+    return parse_lora_modules(getattr(ns, "lora_modules", None))
 
 
 def _api_key(ns: argparse.Namespace) -> str | None:
@@ -540,6 +591,13 @@ def _start_recording(path: str | None) -> tuple[str, bytes] | None:
     return path, key
 
 
+def _served_names(names: str | list[str] | None) -> list[str] | None:
+    """--served-model-name's names (one or several), None when not given."""
+    if not names:
+        return None
+    return [names] if isinstance(names, str) else list(names)
+
+
 def run_serve(ns: argparse.Namespace) -> int:
     """`tidal serve`: run until SIGTERM / SIGINT; the exit status."""
     _setup_logging(None)
@@ -561,14 +619,16 @@ def run_serve(ns: argparse.Namespace) -> int:
         record_trace = _start_recording(ns.record_trace)  # a bad path fails before the daemon
         address, tokenizer, daemon_pid = sup.start_engine()
         spec = ServerSpec(address, ns.engine_key_file, tokenizer,
-                          [ns.served_model_name] if ns.served_model_name else None,
+                          _served_names(ns.served_model_name),
                           _api_key(ns), daemon_pid, ns.uvicorn_log_level,
                           not ns.disable_uvicorn_access_log, ns.timeout_keep_alive,
                           ns.timeout_request_header, ns.timeout_request_body,
                           ns.engine_restart_timeout, record_trace,
                           max_request_body_bytes=ns.max_request_body_bytes,
                           responses_store_size=ns.responses_store_size,
-                          tool_settings=tool_settings, chat_template=chat_template)
+                          tool_settings=tool_settings, chat_template=chat_template,
+                          lora_modules=_lora_modules(ns),
+                          api_server_count=ns.api_server_count, ui=not ns.no_ui)
         sup.start_servers(spec, sock)
         host, port = sock.getsockname()[:2]
         logger.info("listening on http://%s:%d; starting %d HTTP server process(es) for the "

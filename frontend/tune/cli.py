@@ -148,8 +148,10 @@ def _search_parser() -> argparse.ArgumentParser:
 def _config(ns: argparse.Namespace) -> EngineConfig:
     from ..demo import apply_demo_model_default
 
+    from ...engine_core.model_files import prepare_model
+
     apply_demo_model_default(ns)
-    return config_from_args(ns)
+    return prepare_model(config_from_args(ns))  # a Hub id: fetched once, here
 
 
 def _cost_model(config: EngineConfig) -> tuple[StepCostModel, str]:

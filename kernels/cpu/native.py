@@ -148,6 +148,8 @@ def _compile(source: Path, compiler: str, path: Path, target: str | None) -> Non
     """Build into a temporary file beside `path`, then rename: processes starting at once
     each see a whole library or none."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("compiling %s for this CPU with %s (once per machine and version; cached in "
+                "%s)", source.name, compiler, path.parent)
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
         built = Path(scratch) / path.name
         subprocess.run([compiler, *flags(target), "-o", str(built), str(source)], check=True,

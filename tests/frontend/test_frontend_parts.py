@@ -78,16 +78,19 @@ def test_cli_parses_each_subcommand_without_importing_the_others():
         build_parser(None).parse_args(["nope"])
 
 
-def test_a_daemon_that_cannot_start_is_reported_with_its_output(tmp_path):
-    """A private daemon for a folder without config.json exits at once; create() raises
-    RuntimeError quoting the daemon's own error line (no waiting for the timeout)."""
-    config = EngineConfig(ModelConfig(str(tmp_path / "missing")))
+def test_a_model_that_cannot_start_is_refused_before_any_daemon(tmp_path):
+    """A folder without config.json is refused by AsyncLLM.create with a ValueError naming
+    the file before any daemon starts (issue 38: checked once, up front, never restarted)."""
+    (tmp_path / "empty").mkdir()
+    config = EngineConfig(ModelConfig(str(tmp_path / "empty")))
 
     async def go():
         await AsyncLLM.create(config, startup_timeout=60, echo_daemon_output=False)
 
-    with pytest.raises(RuntimeError, match="config.json"):
+    with pytest.raises(ValueError, match="cannot read config.json"):
         asyncio.run(go())
+    with pytest.raises(ValueError, match="no such file or folder"):
+        asyncio.run(AsyncLLM.create(EngineConfig(ModelConfig(str(tmp_path / "missing")))))
 
 
 def test_chat_template_rendering_and_its_errors(tiny_llama):

@@ -22,7 +22,7 @@ def test_defaults_and_engine_flags_coexist():
     ns = parse("some/model", "--max-num-queued-reqs", "3", "--stream-interval", "4",
                "--served-model-name", "m", "--api-server-count", "2", "--api-key", "k")
     assert ns.model_tag == "some/model" and ns.max_num_queued_reqs == 3
-    assert ns.stream_interval == 4 and ns.served_model_name == "m"
+    assert ns.stream_interval == 4 and ns.served_model_name == ["m"]
     assert (ns.api_server_count, ns.api_key, ns.host, ns.port) == (2, "k", "127.0.0.1", 8000)
     assert ns.engine is None
     assert ns.max_request_body_bytes == 16 * 2**20
