@@ -85,6 +85,9 @@ class WorkerFacts:
     """Token ids the model takes: [0, vocab_size)."""
     device: str
     """Where the ranks run ("cpu", "cuda"): whether async scheduling is on by default."""
+    sliding_window: int = 0
+    """The attention window every layer of the model shares (every rank reports the same
+    one), else 0: whether the scheduler frees blocks that fall out of it."""
 
 
 @dataclass
@@ -154,7 +157,9 @@ class MultiprocExecutor:
         logger.info("%d worker(s) ready on %s in %.1f s: %d KV blocks of %d tokens, "
                     "max_model_len %d", len(readies), readies[0].device, load_s, num_blocks,
                     self.config.cache.block_size, max_model_len)
-        return WorkerFacts(num_blocks, max_model_len, vocab_size, readies[0].device)
+        windows = {r.sliding_window for r in readies}  # pipeline stages: all or nothing
+        return WorkerFacts(num_blocks, max_model_len, vocab_size, readies[0].device,
+                           windows.pop() if len(windows) == 1 else 0)
 
     def _bind(self, sock: zmq.Socket, tag: str) -> str:
         """Bind `sock` where the ranks can reach it; its address (here: private ipc)."""

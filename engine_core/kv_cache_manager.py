@@ -10,6 +10,26 @@ A request's blocks cover its computed (or scheduled) tokens; the last one may be
 A block is published to the prefix cache as soon as it is full of known tokens that are
 scheduled, i.e. at schedule time, before the forward pass: two identical prompts admitted in the
 same step share blocks (the worker writes a step's KV before its attention reads it).
+
+Sliding window (every attention layer of the model sees the last W positions, Mistral v0.1):
+the next query of a request sits at position c = num_computed_tokens (prefix hits included)
+and every later one further on, so tokens before c - W + 1 are never read again. Whenever the
+request gets new blocks, the blocks wholly before that are given back to the pool and their
+place in the request's list is taken by the null block (0), so block indices still match
+token positions and the workers' block tables need no change (the kernels never read those
+entries):
+
+    blocks:  [ null | null | block k | ... | block m (partial) ]
+                            ^ holds position c - W + 1
+
+A long request then holds about ceil(W / block_size) + 1 blocks. Freed blocks keep their hash
+(they are full and published) and go to the free list's LRU end, so a later request with
+the same prefix can still hit them until they are reused; the prefix lookup walks the hash
+chain from the first block and stops at the first miss, so a prefix whose early blocks were
+reused is recomputed from there (token-exact; vLLM instead accepts a hit whose last W tokens'
+blocks are cached, not built here). A model with any global layer (Gemma 2/3 interleave them)
+reads every block with one block table per request: nothing can be freed, `sliding_window`
+is None (a hybrid allocator with a table per layer kind is not built).
 """
 
 from __future__ import annotations
@@ -23,9 +43,13 @@ from .request import Request
 class KVCacheManager:
     """Allocates, publishes and frees the KV blocks of requests."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
+        """The window every attention layer shares, or None: blocks wholly before a request's
+        next query's window are freed (see the module docstring)."""
         self.block_pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         """req_id -> the request's blocks, in token order."""
@@ -95,24 +119,44 @@ class KVCacheManager:
         total = request.num_computed_tokens + num_hit_tokens + num_new_tokens
         num_new_blocks = -(-total // self.block_size) - len(blocks) - len(new_computed_blocks)
         pool = self.block_pool
+        first_query = request.num_computed_tokens + num_hit_tokens
+        self.free_out_of_window(req_id, request.num_computed_tokens)  # room for the new ones
         if num_new_blocks > 0 or new_computed_blocks:
             num_hits_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
             if max(num_new_blocks, 0) + num_hits_free > pool.free_queue.num_free:
                 return None
-        new_ids = []
+        num_held = len(blocks)
         if new_computed_blocks:
             pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
             # hits are published already
             self.num_cached_blocks[req_id] = len(blocks)
-            new_ids = [b.block_id for b in new_computed_blocks]
         if num_new_blocks > 0:
-            new_blocks = pool.get_new_blocks(num_new_blocks)
-            blocks.extend(new_blocks)
-            new_ids += [b.block_id for b in new_blocks]
+            blocks.extend(pool.get_new_blocks(num_new_blocks))
+        if new_computed_blocks:
+            self.free_out_of_window(req_id, first_query)  # hits the next query cannot see
         if publish and self.enable_caching:
             self.publish_full_blocks(request, total)
-        return new_ids
+        return [b.block_id for b in blocks[num_held:]]
+
+    def free_out_of_window(self, req_id: str, first_query: int) -> None:
+        """Under a sliding window, give back the request's blocks wholly before the window of
+        its query at `first_query` (and so of every later one), tail first, putting the null
+        block in their place. Nothing without a window."""
+        window = self.sliding_window
+        if window is None:
+            return
+        blocks = self.req_blocks.get(req_id)
+        end = min(max(first_query - window + 1, 0) // self.block_size, len(blocks or ()))
+        null = self.block_pool.null_block
+        freed = []
+        for i in range(end - 1, -1, -1):  # back to the first already freed one
+            if blocks[i] is null:
+                break
+            freed.append(blocks[i])
+            blocks[i] = null
+        if freed:
+            self.block_pool.free_blocks(freed)
 
     def publish_full_blocks(self, request: Request, num_scheduled_tokens: int) -> None:
         """Register in the prefix cache every block full of known tokens among the first
@@ -125,9 +169,10 @@ class KVCacheManager:
         self.ensure_block_hashes(request, num_full)
         blocks = self.req_blocks[req_id]
         hashes = request.block_hashes
-        cache_block = self.block_pool.cache_block
+        cache_block, null = self.block_pool.cache_block, self.block_pool.null_block
         for i in range(start, num_full):
-            cache_block(blocks[i], hashes[i])
+            if blocks[i] is not null:  # freed out of the window before it was published
+                cache_block(blocks[i], hashes[i])
         self.num_cached_blocks[req_id] = num_full
 
     def free(self, request: Request) -> None:
@@ -136,7 +181,8 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(request.req_id, None)
         self.num_cached_blocks.pop(request.req_id, None)
         if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+            null = self.block_pool.null_block
+            self.block_pool.free_blocks(b for b in reversed(blocks) if b is not null)
 
     def get_block_ids(self, req_id: str) -> list[int]:
         """The request's block ids in token order."""
@@ -158,10 +204,16 @@ class KVCacheManager:
         holders: dict[int, int] = {}
         for blocks in self.req_blocks.values():
             for block in blocks:
-                holders[block.block_id] = holders.get(block.block_id, 0) + 1
+                if block.block_id:  # the null block: a place freed out of the window
+                    holders[block.block_id] = holders.get(block.block_id, 0) + 1
         for block in self.block_pool.blocks[1:]:
             assert block.ref_cnt == holders.get(block.block_id, 0), (
                 f"{block}: ref_cnt {block.ref_cnt} but held by {holders.get(block.block_id, 0)}")
         for req_id, blocks in self.req_blocks.items():
-            assert len(set(id(b) for b in blocks)) == len(blocks), f"{req_id} holds a block twice"
-            assert all(b.block_id != 0 for b in blocks), f"{req_id} holds the null block"
+            held = [b for b in blocks if b.block_id != 0]
+            assert len(set(id(b) for b in held)) == len(held), f"{req_id} holds a block twice"
+            num_null = len(blocks) - len(held)
+            assert all(b.block_id == 0 for b in blocks[:num_null]), (
+                f"{req_id} holds the null block past its freed prefix")
+            assert num_null == 0 or self.sliding_window is not None, (
+                f"{req_id} holds the null block without a sliding window")

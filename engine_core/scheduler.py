@@ -81,7 +81,11 @@ class _Step:
 class Scheduler:
     """Decides each step's batch and owns the KV block pool (ids and hashes, not tensors)."""
 
-    def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int,
+                 sliding_window: int | None = None) -> None:
+        """`sliding_window`: the window every attention layer of the model shares (the
+        workers report it), under which requests give back the blocks that fall out of it
+        (`KVCacheManager`); None when any layer attends globally."""
         _check_runtime(config, num_kv_blocks, max_model_len)
         sched = config.scheduler
         self.config = config
@@ -96,7 +100,8 @@ class Scheduler:
         self.long_prefill_token_threshold = (
             sched.long_prefill_token_threshold if sched.enable_chunked_prefill else 0)
         self.kv_cache_manager = KVCacheManager(num_kv_blocks, self.block_size,
-                                               config.cache.enable_prefix_caching)
+                                               config.cache.enable_prefix_caching,
+                                               sliding_window)
         self.requests: dict[str, Request] = {}
         """req_id -> every unfinished request (running or waiting)."""
         self.waiting = create_request_queue(self.policy)
@@ -281,6 +286,7 @@ class Scheduler:
         block_size = self.block_size
         kv = self.kv_cache_manager
         req_blocks = kv.req_blocks
+        windowed = kv.sliding_window is not None
         scheduled = step.scheduled
         budget = step.budget
         for request in list(self.running):
@@ -308,6 +314,8 @@ class Scheduler:
                 num_new = budget
             if num_computed + num_new <= len(req_blocks[request.req_id]) * block_size:
                 new_block_ids = []  # fast path: the last block has room (most decodes)
+                if windowed:  # blocks that fell out of the window go back at once
+                    kv.free_out_of_window(request.req_id, num_computed)
             else:
                 new_block_ids = kv.allocate_slots(request, num_new, publish=False)
                 if new_block_ids is None:

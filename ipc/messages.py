@@ -695,6 +695,9 @@ class WorkerReady(msgspec.Struct, tag="ready", **_STRUCT):
     device: str = "cpu"
     load_seconds: float = 0.0
     vocab_size: int = 0  # rows of the model's embedding: valid token ids are [0, vocab_size)
+    sliding_window: int = 0
+    """The attention window every layer on this rank shares (0: some layer attends globally,
+    or none has a window): the engine core frees a request's blocks that fall out of it."""
 
 
 class RequestFailure(msgspec.Struct, **_STRUCT):

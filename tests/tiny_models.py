@@ -96,6 +96,8 @@ _ARCH_DEFAULTS = {
     "llama": dict(),
     "qwen2": dict(),
     "qwen3": dict(head_dim=16),
+    # Mistral v0.1: every layer windowed, 20 keys (not a block multiple), under test prompts
+    "mistral": dict(sliding_window=20),
     # mixture-of-experts: 8 experts (Granite-MoE 4), top-2 (workers/models/moe_decoder.py)
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64),
     "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -166,6 +168,7 @@ def make_tiny_model(path: str, arch: str = "llama", seed: int = 0, dtype: str = 
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),

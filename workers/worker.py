@@ -19,6 +19,7 @@ import torch
 from ..ipc.messages import BatchPlan, SampledTokens, WorkerConfig, WorkerReady, pack_token_ids
 from ..kernels.attention import select_attention_backend
 from ..kernels.cpu.ops import log_cpu_ops, select_cpu_ops
+from .attention import uniform_sliding_window
 from .distributed import destroy_distributed, init_distributed
 from .loader import load_weights, read_config, resolve_model_path
 from .lora import LoRAModel
@@ -167,6 +168,7 @@ class Worker:
 
     def ready_message(self) -> WorkerReady:
         return WorkerReady(rank=self.rank, num_kv_blocks=self.num_kv_blocks,
+                           sliding_window=uniform_sliding_window(self.runner.model) or 0,
                            max_model_len=self.config.max_model_len, device=str(self.device),
                            load_seconds=self.load_seconds, vocab_size=self.args.vocab_size)
 

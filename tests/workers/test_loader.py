@@ -120,12 +120,20 @@ def test_sharded_checkpoint_with_index(tiny_llama, folder):
 
 
 def test_sliding_window_beyond_max_model_len(folder):
-    _edit_config(folder, sliding_window=128)  # Mistral v0.1 style: no use_sliding_window key
-    with pytest.raises(ValueError, match="max_model_len=256 exceeds the model's sliding_window"):
-        _load(folder)
-    worker = Worker(worker_config(str(folder), max_model_len=128))  # inside the window: fine
+    """A Mistral v0.1 style window (no use_sliding_window key) shorter than max_model_len
+    loads: every layer attends within it, and the worker reports it to the engine core."""
+    _edit_config(folder, sliding_window=128)
+    worker = _load(folder)  # max_model_len 256
     assert worker.args.sliding_window == 128
+    windows = {m.sliding_window for m in worker.runner.model.modules()
+               if type(m).__name__ == "PagedAttention"}
+    assert windows == {128}
+    worker.num_kv_blocks = 10
+    assert worker.ready_message().sliding_window == 128
 
 
 def test_qwen2_window_switched_off_is_ignored(tiny_qwen2):
     assert Worker(worker_config(tiny_qwen2)).args.sliding_window is None
+    worker = _load(tiny_qwen2)
+    worker.num_kv_blocks = 10
+    assert worker.ready_message().sliding_window == 0

@@ -1,4 +1,4 @@
-"""Llama-family decoder models: Llama 2/3 (and Mistral without sliding window), Qwen2
+"""Llama-family decoder models: Llama 2/3, Mistral (its sliding window included), Qwen2
 (qkv bias) and Qwen3 (per-head q/k RMSNorm), one implementation with a registry by the
 `architectures` name in config.json.
 
@@ -80,20 +80,15 @@ class ModelArgs:
     qk_norm: bool
     eos_token_ids: list[int] = field(default_factory=list)
     sliding_window: int | None = None
-    """Attention window from the config; only full attention is implemented, so a model
-    with one runs only when max_model_len fits inside it (checked by `check_max_model_len`)."""
+    """Attention window from the config (Mistral v0.1 style): every layer's queries see the
+    last `sliding_window` positions (`PagedAttention`); None: full attention."""
 
     def attention_scale(self) -> float:
         """The factor on q.k in attention (head_dim^-1/2; another family's args may differ)."""
         return self.head_dim ** -0.5
 
     def check_max_model_len(self, max_model_len: int) -> None:
-        """ValueError when max_model_len needs sliding-window attention."""
-        if self.sliding_window is not None and max_model_len > self.sliding_window:
-            raise ValueError(
-                f"max_model_len={max_model_len} exceeds the model's sliding_window="
-                f"{self.sliding_window}; sliding-window attention is not supported, so "
-                f"set max_model_len <= {self.sliding_window}")
+        """Nothing to refuse: a sliding window runs at any length (`PagedAttention`)."""
 
 
 def parse_model_args(config: dict, arch: str | None = None) -> ModelArgs:
@@ -197,7 +192,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(d, args.rms_norm_eps)
         self.qk_norm = args.qk_norm
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, args.attention_scale(),
-                                   backend)
+                                   backend, sliding_window=args.sliding_window)
         self.ops = TORCH_OPS  # the rotation's (`use_cpu_ops`)
 
     def use_cpu_ops(self, ops: CpuOps) -> bool:
@@ -311,8 +306,8 @@ class LlamaModel(nn.Module):
         the seam's ops); True when it gave them. One pipeline stage only: the call ends with
         the last layer, and the final norm follows."""
         layers = list(self.layers.values())
-        if self.pp.size != 1 or not layers:
-            return False
+        if self.pp.size != 1 or not layers or self.args.sliding_window is not None:
+            return False  # the one-call layers attend over the whole context
         a, attn = self.args, layers[0].self_attn
         shape = LayerShape(a.hidden_size, attn.num_heads, attn.num_kv_heads, a.head_dim,
                            a.intermediate_size, a.rms_norm_eps, attn.attn.scale)
