@@ -79,9 +79,10 @@ async def create_embedding(serving: OpenAIServing, req: EmbeddingRequest,
         params = pooler.resolve(PoolingParams(dimensions=req.dimensions))
     except ValueError as exc:
         raise from_value_error(exc) from None
-    prompt_ids = [await _encode(serving, request, item, f"input[{i}]" if not
-                                isinstance(req.input, str) else "input")
-                  for i, item in enumerate(_inputs(req.input))]
+    inputs = _inputs(req.input)
+    params_of = (lambda i: "input") if len(inputs) == 1 else (lambda i: f"input[{i}]")
+    prompt_ids = [await _encode(serving, request, item, params_of(i))
+                  for i, item in enumerate(inputs)]
     serving.check_alive()
     ticket = serving.admission.admit(len(prompt_ids), sum(map(len, prompt_ids)),
                                      serving.waited(request))
