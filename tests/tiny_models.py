@@ -113,9 +113,9 @@ _ARCH_DEFAULTS = {
     "granite": dict(embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.5,
                     logits_scaling=2.0),
     "olmo2": dict(),
-    # LongRoPE: short factors below position 32, long ones from there on; 3/4 of each head
+    # LongRoPE: short factors below position 40, long ones from there on; 3/4 of each head
     # rotates (Phi-4-mini's partial rotary factor)
-    "phi3": dict(max_position_embeddings=128, original_max_position_embeddings=32,
+    "phi3": dict(max_position_embeddings=160, original_max_position_embeddings=40,
                  partial_rotary_factor=0.75, rope_scaling={
                      "rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(6)],
                      "long_factor": [2.0 + 0.5 * i for i in range(6)]}),
@@ -205,23 +205,37 @@ def _token_id(path: str, token: str) -> int:
     return vocab[token]
 
 
-def make_tiny_gguf(model_dir: str, path: str, qtype: str = "F32", arch: str = "llama") -> str:
-    """Write the tiny Llama folder `model_dir` as a GGUF file at `path` and return the path.
+_GGUF_LAYOUTS = {  # config.json model_type -> (GGUF architecture, the gguf package's tensor map)
+    "llama": ("llama", "LLAMA"),
+    "phi3": ("phi3", "PHI3"),
+    "gemma2": ("gemma2", "GEMMA2"),
+    "gemma3_text": ("gemma3", "GEMMA3"),
+}
+
+
+def make_tiny_gguf(model_dir: str, path: str, qtype: str = "F32", arch: str | None = None) -> str:
+    """Write the tiny folder `model_dir` (Llama, Phi-3, Gemma 2 or Gemma 3) as a GGUF file at
+    `path` and return the path.
 
     The layout is llama.cpp's (its converter is not a package; the `gguf` package writes the
     file): metadata under `<arch>.`, the byte-level BPE tokenizer as `tokenizer.ggml.*` (model
-    "gpt2") with the chat template, q/k rows permuted into llama.cpp's rotary order, and
-    every 2-D weight quantized by the `gguf` package to `qtype` (F32 keeps float32; Q8_0,
-    Q4_1...). `arch` only renames the architecture, to test refusals.
+    "gpt2") with the chat template, a Llama's q/k rows permuted into llama.cpp's rotary order,
+    a Gemma's norm weights stored as 1 + w (as llama.cpp's converter writes them), and every
+    2-D weight quantized by the `gguf` package to `qtype` (F32 keeps float32; Q8_0,
+    Q4_1...). `arch` only renames the architecture, to test refusals. Only what transformers'
+    GGUF reader maps is written: no LongRoPE factors, partial rotary factor, soft caps or
+    Gemma 3 local rope base (a folder with other values converts to transformers' defaults).
     """
     import gguf
     from safetensors.numpy import load_file
 
     with open(os.path.join(model_dir, "config.json")) as f:
         config = json.load(f)
+    gguf_arch, tensor_map = _GGUF_LAYOUTS[config.get("model_type", "llama")]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
     layers = config["num_hidden_layers"]
-    writer = gguf.GGUFWriter(path, arch)
+    writer = gguf.GGUFWriter(path, arch or gguf_arch)
     writer.add_name("tiny")
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -229,20 +243,27 @@ def make_tiny_gguf(model_dir: str, path: str, qtype: str = "F32", arch: str = "l
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
-    writer.add_rope_dimension_count(config["hidden_size"] // heads)
+    rope = config.get("rope_parameters") or {}
+    writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
+    if gguf_arch.startswith("gemma"):
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_sliding_window(config["sliding_window"])
     _add_gguf_tokenizer(writer, model_dir, config["eos_token_id"])
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, layers)
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, tensor_map), layers)
     quantized = getattr(gguf.GGMLQuantizationType, qtype)
     for name, weight in load_file(os.path.join(model_dir, "model.safetensors")).items():
         base, suffix = name.rsplit(".", 1)
         weight = weight.astype("float32")
-        if base.endswith(("q_proj", "k_proj")):
+        if gguf_arch == "llama" and base.endswith(("q_proj", "k_proj")):
             n = heads if base.endswith("q_proj") else kv_heads
             weight = weight.reshape(n, 2, weight.shape[0] // n // 2, *weight.shape[1:]) \
                 .swapaxes(1, 2).reshape(weight.shape)
+        if gguf_arch.startswith("gemma") and base.endswith("norm"):
+            weight = weight + 1
         gguf_name = f"{names.get_name(base)}.{suffix}"
         if weight.ndim == 2 and qtype != "F32":
             writer.add_tensor(gguf_name, gguf.quants.quantize(weight, quantized),
@@ -270,6 +291,7 @@ def _add_gguf_tokenizer(writer, model_dir: str, eos_id: int) -> None:
     writer.add_token_merges(merges)
     writer.add_bos_token_id(eos_id)
     writer.add_eos_token_id(eos_id)
+    writer.add_pad_token_id(eos_id)  # else transformers takes Phi-3's 32000, past the vocab
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
 

@@ -4,9 +4,11 @@ models (tests/tiny_models.py), float64, the prompt whole and in chunks of 5, and
 prefix-cache hit; the worker's start-up words for the one-call C layers; refusals by name.
 
 Prompts are 30 tokens: longer than the Gemmas' 8-key window (so the sliding layers drop keys),
-shorter than the tiny Phi-3's original_max_position_embeddings=32 (a longer prompt in one
-forward takes transformers' long factors at every position, tidal's at positions >= 32 only:
-workers/layers.py LongRopeEmbedding; decode past 32 is compared in tests/e2e/).
+shorter than the tiny Phi-3's original_max_position_embeddings=40. Past 40, tidal rotates each
+position by its own factors (workers/layers.py LongRopeEmbedding), as transformers' forward
+with a KV cache does, step by step; that is what the LongRoPE test compares. (transformers'
+generate() instead drops the cache at position 40 and recomputes the sequence with the long
+factors: docs/models.md.)
 
 float64 tolerance 1e-9 (we measure 0 to 1e-15), except Gemma 2: transformers runs its eager
 attention (for the score cap) with a float32 softmax, 1.5e-7 away from float64's.
@@ -57,6 +59,25 @@ def test_logits_whole_chunked_and_after_a_prefix_cache_hit(arch_worker):
     script.finish("b")
 
 
+def test_phi3_long_factors_past_the_original_context(tiny_model_factory):
+    """Prompt of 36 tokens, then 8 single-token steps to position 43 with transformers' KV
+    cache: its forward takes the long factors from the step whose sequence passes 40."""
+    import transformers
+
+    path = tiny_model_factory("phi3")
+    tokens = prompt_ids(5, 44)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    with torch.no_grad():
+        out = model(torch.tensor([tokens[:36]]), use_cache=True)
+        refs = [out.logits[0]]
+        for token in tokens[36:]:
+            out = model(torch.tensor([[token]]), past_key_values=out.past_key_values,
+                        use_cache=True)
+            refs.append(out.logits[0])
+    ours = chunked_logits(loaded_worker(path, "float64"), tokens, 36, "long")
+    assert rel_err(ours, torch.cat(refs)) < 1e-9
+
+
 def test_start_up_line_names_what_the_one_call_layers_lack(tiny_model_factory):
     from tidal.kernels.cpu.ops import CpuOps
     from tidal.workers.distributed import PipelineParallel, TensorParallel
@@ -88,3 +109,33 @@ def test_start_up_line_names_what_the_one_call_layers_lack(tiny_model_factory):
 def test_unsupported_configs_are_refused_by_name(config, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         parse_model_args(config)
+
+
+# the GGUF files transformers' reader takes: their weights (F32) come back, and tidal on the
+# converted folder equals transformers on it. The tiny Phi-3 without LongRoPE and partial
+# rotary, the Gemmas with transformers' GGUF defaults for what the file cannot say
+GGUF_MODELS = {  # (Gemma 2 converts as Gemma 3 does: transformers' same tensor processor)
+    "phi3": dict(rope_scaling=None, partial_rotary_factor=1.0),
+    "gemma3": dict(query_pre_attn_scalar=256, layer_types=None, rope_parameters=None),
+}
+
+
+@pytest.mark.parametrize("arch", list(GGUF_MODELS))
+def test_gguf_file_converts_and_runs(tiny_model_factory, tmp_path, arch):
+    from safetensors.torch import load_file
+
+    from tidal.workers.gguf import gguf_folder
+    from tidal.workers.loader import read_config
+    from tiny_models import make_tiny_gguf
+
+    original = tiny_model_factory(arch, **GGUF_MODELS[arch])
+    folder = gguf_folder(make_tiny_gguf(original, str(tmp_path / f"{arch}.gguf")),
+                         str(tmp_path / "cache"))
+    assert read_config(folder)["architectures"] == read_config(original)["architectures"]
+    ours, theirs = (load_file(f"{f}/model.safetensors") for f in (folder, original))
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():  # a Gemma's norms went through 1 + w and back
+        assert torch.allclose(ours[name], tensor, rtol=0, atol=1e-6), name
+    tokens = prompt_ids(0, PROMPT_LEN)
+    logits = chunked_logits(loaded_worker(folder, "float64"), tokens, 7, "g")
+    assert rel_err(logits, hf_logits(folder, "float64", tokens)) < TOLERANCE.get(arch, 1e-9)
