@@ -13,6 +13,8 @@ HTTP fields, each mapped onto one `StructuredOutputsParams` (more than one is a 
     response_format {"type": "json_schema", "json_schema": {"schema": S, ...}}   json = S
     guided_json S | guided_regex R | guided_choice [..] | guided_grammar G   (vLLM, older)
     structured_outputs {"json": S} | {"regex": R} | {"choice": [..]} | ...   (vLLM, newer)
+    structured_outputs {"disable_any_whitespace": false}   alone: beside any of the above,
+                                                            free whitespace in its JSON
 """
 
 from __future__ import annotations
@@ -102,7 +104,8 @@ def from_request_fields(fields: dict[str, Any]) -> tuple[StructuredOutputsParams
     `response_format`, `guided_*` and `structured_outputs` fields (None values are unset).
     ValueError naming the field for a shape that is not understood or for two constraints."""
     found = [(name, value) for name, value in fields.items() if value is not None
-             and not (name == "response_format" and value.get("type", "text") == "text")]
+             and not (name == "response_format" and value.get("type", "text") == "text")
+             and not (name == "structured_outputs" and _whitespace_only(value))]
     if not found:
         return None, None
     if len(found) > 1:
@@ -122,6 +125,12 @@ def from_request_fields(fields: dict[str, Any]) -> tuple[StructuredOutputsParams
         if message.startswith("structured_outputs"):
             message = message.split(" ", 1)[1]
         raise ValueError(f"{name} {message}") from None
+
+
+def _whitespace_only(value) -> bool:
+    """`structured_outputs: {"disable_any_whitespace": ...}` alone is no constraint: it says
+    how another field's JSON is written (server/serving.py `compact_json`)."""
+    return isinstance(value, dict) and value.keys() == {"disable_any_whitespace"}
 
 
 def _from_response_format(value: dict) -> StructuredOutputsParams:

@@ -22,11 +22,14 @@ def parse_prometheus(text: str) -> dict[str, float]:
     """Engine metrics by short name (prefix and `_total` dropped), summed over label sets.
 
     `tidal:num_preemptions_total{model_name="m"} 3` -> {"num_preemptions": 3.0}. Lines of
-    other metrics, comments, `_created` samples and histogram series are skipped.
+    other metrics, comments, `_created` samples and histogram series are skipped. One
+    prefix is read: tidal's where the page has it (tidal serve writes every series under
+    both), else vLLM's.
     """
     values: dict[str, float] = {}
+    prefix = next((p for p in METRIC_PREFIXES if f"\n{p}" in f"\n{text}"), None)
     for line in text.splitlines():
-        if not line or line.startswith("#"):
+        if not line or line.startswith("#") or prefix is None or not line.startswith(prefix):
             continue
         name = _short_name(line.split("{", 1)[0].split(" ", 1)[0])
         if name is None:

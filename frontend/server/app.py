@@ -87,6 +87,9 @@ class ServerSettings:
     (--record-trace)."""
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     """Larger request bodies are answered 413 before they are parsed (body_limit.py)."""
+    json_any_whitespace: bool = False
+    """--structured-outputs-any-whitespace: JSON constraints allow free whitespace unless
+    the request says otherwise (serving.py `compact_json`); default compact."""
     attach_in_background: bool = False
     """Serve at once and attach to the engine core meanwhile (503 "loading" until then);
     False: the lifespan waits for the engine (tests with a fake engine)."""
@@ -294,6 +297,7 @@ def _start_state(app: FastAPI, engine, settings: ServerSettings) -> list[asyncio
         recorder = TraceRecorder(*settings.record_trace)
     app.state.serving = OpenAIServing(engine, names, admission, metrics, recorder,
                                       settings.tool_settings, settings.chat_template)
+    app.state.serving.json_any_whitespace = settings.json_any_whitespace
     app.state.serving.loras = LoRARegistry(settings.lora_modules, info.max_lora_rank, names,
                                            settings.runtime_lora_loads)
     app.state.responses = ResponsesAPI(app.state.serving, settings.responses_store_size,

@@ -149,6 +149,16 @@ def from_validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, "; ".join(messages), _validation_param(tuple(first.get("loc", ()))))
 
 
+def not_supported_route(request: Request) -> str:
+    """The 404 of a route tidal does not have: it says so, and which ones it has (an OpenAI
+    client calling /v1/audio/transcriptions or /v1/images/generations learns it is not
+    supported, rather than reading a bare `Not Found`)."""
+    paths = sorted({getattr(route, "path", "") for route in request.app.routes} - {""})
+    shown = [p for p in paths if p.startswith("/v1/")] or paths
+    return (f"{request.method} {request.url.path} is not supported by tidal (no such "
+            f"endpoint); it serves {', '.join(shown)} (docs/serving.md)")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Route every exception to the OpenAI error body (validation errors are 400, not 422)."""
 
@@ -161,8 +171,10 @@ def install_error_handlers(app: FastAPI) -> None:
         return from_validation_error(exc).response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
         message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
+        if exc.status_code == 404 and message == "Not Found":  # no such route
+            message = not_supported_route(request)
         return APIError(exc.status_code, message).response()
 
     @app.exception_handler(Exception)

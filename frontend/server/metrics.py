@@ -1,4 +1,10 @@
-"""Prometheus metrics of `tidal serve`, named as vLLM names them with a `tidal:` prefix.
+"""Prometheus metrics of `tidal serve`, named as vLLM names them, under both prefixes:
+every series is on the page as `tidal:NAME` and as `vllm:NAME`, so a dashboard or alert made
+for vLLM (its Grafana dashboard: vllm:num_requests_running, vllm:kv_cache_usage_perc and the
+older vllm:gpu_cache_usage_perc, vllm:time_to_first_token_seconds, vllm:e2e_request_latency_
+seconds, vllm:time_per_output_token_seconds (the older name of inter_token_latency_seconds),
+vllm:prompt_tokens_total, ...) works unchanged (`with_vllm_names`). No `_created` series
+(as vLLM: `disable_created_metrics`), so no name has two HELP lines.
 
 Two sources, so that the numbers are the whole server's with any `--api-server-count`:
 
@@ -29,13 +35,26 @@ server, so the HTTP processes do not print it again.
 from __future__ import annotations
 
 import os
+import time
+from collections import deque
 from typing import Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+import re
+
+from prometheus_client import (
+    CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+disable_created_metrics()  # a `_created` gauge per counter and histogram: noise, and a
+# second HELP line under a name of its own; vLLM turns them off too
+
+VLLM_ALIASES = {"kv_cache_usage_perc": "gpu_cache_usage_perc",
+                "inter_token_latency_seconds": "time_per_output_token_seconds"}
+"""tidal's name -> the name older vLLM releases (and their dashboards) use for it."""
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
@@ -104,6 +123,41 @@ class _CoreStatsCollector:
         return family
 
 
+LATENCY_WINDOW_S = 60.0
+"""The live page's TTFT and ITL percentiles are over requests finished in the last minute."""
+
+
+class RecentLatencies:
+    """TTFT and inter-token latencies of the requests this process finished lately (bounded:
+    the newest `max_samples` of each), for the page's percentiles."""
+
+    def __init__(self, max_samples: int = 4096, clock=time.monotonic) -> None:
+        self.clock = clock
+        self.ttft: deque[tuple[float, float]] = deque(maxlen=max_samples)
+        self.itl: deque[tuple[float, float]] = deque(maxlen=max_samples)
+
+    def add(self, ttft: float | None, itls) -> None:
+        now = self.clock()
+        if ttft is not None:
+            self.ttft.append((now, ttft))
+        for latency in itls or ():
+            self.itl.append((now, latency))
+
+    def percentiles(self) -> dict:
+        """{"ttft": {p50, p90, p99, n}, "itl": {...}} in seconds, over the last window."""
+        since = self.clock() - LATENCY_WINDOW_S
+        return {"ttft": _percentiles([v for t, v in self.ttft if t >= since]),
+                "itl": _percentiles([v for t, v in self.itl if t >= since])}
+
+
+def _percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"n": 0}
+    values.sort()
+    pick = lambda q: values[min(len(values) - 1, int(q * len(values)))]  # noqa: E731
+    return {"n": len(values), "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
+
+
 class ServerMetrics:
     """The per-request metrics of one server process, and the `/metrics` page."""
 
@@ -126,6 +180,7 @@ class ServerMetrics:
                                      LATENCY_BUCKETS)
         self.success = Counter(prefix + "request_success", "Finished requests by reason.",
                                labels + ["finished_reason"], registry=self._registry)
+        self.recent = RecentLatencies()  # for the live page (frontend/server/ui.py)
         self.rejections = Counter(prefix + "admission_rejections",
                                   "Requests rejected with 503 by admission control.",
                                   labels + ["reason"], registry=self._registry)
@@ -144,6 +199,9 @@ class ServerMetrics:
         if metrics is None:
             return
         model = self.model_name
+        self.recent.add(None if metrics.first_token_time is None
+                        else max(0.0, metrics.first_token_time - metrics.arrival_time),
+                        metrics.inter_token_latencies)
         if metrics.first_token_time is not None:
             self.ttft.labels(model).observe(max(0.0, metrics.first_token_time
                                                 - metrics.arrival_time))
@@ -168,5 +226,23 @@ class ServerMetrics:
             core = CollectorRegistry()
             core.register(_CoreStatsCollector(core_stats, self.model_name, self.prefix))
             page += generate_latest(core)
-        return page
+        return with_vllm_names(page, self.prefix)
+
+
+def with_vllm_names(page: bytes, prefix: str = "tidal:") -> bytes:
+    """`page` followed by every one of its series again under vLLM's prefix, and those of
+    VLLM_ALIASES under vLLM's older names too."""
+    text = page.decode()
+    name = re.compile(rf"^(# (?:HELP|TYPE) )?{re.escape(prefix)}", re.MULTILINE)
+    vllm = name.sub(r"\1vllm:", text)
+    older = [_renamed(vllm, f"vllm:{new}", f"vllm:{old}") for new, old in VLLM_ALIASES.items()]
+    return (text + vllm + "".join(older)).encode()
+
+
+def _renamed(text: str, name: str, new_name: str) -> str:
+    """The lines of metric `name` (its HELP, TYPE and samples) in `text`, renamed."""
+    pattern = re.compile(rf"^(?:# (?:HELP|TYPE) )?{re.escape(name)}(?:_bucket|_sum|_count)?"
+                         r"[ {].*$", re.MULTILINE)
+    return "".join(m.group(0).replace(name, new_name, 1) + "\n"
+                   for m in pattern.finditer(text))
 

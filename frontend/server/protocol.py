@@ -15,7 +15,9 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import (
+    AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator,
+)
 
 from ..structured_output import from_request_fields
 from ...ipc.messages import SamplingParams, StructuredOutputsParams, is_valid_unicode
@@ -235,8 +237,24 @@ class TextContent(OpenAIModel):
     text: Text
 
 
+NOT_SUPPORTED_PARTS = "tidal serves text-only models: images, audio, video and files are " \
+                      "not supported"
+
+
 class ChatMessage(OpenAIModel):
     """One message of a chat conversation."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data):
+        """A content part other than text is refused by name (not a pydantic dump)."""
+        if isinstance(data, dict) and isinstance(data.get("content"), list):
+            for part in data["content"]:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind not in (None, "text"):
+                    raise ValueError(f"content part type {kind!r} is not supported: "
+                                     f"{NOT_SUPPORTED_PARTS}")
+        return data
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextContent] | None = None
@@ -256,6 +274,24 @@ class ChatMessage(OpenAIModel):
 
 class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_what_is_not_supported(cls, data):
+        """OpenAI fields tidal does not serve are refused by name, never ignored: the legacy
+        `functions` / `function_call` (use `tools`), and audio output."""
+        if not isinstance(data, dict):
+            return data
+        for legacy in ("functions", "function_call"):
+            if data.get(legacy) is not None:
+                raise ValueError(f"{legacy} is not supported (OpenAI's legacy function "
+                                 "calling): give the functions as tools=[{\"type\": "
+                                 "\"function\", \"function\": {...}}] (docs/tools.md)")
+        modalities = data.get("modalities")
+        if data.get("audio") is not None or (isinstance(modalities, list)
+                                             and set(modalities) - {"text"}):
+            raise ValueError(f"audio output is not supported: {NOT_SUPPORTED_PARTS}")
+        return data
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     """The conversation, rendered with the tokenizer's chat template."""

@@ -137,6 +137,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="unfinished requests wait up to S seconds for a lost engine core to "
                    "come back (then they are resubmitted to it), else end with an error "
                    f"(default: {DEFAULT_ENGINE_RESTART_TIMEOUT_S:g}; 0: at once)")
+    g.add_argument("--structured-outputs-any-whitespace", action="store_true",
+                   help="JSON constraints (response_format, guided_json, structured_outputs) "
+                   "allow free whitespace between tokens; default: compact JSON, as the "
+                   "OpenAI API writes it (a request may still ask with structured_outputs: "
+                   '{"disable_any_whitespace": false})')
     g.add_argument("--lifeline-fd", type=int, default=None, help=argparse.SUPPRESS)
     # (set by a tidal tool that runs this server as its child: ipc/lifeline.py)
     g.add_argument("--uvicorn-log-level", default="info",
@@ -194,6 +199,7 @@ class ServerSpec:
     engine_restart_timeout: float = DEFAULT_ENGINE_RESTART_TIMEOUT_S
     record_trace: tuple[str, bytes] | None = None
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    json_any_whitespace: bool = False
     responses_store_size: int = DEFAULT_STORE_SIZE
     tool_settings: ToolSettings | None = None
     chat_template: str | None = None
@@ -265,7 +271,8 @@ def serve_one(index: int, spec: ServerSpec, sock: socket.socket, slots) -> int:
                               lora_modules=spec.lora_modules or [],
                               runtime_lora_loads=spec.api_server_count == 1,
                               ui=spec.ui,
-                              attach_in_background=True, on_attach_failed=attach_failed)
+                              attach_in_background=True, on_attach_failed=attach_failed,
+                              json_any_whitespace=spec.json_any_whitespace)
     app = build_app(lambda: _attach_engine(spec), settings)
     http = timed_http_protocol(spec.timeout_request_header, spec.timeout_request_body)
     config = uvicorn.Config(app, loop="uvloop", http=http, lifespan="on",
@@ -628,7 +635,8 @@ def run_serve(ns: argparse.Namespace) -> int:
                           responses_store_size=ns.responses_store_size,
                           tool_settings=tool_settings, chat_template=chat_template,
                           lora_modules=_lora_modules(ns),
-                          api_server_count=ns.api_server_count, ui=not ns.no_ui)
+                          api_server_count=ns.api_server_count, ui=not ns.no_ui,
+                          json_any_whitespace=ns.structured_outputs_any_whitespace)
         sup.start_servers(spec, sock)
         host, port = sock.getsockname()[:2]
         logger.info("listening on http://%s:%d; starting %d HTTP server process(es) for the "

@@ -47,6 +47,7 @@ from .admission import AdmissionController
 from .errors import (
     APIError, bad_request, engine_unavailable, from_value_error, json_response,
 )
+from .lora_routes import LoRARegistry
 from .metrics import ServerMetrics
 from ..tools import ToolSettings, template_messages
 from .protocol import (
@@ -103,6 +104,7 @@ class Run:
         self.priority = priority
         self.ticket = ticket
         self.closed = False
+        self.lora = None  # the LoRA adapter the request's `model` named, if any
 
     def num_prompt_tokens(self) -> int:
         return sum(len(job.prompt_ids) for job in self.jobs)
@@ -184,6 +186,23 @@ async def _until_disconnect(request: Request, work) -> None:
     task.result()
 
 
+def compact_json(params, req, any_whitespace: bool) -> None:
+    """A JSON constraint of an HTTP request is compact by default, as the OpenAI API writes
+    JSON: the grammar allows no free whitespace between tokens, or a model that can emit
+    newlines inside an object (SmolLM2 through LangChain's `with_structured_output`) writes
+    them until max_tokens. `structured_outputs: {"disable_any_whitespace": false}` in the
+    request (alone, beside response_format, or with its constraint) or the server's
+    --structured-outputs-any-whitespace allow free whitespace."""
+    spec = params.structured_outputs
+    if spec is None or spec.kind not in ("json", "json_object"):
+        return
+    given = getattr(req, "structured_outputs", None)
+    if isinstance(given, dict) and "disable_any_whitespace" in given:
+        spec.disable_any_whitespace = bool(given["disable_any_whitespace"])
+    else:
+        spec.disable_any_whitespace = not any_whitespace
+
+
 class OpenAIServing:
     """The OpenAI endpoints of one server process, on top of one AsyncLLM."""
 
@@ -209,6 +228,11 @@ class OpenAIServing:
         self._small_pool = ThreadPoolExecutor(SMALL_LANE_THREADS,
                                               thread_name_prefix="tidal-tokenize-small")
         self.stopping = False  # the server is shutting down: 503 from now on
+        self.json_any_whitespace = False
+        """--structured-outputs-any-whitespace: JSON constraints allow free whitespace
+        between tokens unless the request says otherwise (`compact_json`)."""
+        self.loras = LoRARegistry([], 0, served_names)
+        """LoRA adapters served as model names (lora_routes.py; set up by the app)."""
 
     @property
     def max_model_len(self) -> int:
@@ -238,7 +262,7 @@ class OpenAIServing:
         """The served name to answer with; 404 for a model this server does not serve."""
         if model is None:
             return self.served_names[0]
-        if model in self.served_names:
+        if model in self.served_names or self.loras.get(model) is not None:
             return model
         raise APIError(404, f"The model `{model}` does not exist.", "model")
 
@@ -352,6 +376,7 @@ class OpenAIServing:
             raise from_value_error(exc, renames) from None
         if params.top_k > self.vocab_size:  # larger than the vocabulary means "all tokens"
             params.top_k = 0
+        compact_json(params, req, self.json_any_whitespace)
         return params
 
     async def check_structured_output(self, req, params) -> None:
@@ -373,7 +398,8 @@ class OpenAIServing:
     # ---------------------------------------------------------------- generation
 
     def start(self, prompts: list[tuple[list[int], str | None]], params, priority: int,
-              prefix: str, waited_s: float = 0.0) -> tuple[str, Run]:
+              prefix: str, waited_s: float = 0.0, model: str | None = None
+              ) -> tuple[str, Run]:
         """Admit the request, which reached this process `waited_s` ago (503 if full), and
         create its engine jobs (not yet started)."""
         self.check_alive()
@@ -391,7 +417,9 @@ class OpenAIServing:
         arrival = time.time()
         jobs = [_Job(f"{response_id}-{i}", i, ids, text, arrival, priority)
                 for i, (ids, text) in enumerate(prompts)]
-        return response_id, Run(self, jobs, params, priority, ticket)
+        run = Run(self, jobs, params, priority, ticket)
+        run.lora = self.loras.get(model)  # an adapter's name: run with it
+        return response_id, run
 
     def _note(self, run: Run, job: _Job, out) -> None:
         if out.prompt_logprobs is not None:
@@ -425,7 +453,8 @@ class OpenAIServing:
 
     async def _one(self, run: Run, job: _Job):
         job.gen = self.engine.generate(job.prompt_ids, run.params, job.req_id,
-                                       priority=run.priority)
+                                       priority=run.priority, **(
+                                           {"lora_request": run.lora} if run.lora else {}))
         async for out in job.gen:
             self._note(run, job, out)
             yield job, out

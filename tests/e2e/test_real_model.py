@@ -190,3 +190,23 @@ def test_chat_completion_with_a_json_schema_gives_valid_json(client):
     choice = resp.choices[0]
     assert choice.finish_reason == "stop", choice.message.content
     jsonschema.validate(json.loads(choice.message.content), CITY_SCHEMA)
+
+
+def test_langchain_with_structured_output_returns_its_object(server):
+    """Issue 38 item 4: LangChain's `with_structured_output(Model)` (a json_schema
+    response_format without length bounds) on SmolLM2 returns its object. With a grammar
+    that allows free whitespace the model wrote the JSON, then newlines until max_tokens
+    (LengthFinishReasonError); JSON constraints over HTTP are compact by default now."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+        population: int
+
+    chat = langchain_openai.ChatOpenAI(base_url=server.base_url + "/v1", api_key="none",
+                                       model=NAME, temperature=0, max_tokens=200,
+                                       max_retries=0, timeout=120)
+    city = chat.with_structured_output(City).invoke("Describe the capital of France.")
+    assert isinstance(city, City) and city.name

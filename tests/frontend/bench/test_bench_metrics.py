@@ -90,10 +90,11 @@ def test_prometheus_parsing_sums_labels_and_strips_names():
         'vllm:kv_cache_usage_perc{engine="1"} 0.5',
         "process_cpu_seconds_total 12.0",
     ])
-    values = parse_prometheus(text)
+    values = parse_prometheus(text)  # tidal's names where there are, not both
     assert values == {"num_requests_running": 3.0, "num_preemptions": 2.0,
-                      "prefix_cache_hits": 30.0, "prefix_cache_queries": 120.0,
-                      "kv_cache_usage_perc": 0.75}
+                      "prefix_cache_hits": 30.0, "prefix_cache_queries": 120.0}
+    vllm_only = "\n".join(line for line in text.splitlines() if "tidal:" not in line)
+    assert parse_prometheus(vllm_only) == {"kv_cache_usage_perc": 0.75}
 
 
 def test_counter_deltas_over_the_run():
