@@ -42,7 +42,7 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     serving.check_room(params, len(token_ids), "max_completion_tokens"
                        if req.max_completion_tokens else "max_tokens")
     response_id, run = serving.start([(token_ids, None)], params, req.priority, "chatcmpl",
-                                     serving.waited(request))
+                                     serving.waited(request), model)
     view = _ChatView(serving, req, run, response_id, model, tools if tools and tools.active
                      else None)
     return await serving.respond(request, run, view.stream if req.stream else None,

@@ -52,7 +52,7 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest,
         text = prompt if isinstance(prompt, str) else None
         prompts.append((token_ids, text))
     response_id, run = serving.start(prompts, params, req.priority, "cmpl",
-                                     serving.waited(request))
+                                     serving.waited(request), model)
     view = _CompletionView(serving, req, run, response_id, model)
     return await serving.respond(request, run, view.stream if req.stream else None,
                                  view.build)

@@ -10,7 +10,8 @@ from sched_utils import make_request
 
 from tidal.engine_core.args import add_engine_args, config_from_args, config_to_argv
 from tidal.engine_core.config import (
-    CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, decode_engine_config,
+    CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+    decode_engine_config,
     encode_engine_config,
     read_model_max_len, resolve_max_model_len,
 )
@@ -106,7 +107,7 @@ def test_every_config_field_is_a_flag_whose_help_is_its_docstring():
 
     flags = {(f.section, f.field): f for group in FLAGS.values() for f in group}
     helps = {a.dest: a.help for a in _parser()._actions}
-    for section in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig):
+    for section in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, LoRAConfig):
         docs = field_docs(section)
         for field in dataclasses.fields(section):
             assert field.name in docs, f"{section.__name__}.{field.name} has no docstring"
