@@ -158,8 +158,11 @@ class MultiprocExecutor:
                     "max_model_len %d", len(readies), readies[0].device, load_s, num_blocks,
                     self.config.cache.block_size, max_model_len)
         windows = {r.sliding_window for r in readies}  # pipeline stages: all or nothing
-        return WorkerFacts(num_blocks, max_model_len, vocab_size, readies[0].device,
-                           windows.pop() if len(windows) == 1 else 0)
+        window = windows.pop() if len(windows) == 1 else 0
+        if window:
+            logger.info("every attention layer sees the last %d positions: a request's blocks "
+                        "wholly before its window go back to the pool", window)
+        return WorkerFacts(num_blocks, max_model_len, vocab_size, readies[0].device, window)
 
     def _bind(self, sock: zmq.Socket, tag: str) -> str:
         """Bind `sock` where the ranks can reach it; its address (here: private ipc)."""

@@ -47,6 +47,7 @@ from .lora import LoRASlots, adapters_in_use
 from .preemption_log import PreemptionLog
 from .request import Request, RequestStatus
 from .request_queue import create_request_queue, priority_key
+from ..ipc.batch_view import BatchView, StepRecord
 from ..ipc.messages import (
     BatchPlan, CachedRequestData, EngineCoreOutput, FinishReason, GrammarToCompile,
     NewRequestData, PooledOutput,
@@ -664,6 +665,20 @@ class Scheduler:
             queued_prompt_tokens=sum(r.num_prompt_tokens for r in self.requests.values()
                                      if not r.output_token_ids),
         )
+
+    def batch_view(self, steps: list[StepRecord], skipped: int,
+                   warnings: list[str]) -> BatchView:
+        """The live view's snapshot (`ipc/batch_view.py`) around `steps` someone recorded."""
+        used, cached = self.kv_cache_manager.block_counts()
+        by_priority: dict[int, int] = {}
+        for request in self.waiting:
+            by_priority[request.priority] = by_priority.get(request.priority, 0) + 1
+        return BatchView(steps, skipped, self.max_num_seqs, self.max_num_batched_tokens,
+                         self.num_kv_blocks, used, cached, by_priority, warnings)
+
+    def kv_blocks_used(self) -> int:
+        """KV blocks held by requests now (O(1): for every step of the live view)."""
+        return self.num_kv_blocks - 1 - self.kv_cache_manager.num_free_blocks()
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget every cached block hash; refused (False) while any request holds blocks.
