@@ -170,6 +170,11 @@ class BlockPool:
         """Free blocks, cached-but-unreferenced ones included (they are eviction candidates)."""
         return self.free_queue.num_free
 
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks that still hold a prefix-cache entry (a hit takes them back). Walks
+        the cache: for snapshots (the live view), not for every step."""
+        return sum(1 for block in self.cached.values() if block.ref_cnt == 0)
+
     def get_usage(self) -> float:
         """Fraction of usable blocks held by requests (0..1)."""
         return 1.0 - self.free_queue.num_free / (self.num_blocks - 1)

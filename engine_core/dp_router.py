@@ -157,6 +157,7 @@ class Router:
         self.signals = StopSignals()  # SIGTERM / SIGINT: stop in order
         self._stats_waiters: set[str] = set()  # client ids the running round answers
         self._stats_next: set[str] = set()  # asked during a round: answered by the next one
+        self._view_next = False  # one of them asked for the live batch view
         self._stats_round: set[int] = set()  # cores whose answer the round still waits for
         self._stats_round_started = 0.0
         self._last_poll = 0.0
@@ -373,10 +374,13 @@ class Router:
         for core, ids in by_core.items():
             self.cores[core].sock.send(encode(Abort(ids)))
 
-    def stats_query(self, client_id: str) -> None:
+    def stats_query(self, client_id: str, view_since: int = -1) -> None:
         # a round already running may have asked before this frontend's last outputs
         # left their core: answer from a round that starts now
         self._stats_next.add(client_id)
+        # The live view: each core's step ids are its own, so the router asks every core for
+        # its newest steps and the page tells them apart by core (`SchedulerStats.cores`).
+        self._view_next |= view_since >= 0
         if not self._stats_round:
             self._start_stats_round()
 
@@ -505,6 +509,7 @@ class Router:
 
     def _start_stats_round(self) -> None:
         self._stats_waiters, self._stats_next = self._stats_next, set()
+        view_since, self._view_next = (0 if self._view_next else -1), False
         now = time.monotonic()
         self._last_poll = self._stats_round_started = now
         self._load_changed = bool(self.routed)  # one more round after the last one finished
@@ -512,7 +517,7 @@ class Router:
         for index in self._stats_round:
             self.placement.query_sent(index)
             core = self.cores[index]
-            core.sock.send(encode(StatsQuery(core.client_id)))
+            core.sock.send(encode(StatsQuery(core.client_id, view_since)))
         if not self._stats_round:
             self._finish_stats_round()
 

@@ -83,8 +83,9 @@ class PortOwner(Protocol):
         """Abort the sender's own requests among `req_ids`; others are ignored."""
         ...
 
-    def stats_query(self, client_id: str) -> None:
-        """Answer with `FrontendPort.send_stats`, now or later."""
+    def stats_query(self, client_id: str, view_since: int = -1) -> None:
+        """Answer with `FrontendPort.send_stats`, now or later (with the live batch view's
+        steps after `view_since` when it is 0 or more)."""
         ...
 
     def detach(self, client_id: str) -> int:
@@ -221,7 +222,7 @@ class FrontendPort:
             frontend.kind, frontend.pid = msg.kind, msg.pid
             self.send(client_id, self.info)
         elif isinstance(msg, StatsQuery):
-            self.owner.stats_query(client_id)
+            self.owner.stats_query(client_id, msg.view_since)
         elif isinstance(msg, Goodbye):
             del self.frontends[client_id]
             num_aborted = self.owner.detach(client_id)

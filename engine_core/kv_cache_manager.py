@@ -194,6 +194,12 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.get_usage()
 
+    def block_counts(self) -> tuple[int, int]:
+        """(blocks held by requests, free blocks still holding a prefix-cache entry); for
+        snapshots, not every step (the second walks the cache)."""
+        pool = self.block_pool
+        return pool.num_blocks - 1 - pool.num_free_blocks, pool.num_cached_free_blocks()
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any request holds blocks."""
         return self.block_pool.reset_prefix_cache()

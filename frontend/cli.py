@@ -30,6 +30,8 @@ _SUBCOMMANDS: dict[str, tuple[str, tuple[str, ...], str, str]] = {
                  "print a completion of PROMPT"),
     "bench": ("tidal.frontend.bench.cli", ("add_bench_args",), "run_bench",
               "benchmarks (throughput, serving)"),
+    "top": ("tidal.frontend.top", ("add_top_args",), "run_top",
+            "the live view of a server's batch in this terminal (docs/ui.md)"),
 }
 _SELF_PARSING: dict[str, tuple[str, str]] = {
     "tune": ("tidal.frontend.tune.cli:main", "pick --max-num-seqs, --max-num-batched-tokens, KV memory "
