@@ -335,3 +335,57 @@ def make_tiny_embedding_model(path: str, seed: int = 0, pooling: str = "lasttoke
         json.dump({"word_embedding_dimension": 64,
                    **{f"pooling_mode_{m}": m == pooling for m in modes}}, f)
     return path
+
+
+def make_tiny_moe_gguf(model_dir: str, path: str) -> str:
+    """Write the tiny Qwen3-MoE folder `model_dir` as a float32 GGUF file at `path` in
+    llama.cpp's layout (`qwen3moe`): each layer's experts stacked as `ffn_gate_exps` /
+    `ffn_up_exps` [E, I, hidden] and `ffn_down_exps` [E, hidden, I], the router as
+    `ffn_gate_inp`, q/k rows as they are (neox rotary: llama.cpp permutes only Llama's).
+    transformers reads no expert width from a GGUF (it keeps Qwen3MoeConfig's default
+    moe_intermediate_size, 768), so the folder must use that width."""
+    import re
+
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    layers = config["num_hidden_layers"]
+    num_experts = config.get("num_experts") or config["num_local_experts"]
+    writer = gguf.GGUFWriter(path, "qwen3moe")
+    writer.add_name("tiny")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_rope_freq_base(config.get("rope_parameters", {}).get("rope_theta", 10000.0))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_expert_count(num_experts)
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    _add_gguf_tokenizer(writer, model_dir, config["eos_token_id"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, layers)
+    experts: dict[str, dict[int, np.ndarray]] = {}
+    for name, weight in load_file(os.path.join(model_dir, "model.safetensors")).items():
+        weight = weight.astype("float32")
+        m = re.fullmatch(r"(.+\.experts)\.(\d+)\.(\w+)\.weight", name)
+        if m:  # stacked below, one tensor per layer and projection
+            experts.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = weight
+            continue
+        base, suffix = name.rsplit(".", 1)
+        writer.add_tensor(f"{names.get_name(base)}.{suffix}", weight)
+    for base, by_expert in experts.items():
+        stacked = np.stack([by_expert[e] for e in range(num_experts)])
+        writer.add_tensor(f"{names.get_name(base)}.weight", stacked)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -79,6 +79,11 @@ SUPPORTED = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    # mixture-of-experts (workers/models/qwen_moe.py). transformers reads no expert widths from
+    # these files: it keeps its configs' defaults (Qwen1.5-MoE-A2.7B's 1408 / 5632, Qwen3-30B-
+    # A3B's 768), so other widths fail in its loader with a shape error naming the tensor
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",

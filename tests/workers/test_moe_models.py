@@ -1,0 +1,186 @@
+"""Issue 34: mixture-of-experts models (workers/moe.py, workers/models/moe_decoder.py).
+
+For each of Mixtral, Qwen2-MoE (shared expert, one dense layer), Qwen3-MoE (norm_topk_prob),
+OLMoE (full-width q/k norms, clip_qkv) and Granite-MoE (top-k then softmax, multipliers), on a
+tiny random float32 model (8 experts, Granite 4, top-2): prompt logits equal transformers' to
+float32 rounding, and greedy tokens equal transformers' generate() in one batch of mixed
+lengths prefilled in chunks of 16 tokens, one request arriving with a prefix-cache hit (3
+blocks another request wrote). TP=2 (two gloo processes) for OLMoE with one KV head (its q
+norm's sum of squares all-reduced, its k norm's counted on both ranks): float64 logits equal
+transformers' to float32 rounding (the norms' statistics are float32, summed in another order);
+tests/e2e/test_moe_llm.py runs Qwen2-MoE at TP=2 through the whole engine. A checkpoint in
+transformers 5's stacked layout (what a GGUF conversion writes)
+loads to the same logits, and so does a qwen3moe GGUF file through the GGUF conversion; a bad
+expert count is a ValueError naming the field.
+
+transformers is run with experts_implementation="eager" (its default grouped_mm takes no
+float64).
+"""
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import transformers
+
+from tidal.ipc.messages import SamplingParams
+from tidal.workers.models import parse_model_args
+from worker_test_utils import PlanScript, chunked_logits, loaded_worker, prompt_ids, rel_err
+
+ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
+NUM_NEW = 5
+LENGTHS = (1, 40)
+SHARED = 48  # the prefix-cache hit: 3 full blocks of 16
+
+
+def hf_model(path: str, dtype: str):
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=getattr(torch, dtype), experts_implementation="eager").eval()
+
+
+def hf_logits(path: str, dtype: str, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(path, dtype)(torch.tensor([tokens])).logits[0]
+
+
+def _prompts() -> dict[str, list[int]]:
+    prompts = {f"p{n}": prompt_ids(n, n) for n in LENGTHS}
+    prompts["hit"] = prompt_ids(1, SHARED) + prompt_ids(3, 20)
+    return prompts
+
+
+def _hf_greedy(path: str) -> dict[str, list[int]]:
+    model = hf_model(path, "float32")
+    out = {}
+    for name, prompt in _prompts().items():
+        gen = model.generate(torch.tensor([prompt]), max_new_tokens=NUM_NEW,
+                             min_new_tokens=NUM_NEW, do_sample=False)
+        out[name] = gen[0, len(prompt):].tolist()
+    return out
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def moe(request, tiny_model_factory):
+    path = tiny_model_factory(request.param)
+    return path, loaded_worker(path, "float32")
+
+
+def test_logits_match_transformers_chunked(moe):
+    path, worker = moe
+    tokens = prompt_ids(5, 60)
+    ours = chunked_logits(worker, tokens, 7, "logits")
+    worker.runner.batch.remove("logits")
+    assert rel_err(ours, hf_logits(path, "float32", tokens)) < 1e-5
+
+
+def test_greedy_batch_chunked_with_prefix_hit(moe):
+    path, worker = moe
+    greedy = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, min_tokens=NUM_NEW)
+    script = PlanScript(first_block=20)
+    script.add("writer", prompt_ids(1, SHARED) + prompt_ids(2, 10),
+               SamplingParams(temperature=0.0, max_tokens=1))
+    script.run(worker)
+    writer_blocks = script.done["writer"].block_ids
+    for name, prompt in _prompts().items():
+        if name == "hit":  # its first 48 tokens' K/V are the writer's blocks
+            script.add(name, prompt, greedy, num_computed=SHARED,
+                       block_ids=writer_blocks[:SHARED // 16])
+        else:
+            script.add(name, prompt, greedy)
+    outputs = script.run(worker, chunk=16)
+    expected = _hf_greedy(path)
+    for name in expected:
+        assert outputs[name] == expected[name], name
+
+
+def test_stacked_checkpoint_loads(tiny_model_factory, tmp_path):
+    """transformers 5's own parameter names (experts.gate_up_proj [E, 2I, hidden],
+    experts.down_proj [E, hidden, I]), as workers/gguf.py saves a converted GGUF."""
+    from safetensors.torch import save_file
+
+    source = tiny_model_factory("qwen2_moe")
+    folder = tmp_path / "stacked"
+    folder.mkdir()
+    for name in os.listdir(source):
+        if name != "model.safetensors":
+            (folder / name).write_bytes(open(os.path.join(source, name), "rb").read())
+    state = {k: v.contiguous() for k, v in hf_model(source, "float32").state_dict().items()}
+    assert any(k.endswith("experts.gate_up_proj") for k in state)
+    save_file(state, str(folder / "model.safetensors"))
+    tokens = prompt_ids(6, 30)
+    ours = chunked_logits(loaded_worker(str(folder), "float64"), tokens, 30, "s")
+    assert rel_err(ours, hf_logits(source, "float64", tokens)) < 1e-9
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("num_experts_per_tok", 9, "num_experts_per_tok=9"),
+    ("num_local_experts", 0, "num_local_experts"),
+])
+def test_bad_expert_config_names_the_field(tiny_model_factory, field, value, message):
+    with open(os.path.join(tiny_model_factory("mixtral"), "config.json")) as f:
+        config = json.load(f)
+    config[field] = value
+    with pytest.raises(ValueError, match=message):
+        parse_model_args(config)
+
+
+# ---------------------------------------------------------------------------------------------
+# TP=2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tp_rank(rank: int, paths: list[str], port: int, out_file: str) -> None:
+    from worker_test_utils import worker_config
+
+    from tidal.workers.worker import Worker
+
+    torch.set_num_threads(1)
+    results = []
+    for i, path in enumerate(paths):
+        worker = Worker(worker_config(path, dtype="float64", tensor_parallel_size=2, rank=rank,
+                                      dist_init_method=f"tcp://127.0.0.1:{port}"))
+        worker.load()
+        worker.init_kv_cache(worker.determine_num_kv_blocks())
+        results.append(chunked_logits(worker, prompt_ids(7, 50), 16, f"tp{i}"))
+    torch.save(results, f"{out_file}.{rank}")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_tp2_logits_match_transformers(tiny_model_factory, tmp_path):
+    paths = [tiny_model_factory("olmoe", num_key_value_heads=1)]
+    out_file = str(tmp_path / "tp.pt")
+    mp.spawn(_tp_rank, args=(paths, _free_port(), out_file), nprocs=2, join=True)
+    ranks = [torch.load(f"{out_file}.{r}") for r in range(2)]
+    for i, path in enumerate(paths):
+        ref = hf_logits(path, "float64", prompt_ids(7, 50))
+        for rank in range(2):
+            # 2e-7 measured: the q / k norms' float32 sums of squares, added across ranks
+            assert rel_err(ranks[rank][i], ref) < 1e-6, (path, rank)
+
+
+def test_qwen3_moe_gguf_converts_to_the_same_logits(tiny_model_factory, tmp_path):
+    """A qwen3moe GGUF (llama.cpp's stacked expert tensors) through workers/gguf.py's
+    conversion (transformers' reader): the folder it writes gives the source folder's
+    logits. The width is transformers' default (it reads no expert width from a GGUF)."""
+    from tiny_models import make_tiny_moe_gguf
+
+    from tidal.workers.gguf import convert
+
+    source = tiny_model_factory("qwen3_moe", moe_intermediate_size=768)
+    gguf_file = make_tiny_moe_gguf(source, str(tmp_path / "tiny-qwen3moe.gguf"))
+    folder = tmp_path / "converted"
+    folder.mkdir()
+    convert(gguf_file, str(folder))
+    tokens = prompt_ids(8, 40)
+    ours = chunked_logits(loaded_worker(str(folder), "float32"), tokens, 16, "g")
+    assert rel_err(ours, hf_logits(source, "float32", tokens)) < 1e-5
