@@ -27,7 +27,9 @@ The forward pass groups the (token, expert) pairs by expert: a stable sort of th
 chosen expert ids, one gather of the token rows in that order, then for each expert with
 tokens one gate/up GEMM, silu * up and one down GEMM over its contiguous run of rows, and
 one `index_add_` of the weighted rows back into their tokens. One host sync per layer (the
-counts per expert); no Python loop over tokens.
+counts per expert); no Python loop over tokens. That sync cannot be captured in a CUDA graph:
+a capture raises, `workers/cuda_graphs.py` logs it and the runner stays eager (untested: no
+GPU was at hand when this was written).
 
 Checkpoints name the experts one by one (`experts.3.w1.weight`, `experts.3.gate_proj.weight`)
 or stacked (transformers 5's `experts.gate_up_proj` [E, 2I, hidden] / `experts.down_proj`
@@ -157,6 +159,9 @@ class FusedMoE(nn.Module):
                 ) -> torch.Tensor:
         """x [T, hidden], weights / ids [T, k] -> [T, hidden] in x's dtype: sum over k of
         weight * expert(x) for this rank's slice of the intermediate dimension."""
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("MoE layers are not captured in CUDA graphs: the grouped "
+                               "experts read each expert's row count on the host")
         num_tokens, top_k = ids.shape
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens in order
