@@ -145,7 +145,8 @@ def from_validation_error(exc: RequestValidationError) -> APIError:
     messages = []
     for err in errors[:5]:
         where = _validation_param(tuple(err.get("loc", ()))) or "body"
-        messages.append(f"{where}: {err.get('msg')}")
+        text = str(err.get("msg"))  # our validators' own words, without pydantic's prefix
+        messages.append(f"{where}: {text.removeprefix('Value error, ')}")
     return APIError(400, "; ".join(messages), _validation_param(tuple(first.get("loc", ()))))
 
 
