@@ -56,8 +56,9 @@ class Owner:
     def abort(self, client_id, req_ids) -> None:
         self.calls.append(("abort", client_id, req_ids))
 
-    def stats_query(self, client_id) -> None:
-        self.calls.append(("stats", client_id))
+    def stats_query(self, client_id, view_since=-1) -> None:
+        self.calls.append(("stats", client_id) if view_since < 0
+                          else ("stats", client_id, view_since))
 
     def detach(self, client_id) -> int:
         self.calls.append(("detach", client_id))
@@ -192,10 +193,11 @@ def test_every_heartbeat_is_echoed(ctx, port):
 
 def test_requests_aborts_and_stats_queries_go_to_the_owner_with_their_sender(ctx, port, owner):
     a = attached(ctx, port, "a")
-    for msg in (add("r1"), Abort(["r1", "other"]), StatsQuery("a")):
+    for msg in (add("r1"), Abort(["r1", "other"]), StatsQuery("a"), StatsQuery("a", 7)):
         a.say(msg)
-    pump(port, frames=3)
-    assert owner.calls == [("add", "a", "r1"), ("abort", "a", ["r1", "other"]), ("stats", "a")]
+    pump(port, frames=4)
+    assert owner.calls == [("add", "a", "r1"), ("abort", "a", ["r1", "other"]), ("stats", "a"),
+                           ("stats", "a", 7)]  # the live view's steps after step 7
 
 
 def test_an_add_request_that_does_not_decode_is_refused_to_its_sender_alone(ctx, port, owner):
