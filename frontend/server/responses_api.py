@@ -4,43 +4,45 @@
 
 One request, as chat's (serving.py's order: every fault of the request before admission):
 
-    check model, unsupported fields (400 naming them) -> function tools and tool_choice ->
-    previous_response_id's conversation from the store (404) -> input items to chat messages
-    (responses_input.py) -> SamplingParams, with text.format or a forced tool call as a
-    grammar (400 when it does not compile) -> the chat template (with the tools) -> token
-    ids -> admission (503) -> one engine request -> the response object, or typed
-    server-sent events -> the store (unless `store: false`)
+    check model, unsupported fields (400 naming them) -> previous_response_id's
+    conversation from the store (404) -> input items to chat messages (responses_input.py)
+    -> SamplingParams, text.format as structured output -> the tool plan, its grammar (400
+    when it does not compile) -> the chat template (with the tools) -> token ids ->
+    admission (503) -> one engine request -> the response object, or typed server-sent
+    events -> the store (unless `store: false`)
 
-Output items and how each tool_choice makes them:
+Function tools go through chat's machinery (frontend/tools: the tools and tool_choice
+checked, the chat template given `tools=`, the grammar for the choice, the server's
+--tool-call-parser reading calls out of the text). The output is a `message` item for the
+text and a `function_call` item per call:
 
-    "none" (or no tools)     one `message` item (its `output_text` constrained by text.format)
-    "auto"                   one `message` item: the model's text (see docs/responses.md)
-    {"type": "function", "name": N}
-                             one `function_call` item for N: its arguments are generated
-                             under N's parameters schema (xgrammar), so they always parse
-    "required"               one or more `function_call` items: the output is generated as
-                             [{"name": ..., "arguments": {...}}, ...] under a schema that
-                             allows each tool's name with its parameters (one item at most
-                             with parallel_tool_calls false), then split into items
+    "none" (or no tools)     one message (its text constrained by text.format, if given)
+    "auto"                   needs --enable-auto-tool-choice and --tool-call-parser (a 400
+                             otherwise, as chat's); text, and a call wherever the model
+                             writes one in the parser's format (then under the grammar)
+    "required", or {"type": "function", "name": N}
+                             one or more calls (exactly one of N), generated under the
+                             grammar, so each parses and matches its function's schema;
+                             with parallel_tool_calls false, one call at most
 
 A stream is the event sequence the `openai` client types (openai.types.responses), each event
 `event: <type>` plus `data: {..., "sequence_number": k}`:
 
     response.created, response.in_progress,
     per output item: response.output_item.added,
-      a message: response.content_part.added, response.output_text.delta..., 
+      a message: response.content_part.added, response.output_text.delta...,
                  response.output_text.done, response.content_part.done
-      a call:    response.function_call_arguments.delta..., .done
+      a call:    response.function_call_arguments.delta, .done
     response.output_item.done; then response.completed (or response.incomplete when
     max_output_tokens cut it, response.failed when the engine failed it)
 
-A named call streams its arguments as they are generated; "required" calls come whole at the
-end (the array must be complete to be split).
+A call's item comes once the parser has it whole (its arguments in one delta); text streams
+token by token, except a tail the parser holds while it could start a call.
 """
 
 from __future__ import annotations
 
-import json
+import re
 import time
 import uuid
 
@@ -48,16 +50,16 @@ import msgspec
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
-from ..chat_template import has_chat_template, render_chat_text
 from ..structured_output import from_request_fields
-from .errors import bad_request, from_value_error, json_response
-from .protocol import ErrorResponse
+from ..tools import ToolCall, ToolPlan, field_of, plan_tools
+from .errors import APIError, bad_request, from_value_error, json_response
+from .protocol import ChatMessage, ErrorResponse
 from .response_store import ResponseStore, StoredResponse, owner_index, response_id
 from .responses_input import (
-    FunctionTool, ResponsesRequest, function_tools, input_messages, not_found, tool_choice,
+    FunctionTool, ResponsesRequest, function_tools, input_messages, not_found,
 )
 from .serving import OpenAIServing, Run
-from ...ipc.messages import SamplingParams, StructuredOutputsParams
+from ...ipc.messages import SamplingParams
 
 _encode = msgspec.json.Encoder().encode
 
@@ -86,39 +88,31 @@ class ResponsesAPI:
         model = serving.check_model(req.model)
         req.check_supported()
         tools = function_tools(req.tools)
-        mode = _ToolMode(tool_choice(req.tool_choice, tools), tools, req.parallel_tool_calls)
         history = ([] if req.previous_response_id is None else
                    self.lookup(req.previous_response_id, "previous_response_id").conversation)
         conversation = history + input_messages(req.input)
-        params, constraint = self._sampling_params(req, mode)
-        await serving.check_structured_output(constraint, params)
+        params = self._sampling_params(req)
+        await serving.check_structured_output(_Constraint("text.format"), params)
+        plan = await self._plan_tools(req, tools, params)
         prompt = ([{"role": "system", "content": req.instructions}] if req.instructions
                   else []) + conversation
-        token_ids = await serving.tokenizing(request, self._render, prompt, mode.prompt_tools(),
+        token_ids = await serving.tokenizing(request, self._render, prompt,
+                                             plan.template_tools if plan else None,
                                              chars=_chars(prompt))
         token_ids = await serving.encode(request, token_ids, "input")
         serving.check_room(params, len(token_ids), "max_output_tokens")
         _, run = serving.start([(token_ids, None)], params, 0, "resp", serving.waited(request))
-        view = _ResponseView(self, req, run, model, conversation, mode)
+        view = _ResponseView(self, req, run, model, conversation,
+                             plan if plan is not None and plan.active else None)
         return await serving.respond(request, run, view.stream if req.stream else None,
                                      view.build)
 
-    def _sampling_params(self, req: ResponsesRequest, mode: "_ToolMode"):
-        """(SamplingParams, the constraint's field for check_structured_output)."""
-        schema = mode.schema()
-        response_format = req.response_format()
-        if schema is not None and response_format is not None:
-            raise bad_request(f"text.format cannot be combined with tool_choice "
-                              f"{mode.choice!r}: a forced tool call is JSON already",
-                              "text.format")
-        field = "tool_choice" if schema is not None else "text.format"
+    def _sampling_params(self, req: ResponsesRequest) -> SamplingParams:
+        """The request's SamplingParams, text.format as its structured output."""
         try:
-            if schema is not None:  # no free whitespace: a call is data, not prose
-                structured = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
-            else:
-                structured = from_request_fields({"response_format": response_format})[0]
+            structured = from_request_fields({"response_format": req.response_format()})[0]
         except ValueError as exc:
-            raise bad_request(f"{field}: {exc}", field) from None
+            raise bad_request(f"text.format: {exc}", "text.format") from None
         optional = dict(temperature=req.temperature, top_p=req.top_p)
         try:
             params = SamplingParams(max_tokens=req.max_output_tokens, seed=req.seed,
@@ -126,22 +120,57 @@ class ResponsesAPI:
                                     **{k: v for k, v in optional.items() if v is not None})
         except ValueError as exc:
             raise from_value_error(exc, {"max_tokens": "max_output_tokens"}) from None
-        params = self.serving.sampling_params(_Ready(params))
-        return params, _Constraint(field)
+        return self.serving.sampling_params(_Ready(params))
+
+    async def _plan_tools(self, req: ResponsesRequest, tools: list[FunctionTool],
+                          params: SamplingParams) -> ToolPlan | None:
+        """The tool plan of frontend/tools (chat's), its grammar as the request's structured
+        output; 400s name the field as the Responses API spells it."""
+        serving = self.serving
+        try:
+            plan = plan_tools(serving.tool_settings,
+                              [tool.chat_template_form() for tool in tools] or None,
+                              req.tool_choice, req.parallel_tool_calls)
+            constraint = await serving.off_loop(plan.constraint) if plan else None
+        except ValueError as exc:
+            raise bad_request(_flat(str(exc)), _flat_field(field_of(exc))) from None
+        if constraint is not None:
+            if params.structured_outputs is not None:
+                raise bad_request(f"text.format cannot be combined with tools under "
+                                  f"tool_choice {plan.choice.mode!r}: the tool calls' grammar "
+                                  "constrains the output already", "text.format")
+            params.structured_outputs = constraint
+            try:
+                await serving.engine.check_structured_outputs(params)
+            except ValueError as exc:
+                raise bad_request(f"tools: the tool-call grammar is refused: {exc}",
+                                  "tools") from None
+        if plan is not None and plan.active and not plan.parser.skip_special_tokens:
+            params.skip_special_tokens = False  # the format's markers are special tokens
+        return plan
 
     def _render(self, prompt: list[dict], tools: list[dict] | None) -> list[int]:
-        """The conversation through the chat template, as token ids (a tokenizer thread)."""
-        serving = self.serving
-        if not has_chat_template(serving.tokenizer):
-            raise bad_request("This model has no chat template; use /v1/completions.",
-                              "input")
+        """The conversation through the server's chat template (`OpenAIServing.render_chat`,
+        so --chat-template too), as token ids (blocking: a tokenizer thread)."""
+        messages = [ChatMessage(**message) for message in prompt]
         try:
-            text = render_chat_text(serving.tokenizer, prompt, add_generation_prompt=True,
-                                    chat_template_kwargs={"tools": tools} if tools else None)
-        except ValueError as exc:
-            raise bad_request(str(exc).replace("messages:", "input:", 1), "input") from None
-        serving.check_prompt_size(text, "input")
-        return serving.tokenizer.encode(text, add_special_tokens=False)
+            return self.serving.render_chat(messages, True, tools=tools)
+        except APIError as exc:
+            if exc.param == "messages":  # the input is what this API calls it
+                exc.param = "input"
+                exc.message = exc.message.replace("messages", "input")
+            raise
+
+
+def _flat(message: str) -> str:
+    """frontend/tools names chat's fields (`tools[1].function.name`); the Responses API's
+    tools are flat (`tools[1].name`)."""
+    return message.replace("].function.", "].").replace("].function", "]")
+
+
+def _flat_field(field: str) -> str:
+    """`tools[1].function.name` -> `tools.1.name` (the param style of the other 400s)."""
+    return re.sub(r"\[(\d+)\]", r".\1", _flat(field))
 
 
 class _Ready:
@@ -168,61 +197,6 @@ def _chars(prompt: list[dict]) -> int:
     return sum(len(m.get("content") or "") for m in prompt)
 
 
-class _ToolMode:
-    """What the request's tool_choice asks of the output (module docstring's table)."""
-
-    def __init__(self, choice: str, tools: list[FunctionTool], parallel: bool):
-        self.choice = choice
-        self.tools = tools
-        self.parallel = parallel
-
-    @property
-    def named(self) -> FunctionTool | None:
-        return next((t for t in self.tools if t.name == self.choice), None)
-
-    @property
-    def forced(self) -> bool:
-        return self.choice not in ("none", "auto")
-
-    def prompt_tools(self) -> list[dict] | None:
-        """The tools as the chat template takes them; none under "none"."""
-        if self.choice == "none" or not self.tools:
-            return None
-        return [tool.chat_template_form() for tool in self.tools]
-
-    def schema(self) -> dict | None:
-        """The JSON schema a forced call's output is generated under."""
-        if self.named is not None:
-            return self.named.parameters or {"type": "object"}
-        if self.choice != "required":
-            return None
-        items = [{"type": "object", "properties": {
-            "name": {"const": tool.name},
-            "arguments": tool.parameters or {"type": "object"}},
-            "required": ["name", "arguments"]} for tool in self.tools]
-        schema = {"type": "array", "minItems": 1,
-                  "items": items[0] if len(items) == 1 else {"anyOf": items}}
-        if not self.parallel:
-            schema["maxItems"] = 1
-        return schema
-
-    def calls(self, text: str) -> list[tuple[str, str]] | None:
-        """(name, arguments JSON) of each call in a forced output; None if it does not parse
-        (the output was cut by max_output_tokens)."""
-        if self.named is not None:
-            try:
-                json.loads(text)
-            except ValueError:
-                return None
-            return [(self.named.name, text)]
-        try:
-            calls = json.loads(text)
-            return [(c["name"], json.dumps(c["arguments"], ensure_ascii=False))
-                    for c in calls]
-        except (ValueError, TypeError, KeyError):
-            return None
-
-
 # ------------------------------------------------------------------------ output items
 
 
@@ -235,29 +209,24 @@ def _text_part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
-    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name,
-            "arguments": arguments, "status": status}
+def _call_item(call: ToolCall, status: str = "completed") -> dict:
+    return {"id": f"fc_{call.id.removeprefix('call_')}", "type": "function_call",
+            "call_id": call.id, "name": call.name, "arguments": call.arguments,
+            "status": status}
 
 
 def _assistant_messages(output: list[dict]) -> list[dict]:
-    """The output items as chat messages (what a continuation's prompt holds)."""
+    """The output items as chat messages (what a continuation's prompt holds; a call's
+    arguments as the JSON string OpenAI's chat messages carry)."""
     text = "".join(part["text"] for item in output if item["type"] == "message"
                    for part in item["content"])
     calls = [{"id": item["call_id"], "type": "function",
-              "function": {"name": item["name"], "arguments": _parsed(item["arguments"])}}
+              "function": {"name": item["name"], "arguments": item["arguments"]}}
              for item in output if item["type"] == "function_call"]
     message = {"role": "assistant", "content": text}
     if calls:
         message["tool_calls"] = calls
     return [message]
-
-
-def _parsed(arguments: str):
-    try:
-        return json.loads(arguments)
-    except ValueError:
-        return arguments
 
 
 class _Events:
@@ -273,19 +242,19 @@ class _Events:
 
 
 class _ResponseView:
-    """Turns a run's output into the response object or its event stream, and stores it."""
+    """Turns a run's output into the response object or its event stream, and stores it.
+    `tools`: the plan whose parser reads calls out of the text (None: all text)."""
 
     def __init__(self, api: ResponsesAPI, req: ResponsesRequest, run: Run, model: str,
-                 conversation: list[dict], mode: _ToolMode):
+                 conversation: list[dict], tools: ToolPlan | None):
         self.api = api
         self.serving = api.serving
         self.req = req
         self.run = run
         self.model = model
         self.conversation = conversation
-        self.mode = mode
+        self.tools = tools
         self.id = response_id(api.server_index, _hex())
-        self.message_id = f"msg_{_hex()}"
         self.created = time.time()
 
     # -------------------------------------------------------------- the response object
@@ -299,7 +268,7 @@ class _ResponseView:
                 "metadata": req.metadata or {}, "parallel_tool_calls": req.parallel_tool_calls,
                 "previous_response_id": req.previous_response_id,
                 "temperature": params.temperature, "top_p": params.top_p,
-                "tool_choice": req.tool_choice or ("auto" if self.mode.tools else "none"),
+                "tool_choice": req.tool_choice or ("auto" if req.tools else "none"),
                 "tools": req.tools or [], "text": {"format": req.text_format()},
                 "truncation": "disabled", "store": req.store, "background": False,
                 "user": req.user, "error": error, "incomplete_details": incomplete,
@@ -315,14 +284,14 @@ class _ResponseView:
                 "total_tokens": prompt + generated}
 
     def _output(self, text: str, status: str) -> list[dict]:
-        """The output items of the whole generated text."""
-        if self.mode.forced:
-            calls = self.mode.calls(text)
-            if calls is not None:
-                return [_call_item(f"fc_{_hex()}", f"call_{_hex()}", name, arguments,
-                                   "completed") for name, arguments in calls]
-            status = "incomplete"  # a forced call that does not parse was cut short
-        return [_message_item(self.message_id, text, status)]
+        """The output items of the whole generated text: its text as a message, each call
+        the plan's parser reads out of it as a function_call."""
+        if self.tools is None:
+            return [_message_item(f"msg_{_hex()}", text, status)]
+        extracted = self.tools.extract(text)
+        items = [_message_item(f"msg_{_hex()}", extracted.content, status)
+                 ] if extracted.content or not extracted.calls else []
+        return items + [_call_item(call) for call in extracted.calls]
 
     def _keep(self, body: dict) -> None:
         if self.req.store:
@@ -344,38 +313,29 @@ class _ResponseView:
     async def stream(self, run: Run):
         """The typed event stream (module docstring)."""
         event = _Events()
+        items = _ItemStream(event)
+        parser = self.tools.stream() if self.tools is not None else None
         yield event("response.created", response=self.body("in_progress", []))
         yield event("response.in_progress", response=self.body("in_progress", []))
-        named = self.mode.named
-        if named is not None:
-            streamer = _CallStreamer(event, named.name)
-        elif self.mode.forced:
-            streamer = _Buffered(event)
-        else:
-            streamer = _TextStreamer(event, self.message_id)
-        for chunk in streamer.start():
-            yield chunk
+        if parser is None:  # all text: the message opens at once
+            yield items.open_message()
         final = None
         try:
             async for _, out in self.serving.events(run):
                 final = out.outputs[0]
                 if final.finish_reason == "error":
                     raise RuntimeError(final.error or "the engine failed this request")
-                for chunk in streamer.delta(final.delta_text):
+                for chunk in items.take(final.delta_text, parser):
                     yield chunk
+            if final is None:
+                raise RuntimeError("the engine returned no output")
         except Exception as exc:
-            yield self._failed(event, exc, streamer.output())
-            return
-        if final is None:
-            yield self._failed(event, RuntimeError("the engine returned no output"), [])
+            yield self._failed(event, exc, items.output)
             return
         status = "incomplete" if final.finish_reason == "length" else "completed"
-        output = streamer.output(status) if named is not None or not self.mode.forced \
-            else self._output(final.text, status)
-        for index, item in enumerate(output):
-            for chunk in streamer.finish(item, index):
-                yield chunk
-        body = self.body(status, output)
+        for chunk in items.finish(parser, status):
+            yield chunk
+        body = self.body(status, items.output)
         self._keep(body)
         yield event(f"response.{status}", response=body)
 
@@ -385,101 +345,80 @@ class _ResponseView:
         return event("response.failed", response=self.body("failed", output, error))
 
 
-class _TextStreamer:
-    """Events of one message item whose text streams."""
-
-    def __init__(self, event: _Events, item_id: str):
-        self.event = event
-        self.item_id = item_id
-        self.text = ""
-
-    def start(self):
-        yield self.event("response.output_item.added", output_index=0,
-                         item=_message_item(self.item_id, "", "in_progress") | {"content": []})
-        yield self.event("response.content_part.added", item_id=self.item_id, output_index=0,
-                         content_index=0, part=_text_part(""))
-
-    def delta(self, text: str):
-        if text:
-            self.text += text
-            yield self.event("response.output_text.delta", item_id=self.item_id,
-                             output_index=0, content_index=0, delta=text, logprobs=[])
-
-    def output(self, status: str = "incomplete") -> list[dict]:
-        return [_message_item(self.item_id, self.text, status)]
-
-    def finish(self, item: dict, index: int):
-        where = dict(item_id=self.item_id, output_index=index, content_index=0)
-        yield self.event("response.output_text.done", **where, text=self.text, logprobs=[])
-        yield self.event("response.content_part.done", **where, part=_text_part(self.text))
-        yield self.event("response.output_item.done", output_index=index, item=item)
-
-
-class _CallStreamer:
-    """Events of one function_call item whose arguments stream (a named tool_choice)."""
-
-    def __init__(self, event: _Events, name: str):
-        self.event = event
-        self.name = name
-        self.item_id = f"fc_{_hex()}"
-        self.call_id = f"call_{_hex()}"
-        self.arguments = ""
-
-    def start(self):
-        yield self.event("response.output_item.added", output_index=0, item=_call_item(
-            self.item_id, self.call_id, self.name, "", "in_progress"))
-
-    def delta(self, text: str):
-        if text:
-            self.arguments += text
-            yield self.event("response.function_call_arguments.delta", item_id=self.item_id,
-                             output_index=0, delta=text)
-
-    def output(self, status: str = "incomplete") -> list[dict]:
-        return [_call_item(self.item_id, self.call_id, self.name, self.arguments, status)]
-
-    def finish(self, item: dict, index: int):
-        yield self.event("response.function_call_arguments.done", item_id=self.item_id,
-                         output_index=index, arguments=self.arguments)
-        yield self.event("response.output_item.done", output_index=index, item=item)
-
-
-class _Buffered:
-    """Events of "required" calls: nothing until the whole array is there, then each item
-    whole (added, its arguments in one delta, done)."""
+class _ItemStream:
+    """The output items of a stream as they form: a message item open while text comes
+    (closed when a call comes or the output ends), each call an item of its own (added, its
+    arguments, done: the parser releases a call once it is complete)."""
 
     def __init__(self, event: _Events):
         self.event = event
+        self.output: list[dict] = []  # the items closed so far
+        self.message: dict | None = None  # the open message item
+        self.text = ""
 
-    def start(self):
-        return ()
+    def open_message(self) -> bytes:
+        index = len(self.output)
+        self.message = _message_item(f"msg_{_hex()}", "", "in_progress")
+        added = self.event("response.output_item.added", output_index=index,
+                           item=self.message | {"content": []})
+        return added + self.event("response.content_part.added", item_id=self.message["id"],
+                                  output_index=index, content_index=0, part=_text_part(""))
 
-    def delta(self, text: str):
-        return ()
-
-    def output(self, status: str = "incomplete") -> list[dict]:
-        return []
-
-    def finish(self, item: dict, index: int):
-        event = self.event
-        if item["type"] == "message":  # the array did not parse: the text, as a message
-            streamer = _TextStreamer(event, item["id"])
-            streamer.text = item["content"][0]["text"]
-            yield event("response.output_item.added", output_index=index,
-                        item=item | {"status": "in_progress", "content": []})
-            yield event("response.content_part.added", item_id=item["id"],
-                        output_index=index, content_index=0, part=_text_part(""))
-            yield event("response.output_text.delta", item_id=item["id"], output_index=index,
-                        content_index=0, delta=streamer.text, logprobs=[])
-            yield from streamer.finish(item, index)
+    def text_delta(self, text: str):
+        if not text:
             return
-        yield event("response.output_item.added", output_index=index,
-                    item=item | {"status": "in_progress", "arguments": ""})
-        yield event("response.function_call_arguments.delta", item_id=item["id"],
-                    output_index=index, delta=item["arguments"])
-        yield event("response.function_call_arguments.done", item_id=item["id"],
-                    output_index=index, arguments=item["arguments"])
-        yield event("response.output_item.done", output_index=index, item=item)
+        if self.message is None:
+            yield self.open_message()
+        self.text += text
+        yield self.event("response.output_text.delta", item_id=self.message["id"],
+                         output_index=len(self.output), content_index=0, delta=text,
+                         logprobs=[])
+
+    def close_message(self, status: str):
+        if self.message is None:
+            return
+        where = dict(item_id=self.message["id"], output_index=len(self.output),
+                     content_index=0)
+        item = _message_item(self.message["id"], self.text, status)
+        yield self.event("response.output_text.done", **where, text=self.text, logprobs=[])
+        yield self.event("response.content_part.done", **where, part=_text_part(self.text))
+        yield self.event("response.output_item.done", output_index=len(self.output),
+                         item=item)
+        self.output.append(item)
+        self.message, self.text = None, ""
+
+    def call(self, call: ToolCall):
+        yield from self.close_message("completed")
+        index, item = len(self.output), _call_item(call)
+        yield self.event("response.output_item.added", output_index=index,
+                         item=item | {"status": "in_progress", "arguments": ""})
+        yield self.event("response.function_call_arguments.delta", item_id=item["id"],
+                         output_index=index, delta=call.arguments)
+        yield self.event("response.function_call_arguments.done", item_id=item["id"],
+                         output_index=index, arguments=call.arguments)
+        yield self.event("response.output_item.done", output_index=index, item=item)
+        self.output.append(item)
+
+    def take(self, delta: str, parser):
+        """The events of one text delta (through the tool-call parser, if any)."""
+        if parser is None:
+            yield from self.text_delta(delta)
+            return
+        released = parser.feed(delta)
+        yield from self.text_delta(released.content)
+        for call in released.calls:
+            yield from self.call(call)
+
+    def finish(self, parser, status: str):
+        """The events that end the output: what the parser still held, the last message."""
+        if parser is not None:
+            released = parser.finish()
+            yield from self.text_delta(released.content)
+            for call in released.calls:
+                yield from self.call(call)
+            if not self.output and self.message is None:  # nothing at all: an empty message
+                yield self.open_message()
+        yield from self.close_message(status)
 
 
 # ------------------------------------------------------------------------------ routes

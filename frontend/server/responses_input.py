@@ -3,7 +3,6 @@
     ResponsesRequest                        POST /v1/responses (pydantic; unknown fields ignored)
     input_messages(input) -> [message]      input items as chat messages
     function_tools(tools) -> [FunctionTool] the request's function tools (400 for any other)
-    tool_choice(req, tools) -> str          "none" | "auto" | "required" | a function's name
 
 Input items (OpenAI's `input`, a string or a list) map onto the chat template's messages:
 
@@ -22,7 +21,6 @@ is a 400 naming the item and its type: tidal serves text models without hosted t
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -177,29 +175,6 @@ def function_tools(tools: list[dict] | None) -> list[FunctionTool]:
     return out
 
 
-def tool_choice(choice: str | dict | None, tools: list[FunctionTool]) -> str:
-    """"none", "auto", "required" or the name of the function it forces."""
-    if choice is None:
-        return "auto" if tools else "none"
-    if isinstance(choice, str):
-        if choice not in ("none", "auto", "required"):
-            raise bad_request(f'tool_choice must be "none", "auto", "required" or '
-                              f'{{"type": "function", "name": ...}}, got {choice!r}',
-                              "tool_choice")
-        if choice == "required" and not tools:
-            raise bad_request('tool_choice "required" needs tools', "tool_choice")
-        return choice
-    if choice.get("type") != "function":
-        raise bad_request(f"tool_choice of type {choice.get('type')!r} is not supported: "
-                          'give "none", "auto", "required" or {"type": "function", "name"}',
-                          "tool_choice")
-    name = choice.get("name")
-    if name not in {tool.name for tool in tools}:
-        raise bad_request(f"tool_choice names the function {name!r}, which is not among "
-                          "the tools", "tool_choice")
-    return name
-
-
 # ------------------------------------------------------------------------------ input items
 
 
@@ -263,17 +238,13 @@ def _message(item: dict, i: int) -> dict:
 
 
 def _function_call(item: dict, i: int) -> dict:
-    """A function_call item as a chat `tool_calls` entry (arguments parsed: HF templates
-    write a dict with tojson, and some write a string as it is)."""
+    """A function_call item as a chat `tool_calls` entry (OpenAI's shape: the arguments a
+    JSON string, which the chat path hands the template as an object)."""
     call_id = _text(item.get("call_id"), f"input.{i}.call_id")
     name = _text(item.get("name"), f"input.{i}.name")
     arguments = _text(item.get("arguments"), f"input.{i}.arguments")
-    try:
-        parsed = json.loads(arguments)
-    except ValueError:
-        parsed = arguments
     return {"id": call_id, "type": "function",
-            "function": {"name": name, "arguments": parsed}}
+            "function": {"name": name, "arguments": arguments}}
 
 
 def _add_call(messages: list[dict], call: dict) -> None:

@@ -30,7 +30,8 @@ TIME = {"type": "function", "name": "get_time", "description": "The time now.",
 @pytest.fixture(scope="module")
 def server(tiny_llama):
     srv = LiveServer([tiny_llama, *ENGINE_FLAGS, "--max-model-len", "512",
-                      "--served-model-name", MODEL, "--responses-store-size", "8"])
+                      "--served-model-name", MODEL, "--responses-store-size", "8",
+                      "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
     try:
         yield srv.start()
     finally:
@@ -94,7 +95,7 @@ def test_previous_response_id_continues_the_conversation(client):
 def test_required_tool_call_parses_and_validates(client):
     r = client.responses.create(model=MODEL, input="Weather in Paris, and the time?",
                                 tools=[WEATHER, TIME], tool_choice="required",
-                                max_output_tokens=80, temperature=0)
+                                max_output_tokens=200, temperature=0)
     assert r.status == "completed" and r.output
     schemas = {t["name"]: t["parameters"] for t in (WEATHER, TIME)}
     for item in r.output:
@@ -108,9 +109,22 @@ def test_required_tool_call_parses_and_validates(client):
     assert follow.output[0].type == "message" and follow.output_text
 
 
+def test_auto_streams_text_through_the_tool_parser(client):
+    """Under "auto" the hermes parser reads the text (random weights write no call): the
+    streamed message equals the plain one."""
+    kwargs = dict(model=MODEL, input="Weather?", tools=[WEATHER], max_output_tokens=8,
+                  temperature=0)
+    plain = client.responses.create(**kwargs)
+    assert [item.type for item in plain.output] == ["message"]
+    events = list(client.responses.create(**kwargs, stream=True))
+    assert events[-1].response.output_text == plain.output_text
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == plain.output_text
+
+
 def test_named_tool_call_streams_its_arguments(client):
     events = list(client.responses.create(
-        model=MODEL, input="Weather?", tools=[WEATHER, TIME], max_output_tokens=40,
+        model=MODEL, input="Weather?", tools=[WEATHER, TIME], max_output_tokens=160,
         tool_choice={"type": "function", "name": "get_weather"}, temperature=0, stream=True))
     added = next(e for e in events if e.type == "response.output_item.added")
     assert added.item.type == "function_call" and added.item.name == "get_weather"
@@ -147,7 +161,7 @@ def test_openai_agents_sdk_runs_a_one_tool_agent(server):
         agent = Agent(name="weather", instructions="Answer with the weather.",
                       tools=[get_weather], model=MODEL, tool_use_behavior="stop_on_first_tool",
                       model_settings=ModelSettings(tool_choice="required", temperature=0,
-                                                   max_tokens=64))
+                                                   max_tokens=160))
         return await Runner.run(agent, "What is the weather in Paris?", max_turns=2)
 
     result = asyncio.run(run())
