@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from kernel_cases import TOLERANCE, assert_matches, make_case, poisoned_like
+from kernel_cases import TOLERANCE, assert_matches, make_case, poisoned_like, windowed
 from tidal.kernels.attention.reference import paged_attention_ref, write_kv_ref
 from tidal.kernels.attention.triton_attention import (
     AttentionLaunch,
@@ -35,14 +35,14 @@ def to_cuda(case):
     return case
 
 
-def check_attention(case, dtype, launch=None) -> None:
+def check_attention(case, dtype, launch=None, **window_and_cap) -> None:
     cpu_args = [t.cpu() if isinstance(t, torch.Tensor) else t for t in case.args()]
-    expected = paged_attention_ref(*cpu_args, out=poisoned_like(cpu_args[0]))
+    expected = paged_attention_ref(*cpu_args, out=poisoned_like(cpu_args[0]), **window_and_cap)
     out = poisoned_like(case.query)
     if launch is None:
-        paged_attention_triton(*case.args(), out=out)
+        paged_attention_triton(*case.args(), out=out, **window_and_cap)
     else:
-        run_paged_attention(*case.args(), out, launch)
+        run_paged_attention(*case.args(), out, launch, **window_and_cap)
     torch.cuda.synchronize()
     assert_matches(out.cpu(), expected, case.owned_rows())
 
@@ -69,6 +69,13 @@ def main() -> int:
             check_attention(case, dtype)
             if all(q == 1 for q in q_lens):
                 check_attention(case, dtype, AttentionLaunch(16, 64, num_splits=7))
+            # a sliding window (Mistral's, Gemma's sliding layers) with Gemma 2's score cap;
+            # the blocks before each request's window poisoned, as once freed
+            windowed(case, 257)
+            check_attention(case, dtype, sliding_window=257, soft_cap=50.0)
+            if all(q == 1 for q in q_lens):
+                check_attention(case, dtype, AttentionLaunch(16, 64, num_splits=7),
+                                sliding_window=257)
             print(f"ok {dtype} case {i} (tolerance {TOLERANCE[dtype]})", flush=True)
     return 0
 

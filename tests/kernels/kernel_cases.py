@@ -85,6 +85,20 @@ def make_case(
     )
 
 
+def windowed(case: PagedCase, window: int) -> PagedCase:
+    """The case with every block table entry wholly before its request's first visible
+    position under a sliding `window` naming the null block 0 (all NaN), as the engine core's
+    tables do once it has freed those blocks: a kernel that reads them fails."""
+    tables = case.block_tables.clone()
+    block_size = case.key_cache.shape[1]
+    qsl = case.query_start_loc.tolist()
+    for i, seq_len in enumerate(case.seq_lens.tolist()):
+        first = max(0, seq_len - (qsl[i + 1] - qsl[i]) - window + 1)
+        tables[i, :first // block_size] = 0
+    case.block_tables = tables
+    return case
+
+
 def poisoned_like(t: torch.Tensor) -> torch.Tensor:
     """A NaN-filled buffer shaped like `t`: every element a kernel fails to write stays NaN."""
     return torch.full_like(t, float("nan"))

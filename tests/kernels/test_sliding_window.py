@@ -17,12 +17,12 @@ import os
 import pytest
 import torch
 
-from kernel_cases import assert_matches, make_case, poisoned_like
+from kernel_cases import assert_matches, make_case, poisoned_like, windowed
 from tidal.kernels.attention import check_window_and_cap, cpu_attention
 from tidal.kernels.attention.cpu_attention import CpuBackend
 from tidal.kernels.attention.metadata import AttentionMetadata
 from tidal.kernels.attention.numba_attention import NumbaBackend
-from tidal.kernels.attention.reference import ReferenceBackend, first_visible, paged_attention_ref
+from tidal.kernels.attention.reference import ReferenceBackend, paged_attention_ref
 from tidal.kernels.attention.torch_attention import TorchBackend
 
 CASES = [
@@ -34,19 +34,6 @@ CASES = [
 ]
 WINDOWS = [1, 5, 16, 33, 1000]  # 1000: larger than every context (all visible)
 CAPS = [None, 0.8]
-
-
-def windowed(case, window: int):
-    """The case with every table entry wholly before its request's first visible position
-    pointing at the null block (NaN), as after the engine core freed those blocks."""
-    tables = case.block_tables.clone()
-    block_size = case.key_cache.shape[1]
-    qsl = case.query_start_loc.tolist()
-    for i, seq_len in enumerate(case.seq_lens.tolist()):
-        q_len = qsl[i + 1] - qsl[i]
-        tables[i, :first_visible(seq_len - q_len, window) // block_size] = 0
-    case.block_tables = tables
-    return case
 
 
 def metadata(case) -> AttentionMetadata:
