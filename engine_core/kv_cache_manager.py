@@ -24,10 +24,11 @@ entries):
 
 A long request then holds about ceil(W / block_size) + 1 blocks. Freed blocks keep their hash
 (they are full and published) and go to the free list's LRU end, so a later request with
-the same prefix can still hit them until they are reused; the prefix lookup walks the hash
-chain from the first block and stops at the first miss, so a prefix whose early blocks were
-reused is recomputed from there (token-exact; vLLM instead accepts a hit whose last W tokens'
-blocks are cached, not built here). A model with any global layer (Gemma 2/3 interleave them)
+the same prefix can still hit them until they are reused. The prefix lookup under a window
+needs only the blocks the first computed query sees (vLLM's sliding-window hit): the longest
+prefix whose last ceil((W - 1) / block_size) blocks are all cached (or which is cached whole)
+hits, its earlier blocks taken as the null block, whether they were reused or not; the block
+hashes chain over every earlier token, so such a hit is exact. A model with any global layer (Gemma 2/3 interleave them)
 reads every block with one block table per request: nothing can be freed, `sliding_window`
 is None (a hybrid allocator with a table per layer kind is not built).
 """
@@ -82,6 +83,9 @@ class KVCacheManager:
             return [], 0
         max_hit_blocks = (len(request.all_token_ids) - 1) // self.block_size
         self.ensure_block_hashes(request, max_hit_blocks)
+        if self.sliding_window is not None:
+            hits = self._window_hits(request.block_hashes[:max_hit_blocks])
+            return hits, len(hits) * self.block_size
         lookup = self.block_pool.cached.get
         hits = []
         for block_hash in request.block_hashes[:max_hit_blocks]:
@@ -91,6 +95,21 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
+    def _window_hits(self, hashes: list[bytes]) -> list[KVBlock]:
+        """Under a sliding window: the blocks of the longest prefix of `hashes` whose next
+        query's window is cached, that is whose last `need` blocks are (or which is cached
+        from its first block), the blocks before those as the null block."""
+        need = max(1, -(-(self.sliding_window - 1) // self.block_size))
+        lookup = self.block_pool.cached.get
+        found = [lookup(block_hash) for block_hash in hashes]
+        run = best = 0  # run: cached blocks ending at i
+        for i, block in enumerate(found):
+            run = run + 1 if block is not None else 0
+            if run >= need or run == i + 1:
+                best = i + 1
+        start = max(0, best - need)
+        return [self.block_pool.null_block] * start + found[start:best]
+
     # -- allocation ---------------------------------------------------------------------------
 
     def num_blocks_needed(self, request: Request, num_tokens: int,
@@ -99,7 +118,7 @@ class KVCacheManager:
         blocks plus prefix hits that currently sit on the free list."""
         held = len(self.req_blocks.get(request.req_id, ()))
         num_new = -(-num_tokens // self.block_size) - held - len(new_computed_blocks)
-        num_new_hits_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        num_new_hits_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and b.block_id)
         return max(num_new, 0) + num_new_hits_free
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -122,12 +141,12 @@ class KVCacheManager:
         first_query = request.num_computed_tokens + num_hit_tokens
         self.free_out_of_window(req_id, request.num_computed_tokens)  # room for the new ones
         if num_new_blocks > 0 or new_computed_blocks:
-            num_hits_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+            num_hits_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and b.block_id)
             if max(num_new_blocks, 0) + num_hits_free > pool.free_queue.num_free:
                 return None
         num_held = len(blocks)
         if new_computed_blocks:
-            pool.touch(new_computed_blocks)
+            pool.touch(b for b in new_computed_blocks if b.block_id)  # not the window's nulls
             blocks.extend(new_computed_blocks)
             # hits are published already
             self.num_cached_blocks[req_id] = len(blocks)
