@@ -90,10 +90,14 @@ def _generative(model_dir: str) -> bool:
     return any(a.endswith("ForCausalLM") for a in _architectures(model_dir))
 
 
+_GENERATIVE_SUFFIXES = ("ForCausalLM", "ForConditionalGeneration", "ChatModel", "LMHeadModel")
+"""Architecture names vLLM takes as generative before it reads `*Model` as an embedding one."""
+
+
 def _looks_like_embedding(model_dir: str) -> bool:
     if sentence_transformers_pooling(model_dir) is not None:
         return True
-    return any(a.endswith("Model") and not a.endswith("PreTrainedModel")
+    return any(a.endswith("Model") and not a.endswith(_GENERATIVE_SUFFIXES)
                for a in _architectures(model_dir))
 
 

@@ -35,7 +35,9 @@ def embedding_config(hf_config: dict) -> dict:
     decoder (`Qwen3Model`, `LlamaModel`) is its `*ForCausalLM`, whose decoder tidal builds
     (without the LM head, `drop_lm_head`)."""
     names = hf_config.get("architectures") or []
-    mapped = [n[:-len("Model")] + "ForCausalLM" if n.endswith("Model") else n for n in names]
+    mapped = [n[:-len("Model")] + "ForCausalLM"
+              if n.endswith("Model") and not n.endswith(("LMHeadModel", "ChatModel")) else n
+              for n in names]
     return {**hf_config, "architectures": mapped}
 
 

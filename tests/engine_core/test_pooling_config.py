@@ -40,6 +40,8 @@ def test_auto_runner_as_vllm(tmp_path_factory):
     assert resolve_runner(config(causal, convert="embed")) == "pooling"
     assert resolve_runner(config(folder(tmp_path_factory.mktemp("bare"), "Qwen3Model"))) \
         == "pooling"
+    gpt2 = folder(tmp_path_factory.mktemp("gpt2"), "GPT2LMHeadModel")
+    assert resolve_runner(config(gpt2)) == "generate"  # *LMHeadModel is generative
     st = folder(tmp_path_factory.mktemp("st"), st_mode="lasttoken")
     assert resolve_runner(config(st)) == "pooling"
     with pytest.raises(ValueError, match="convert none"):
