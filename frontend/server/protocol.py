@@ -16,7 +16,8 @@ import time
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
-    AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator,
+    AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator,
+    model_validator,
 )
 
 from ..structured_output import from_request_fields
@@ -244,17 +245,16 @@ NOT_SUPPORTED_PARTS = "tidal serves text-only models: images, audio, video and f
 class ChatMessage(OpenAIModel):
     """One message of a chat conversation."""
 
-    @model_validator(mode="before")
+    @field_validator("content", mode="before")
     @classmethod
-    def _text_parts_only(cls, data):
+    def _text_parts_only(cls, content):
         """A content part other than text is refused by name (not a pydantic dump)."""
-        if isinstance(data, dict) and isinstance(data.get("content"), list):
-            for part in data["content"]:
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind not in (None, "text"):
-                    raise ValueError(f"content part type {kind!r} is not supported: "
-                                     f"{NOT_SUPPORTED_PARTS}")
-        return data
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in (None, "text"):
+                raise ValueError(f"content part type {kind!r} is not supported: "
+                                 f"{NOT_SUPPORTED_PARTS}")
+        return content
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextContent] | None = None
