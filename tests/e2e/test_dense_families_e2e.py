@@ -4,9 +4,10 @@ ranks) and Gemma 2 (sliding windows, score caps), each at TP=2 through the whole
 (`LLM`: frontend, engine-core daemon, two worker processes): greedy tokens equal
 transformers' `generate()` on the tiny random float32 models, with every prompt chunked
 (16-token steps) and a second pass hitting the prefix cache. Compared up to transformers'
-first top-2 logit gap under 1e-4, as in test_llm.py. Three engine starts only: Granite and
-Gemma 3 differ from these in model code alone, which tests/workers/test_dense_families.py
-compares logit by logit (chunked, after a prefix-cache hit) on the worker the engine runs.
+first top-2 logit gap under 1e-4, as in test_llm.py; and Gemma 3 in two pipeline stages.
+Four engine starts only: Granite differs from these in model code alone, which
+tests/workers/test_dense_families.py compares logit by logit (chunked, after a prefix-cache
+hit) on the worker the engine runs.
 
 The prompts (up to 24 tokens, 10 generated) stay inside the tiny Phi-3's original 40
 positions (past them transformers' generate() recomputes the sequence: docs/models.md) and
@@ -36,13 +37,16 @@ def _prompts() -> list[list[int]]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("arch", ["phi3", "olmo2", "gemma2"])
-def test_greedy_chunked_prefix_cached_tp2(tiny_model_factory, arch):
+@pytest.mark.parametrize("arch, tp, pp", [("phi3", 2, 1), ("olmo2", 2, 1), ("gemma2", 2, 1),
+                                          ("gemma3", 1, 2)])
+def test_greedy_chunked_prefix_cached(tiny_model_factory, arch, tp, pp):
+    """TP=2, or for Gemma 3 two pipeline stages (its own forward, the tied LM head on the
+    last stage)."""
     path = tiny_model_factory(arch)
     prompts = _prompts()
     reference = hf_greedy(path, prompts, MAX_TOKENS)
     with LLM(path, kv_cache_memory="8MiB", max_num_batched_tokens=16, max_num_seqs=8,
-             tensor_parallel_size=2, startup_timeout=120) as llm:
+             tensor_parallel_size=tp, pipeline_parallel_size=pp, startup_timeout=120) as llm:
         first = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert_greedy_equal(first, reference)
         second = llm.generate(prompts, GREEDY, use_tqdm=False)
