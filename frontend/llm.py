@@ -40,6 +40,8 @@ from .chat_template import (
     render_chat,
 )
 from .outputs import EmbeddingRequestOutput, RequestOutput
+from .tools import parse_tools, template_messages
+from .tools.options import load_chat_template
 from ..ipc.messages import LoRARequest, SamplingParams, SchedulerStats, check_priority
 from ..ipc.pooling import PoolingParams
 
@@ -191,11 +193,17 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, *, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or
         to a list of conversations, through the tokenizer's chat template or `chat_template`
-        (a Jinja string); outputs in input order, as `generate` returns them, with the
-        rendered text as `prompt`.
+        (a Jinja string, or the path of a file holding one, as `--chat-template`); outputs in
+        input order, as `generate` returns them, with the rendered text as `prompt`.
+
+        `tools` (OpenAI's `[{"type": "function", "function": {...}}]`) are handed to the
+        template as `tools=`, and an assistant message's `tool_calls` reach it with their
+        arguments as objects, as the server does (docs/tools.md); the reply is not parsed
+        for calls.
 
         `add_generation_prompt` ends the prompt with the assistant's turn header;
         `continue_final_message` leaves the last message open for the model to continue
@@ -214,10 +222,15 @@ class LLM:
                    and all(isinstance(c, (list, tuple)) for c in messages))
         conversations = list(messages) if batched else [messages]
         params = self._check_batch(len(conversations), sampling_params, None)
+        chat_template = load_chat_template(chat_template)
+        if tools:
+            parse_tools(tools)  # ValueError naming tools[i]
+            chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
         texts, prompt_ids = [], []
         for i, conversation in enumerate(conversations):
             where = f"messages[{i}]" if batched else "messages"
-            text, ids = render_chat(self.tokenizer, normalize_conversation(conversation, where),
+            conversation = template_messages(normalize_conversation(conversation, where))
+            text, ids = render_chat(self.tokenizer, conversation,
                                     chat_template=chat_template,
                                     add_generation_prompt=add_generation_prompt,
                                     continue_final_message=continue_final_message,

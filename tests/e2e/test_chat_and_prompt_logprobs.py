@@ -93,10 +93,33 @@ def test_chat_template_options(llm):
 
     with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt"):
         llm.chat(CONVERSATION, continue_final_message=True)
+    with pytest.raises(ValueError, match=r"^tools\[0\]\.function must be an object"):
+        llm.chat(CONVERSATION, tools=[{"type": "function"}])
     with pytest.raises(ValueError, match=r"chat_template_kwargs may not set \['tokenize'\]"):
         llm.chat(CONVERSATION, chat_template_kwargs={"tokenize": True})
     with pytest.raises(ValueError, match=r"^messages\[1\]\[0\] must be a dict"):
         llm.chat([CONVERSATION, ["hi"]])
+
+
+@pytest.mark.timeout(180)
+def test_chat_with_tools_and_a_template_file(llm, tmp_path):
+    """LLM.chat(tools=...) hands the tools to the template, an assistant's tool_calls reach
+    it with their arguments as objects, and chat_template may be a file (--chat-template's
+    habit)."""
+    path = tmp_path / "tools.jinja"
+    path.write_text("{% for t in tools %}[tool {{ t.function.name }}]\n{% endfor %}"
+                    "{% for m in messages %}{% if m.tool_calls %}[call "
+                    "{{ m.tool_calls[0].function.arguments.a }}]{% else %}[{{ m.role }}] "
+                    "{{ m.content }}{% endif %}\n{% endfor %}[assistant]")
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}}}}]
+    history = [{"role": "user", "content": "Add one"},
+               {"role": "assistant", "content": None, "tool_calls": [{
+                   "id": "c1", "type": "function",
+                   "function": {"name": "add", "arguments": '{"a": 1}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "2"}]
+    (out,) = llm.chat(history, GREEDY, use_tqdm=False, chat_template=str(path), tools=tools)
+    assert out.prompt == "[tool add]\n[user] Add one[call 1][tool] 2[assistant]"  # trim_blocks
 
 
 @pytest.mark.timeout(120)
