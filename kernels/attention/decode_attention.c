@@ -287,14 +287,14 @@ static void prefill_##DV(const float *const *qs, float *const *outs, const int *
         for (int d = 0; d < D; d++) qb[v][d] = src[d] * scale;                              \
     }                                                                                       \
     for (int v = 0; v < nq; v++) len = limits[v] + 1 > len ? limits[v] + 1 : len;          \
-    /* vector v sees [lows[v], limits[v]]; whole VL-blocks before the first one's are    \
-     * skipped (under a sliding window) */                                                 \
-    int lows[QV], from = len;                                                               \
+    /* vector v sees [lows[v], limits[v]] (a sliding window); scores from the VL-block of  \
+     * the lowest, V rows from the lowest itself (earlier cache blocks may be freed) */     \
+    int lows[QV], low = len;                                                                \
     for (int v = 0; v < nq; v++) {                                                          \
         lows[v] = window > 0 && limits[v] + 1 > window ? limits[v] + 1 - window : 0;        \
-        from = lows[v] < from ? lows[v] : from;                                             \
+        low = lows[v] < low ? lows[v] : low;                                                \
     }                                                                                       \
-    from = from / VL * VL;                                                                  \
+    int from = low / VL * VL;                                                               \
     for (int b = from / VL; b * VL < len; b++) {                                            \
         const float *kb = kt + (long)b * D * VL;                                            \
         vec s[QV];                                                                          \
@@ -313,19 +313,19 @@ static void prefill_##DV(const float *const *qs, float *const *outs, const int *
             for (int p = lo; p <= limits[v]; p++) row[p] = cap * tanhf(row[p] / cap);       \
         float top = row_max(row + lo, n);                                                   \
         inverse[v] = softmax_row(row + lo, n, top);                                         \
-        for (int p = from; p < lo; p++) row[p] = 0.0f;                                      \
+        for (int p = low; p < lo; p++) row[p] = 0.0f;                                       \
         for (int p = limits[v] + 1; p < len; p++) row[p] = 0.0f;                            \
     }                                                                                       \
     for (int v = nq; v < QV; v++) { /* the copies: weights 0 */                             \
         inverse[v] = 0.0f;                                                                  \
-        for (int p = from; p < len; p++) scores[v * stride + p] = 0.0f;                     \
+        for (int p = low; p < len; p++) scores[v * stride + p] = 0.0f;                      \
     }                                                                                       \
     vec acc[QV][DV];                                                                        \
     for (int v = 0; v < QV; v++)                                                            \
         for (int c = 0; c < DV; c++) acc[v][c] = V(setzero_ps)();                           \
-    walk_t vw = walk_from(vc, table, at, head, from, len);                                  \
-    walk_t va = walk_from(vc, table, at, head, from + PREFETCH, len);                       \
-    for (int p = from; p < len; p++, walk_next(&vw)) {                                      \
+    walk_t vw = walk_from(vc, table, at, head, low, len);                                   \
+    walk_t va = walk_from(vc, table, at, head, low + PREFETCH, len);                        \
+    for (int p = low; p < len; p++, walk_next(&vw)) {                                       \
         prefetch_walk(&va, 4 * D);                                                          \
         const float *vr = vw.row;                                                           \
         vec vv[DV];                                                                         \
@@ -465,22 +465,24 @@ int tidal_prefill_attention_window(const float *q, const float *key_cache,
     int group = num_heads / num_kv_heads, start = seq_len - q_len;
     layout_t at = {block_size, block_stride, pos_stride};
     long blocks = (seq_len + VL - 1) / VL, block_floats = (long)head_dim * VL;
-    long first = window > 0 && start + 1 > window ? (start + 1 - window) / VL : 0;
+    /* the first row's first visible position: cache blocks before it may be freed */
+    long low = window > 0 && start + 1 > window ? start + 1 - window : 0;
     float *kt = aligned_alloc(64, (size_t)num_kv_heads * blocks * block_floats * sizeof(float));
     if (!kt) return -2;
     int vectors = q_len * group, per_head = (vectors + qv - 1) / qv;
     int stride = (int)(blocks * VL), failed = 0;
     #pragma omp parallel
     {
-        /* K transposed: kt[h][b][d][j] = K[position b VL + j][h][d], zeros past seq_len */
+        /* K transposed: kt[h][b][d][j] = K[position b VL + j][h][d], zeros past seq_len and
+         * before `low` (VL-blocks wholly before it are left unwritten: never read) */
         #pragma omp for schedule(static)
         for (long hb = 0; hb < num_kv_heads * blocks; hb++) {
             long h = hb / blocks, b = hb % blocks;
             float *dst = kt + hb * block_floats;
-            if (b < first) continue; /* before every row's window: never read */
+            if ((b + 1) * VL <= low) continue;
             for (int j = 0; j < VL; j++) {
                 long p = b * VL + j;
-                const float *k = p < seq_len
+                const float *k = p < seq_len && p >= low
                     ? row_at(key_cache, table, (int)p, at, h * head_stride) : 0;
                 for (int d = 0; d < head_dim; d++) dst[d * VL + j] = k ? k[d] : 0.0f;
             }
