@@ -25,6 +25,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 
 import zmq
@@ -69,6 +70,7 @@ class WorkerProcess:
         self.decoder = CoreToWorkerDecoder()
         self.worker = None
         self.ready = False  # WorkerReady sent
+        self.contention = None  # CpuContention, once loaded
 
     def run(self) -> int:
         try:
@@ -81,6 +83,10 @@ class WorkerProcess:
             self.worker.determine_num_kv_blocks()
             self.result_sock.send(encode(self.worker.ready_message()))
             self.ready = True
+            from .cpu_contention import CpuContention
+
+            self.contention = CpuContention(self.config.worker_index,
+                                            self.config.cpu_threads or os.cpu_count() or 1)
             self._loop()
             return 0
         except Exception as exc:  # noqa: BLE001 - report anything to the core, exit non-zero
@@ -114,7 +120,9 @@ class WorkerProcess:
                 return
 
     def _execute(self, plan: BatchPlan) -> None:
+        started = time.monotonic()
         sampled = self.worker.execute(plan)
+        self.contention.step(time.monotonic() - started)  # warns when cores are taken
         if not self.config.reports_tokens:
             return
         if sampled is None:  # nothing sampled this step: still answer, the core waits
