@@ -1,5 +1,5 @@
 """Issue 34: Granite 3, OLMo 2, Phi-3 (LongRoPE, partial rotary, fused checkpoint
-projections), Gemma 2 and Gemma 3 text: tidal's logits equal transformers' on the tiny random
+projections), Gemma 2 and Gemma 3 (text, and the multimodal checkpoint's text model): tidal's logits equal transformers' on the tiny random
 models (tests/tiny_models.py), float64, the prompt whole and in chunks of 5, and after a
 prefix-cache hit; the worker's start-up words for the one-call C layers; refusals by name.
 
@@ -78,6 +78,39 @@ def test_phi3_long_factors_past_the_original_context(tiny_model_factory):
     assert rel_err(ours, torch.cat(refs)) < 1e-9
 
 
+def test_gemma3_multimodal_checkpoint_runs_its_text_model(tmp_path):
+    """Gemma3ForConditionalGeneration: the text model of a tiny random multimodal folder (a
+    one-layer vision tower beside it, skipped) gives transformers' logits for a text prompt;
+    the checkpoint's `language_model.model.*` names load, and its sparse text_config takes
+    Gemma3TextConfig's defaults for what it does not give (here: rope thetas, eps)."""
+    import transformers
+
+    from tiny_models import make_tokenizer
+
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+                sliding_window=8, query_pre_attn_scalar=32, max_position_embeddings=512,
+                layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision,
+                                       mm_tokens_per_image=4, image_token_index=5,
+                                       boi_token_index=3, eoi_token_index=4, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("model.language_model"):
+                p.normal_(0.0, 0.2)  # norms away from their offset 0, peaked logits
+    model.save_pretrained(str(tmp_path))
+    make_tokenizer(str(tmp_path))
+    tokens = prompt_ids(0, PROMPT_LEN)
+    with torch.no_grad():
+        ref = model.to(torch.float64)(torch.tensor([tokens])).logits[0]
+    ours = chunked_logits(loaded_worker(str(tmp_path), "float64"), tokens, 5, "mm")
+    assert rel_err(ours, ref) < 1e-9
+
+
 def test_start_up_line_names_what_the_one_call_layers_lack(tiny_model_factory):
     from tidal.kernels.cpu.ops import CpuOps
     from tidal.workers.distributed import PipelineParallel, TensorParallel
@@ -94,7 +127,7 @@ def test_start_up_line_names_what_the_one_call_layers_lack(tiny_model_factory):
 @pytest.mark.parametrize("config, message", [
     (dict(architectures=["GPT2LMHeadModel"]), "architecture GPT2LMHeadModel is not supported"),
     (dict(architectures=["Gemma3ForConditionalGeneration"]),
-     "architecture Gemma3ForConditionalGeneration is not supported"),
+     "Gemma3ForConditionalGeneration: config.json has no text_config"),
     (dict(architectures=["Phi3ForCausalLM"], vocab_size=8, hidden_size=8, intermediate_size=8,
           num_hidden_layers=1, num_attention_heads=2,
           rope_scaling={"type": "dynamic", "factor": 2.0}),

@@ -17,8 +17,12 @@ What differs from a Llama:
     logits       capped at final_logit_softcapping (Gemma 2)
 
 The window and the score cap are the attention kernels' (`PagedAttention(sliding_window=...,
-logits_soft_cap=...)`). Gemma3ForConditionalGeneration (the multimodal checkpoints, whose
-text weights sit under another prefix beside a vision tower) is not taken.
+logits_soft_cap=...)`).
+
+Gemma3ForConditionalGeneration (the 4B-27B checkpoints) runs as its text model alone: the
+config's `text_config` (its missing keys at Gemma3TextConfig's defaults, as transformers fills
+them), the weights under `language_model.model.` / `model.language_model.`; the vision tower
+and the projector are skipped, so prompts are text only.
 """
 
 from __future__ import annotations
@@ -41,7 +45,18 @@ from .llama import (
     base_fields,
 )
 
-ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+MULTIMODAL = "Gemma3ForConditionalGeneration"
+GEMMA3_TEXT_DEFAULTS = dict(
+    vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+    sliding_window=4096, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+    rope_local_base_freq=10_000.0, max_position_embeddings=131072,
+    hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=None,
+    attn_logit_softcapping=None)
+"""transformers' Gemma3TextConfig defaults: the multimodal checkpoints' `text_config` gives
+only what differs from them (gemma-3-4b-it: hidden and intermediate sizes, layers, the
+window, the global rope's scaling)."""
 ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 
 
@@ -64,7 +79,9 @@ class GemmaArgs(ModelArgs):
 
 
 def parse_model_args(config: dict, architecture: str) -> GemmaArgs:
-    gemma3 = architecture == "Gemma3ForCausalLM"
+    if architecture == MULTIMODAL:
+        config = _text_config(config)
+    gemma3 = architecture in ("Gemma3ForCausalLM", MULTIMODAL)
     if config.get("use_bidirectional_attention"):
         raise ValueError(f"{architecture}: use_bidirectional_attention is not supported")
     layers = config["num_hidden_layers"]
@@ -94,6 +111,17 @@ def parse_model_args(config: dict, architecture: str) -> GemmaArgs:
         local_rope_scaling=None if local_kind == "default" else dict(local_rope),
         qk_norm_per_head=gemma3,
     )
+
+
+def _text_config(config: dict) -> dict:
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"{MULTIMODAL}: config.json has no text_config")
+    text = {**GEMMA3_TEXT_DEFAULTS, **text}
+    for key in ("eos_token_id", "tie_word_embeddings"):
+        if key not in text and key in config:
+            text[key] = config[key]
+    return text
 
 
 def _gemma_rope(config: dict, gemma3: bool) -> tuple[dict, dict]:
@@ -196,5 +224,27 @@ class GemmaForCausalLM(LlamaForCausalLM):
         return logits if not cap else torch.tanh(logits / cap) * cap
 
 
+class Gemma3TextOfMultimodal(GemmaForCausalLM):
+    """Gemma3ForConditionalGeneration's language model: its checkpoint names mapped onto
+    Gemma3ForCausalLM's, the vision tower's and the projector's skipped."""
+
+    PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                ("language_model.lm_head.", "lm_head."))
+
+    def checkpoint_name(self, name: str) -> str | None:
+        if name.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                            "model.multi_modal_projector.")):
+            return None
+        for old, new in self.PREFIXES:
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        if name.startswith("lm_head.") and self.args.tie_word_embeddings:
+            return None  # the embedding's own matrix
+        return super().checkpoint_name(name)
+
+
 def build_model(args: GemmaArgs, tp, backend, max_model_len: int, pp) -> GemmaForCausalLM:
+    if args.architecture == MULTIMODAL:
+        return Gemma3TextOfMultimodal(args, tp, backend, max_model_len, pp)
     return GemmaForCausalLM(args, tp, backend, max_model_len, pp)
