@@ -146,6 +146,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     # (set by a tidal tool that runs this server as its child: ipc/lifeline.py)
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["debug", "info", "warning", "error", "critical"])
+    g.add_argument("--log-level", default="INFO", type=str.upper,
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="log level of the engine core started here and its workers (DEBUG: "
+                        "also the tracebacks of start-up errors) (default: INFO)")
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="do not log one line per HTTP request")
     g.add_argument("--timeout-keep-alive", type=int, default=DEFAULT_TIMEOUT_KEEP_ALIVE_S,
@@ -414,8 +418,9 @@ class _ProcessTree:
             from ...engine_core.advice.step_cost import required_profile
 
             required_profile(config)  # refused at once, not after the daemon starts
-        extra = [] if self.ns.frontend_timeout is None else [
-            "--frontend-timeout", str(self.ns.frontend_timeout)]
+        extra = ["--log-level", self.ns.log_level]
+        if self.ns.frontend_timeout is not None:
+            extra += ["--frontend-timeout", str(self.ns.frontend_timeout)]
         address = new_private_address()
         self.engine = Supervisor(
             "the engine core", functools.partial(DaemonProcess, config, address=address,
