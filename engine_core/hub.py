@@ -1,10 +1,10 @@
 """A model named by its Hugging Face Hub id, fetched once into the Hub's cache.
 
-    resolve_model("Qwen/Qwen2.5-0.5B-Instruct")           -> .../snapshots/<commit>  (a folder)
-    resolve_model("org/Model-GGUF:model-q4_k_m.gguf")     -> .../snapshots/<commit>/model-q4_k_m.gguf
-    resolve_model("org/Model-GGUF:Q4_K_M")                -> the repository's one .gguf with Q4_K_M
-                                                             in its name (case ignored)
-    resolve_model("/path/to/folder" or "x.gguf")          -> as given, when it exists
+    resolve_model("Qwen/Qwen2.5-0.5B-Instruct")      -> .../snapshots/<commit>  (a folder)
+    resolve_model("org/M-GGUF:m-q4_k_m.gguf")        -> .../snapshots/<commit>/m-q4_k_m.gguf
+    resolve_model("org/M-GGUF:Q4_K_M")               -> the repository's one .gguf with Q4_K_M
+                                                        in its name (case ignored)
+    resolve_model("/path/to/folder" or "x.gguf")     -> as given, when it exists
 
 A name that exists on disk is always a path; otherwise one of the forms `ORG/NAME`,
 `ORG/NAME:FILE.gguf`, `ORG/NAME:TAG` is a Hub id, and anything else is a path that does not

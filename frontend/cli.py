@@ -9,7 +9,9 @@
 Each subcommand's module exports `add_*_args(parser)` and `run_*(ns) -> int`. Only the chosen
 subcommand's module is imported, so `tidal core` starts without loading the HTTP server (or
 torch) into the daemon. Without a MODEL, core, serve, generate and bench use the bundled demo
-model (tidal.frontend.demo).
+model (tidal.frontend.demo); a MODEL may be a folder, a GGUF file or a Hugging Face Hub id,
+fetched once before anything starts (engine_core/hub.py). Flags may be spelled with
+underscores, as vLLM accepts them (`--max_model_len`).
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ daemon); it is awaited in the app's lifespan, on the server's own event loop, an
 is closed (detached) at shutdown. With `attach_in_background` (`tidal serve`) the server
 answers at once while the engine core loads: GET /health (and /ping) 503 `Loading model`,
 every other route a 503 that says the model is loading (`LoadingMiddleware`), as
-llama-server does, so probes and scripts can wait for /health's 200 instead of hanging. Tests pass a factory returning a fake engine. Run the app
-with `Server` (uvicorn's, which on shutdown first ends every request in flight with an error:
-streams get an error event and [DONE] instead of a cut connection).
+llama-server does, so probes and scripts can wait for /health's 200 instead of hanging.
+Tests pass a factory returning a fake engine. Run the app with `Server` (uvicorn's, which on
+shutdown first ends every request in flight with an error: streams get an error event and
+[DONE] instead of a cut connection).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (and GET /
 DELETE /v1/responses/{id}: responses_api.py), GET /v1/models, POST /tokenize,
