@@ -299,7 +299,8 @@ def _start_state(app: FastAPI, engine, settings: ServerSettings) -> list[asyncio
     app.state.serving = OpenAIServing(engine, names, admission, metrics, recorder,
                                       settings.tool_settings, settings.chat_template)
     app.state.serving.json_any_whitespace = settings.json_any_whitespace
-    app.state.serving.loras = LoRARegistry(settings.lora_modules, info.max_lora_rank, names,
+    app.state.serving.loras = LoRARegistry(settings.lora_modules,
+                                           getattr(info, "max_lora_rank", 0), names,
                                            settings.runtime_lora_loads)
     app.state.responses = ResponsesAPI(app.state.serving, settings.responses_store_size,
                                        settings.server_index)
