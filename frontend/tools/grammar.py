@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from ...ipc.grammar import _xgrammar_message
 from ...ipc.messages import StructuredOutputsParams
 from .parsers import (
     HermesParser, JsonListParser, Llama3JsonParser, MistralParser, ToolParser,
@@ -167,5 +168,5 @@ def _to_ebnf(tag: dict) -> str:
 
 
 def _first_line(exc: Exception) -> str:
-    lines = [line for line in str(exc).splitlines() if line.strip()]
-    return lines[0] if lines else type(exc).__name__
+    """xgrammar's message, first line, without its C++ log prefix."""
+    return _xgrammar_message(exc)

@@ -107,9 +107,11 @@ class ToolParser:
 
 
 class HermesParser(ToolParser):
-    """`<tool_call>{json}</tool_call>` blocks (Qwen 2.5 / 3, Hermes 2 Pro); content is the
-    text outside them. A last block left unclosed at the end of the output still counts when
-    its JSON is complete (a model may end on EOS instead of the closing tag)."""
+    """`<tool_call>{json}</tool_call>` blocks (Qwen 2.5 / 3, Hermes 2 Pro). With calls, the
+    content is the text before the first block (as vLLM's hermes parser: what follows the
+    calls, such as a last block cut by max_tokens, is dropped); without, the whole text. A
+    last block left unclosed still counts when its JSON is complete (a model may end on EOS
+    instead of the closing tag)."""
 
     name = "hermes"
     start = "<tool_call>"
@@ -117,16 +119,13 @@ class HermesParser(ToolParser):
     _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
     def extract(self, text: str) -> Extracted:
-        calls, kept, pos = [], [], 0
+        calls, first = [], None
         for m in self._BLOCK.finditer(text):
             call = _parse_json_call(m.group(1).strip())
-            if call is None:
-                continue
-            kept.append(text[pos:m.start()])
-            pos = m.end()
-            calls.append(call)
-        kept.append(text[pos:])
-        return _extracted("".join(kept), calls)
+            if call is not None:
+                calls.append(call)
+                first = m.start() if first is None else first
+        return _extracted(text[:first] if calls else text, calls)
 
     def complete_prefix(self, region: str) -> int:
         """Length of the complete blocks at the head of `region` (which starts at a marker),
@@ -345,7 +344,9 @@ class ToolCallStream:
             return StreamDelta(self._release_content(len(self.text)))
         region = self.text[self.region_at + self.region_parsed:]
         extracted = self.parser.extract(region) if region else Extracted(None, [])
-        # (a region that does not parse goes out as content after all: extract keeps it)
+        if self.num_calls:  # after calls, what is left is not content (HermesParser)
+            extracted.content = None
+        # (a region without calls goes out as content after all: extract keeps it)
         out = StreamDelta(self._release_content(self.region_at) + (extracted.content or ""),
                           extracted.calls)
         self.num_calls += len(out.calls)

@@ -32,6 +32,8 @@ SCRIPTS = [
                             ("get_weather", {"city": "Oslo", "unit": "c"})]),
     ("hermes", '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}', None,
      [("add", {"a": 1, "b": 2})]),  # ended on EOS before the closing tag
+    ("hermes", 'A.<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>\n'
+     '<tool_call>\n{"name": "ad', "A.", [("add", {"a": 1, "b": 2})]),  # cut by max_tokens
     ("hermes", "No tools needed: 2 < 3.", "No tools needed: 2 < 3.", []),
     ("hermes", "<tool_call>\n{not json}\n</tool_call>", "<tool_call>\n{not json}\n</tool_call>",
      []),
