@@ -403,6 +403,7 @@ class OpenAIServing:
         """Admit the request, which reached this process `waited_s` ago (503 if full), and
         create its engine jobs (not yet started)."""
         self.check_alive()
+        self._check_still_served(model)
         try:
             check_priority(priority, self.scheduling_policy)
         except ValueError as exc:
@@ -420,6 +421,13 @@ class OpenAIServing:
         run = Run(self, jobs, params, priority, ticket)
         run.lora = self.loras.get(model)  # an adapter's name: run with it
         return response_id, run
+
+    def _check_still_served(self, model: str | None) -> None:
+        """404 for an adapter unloaded since `check_model` (while the prompt was tokenized):
+        the request must not run on the base model instead."""
+        if model is not None and model not in self.served_names and \
+                self.loras.get(model) is None:
+            raise APIError(404, f"The model `{model}` does not exist.", "model")
 
     def _note(self, run: Run, job: _Job, out) -> None:
         if out.prompt_logprobs is not None:

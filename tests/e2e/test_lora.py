@@ -147,12 +147,20 @@ def server(tiny_llama, adapters):
         proc.stop()
 
 
-def _complete(client: httpx.Client, model: str, prompt: list[int]) -> list[int]:
+def _complete(client: httpx.Client, model: str, prompt: list[int],
+              max_tokens: int = MAX_TOKENS) -> list[int]:
     r = client.post("/v1/completions", json={
-        "model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
         "ignore_eos": True, "return_token_ids": True})
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["token_ids"]
+
+
+def _num_running(client: httpx.Client) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("tidal:num_requests_running"):
+            return float(line.split()[-1])
+    return 0.0
 
 
 def test_models_lists_the_base_model_and_each_adapter(server, adapters):
@@ -173,14 +181,18 @@ def test_load_and_unload_at_run_time_while_requests_run(server, adapters, refere
     results, errors = [], []
 
     def run_all8():
-        try:
-            results.append(_complete(server, "all8", PROMPTS[1]))
+        try:  # long enough to be running when the adapter is unloaded
+            results.append(_complete(server, "all8", PROMPTS[1], max_tokens=60)[:MAX_TOKENS])
         except AssertionError as e:  # pragma: no cover - reported below
             errors.append(e)
 
     threads = [threading.Thread(target=run_all8) for _ in range(4)]
     for t in threads:
         t.start()
+    for _ in range(600):  # all four in the engine's batch
+        if _num_running(server) >= 4 or not any(t.is_alive() for t in threads):
+            break
+        threading.Event().wait(0.05)
     r = server.post("/v1/load_lora_adapter", json={"lora_name": "mlp16",
                                                    "lora_path": adapters["mlp16"]})
     assert r.status_code == 200, r.text
