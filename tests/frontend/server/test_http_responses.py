@@ -6,6 +6,8 @@ import json
 
 import pytest
 from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from openai.types.responses import Response as OpenAIResponse
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
@@ -209,3 +211,32 @@ def test_text_format_json_schema_is_echoed_and_reaches_the_engine(client, engine
     (new,) = set(engine.generated) - before
     assert json.loads(engine.generated[new][1].structured_outputs.json) == schema
     assert OpenAIResponse.model_validate(body).text.format.type == "json_schema"
+
+
+# ------------------------------------------------------------------ fuzz: never a 5xx
+
+_scalars = (st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.text(max_size=6)
+            | st.sampled_from(["tiny", "\ud800", "user", "function", "message", "required",
+                               "input_text", "function_call", "json_schema", "c1"]))
+_values = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+    st.sampled_from(["role", "content", "type", "text", "name", "call_id", "arguments",
+                     "output", "parameters", "format", "schema", "effort"]), inner,
+    max_size=4), max_leaves=10)
+_FIELDS = ["input", "instructions", "max_output_tokens", "temperature", "top_p", "tools",
+           "tool_choice", "parallel_tool_calls", "text", "store", "previous_response_id",
+           "metadata", "truncation", "reasoning", "include", "seed", "stream"]
+_good = {"input": st.just("hi"), "max_output_tokens": st.integers(1, 4)}
+_bodies = st.fixed_dictionaries({}, optional={name: _good.get(name, _values) | _values
+                                              for name in _FIELDS})
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=_bodies)
+def test_no_body_gets_a_server_error(client, body):
+    payload = json.dumps(body, ensure_ascii=True).encode()  # surrogates travel as escapes
+    r = client.post("/v1/responses", content=payload,
+                    headers={"Content-Type": "application/json"})
+    assert r.status_code < 500, (body, r.text)
+    if r.status_code >= 400:
+        error = r.json()["error"]
+        assert error["code"] == r.status_code and error["message"]
