@@ -226,17 +226,27 @@ class LoRAModel:
         """lora_int_id -> slot, as the engine core's plans set them."""
         self.cpu: OrderedDict[tuple[int, str], Adapter] = OrderedDict()
         """(lora_int_id, path) -> the adapter read, least recently used first."""
+        self.failed: dict[int, str] = {}
+        """lora_int_id -> why its folder could not be read into a slot (its requests fail
+        alone, `check`: the frontend checked the config, but the weights can still be bad)."""
 
     def load(self, loads: list[LoRASlot]) -> None:
         """Put adapters into slots (a plan's `lora_slots`, before the step runs)."""
         for load in loads:
-            adapter = self._read(load.lora)
             slot = load.slot
             for lora_id, s in list(self.slot_of.items()):
                 if s == slot:
                     del self.slot_of[lora_id]
             for proj in self.projections.values():
                 proj.clear(slot)
+            try:
+                adapter = self._read(load.lora)
+            except (ValueError, OSError) as e:  # the slot stays empty, its requests fail
+                self.failed[load.lora.lora_int_id] = str(e)
+                logger.warning("LoRA adapter %r (id %d) not loaded: %s", load.lora.lora_name,
+                               load.lora.lora_int_id, e)
+                continue
+            self.failed.pop(load.lora.lora_int_id, None)
             for (layer, module), (a, b) in adapter.weights.items():
                 kind, sub = PACKED[module]
                 proj = self.projections.get((layer, kind))
@@ -256,6 +266,12 @@ class LoRAModel:
                 self.cpu.popitem(last=False)
         self.cpu.move_to_end(key)
         return adapter
+
+    def check(self, lora_id: int) -> None:
+        """ValueError naming lora_request when adapter `lora_id` is not in a slot."""
+        if lora_id and lora_id not in self.slot_of:
+            raise ValueError("lora_request: " + self.failed.get(
+                lora_id, f"adapter id {lora_id} is not loaded on this worker"))
 
     def prepare_step(self, lora_ids: np.ndarray, num_scheduled: np.ndarray) -> None:
         """Group the step's tokens by slot from each request's adapter id (0: none) and its

@@ -318,6 +318,11 @@ class ModelRunner:
         """The row of a request joining the batch; a constrained one gets its grammar
         matcher, replayed over the tokens it already generated. BadRequestData (the request
         left out) when its data or its grammar is unusable."""
+        if new.lora_int_id:  # its adapter must be in a slot (a folder may fail to read)
+            try:
+                self._lora().check(new.lora_int_id)
+            except ValueError as e:
+                raise BadRequestData(str(e)) from None
         if (self.pooling is None) != (new.pooling is None):
             raise BadRequestData("pooling: this worker " + (
                 "generates text; it takes no pooling requests" if self.pooling is None

@@ -115,6 +115,23 @@ def test_an_adapter_above_max_lora_rank_is_refused(llm, tiny_llama, tmp_path):
         llm.generate([[5, 6, 7]], lora_request=LoRARequest("r32", 10, path), use_tqdm=False)
 
 
+def test_an_adapter_whose_weights_cannot_be_read_fails_its_requests_alone(llm, tmp_path):
+    """The config passes the frontend's check, the weights do not pass the workers': the
+    request fails with an error naming lora_request, the engine and its workers go on."""
+    import torch
+    from safetensors.torch import save_file
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}))
+    save_file({"base_model.model.model.embed_tokens.lora_A.weight": torch.zeros(4, 64)},
+              str(tmp_path / "adapter_model.safetensors"))
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    with pytest.raises(ValueError, match="lora_request: .*embed_tokens.* not on a supported"):
+        llm.generate([[5, 6, 7]], params, lora_request=LoRARequest("bad", 11, str(tmp_path)),
+                     use_tqdm=False)
+    assert len(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids) == 2
+
+
 # -- HTTP ---------------------------------------------------------------------------------
 
 
