@@ -221,7 +221,9 @@ def test_langchain_agent_loop_of_two_tool_calls(server):
     assert isinstance(final.content, str) and len(messages) == 5
 
 
-def test_litellm_completion_with_tools(server):
+def test_litellm_completion_with_tools(server, monkeypatch):
+    # LiteLLM fetches a price list from GitHub when imported, unless told to use its own copy
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     import litellm
 
     kwargs = dict(model=f"openai/{NAME}", api_base=server.base_url + "/v1", api_key="none",
