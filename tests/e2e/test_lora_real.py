@@ -27,10 +27,13 @@ MAX_TOKENS = 12
 
 
 def _folder() -> str:
+    """The converted folder the other real-model tests use: in the real-model cache, whatever
+    $TIDAL_CACHE_DIR a session fixture set (a temporary one converted the file again, 35 s)."""
     from tidal.engine_core.model_files import model_folder
 
-    os.environ.setdefault("TIDAL_CACHE_DIR", real_model_cache())
-    return model_folder(smollm2_gguf())
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TIDAL_CACHE_DIR", real_model_cache())
+        return model_folder(smollm2_gguf())
 
 
 def train_adapter(base: str, path: str) -> str:
@@ -64,7 +67,8 @@ def base() -> str:
 
 @pytest.fixture(scope="module")
 def adapter(base) -> str:
-    key = hashlib.sha256(json.dumps([TRAIN, PROMPT, TARGET, base]).encode()).hexdigest()[:12]
+    key = hashlib.sha256(json.dumps([TRAIN, PROMPT, TARGET, os.path.basename(base)])
+                         .encode()).hexdigest()[:12]
     path = os.path.join(real_model_cache(), f"lora-smollm2-{key}")
     if not os.path.isfile(os.path.join(path, "adapter_model.safetensors")):
         train_adapter(base, path + ".partial")
