@@ -62,20 +62,10 @@ async def _plan_tools(serving: OpenAIServing, req: ChatCompletionRequest,
         constraint = await serving.off_loop(plan.constraint) if plan else None
     except ValueError as exc:
         raise bad_request(str(exc), field_of(exc)) from None
-    if constraint is not None:
-        if params.structured_outputs is not None:
-            field = req.structured_output()[1]
-            raise bad_request(f"{field} cannot be combined with tools under tool_choice "
-                              f"{plan.choice.mode!r}: the tool calls' grammar constrains the "
-                              "output already", field)
-        params.structured_outputs = constraint
-        try:
-            await serving.engine.check_structured_outputs(params)
-        except ValueError as exc:
-            raise bad_request(f"tools: the tool-call grammar is refused: {exc}",
-                              "tools") from None
-    if plan is not None and plan.active and not plan.parser.skip_special_tokens:
-        params.skip_special_tokens = False  # the format's markers are special tokens
+    # the field that set the request's own constraint, named only when the two would clash
+    format_field = (req.structured_output()[1]
+                    if constraint is not None and params.structured_outputs else "")
+    await serving.constrain_to_tools(plan, constraint, params, format_field)
     return plan
 
 

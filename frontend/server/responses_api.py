@@ -134,19 +134,7 @@ class ResponsesAPI:
             constraint = await serving.off_loop(plan.constraint) if plan else None
         except ValueError as exc:
             raise bad_request(_flat(str(exc)), _flat_field(field_of(exc))) from None
-        if constraint is not None:
-            if params.structured_outputs is not None:
-                raise bad_request(f"text.format cannot be combined with tools under "
-                                  f"tool_choice {plan.choice.mode!r}: the tool calls' grammar "
-                                  "constrains the output already", "text.format")
-            params.structured_outputs = constraint
-            try:
-                await serving.engine.check_structured_outputs(params)
-            except ValueError as exc:
-                raise bad_request(f"tools: the tool-call grammar is refused: {exc}",
-                                  "tools") from None
-        if plan is not None and plan.active and not plan.parser.skip_special_tokens:
-            params.skip_special_tokens = False  # the format's markers are special tokens
+        await serving.constrain_to_tools(plan, constraint, params, "text.format")
         return plan
 
     def _render(self, prompt: list[dict], tools: list[dict] | None) -> list[int]:

@@ -252,6 +252,26 @@ class OpenAIServing:
         return await asyncio.get_running_loop().run_in_executor(
             self._small_pool if small else self._pool, call)
 
+    async def constrain_to_tools(self, plan, constraint, params,
+                                 format_field: str) -> None:
+        """A tool plan's grammar (`constraint`, None when its choice has none) as the request's
+        structured output, compiled by the engine's check; the plan's markers kept in the text
+        where they are special tokens. 400s: a structured output already there (named by
+        `format_field`: response_format, text.format), a grammar the check refuses (tools)."""
+        if constraint is not None:
+            if params.structured_outputs is not None:
+                raise bad_request(f"{format_field} cannot be combined with tools under "
+                                  f"tool_choice {plan.choice.mode!r}: the tool calls' grammar "
+                                  "constrains the output already", format_field)
+            params.structured_outputs = constraint
+            try:
+                await self.engine.check_structured_outputs(params)
+            except ValueError as exc:
+                raise bad_request(f"tools: the tool-call grammar is refused: {exc}",
+                                  "tools") from None
+        if plan is not None and plan.active and not plan.parser.skip_special_tokens:
+            params.skip_special_tokens = False  # the format's markers are special tokens
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._small_pool.shutdown(wait=False, cancel_futures=True)
