@@ -49,26 +49,32 @@ async function connect() {
       return;
     }
     setStatus("live", "ready");
-    const reader = resp.body.getReader();
-    const decoder = new TextDecoder();
-    let buffer = "";
-    for (;;) {
-      const { value, done } = await reader.read();
-      if (done) break;
-      buffer += decoder.decode(value, { stream: true });
-      let end;
-      while ((end = buffer.indexOf("\n\n")) >= 0) {
-        const event = buffer.slice(0, end);
-        buffer = buffer.slice(end + 2);
-        if (event.startsWith("data: ")) onSnapshot(JSON.parse(event.slice(6)));
-      }
-    }
+    for await (const data of sseData(resp)) onSnapshot(JSON.parse(data));
     setStatus("reconnecting", "bad");
   } catch (e) {
     if (e.name === "AbortError") return;
     setStatus("reconnecting", "bad");
   }
   setTimeout(connect, 1000);
+}
+
+// Server-sent events from a fetch response: each event's `data: ` payload, in order (the
+// live feed and the chat stream both arrive so).
+async function* sseData(resp) {
+  const reader = resp.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, { stream: true });
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const event = buffer.slice(0, end).trim();
+      buffer = buffer.slice(end + 2);
+      if (event.startsWith("data: ")) yield event.slice(6);
+    }
+  }
 }
 
 // ---- one snapshot -----------------------------------------------------------------------
@@ -289,35 +295,24 @@ async function answer() {
       const err = await resp.json().catch(() => ({}));
       throw new Error((err.error && err.error.message) || resp.statusText);
     }
-    const reader = resp.body.getReader();
-    const decoder = new TextDecoder();
-    let buffer = "";
-    for (;;) {
-      const { value, done } = await reader.read();
-      if (done) break;
-      buffer += decoder.decode(value, { stream: true });
-      let end;
-      while ((end = buffer.indexOf("\n\n")) >= 0) {
-        const line = buffer.slice(0, end).trim();
-        buffer = buffer.slice(end + 2);
-        if (!line.startsWith("data: ") || line === "data: [DONE]") continue;
-        const chunk = JSON.parse(line.slice(6));
-        if (chunk.error) throw new Error(chunk.error.message);
-        if (chunk.usage) usage = chunk.usage;
-        for (const choice of chunk.choices || []) {
-          if (choice.finish_reason) finish = choice.finish_reason;
-          const content = (choice.delta && choice.delta.content) || "";
-          // a chunk's logprobs name each token it carries (text held back for a split
-          // character comes with a later chunk's content)
-          const lps = (choice.logprobs && choice.logprobs.content) || [];
-          if (!content && !lps.length) continue;
-          if (first === null) first = performance.now();
-          reply += content;
-          if (lps.length) {
-            for (const lp of lps) { textBox.appendChild(tokenSpan(lp)); tokens += 1; }
-          } else {
-            textBox.appendChild(document.createTextNode(content)); tokens += 1;
-          }
+    for await (const data of sseData(resp)) {
+      if (data === "[DONE]") continue;
+      const chunk = JSON.parse(data);
+      if (chunk.error) throw new Error(chunk.error.message);
+      if (chunk.usage) usage = chunk.usage;
+      for (const choice of chunk.choices || []) {
+        if (choice.finish_reason) finish = choice.finish_reason;
+        const content = (choice.delta && choice.delta.content) || "";
+        // a chunk's logprobs name each token it carries (text held back for a split
+        // character comes with a later chunk's content)
+        const lps = (choice.logprobs && choice.logprobs.content) || [];
+        if (!content && !lps.length) continue;
+        if (first === null) first = performance.now();
+        reply += content;
+        if (lps.length) {
+          for (const lp of lps) { textBox.appendChild(tokenSpan(lp)); tokens += 1; }
+        } else {
+          textBox.appendChild(document.createTextNode(content)); tokens += 1;
         }
       }
     }
