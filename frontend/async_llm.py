@@ -357,13 +357,7 @@ class AsyncLLM:
         request_id, collector = self._add_request(prompt, params, request_id, priority, 1,
                                                   final_only=True, prompt_ids=prompt_token_ids,
                                                   lora_request=lora_request)
-        try:
-            output = await collector.get()
-        finally:
-            self._collectors.pop(request_id, None)
-            if self._processor.has_request(request_id):
-                self._abort_quietly(request_id)
-        return output
+        return await self._final_output(request_id, collector)
 
     async def embed(self, prompt: str | list[int], pooling_params: PoolingParams | None = None,
                     request_id: str | None = None, *,
@@ -387,13 +381,17 @@ class AsyncLLM:
         request_id, collector = self._add_request(
             prompt, SamplingParams(max_tokens=1, temperature=0.0), request_id, 0, 1,
             final_only=True, prompt_ids=prompt_token_ids, pooling=params)
+        return await self._final_output(request_id, collector)
+
+    async def _final_output(self, request_id: str, collector):
+        """The one output a final-only request's collector gets; the request is aborted if
+        the wait ends without it (the caller cancelled)."""
         try:
-            output = await collector.get()
+            return await collector.get()
         finally:
             self._collectors.pop(request_id, None)
             if self._processor.has_request(request_id):
                 self._abort_quietly(request_id)
-        return output
 
     async def check_structured_outputs(self, params: SamplingParams) -> None:
         """ValueError naming the field when `params.structured_outputs` does not compile
