@@ -1,6 +1,17 @@
-"""Shared test set-up. Triton kernels run under the interpreter on machines without CUDA."""
+"""Shared test set-up. Triton kernels run under the interpreter on machines without CUDA.
+
+Nothing of a run is left in the user's folders (issue 38 §6): its ipc:// sockets go into a
+runtime folder of its own ($XDG_RUNTIME_DIR, which ipc/transport.runtime_dir reads), removed
+when the session ends, after `pytest_sessionfinish` checked that no process of the run still
+holds one; tidal's cache ($TIDAL_CACHE_DIR: kernel builds, the OpenMP link, GGUF conversions)
+is the real-model cache under the temporary root (tests/real_models.py), unless set.
+"""
 
 import os
+import shutil
+import sys
+import tempfile
+import time
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -9,7 +20,45 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
+from process_tree import alive  # noqa: E402
+from real_models import real_model_cache  # noqa: E402
 from tiny_models import make_tiny_gguf, make_tiny_model  # noqa: E402
+
+# Set at import, before any test or subprocess asks: every process started from here on
+# (daemons, workers, `tidal serve`) inherits both. Each pytest-xdist worker imports this file
+# and gets a runtime folder of its own.
+RUN_RUNTIME_DIR = tempfile.mkdtemp(prefix="tidal-run-")  # mode 0700, as XDG requires
+os.environ["XDG_RUNTIME_DIR"] = RUN_RUNTIME_DIR
+os.environ.setdefault("TIDAL_CACHE_DIR", real_model_cache())
+
+
+def live_socket_owners(folder: str) -> dict[str, int]:
+    """{socket file: pid} for each socket in `folder` whose creator is still alive. tidal names
+    them TAG-PID-RANDOM.sock (ipc/transport.new_private_address); a process SIGKILLed by a
+    fault test leaves its files behind, which is no leak: the folder goes with the run."""
+    owners = {}
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        parts = name.rsplit("-", 2)
+        if name.endswith(".sock") and len(parts) == 3 and parts[1].isdigit():
+            pid = int(parts[1])
+            if pid != os.getpid() and alive(pid):
+                owners[name] = pid
+    return owners
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run if a process that bound a socket here outlived every test (10 s of grace
+    for one still exiting), then remove the run's runtime folder."""
+    folder = os.path.join(RUN_RUNTIME_DIR, "tidal")
+    deadline = time.monotonic() + 10
+    while (owners := live_socket_owners(folder)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if owners and sys.platform.startswith("linux"):
+        session.config.get_terminal_writer().line(
+            f"tests/conftest.py: processes of this run outlived it, holding sockets: {owners}",
+            red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    shutil.rmtree(RUN_RUNTIME_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

