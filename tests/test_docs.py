@@ -87,3 +87,13 @@ def test_section_citations_in_the_code_exist_in_architecture_md():
                     if cited not in sections:
                         missing.append(f"{path.relative_to(ROOT)}:{number} cites §{cited}")
     assert missing == [], "sections cited in the code but not in docs/architecture.md"
+
+
+def test_ci_runs_the_readme_test_command():
+    """.ci/run runs the suite exactly as README.md's "Test it" tells a reader to: one command,
+    written in both places, changed in both in the same commit."""
+    readme = (ROOT / "README.md").read_text()
+    (command,) = re.findall(r"^pip install .*&& (python -m pytest .*)$", readme, re.MULTILINE)
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line.strip().startswith("python -m pytest")]
+    assert ci == [command], f".ci/run runs {ci}, README.md says {command!r}"
