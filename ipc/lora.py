@@ -7,7 +7,8 @@ A folder is `adapter_config.json` plus `adapter_model.safetensors`. tidal takes 
 (`TARGET_MODULES`), any rank up to --max-lora-rank (per module too: `rank_pattern` is read
 from the tensors' shapes), scaling lora_alpha / r (lora_alpha / sqrt(r) with use_rslora).
 What it does not take is refused by name: DoRA, biases, `modules_to_save`, `alpha_pattern`,
-embeddings or the LM head as targets, `.bin` weights.
+embeddings or the LM head as targets, MoE experts, routers and shared experts (PEFT's
+`target_parameters`, or tensors under an MoE block: `workers/lora.py`), `.bin` weights.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import math
 import os
 from dataclasses import dataclass
 
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""The projections an adapter may target (PEFT's names in Llama-family checkpoints)."""
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                  "qkv_proj", "gate_up_proj")
+"""The projections an adapter may target: PEFT's names in Llama-family checkpoints, and the
+fused ones of checkpoints that fuse them (Phi-3's qkv_proj and gate_up_proj)."""
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -71,6 +74,10 @@ def read_adapter_config(path: str, max_lora_rank: int) -> AdapterConfig:
     ranks = [rank] + [r for r in (raw.get("rank_pattern") or {}).values()]
     if max(ranks) > max_lora_rank:
         raise bad(f"rank {max(ranks)} exceeds --max-lora-rank {max_lora_rank}")
+    if raw.get("target_parameters"):  # PEFT's LoRA on bare parameters: MoE experts' stacks
+        raise bad(f"target_parameters {raw['target_parameters']!r} are not supported (LoRA "
+                  "on parameters such as MoE experts' stacked weights; tidal takes adapters "
+                  "on the attention and dense MLP projections only)")
     targets = raw.get("target_modules") or []
     if isinstance(targets, str):  # a regex in PEFT: the weights' names say which modules
         targets = list(TARGET_MODULES)

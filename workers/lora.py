@@ -60,9 +60,17 @@ _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])
 
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0),
-          "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
-"""PEFT's module name -> (this model's projection, its index among the packed ones)."""
+          "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0),
+          "qkv_proj": ("qkv_proj", None), "gate_up_proj": ("gate_up_proj", None)}
+"""PEFT's module name -> (this model's projection, its index among the packed ones; None: the
+whole fused projection, as PEFT adapts Phi-3's qkv_proj and gate_up_proj: one A for all of
+it, B's rows q | k | v (gate | up). `LoRAProjection.put_fused` gives each sub-projection A
+and its rows of B, so the product is the same and tensor parallelism cuts B as it cuts the
+separate ones)."""
 
+
+_MOE_PARTS = ("experts", "shared_expert", "shared_expert_gate", "router", "gate")
+"""Module names inside an MoE block, which a refused adapter tensor is named by."""
 
 DENSE_MAX_TOKENS = 64
 """Steps of at most this many tokens take the masked product (see the module docstring)."""
@@ -109,8 +117,10 @@ def read_adapter(lora: LoRARequest, max_lora_rank: int) -> Adapter:
         for name in f.keys():
             m = _KEY.search(name)
             if m is None or m.group(2) not in PACKED:
+                moe = next((p for p in _MOE_PARTS if p in name.split(".")), None)
+                what = f" (LoRA on an MoE block's {moe} is not supported)" if moe else ""
                 raise ValueError(f"lora_path {lora.lora_path!r}: tensor {name} is not on a "
-                                 f"supported projection ({', '.join(PACKED)})")
+                                 f"supported projection ({', '.join(PACKED)}){what}")
             halves.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = \
                 f.get_tensor(name).to(torch.float32)
     weights = {}
@@ -166,6 +176,21 @@ class LoRAProjection:
             rows = slice(offset, offset + b.shape[0])
         self.A[slot, sub * R:sub * R + r].copy_(a)
         self._b(slot)[rows, sub * R:sub * R + r].copy_(b)
+
+    def put_fused(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """An adapter on the whole fused projection (Phi-3's qkv_proj: B [q + 2 kv rows, r];
+        gate_up_proj: B [2 I, r]): every sub-projection takes A and its own rows of B."""
+        layer = self.layer
+        if self.kind == "qkv_proj":
+            d = layer.head_dim
+            sizes = [layer.total_num_heads * d] + [layer.total_num_kv_heads * d] * 2
+        else:
+            sizes = [b.shape[0] // self.num_sub] * self.num_sub
+        if sum(sizes) != b.shape[0]:
+            raise ValueError(f"LoRA B of {self.kind} has {b.shape[0]} rows, the projection "
+                             f"{sum(sizes)}")
+        for sub, rows in enumerate(b.split(sizes)):
+            self.put(slot, sub, a, rows)
 
     def _rows_of(self, sub: int, b: torch.Tensor, tp_rank: int,
                  tp_size: int) -> tuple[torch.Tensor, int]:
@@ -246,15 +271,30 @@ class LoRAModel:
                 logger.warning("LoRA adapter %r (id %d) not loaded: %s", load.lora.lora_name,
                                load.lora.lora_int_id, e)
                 continue
+            try:
+                self._put(slot, adapter)
+            except (ValueError, RuntimeError) as e:  # shapes not this model's: as above
+                for proj in self.projections.values():
+                    proj.clear(slot)
+                self.failed[load.lora.lora_int_id] = f"lora_path {load.lora.lora_path!r}: {e}"
+                logger.warning("LoRA adapter %r (id %d) not loaded: %s", load.lora.lora_name,
+                               load.lora.lora_int_id, e)
+                continue
             self.failed.pop(load.lora.lora_int_id, None)
-            for (layer, module), (a, b) in adapter.weights.items():
-                kind, sub = PACKED[module]
-                proj = self.projections.get((layer, kind))
-                if proj is not None:  # another pipeline stage's layer otherwise
-                    proj.put(slot, sub, a, b)
             self.slot_of[load.lora.lora_int_id] = slot
             logger.info("LoRA adapter %r (id %d) in slot %d", load.lora.lora_name,
                         load.lora.lora_int_id, slot)
+
+    def _put(self, slot: int, adapter: Adapter) -> None:
+        for (layer, module), (a, b) in adapter.weights.items():
+            kind, sub = PACKED[module]
+            proj = self.projections.get((layer, kind))
+            if proj is None:  # another pipeline stage's layer
+                continue
+            if sub is None:
+                proj.put_fused(slot, a, b)
+            else:
+                proj.put(slot, sub, a, b)
 
     def _read(self, lora: LoRARequest) -> Adapter:
         key = (lora.lora_int_id, lora.lora_path)

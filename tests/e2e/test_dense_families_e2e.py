@@ -1,13 +1,14 @@
-"""Issue 34: Phi-3 (its fused checkpoint projections split over the ranks, LongRoPE's short
-factors, partial rotary), OLMo 2 (q/k norms over the whole projection, all-reduced across
-ranks) and Gemma 2 (sliding windows, score caps), each at TP=2 through the whole process tree
-(`LLM`: frontend, engine-core daemon, two worker processes): greedy tokens equal
-transformers' `generate()` on the tiny random float32 models, with every prompt chunked
-(16-token steps) and a second pass hitting the prefix cache. Compared up to transformers'
-first top-2 logit gap under 1e-4, as in test_llm.py; and Gemma 3 in two pipeline stages.
-Four engine starts only: Granite differs from these in model code alone, which
-tests/workers/test_dense_families.py compares logit by logit (chunked, after a prefix-cache
-hit) on the worker the engine runs.
+"""Issue 34: each dense family beyond Llama through the whole process tree (`LLM`: frontend,
+engine-core daemon, two worker processes): Granite 3 (its multipliers), Phi-3 (its fused
+checkpoint projections split over the ranks, LongRoPE's short factors, partial rotary), OLMo 2
+(q/k norms over the whole projection, all-reduced across ranks), Gemma 2 (sliding windows,
+score caps) and Gemma 3 (sliding / full / sliding layers, per-head q/k norms) at TP=2, and
+Gemma 3 again in two pipeline stages. Greedy tokens equal transformers' `generate()` on the
+tiny random float32 models, with every prompt chunked (16-token steps) in a KV pool of 7
+usable blocks for 7 requests of up to 3 blocks (preemptions: the counter must move), then the
+two prompts sharing a full block again, hitting the prefix cache. Compared up to
+transformers' first top-2 logit gap under 1e-4, as in test_llm.py. One engine start per case
+(~8 s each on an idle 2-core machine; the rest is transformers' reference).
 
 The prompts (up to 24 tokens, 10 generated) stay inside the tiny Phi-3's original 40
 positions (past them transformers' generate() recomputes the sequence: docs/models.md) and
@@ -37,19 +38,26 @@ def _prompts() -> list[list[int]]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("arch, tp, pp", [("phi3", 2, 1), ("olmo2", 2, 1), ("gemma2", 2, 1),
+@pytest.mark.parametrize("arch, tp, pp", [("granite", 2, 1), ("phi3", 2, 1), ("olmo2", 2, 1),
+                                          ("gemma2", 2, 1), ("gemma3", 2, 1),
                                           ("gemma3", 1, 2)])
-def test_greedy_chunked_prefix_cached(tiny_model_factory, arch, tp, pp):
-    """TP=2, or for Gemma 3 two pipeline stages (its own forward, the tied LM head on the
-    last stage)."""
+def test_greedy_chunked_preempted_prefix_cached(tiny_model_factory, arch, tp, pp):
+    """TP=2, or for Gemma 3 also two pipeline stages (its own forward, the tied LM head on
+    the last stage)."""
     path = tiny_model_factory(arch)
     prompts = _prompts()
     reference = hf_greedy(path, prompts, MAX_TOKENS)
-    with LLM(path, kv_cache_memory="8MiB", max_num_batched_tokens=16, max_num_seqs=8,
-             tensor_parallel_size=tp, pipeline_parallel_size=pp, startup_timeout=120) as llm:
+    # 8 blocks of 16 (block 0 reserved): 7 requests of 1-3 blocks each outgrow them
+    with LLM(path, num_gpu_blocks_override=8, max_model_len=48, max_num_batched_tokens=16,
+             max_num_seqs=8, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+             startup_timeout=120) as llm:
         first = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert_greedy_equal(first, reference)
-        second = llm.generate(prompts, GREEDY, use_tqdm=False)
+        stats = llm.get_stats()
+        assert stats.num_preemptions > 0
+        assert stats.kv_cache_usage == 0.0
+        # the shared block was freed last: still cached for the two prompts that share it
+        second = llm.generate(prompts[-2:], GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in second] == [o.outputs[0].token_ids
-                                                            for o in first]
-        assert all(o.metrics.num_cached_tokens >= 16 for o in second[-2:])
+                                                            for o in first[-2:]]
+        assert all(o.metrics.num_cached_tokens >= 16 for o in second)

@@ -1,7 +1,9 @@
-"""Issue 34: a mixture-of-experts model through the whole process tree (frontend -> engine
-core -> two worker processes): the tiny Qwen2-MoE (8 experts top-2, a gated shared expert,
-one dense layer) at TP=2, every prompt chunked (max_num_batched_tokens=32), prefix caching
-on. Greedy tokens equal transformers' generate() (up to its first near-tie, as in
+"""Issue 34: each mixture-of-experts family through the whole process tree (frontend -> engine
+core -> two worker processes) at TP=2 (every expert's matrices split over the ranks): the tiny
+Mixtral, Qwen2-MoE (8 experts top-2, a gated shared expert, one dense layer), Qwen3-MoE
+(norm_topk_prob, per-head q/k norms), OLMoE (full-width q/k norms all-reduced, clip_qkv) and
+Granite-MoE (top-k then softmax, multipliers), every prompt chunked
+(max_num_batched_tokens=32), prefix caching on. Greedy tokens equal transformers' generate() (up to its first near-tie, as in
 test_llm.py); a second pass hits the prefix cache and gives the same tokens."""
 
 from __future__ import annotations
@@ -47,8 +49,9 @@ def _hf_greedy(path: str, prompts) -> list[tuple[list[int], list[float]]]:
 
 
 @pytest.mark.timeout(300)
-def test_moe_greedy_tp2_chunked_prefix_hits(tiny_model_factory):
-    path = tiny_model_factory("qwen2_moe")
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe"])
+def test_moe_greedy_tp2_chunked_prefix_hits(tiny_model_factory, arch):
+    path = tiny_model_factory(arch)
     prompts = _prompts()
     reference = _hf_greedy(path, prompts)
     with LLM(path, kv_cache_memory="64MiB", tensor_parallel_size=2,

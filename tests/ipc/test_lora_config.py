@@ -32,6 +32,10 @@ def test_a_plain_lora_reads_with_peft_scaling(tmp_path):
     (dict(rank_pattern={"q_proj": 64}), "rank 64 exceeds"),
     (dict(modules_to_save=["lm_head"]), "modules_to_save is not supported"),
     (dict(peft_type="IA3"), "peft_type 'IA3' is not supported"),
+    # PEFT 0.21's LoRA on transformers 5's stacked MoE experts (Mixtral, Qwen-MoE, OLMoE)
+    (dict(target_modules=[], target_parameters=["experts.gate_up_proj", "experts.down_proj"]),
+     r"target_parameters \['experts.gate_up_proj', 'experts.down_proj'\] are not supported "
+     r"\(LoRA on parameters such as MoE experts"),
 ])
 def test_what_tidal_cannot_run_is_refused_by_name(tmp_path, config, message):
     with pytest.raises(ValueError, match=message):
@@ -57,3 +61,29 @@ def test_lora_modules_take_name_path_and_json():
             parse_lora_modules([bad])
     with pytest.raises(ValueError, match="twice"):
         parse_lora_modules(["a=/x", "a=/y"])
+
+
+def test_an_adapter_on_moe_blocks_is_refused_naming_the_module(tmp_path):
+    """Tensors of a PEFT adapter on an MoE block (its router, a shared expert, experts as
+    modules in older transformers) are refused by the worker's reader, naming the tensor and
+    the block's module; its requests fail alone (docs/lora.md)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from tidal.ipc.messages import LoRARequest
+    from tidal.workers.lora import read_adapter
+
+    for module in ("mlp.gate", "mlp.shared_expert.gate_proj", "block_sparse_moe.experts.0.w1"):
+        folder = tmp_path / module.replace(".", "_")
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text(json.dumps(
+            {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}))
+        name = f"base_model.model.model.layers.0.{module}"
+        save_file({f"{name}.lora_A.weight": torch.zeros(4, 8),
+                   f"{name}.lora_B.weight": torch.zeros(8, 4)},
+                  str(folder / "adapter_model.safetensors"))
+        block = {"mlp.gate": "gate", "mlp.shared_expert.gate_proj": "shared_expert"}.get(
+            module, "experts")
+        with pytest.raises(ValueError, match=rf"tensor {name}.lora_A.weight is not on a "
+                           rf".*MoE block's {block}"):
+            read_adapter(LoRARequest("moe", 1, str(folder)), 16)

@@ -8,6 +8,10 @@
 
 The residual multiplier sits between the projection and the add, so the layers take the
 per-module path (the one-call C layers add unscaled).
+
+The multipliers live here once, as mixins over any Llama-family layer, model and LM
+(`GraniteResidual`, `GraniteEmbedding`, `GraniteLogits`): the dense classes below and
+Granite-MoE's (`granite_moe.py`, over the shared MoE decoder) are built from them.
 """
 
 from __future__ import annotations
@@ -32,15 +36,21 @@ class GraniteArgs(ModelArgs):
         return self.attention_multiplier
 
 
-def parse_model_args(config: dict, architecture: str = "GraniteForCausalLM") -> GraniteArgs:
-    fields = base_fields(config, architecture)
-    scalars = {name: float(config.get(name, 1.0)) for name in (  # transformers' defaults
+def multipliers(config: dict) -> dict[str, float]:
+    """The four scalars of a Granite or Granite-MoE config.json (transformers' default 1)."""
+    return {name: float(config.get(name, 1.0)) for name in (
         "embedding_multiplier", "attention_multiplier", "residual_multiplier",
         "logits_scaling")}
-    return GraniteArgs(**fields, **scalars)
 
 
-class GraniteDecoderLayer(LlamaDecoderLayer):
+def parse_model_args(config: dict, architecture: str = "GraniteForCausalLM") -> GraniteArgs:
+    return GraniteArgs(**base_fields(config, architecture), **multipliers(config))
+
+
+class GraniteResidual:
+    """A decoder layer's forward with each branch scaled before its residual add (over a
+    layer class with `self_attn`, `mlp`, the two norms; `args` a `GraniteArgs`)."""
+
     def __init__(self, args: GraniteArgs, tp, backend, index: int = 0):
         super().__init__(args, tp, backend, index)
         self.residual_multiplier = args.residual_multiplier
@@ -54,19 +64,32 @@ class GraniteDecoderLayer(LlamaDecoderLayer):
         return None  # the residual multiplier
 
 
-class GraniteModel(LlamaModel):
-    layer_cls = GraniteDecoderLayer
+class GraniteEmbedding:
+    """A model's embedding times `embedding_multiplier`."""
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.args.embedding_multiplier
 
 
-class GraniteForCausalLM(LlamaForCausalLM):
-    model_cls = GraniteModel
+class GraniteLogits:
+    """An LM's logits divided by `logits_scaling`."""
+
     fused_layers_lack = "Granite's residual multiplier"
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden) / self.args.logits_scaling
+
+
+class GraniteDecoderLayer(GraniteResidual, LlamaDecoderLayer):
+    pass
+
+
+class GraniteModel(GraniteEmbedding, LlamaModel):
+    layer_cls = GraniteDecoderLayer
+
+
+class GraniteForCausalLM(GraniteLogits, LlamaForCausalLM):
+    model_cls = GraniteModel
 
 
 def build_model(args: GraniteArgs, tp, backend, max_model_len: int, pp) -> GraniteForCausalLM:

@@ -37,11 +37,8 @@ from ..attention import AttentionInputs, KVCache
 from ..distributed import PipelineParallel, TensorParallel
 from ..layers import (
     GemmLayer,
-    ParallelLMHead,
     RMSNorm,
     RopeTables,
-    RotaryEmbedding,
-    VocabParallelEmbedding,
     _check_shape,
     _copy,
     _param,
@@ -49,7 +46,14 @@ from ..layers import (
 )
 from ..moe import STACKED, FusedMoE, Routing, route
 from . import llama
-from .llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, ModelArgs
+from .llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+    LlamaModel,
+    ModelArgs,
+)
 
 
 @dataclass(frozen=True)
@@ -71,12 +75,6 @@ class MoeArgs(ModelArgs):
     """OLMoE: one RMSNorm over all of q and one over all of k (not per head)."""
     clip_qkv: float | None = None
     """OLMoE: clamp q, k and v to [-clip, clip] after the projection."""
-    embedding_multiplier: float = 1.0
-    """Granite-MoE's multipliers (1.0 elsewhere): embeddings scaled, each residual branch
-    scaled, attention scale (None: head_dim ** -0.5), logits divided."""
-    residual_multiplier: float = 1.0
-    attention_multiplier: float | None = None
-    logits_scaling: float = 1.0
 
 
 def base_fields(config: dict, arch: str, intermediate_size: int, *, qkv_bias: bool,
@@ -223,62 +221,39 @@ class OlmoeAttention(LlamaAttention):
         return self.o_proj(out, residual)
 
 
-class MoeDecoderLayer(nn.Module):
-    def __init__(self, args: MoeArgs, index: int, tp: TensorParallel,
-                 backend: AttentionBackend):
-        super().__init__()
+class MoeDecoderLayer(LlamaDecoderLayer):
+    """llama.py's layer (its forward: norm, attention, residual add, norm, block, residual
+    add) with the block sparse unless the layer is dense, under the checkpoint's module name
+    (`mlp` or `block_sparse_moe`); `mlp` reads it whatever its name."""
+
+    def __init__(self, args: MoeArgs, tp: TensorParallel, backend: AttentionBackend,
+                 index: int = 0):
+        nn.Module.__init__(self)
         attention = OlmoeAttention if args.full_qk_norm else LlamaAttention
         self.self_attn = attention(args, tp, backend)
-        if args.attention_multiplier is not None:
-            self.self_attn.attn.scale = args.attention_multiplier
         dense = index in args.dense_layers
         self.block_name = "mlp" if dense else args.block_name
         self.add_module(self.block_name, LlamaMLP(args, tp) if dense
                         else SparseMoeBlock(args, tp))
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.multiplier = args.residual_multiplier
 
-    def forward(self, rope: RopeTables, x: torch.Tensor, kv_cache: KVCache,
-                attn_inputs: AttentionInputs) -> torch.Tensor:
-        block = getattr(self, self.block_name)
-        if self.multiplier == 1.0:  # the residual adds fused where the layers can
-            h = self.self_attn(rope, self.input_layernorm(x), kv_cache, attn_inputs, residual=x)
-            return block(self.post_attention_layernorm(h), residual=h)
-        m = self.multiplier  # Granite-MoE: residual + branch * multiplier
-        h = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, attn_inputs,
-                               residual=None) * m
-        return h + block(self.post_attention_layernorm(h), residual=None) * m
+    @property
+    def mlp(self) -> nn.Module:
+        try:
+            return self._modules[self.block_name]
+        except KeyError:  # before __init__ adds it (add_module asks hasattr)
+            raise AttributeError("mlp") from None
+
+    def cpu_parts(self) -> None:
+        return None  # no router or experts in the one-call C layers
 
 
-class MoeModel(nn.Module):
-    def __init__(self, args: MoeArgs, tp: TensorParallel, backend: AttentionBackend,
-                 max_model_len: int, pp: PipelineParallel):
-        super().__init__()
-        self.pp = pp
-        if pp.is_first:
-            self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp)
-        self.rotary = RotaryEmbedding(args.head_dim, max(max_model_len, 1), args.rope_theta,
-                                      args.rope_scaling)
-        self.layers = nn.ModuleDict({str(i): MoeDecoderLayer(args, i, tp, backend)
-                                     for i in pp.layers(args.num_hidden_layers)})
-        if pp.is_last:
-            self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.embedding_multiplier = args.embedding_multiplier
+class MoeModel(LlamaModel):
+    layer_cls = MoeDecoderLayer
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], attn_inputs: AttentionInputs,
-                hidden: torch.Tensor | None = None) -> torch.Tensor:
-        if self.pp.is_first:
-            h = self.embed_tokens(input_ids)
-            if self.embedding_multiplier != 1.0:
-                h = h * self.embedding_multiplier
-        else:
-            h = hidden
-        rope = self.rotary.tables(positions, h.dtype)
-        for layer, kv_cache in zip(self.layers.values(), kv_caches):
-            h = layer(rope, h, kv_cache, attn_inputs)
-        return self.norm(h) if self.pp.is_last else h
+    def use_cpu_ops(self, ops: CpuOps) -> bool:
+        return False  # the one-call C layers have no router or experts
 
 
 # a checkpoint's per-expert tensor: <prefix>.experts.<e>.<projection>.weight
@@ -293,18 +268,9 @@ _STACKED = {".experts.gate_up_proj": ".experts.w13", ".experts.down_proj": ".exp
 
 class MoeForCausalLM(LlamaForCausalLM):
     """The MoE decoder plus the LM head; llama.py's pipeline-stage naming, forward and
-    packed projections, with the experts' names (`param_for`) and Granite's logit scale."""
+    packed projections, with the experts' names (`param_for`)."""
 
-    def __init__(self, args: MoeArgs, tp: TensorParallel, backend: AttentionBackend,
-                 max_model_len: int, pp: PipelineParallel = PipelineParallel()):
-        nn.Module.__init__(self)
-        self.args = args
-        self.pp = pp
-        self.model = MoeModel(args, tp, backend, max_model_len, pp)
-        if pp.is_last:
-            self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp)
-            if args.tie_word_embeddings and pp.is_first:
-                self.lm_head.weight = self.model.embed_tokens.weight
+    model_cls = MoeModel
 
     def param_for(self, name: str) -> tuple[str, object] | None:
         """(parameter, shard id) of an expert tensor or Granite's router; None for the rest
@@ -332,11 +298,6 @@ class MoeForCausalLM(LlamaForCausalLM):
         return (f"{gemms} linear layers and the experts of {took} of {len(experts)} MoE "
                 "layers on the small-batch GEMMs; the decoder layers in one C call: not for "
                 "MoE models (no router or experts in it), their kernels are called one by one")
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
-        scale = self.args.logits_scaling
-        return logits if scale == 1.0 else logits / scale
 
 
 def build_model(args: MoeArgs, tp: TensorParallel, backend: AttentionBackend,
