@@ -20,10 +20,12 @@ The `cpu_wait_policy=auto` rule (`CpuContention.step`):
 
 - share > `DROP_SHARE` on n threads: halve n (at least 1), and log a warning (at most one
   per `REPEAT_S`) that says what takes the cores and what the user can do;
-- share < `RESTORE_SHARE` on fewer than the full count, and the cores have looked free for
-  `probe_after_s` since the last change: try the full count again. A try that is contended
-  at once doubles `probe_after_s` (from `FIRST_PROBE_S` up to `MAX_PROBE_S`): beside one
-  busy neighbour on 2 cores the one thread waits for nobody, yet two threads would.
+- on fewer than the full count, once `probe_after_s` have passed since the last change and
+  the cores it gave up were idle over that time (at least `FREE_SHARE` of each, from
+  /proc/stat's idle time of the cores this process may use): try the full count again. Its
+  own run-queue wait says nothing here: beside one busy loop on 2 cores the one thread
+  waits for nobody, yet two threads would. A try that is contended at once doubles
+  `probe_after_s` (from `FIRST_PROBE_S` up to `MAX_PROBE_S`); one that holds resets it.
 
 Changing the count keeps tokens bit-exact: every parallel loop of the CPU path splits rows or
 requests among threads, never one reduction (tests/workers/test_cpu_contention.py runs the
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import glob
 import logging
+import os
 import sys
 import time
 from typing import Callable, MutableMapping
@@ -43,16 +46,18 @@ logger = logging.getLogger(__name__)
 
 WINDOW_S = 10.0
 """Seconds of step time between two looks at the run-queue wait (a rank that does not adapt)."""
-ADAPT_WINDOW_S = 0.5
+ADAPT_WINDOW_S = 0.1
 """Seconds of step time between two looks where the rank adapts (`cpu_wait_policy=auto`):
-short, so that a neighbour costs at most this much slow decoding before the rank gives way.
-A look reads one small file per thread (~0.1 ms for a worker's ~20 threads)."""
+short, so that a neighbour, or a try of the full count while it is still there, costs
+about this much slow decoding (at least one step: spinning beside two busy loops, one step
+of the demo model took 0.1-1 s). A look reads one small file per thread (~0.1 ms for a
+worker's ~20 threads: 0.1% of its time)."""
 WARN_SHARE = 0.25
 """Share of the threads' step time spent waiting for a CPU above which it warns."""
 DROP_SHARE = WARN_SHARE
 """... and above which an adapting rank halves its threads."""
-RESTORE_SHARE = 0.10
-"""Share below which a rank on fewer threads counts the cores as free."""
+FREE_SHARE = 0.75
+"""Share of the time each core a rank gave up must have been idle before it tries them again."""
 FIRST_PROBE_S = 2.0
 """Seconds the cores must look free before a rank tries its full thread count again."""
 MAX_PROBE_S = 60.0
@@ -74,6 +79,23 @@ def runqueue_wait_s() -> float | None:
         except (OSError, IndexError, ValueError):  # a thread that ended meanwhile
             continue
     return total / 1e9 if found else None
+
+
+def idle_cores_s() -> float | None:
+    """Seconds the cores this process may run on have been idle since boot, summed over
+    them (/proc/stat's idle and iowait of each; None where Linux does not say)."""
+    try:
+        cores = os.sched_getaffinity(0)
+        with open("/proc/stat") as f:
+            lines = f.read().splitlines()
+    except (AttributeError, OSError):
+        return None
+    ticks = 0
+    for line in lines:
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
+            ticks += int(fields[3]) + int(fields[4])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def apply_wait_policy(policy: str, env: MutableMapping[str, str]) -> None:
@@ -105,7 +127,8 @@ class CpuContention:
     def __init__(self, rank: int, threads: int,
                  read_wait: Callable[[], float | None] = runqueue_wait_s,
                  clock: Callable[[], float] = time.monotonic,
-                 set_threads: Callable[[int], None] | None = None) -> None:
+                 set_threads: Callable[[int], None] | None = None,
+                 read_idle: Callable[[], float | None] = idle_cores_s) -> None:
         self.rank = rank
         self.full = max(1, threads)  # the rank's configured count
         self.threads = self.full  # the count its steps run on now
@@ -117,9 +140,10 @@ class CpuContention:
         self.wait_at_start = read_wait()
         self.warned_at: float | None = None
         self.last_share: float | None = None  # the last window's, for tests and logs
+        self.read_idle = read_idle
         self.probe_after_s = FIRST_PROBE_S
-        self.changed_at = clock()
         self.probing = False  # the full count was just tried again
+        self._watch_idle(clock())
 
     def step(self, seconds: float) -> None:
         """One step took `seconds` (wall clock)."""
@@ -144,24 +168,32 @@ class CpuContention:
         if share > DROP_SHARE and self.threads > 1:
             if self.probing:  # the cores were taken as soon as it tried: wait longer next time
                 self.probe_after_s = min(MAX_PROBE_S, 2 * self.probe_after_s)
+            self.probing = False
             self._change(max(1, self.threads // 2), now)
         elif self.probing:  # the full count held for a window: the neighbour is gone
+            self.probing = False
             self.probe_after_s = FIRST_PROBE_S
-        elif (share < RESTORE_SHARE and self.threads < self.full
-              and now - self.changed_at >= self.probe_after_s):
-            self._change(self.full, now)
-            self.probing = True
-            return
-        elif share >= RESTORE_SHARE and self.threads < self.full:
-            self.changed_at = now  # still contended: the cores must look free for a while
-        self.probing = False
+        elif self.threads < self.full and now - self.since >= self.probe_after_s:
+            idle = self.read_idle()
+            given_up = self.full - self.threads
+            if (idle is not None and self.idle_at is not None
+                    and idle - self.idle_at >= FREE_SHARE * given_up * (now - self.since)):
+                self.probing = True
+                self._change(self.full, now)
+            else:
+                self._watch_idle(now)  # still taken: look again over the next period
+
+    def _watch_idle(self, now: float) -> None:
+        """Count the cores' idle time from `now` on."""
+        self.since = now
+        self.idle_at = self.read_idle()
 
     def _change(self, threads: int, now: float) -> None:
         logger.debug("rank %d: %d -> %d thread(s) (run-queue wait %.0f%% of step time)",
                      self.rank, self.threads, threads, 100 * (self.last_share or 0.0))
         self.threads = threads
-        self.changed_at = now
         self.set_threads(threads)
+        self._watch_idle(now)
 
     def _warn(self, share: float, now: float) -> None:
         if self.warned_at is not None and now - self.warned_at <= REPEAT_S:

@@ -15,6 +15,7 @@ from tidal.workers.cpu_contention import (
     WINDOW_S,
     CpuContention,
     apply_wait_policy,
+    idle_cores_s,
     runqueue_wait_s,
     set_intra_op_threads,
 )
@@ -54,23 +55,32 @@ def test_nothing_where_linux_keeps_no_schedstat():
     assert monitor.last_share is None
 
 
+WALL_S = 0.25
+"""Wall-clock seconds of one scripted window (ADAPT_WINDOW_S of step time, and the gaps
+between steps): a binary fraction, so that sums of them are exact."""
+
+
 class Machine:
     """Scripted run-queue wait and clock: each window, the share of the threads' step time
     they waited, and the seconds of wall clock it took."""
 
     def __init__(self):
         self.wait = 0.0
+        self.idle = 0.0
         self.now = 0.0
         self.counts: list[int] = []
 
     def monitor(self, threads: int) -> CpuContention:
         self.rank = CpuContention(rank=0, threads=threads, read_wait=lambda: self.wait,
-                                  clock=lambda: self.now, set_threads=self.counts.append)
+                                  clock=lambda: self.now, set_threads=self.counts.append,
+                                  read_idle=lambda: self.idle)
         return self.rank
 
-    def window(self, share: float, wall_s: float = ADAPT_WINDOW_S) -> int:
-        """One adapting window at `share` waiting; the thread count after it."""
+    def window(self, share: float, idle_cores: float = 0.0, wall_s: float = WALL_S) -> int:
+        """One adapting window: the rank's threads waited `share` of their step time and
+        `idle_cores` cores were idle on average; the thread count after it."""
         self.wait += share * ADAPT_WINDOW_S * self.rank.threads
+        self.idle += idle_cores * wall_s
         self.now += wall_s
         self.rank.step(ADAPT_WINDOW_S)
         return self.rank.threads
@@ -92,37 +102,43 @@ def test_auto_halves_its_threads_while_the_cores_are_taken_and_warns_what_to_do(
     assert "--cpu-wait-policy passive" in text and "--cpu-threads" in text
 
 
-def test_auto_tries_the_full_count_again_once_the_cores_look_free():
+def test_auto_tries_the_full_count_again_once_the_cores_it_gave_up_are_idle():
     machine = Machine()
     machine.monitor(threads=2)
     assert machine.window(0.9) == 1
-    assert machine.window(0.3) == 1  # one thread still waits: the neighbour is there
-    quiet_windows = 1
-    while machine.window(0.0) == 1:  # quiet from here on
+    for _ in range(40):  # one busy loop on the other core: one thread waits for nobody,
+        assert machine.window(0.0, idle_cores=0.0) == 1  # but the core it gave up is taken
+    quiet_windows = 1  # the loop ends: from here on, a core is idle
+    while machine.window(0.0, idle_cores=1.0) == 1:
         quiet_windows += 1
-    assert quiet_windows * ADAPT_WINDOW_S == FIRST_PROBE_S  # free that long, then the try
+    # it looks over periods of FIRST_PROBE_S: the first whole one that is idle, it tries
+    assert FIRST_PROBE_S <= quiet_windows * WALL_S <= 2 * FIRST_PROBE_S
     assert machine.window(0.0) == 2 and machine.counts == [1, 2]  # and it holds
 
 
 def test_a_try_that_finds_the_cores_taken_waits_twice_as_long_before_the_next():
-    """One busy neighbour on 2 cores: one thread waits for nobody, two would: the rank
-    tries again after 2, 4, 8 ... s, at most MAX_PROBE_S, not every window."""
+    """A neighbour that comes and goes: the rank tries again after 2, 4, 8 ... s of idle
+    cores, at most MAX_PROBE_S, not every time they look free."""
     machine = Machine()
     machine.monitor(threads=2)
     machine.window(0.9)
     waits = []
     for _ in range(7):
         quiet_s = 0.0
-        while machine.window(0.0) == 1:  # one thread: no waiting
-            quiet_s += ADAPT_WINDOW_S
-        waits.append(quiet_s + ADAPT_WINDOW_S)
+        while machine.window(0.0, idle_cores=1.0) == 1:
+            quiet_s += WALL_S
+        waits.append(quiet_s + WALL_S)
         assert machine.window(0.8) == 1  # two threads: taken at once, back to one
     assert waits == [FIRST_PROBE_S * 2 ** k for k in range(5)] + [MAX_PROBE_S] * 2
-    machine.window(0.0)
-    while machine.window(0.0) == 1:  # the neighbour leaves: the next try holds
+    while machine.window(0.0, idle_cores=1.0) == 1:  # the neighbour leaves for good:
         pass
-    machine.window(0.0)
-    assert machine.rank.probe_after_s == FIRST_PROBE_S
+    machine.window(0.0)  # the next try holds
+    assert machine.rank.probe_after_s == FIRST_PROBE_S and machine.rank.threads == 2
+
+
+def test_this_machine_idle_time_is_readable():
+    idle = idle_cores_s()
+    assert idle is None or idle >= 0.0
 
 
 def test_passive_sets_the_wait_policy_unless_the_user_did():
