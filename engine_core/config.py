@@ -316,14 +316,13 @@ class ParallelConfig:
     if set, else the rank's `cpu_affinity` cores, else every core this process may use shared
     among the ranks (`engine_core/cpu_threads.py` says why, and how idle threads wait)."""
     cpu_wait_policy: str = "auto"
-    """How a CPU worker's idle OpenMP threads wait, and whether it gives way when other
-    processes take its cores. auto: they spin a while before sleeping (libgomp's default:
-    twice PASSIVE's throughput on a quiet machine) and, while the worker's threads wait for a
-    CPU more than a quarter of their step time, the rank runs on half as many threads (on 2
-    cores: one, which has no partner to spin for), trying its full count again once the
-    cores are free (`workers/cpu_contention.py`). spin: always every thread, spinning (the
-    fastest on a machine of its own, 3-20x slower beside a busy neighbour). passive:
-    OMP_WAIT_POLICY=PASSIVE, idle threads sleep at once (for a machine that is always
+    """How a CPU worker's idle OpenMP threads wait. auto: they spin a while before sleeping
+    (libgomp's default: twice PASSIVE's throughput on a quiet machine) until the worker's
+    threads wait for a CPU more than a quarter of their step time (other processes took the
+    cores: spinning then costs 10-100x); then they sleep at once, and spin again once the
+    cores have looked free for 2 s (4, 8 ... 60 s after tries that found them taken;
+    `workers/cpu_contention.py`). spin: always spin (the rank only warns). passive:
+    OMP_WAIT_POLICY=PASSIVE, sleep at once from the start (for a machine that is always
     shared). OMP_WAIT_POLICY in the environment wins over spin and passive."""
     cpu_affinity: str | None = None
     """Cores each rank runs on, vLLM's VLLM_CPU_OMP_THREADS_BIND syntax: `0-3` for one rank,

@@ -101,15 +101,17 @@ class WorkerProcess:
             self._close()
 
     def _contention(self):
-        """The rank's CpuContention: it changes the thread count between steps only where
-        the rank computes on the CPU with cpu_wait_policy=auto (workers/cpu_contention.py)."""
-        from .cpu_contention import CpuContention, set_intra_op_threads
+        """The rank's CpuContention: it throttles libgomp's spinning while other processes
+        take the cores only where the rank computes on the CPU with cpu_wait_policy=auto
+        and runs libgomp (workers/cpu_contention.py)."""
+        from .cpu_contention import CpuContention, OpenMPThrottle
 
-        adapts = (self.config.cpu_wait_policy == "auto"
-                  and self.worker.device.type == "cpu")
-        return CpuContention(self.config.worker_index,
-                             self.config.cpu_threads or os.cpu_count() or 1,
-                             set_threads=set_intra_op_threads if adapts else None)
+        threads = self.config.cpu_threads or os.cpu_count() or 1
+        throttle = None
+        if self.config.cpu_wait_policy == "auto" and self.worker.device.type == "cpu":
+            omp = OpenMPThrottle(threads)
+            throttle = omp.engage if omp.available else None
+        return CpuContention(self.config.worker_index, threads, throttle=throttle)
 
     def _loop(self) -> None:
         while True:

@@ -1,13 +1,14 @@
 """Issue 38 item 3: a CPU worker notices when other processes take its cores (run-queue wait
-from /proc/self/task/*/schedstat), says so in its log, and with `cpu_wait_policy=auto` runs on
-fewer threads until the cores are free, its tokens bit for bit the same."""
+from /proc/self/task/*/schedstat), says so in its log, and with `cpu_wait_policy=auto` has
+libgomp stop spinning until the cores are free (a throttle it switches while running)."""
 
 import logging
+import subprocess
+import sys
+import textwrap
 
 import pytest
-import torch
 
-from tidal.ipc.messages import SamplingParams
 from tidal.workers.cpu_contention import (
     ADAPT_WINDOW_S,
     FIRST_PROBE_S,
@@ -15,11 +16,8 @@ from tidal.workers.cpu_contention import (
     WINDOW_S,
     CpuContention,
     apply_wait_policy,
-    idle_cores_s,
     runqueue_wait_s,
-    set_intra_op_threads,
 )
-from worker_test_utils import PlanScript, loaded_worker, prompt_ids
 
 LOGGER = "tidal.workers.cpu_contention"
 
@@ -45,12 +43,11 @@ def test_it_warns_once_when_threads_wait_for_cpus(caplog):
     assert "steps are slowed by other processes on these cores" in record.getMessage()
     assert "waited for a CPU 90% of their step time" in record.getMessage()
     assert "--cpu-wait-policy auto" in record.getMessage()
-    assert monitor.threads == 2  # spin and passive only warn
 
 
 def test_nothing_where_linux_keeps_no_schedstat():
     monitor = CpuContention(rank=0, threads=2, read_wait=lambda: None,
-                            set_threads=lambda n: pytest.fail("changed threads"))
+                            throttle=lambda on: pytest.fail("throttled"))
     monitor.step(2 * WINDOW_S)
     assert monitor.last_share is None
 
@@ -62,83 +59,66 @@ between steps): a binary fraction, so that sums of them are exact."""
 
 class Machine:
     """Scripted run-queue wait and clock: each window, the share of the threads' step time
-    they waited, and the seconds of wall clock it took."""
+    they waited; the rank's throttle switches recorded."""
 
     def __init__(self):
         self.wait = 0.0
-        self.idle = 0.0
         self.now = 0.0
-        self.counts: list[int] = []
+        self.switches: list[bool] = []
+        self.rank = CpuContention(rank=0, threads=2, read_wait=lambda: self.wait,
+                                  clock=lambda: self.now, throttle=self.switches.append)
 
-    def monitor(self, threads: int) -> CpuContention:
-        self.rank = CpuContention(rank=0, threads=threads, read_wait=lambda: self.wait,
-                                  clock=lambda: self.now, set_threads=self.counts.append,
-                                  read_idle=lambda: self.idle)
-        return self.rank
-
-    def window(self, share: float, idle_cores: float = 0.0, wall_s: float = WALL_S) -> int:
-        """One adapting window: the rank's threads waited `share` of their step time and
-        `idle_cores` cores were idle on average; the thread count after it."""
-        self.wait += share * ADAPT_WINDOW_S * self.rank.threads
-        self.idle += idle_cores * wall_s
-        self.now += wall_s
+    def window(self, share: float) -> bool:
+        """One adapting window at `share`; whether the rank is throttled after it."""
+        self.wait += share * ADAPT_WINDOW_S * 2
+        self.now += WALL_S
         self.rank.step(ADAPT_WINDOW_S)
-        return self.rank.threads
+        return self.rank.throttled
 
 
-def test_auto_halves_its_threads_while_the_cores_are_taken_and_warns_what_to_do(caplog):
+def test_auto_stops_spinning_while_the_cores_are_taken_and_warns_what_to_do(caplog):
     machine = Machine()
-    machine.monitor(threads=8)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        assert machine.window(0.05) == 8  # a quiet machine: no change
-        assert machine.window(0.6) == 4
-        assert machine.window(0.4) == 2
-        assert machine.window(0.3) == 1
-        assert machine.window(0.9) == 1  # never below one
-    assert machine.counts == [4, 2, 1]
+        assert not machine.window(0.05)  # a quiet machine: it spins
+        assert machine.window(0.6)
+        assert machine.window(0.4) and machine.window(0.9)  # still taken: no change
+    assert machine.switches == [True]
     (record,) = caplog.records  # one warning, not one per window
     text = record.getMessage()
     assert "other processes are taking these cores" in text
     assert "--cpu-wait-policy passive" in text and "--cpu-threads" in text
 
 
-def test_auto_tries_the_full_count_again_once_the_cores_it_gave_up_are_idle():
+def test_auto_spins_again_once_the_cores_look_free_for_a_while():
     machine = Machine()
-    machine.monitor(threads=2)
-    assert machine.window(0.9) == 1
-    for _ in range(40):  # one busy loop on the other core: one thread waits for nobody,
-        assert machine.window(0.0, idle_cores=0.0) == 1  # but the core it gave up is taken
-    quiet_windows = 1  # the loop ends: from here on, a core is idle
-    while machine.window(0.0, idle_cores=1.0) == 1:
+    machine.window(0.9)
+    for _ in range(40):
+        assert machine.window(0.3)  # throttled, its threads still wait: the neighbour is there
+    quiet_windows = 1
+    while machine.window(0.02):
         quiet_windows += 1
-    # it looks over periods of FIRST_PROBE_S: the first whole one that is idle, it tries
-    assert FIRST_PROBE_S <= quiet_windows * WALL_S <= 2 * FIRST_PROBE_S
-    assert machine.window(0.0) == 2 and machine.counts == [1, 2]  # and it holds
+    assert quiet_windows * WALL_S == FIRST_PROBE_S  # free that long, then the try
+    assert not machine.window(0.0) and machine.switches == [True, False]  # and it holds
 
 
 def test_a_try_that_finds_the_cores_taken_waits_twice_as_long_before_the_next():
-    """A neighbour that comes and goes: the rank tries again after 2, 4, 8 ... s of idle
-    cores, at most MAX_PROBE_S, not every time they look free."""
+    """A neighbour that stays but leaves the throttled rank's threads alone (say, one busy
+    loop where two threads that sleep at once fit beside it): the rank tries spinning after
+    2, 4, 8 ... s, at most MAX_PROBE_S, not every time its threads stop waiting."""
     machine = Machine()
-    machine.monitor(threads=2)
     machine.window(0.9)
     waits = []
     for _ in range(7):
-        quiet_s = 0.0
-        while machine.window(0.0, idle_cores=1.0) == 1:
+        quiet_s = WALL_S
+        while machine.window(0.0):
             quiet_s += WALL_S
-        waits.append(quiet_s + WALL_S)
-        assert machine.window(0.8) == 1  # two threads: taken at once, back to one
+        waits.append(quiet_s)
+        assert machine.window(0.8)  # spinning: taken at once, throttled again
     assert waits == [FIRST_PROBE_S * 2 ** k for k in range(5)] + [MAX_PROBE_S] * 2
-    while machine.window(0.0, idle_cores=1.0) == 1:  # the neighbour leaves for good:
+    while machine.window(0.0):  # the neighbour leaves for good:
         pass
-    machine.window(0.0)  # the next try holds
-    assert machine.rank.probe_after_s == FIRST_PROBE_S and machine.rank.threads == 2
-
-
-def test_this_machine_idle_time_is_readable():
-    idle = idle_cores_s()
-    assert idle is None or idle >= 0.0
+    assert not machine.window(0.0)  # the next try holds
+    assert machine.rank.probe_after_s == FIRST_PROBE_S
 
 
 def test_passive_sets_the_wait_policy_unless_the_user_did():
@@ -154,34 +134,59 @@ def test_passive_sets_the_wait_policy_unless_the_user_did():
         assert env == {}
 
 
-def sampled(worker, threads_per_step: list[int]) -> list[tuple]:
-    """Three requests (prompts of 3, 40 and 17 tokens) prefilled, then decoded greedily, step
-    k on threads_per_step[k] threads; each step's tokens, their top-20 logprobs and the
-    prompts' (a float32 log_softmax of every logit row, so a changed bit in a logit shows)."""
-    script = PlanScript()
-    for i, n in enumerate((3, 40, 17)):
-        script.add(f"r{i}", prompt_ids(seed=i, n=n), SamplingParams(
-            temperature=0.0, max_tokens=len(threads_per_step), ignore_eos=True, logprobs=20,
-            prompt_logprobs=20))
-    steps = []
-    for threads in threads_per_step:
-        set_intra_op_threads(threads)
-        result = worker.runner.execute(script.plan())
-        script.record(result)
-        steps.append((result.req_ids, result.token_ids.tolist(), result.logprobs,
-                      result.prompt_logprobs))
-    assert not script.requests
-    worker.runner.execute(script.plan())  # tells the runner they finished
-    return steps
+THROTTLE_CHECK = textwrap.dedent("""
+    import os, time, torch
+    from tidal.workers.cpu_contention import OpenMPThrottle
+
+    torch.set_num_threads(2)
+    x = torch.randn(256, 256)
+
+    def pool_cpu_ns():
+        # on-CPU time of every thread but this one, right after a parallel region
+        total = 0
+        for tid in os.listdir("/proc/self/task"):
+            if int(tid) != os.getpid():
+                total += int(open(f"/proc/self/task/{tid}/schedstat").read().split()[0])
+        return total
+
+    def spin_ns():
+        # the pool's CPU time in the 50 ms after one parallel region, best of 5
+        best = None
+        for _ in range(5):
+            (x @ x).sum()
+            before = pool_cpu_ns()
+            time.sleep(0.05)
+            spent = pool_cpu_ns() - before
+            best = spent if best is None else min(best, spent)
+        return best
+
+    def threads_after(expected):
+        # a thread that ended leaves /proc a little after join() returns
+        for _ in range(100):
+            if len(os.listdir("/proc/self/task")) == expected:
+                break
+            time.sleep(0.01)
+        return len(os.listdir("/proc/self/task"))
+
+    omp = OpenMPThrottle(threads=2, cores=2)
+    assert omp.available
+    spinning = spin_ns()
+    tasks = len(os.listdir("/proc/self/task"))
+    omp.engage(True)
+    assert threads_after(tasks + omp.extra + 1) == tasks + omp.extra + 1  # helper + its pool
+    throttled = spin_ns()
+    omp.engage(False)
+    assert threads_after(tasks) == tasks
+    print(spinning, throttled)
+""")
 
 
-@pytest.mark.parametrize("backend", ["auto", "numba"])
-def test_changing_the_thread_count_between_steps_keeps_logits_bit_exact(tiny_llama, backend):
-    """What `auto` does under contention (2 -> 1 -> 2 threads between steps) samples the same
-    tokens with the same logprobs, bit for bit, as a rank that kept two threads: each
-    parallel loop of the CPU path splits rows or requests among the threads, never one sum."""
-    worker = loaded_worker(tiny_llama, "float32", attention_backend=backend)
-    steady = sampled(worker, [2] * 6)
-    switching = sampled(worker, [1, 2, 1, 1, 2, 1])
-    set_intra_op_threads(1)  # this folder's tests run on one thread (conftest.py)
-    assert switching == steady
+def test_the_throttle_stops_libgomps_spinning_and_gives_it_back():
+    """After a parallel region libgomp's threads spin ~300,000 times (default policy); with
+    the throttle engaged they sleep at once, and the helper's threads go with it."""
+    out = subprocess.run([sys.executable, "-c", THROTTLE_CHECK], capture_output=True, text=True,
+                         env={k: v for k, v in __import__("os").environ.items()
+                              if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")})
+    assert out.returncode == 0, out.stderr
+    spinning, throttled = map(int, out.stdout.split())
+    assert throttled * 5 < spinning, (spinning, throttled)
