@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .config import (
-    ATTENTION_BACKENDS, CONVERTS, DEVICES, EXECUTOR_BACKENDS, RUNNERS, SCHEDULING_POLICIES,
+    ATTENTION_BACKENDS, CONVERTS, CPU_WAIT_POLICIES, DEVICES, EXECUTOR_BACKENDS, RUNNERS,
+    SCHEDULING_POLICIES,
     CacheConfig,
     EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig,
     decode_engine_config,
@@ -139,6 +140,7 @@ FLAGS: dict[str, list[_Flag]] = {
         _Flag(ParallelConfig, "cpu_kernels", metavar="auto[,OPTION]|torch"),
         _Flag(ParallelConfig, "enforce_eager"),
         _Flag(ParallelConfig, "cpu_threads"),
+        _Flag(ParallelConfig, "cpu_wait_policy", choices=CPU_WAIT_POLICIES),
         _Flag(ParallelConfig, "worker_timeout"),
         _Flag(ParallelConfig, "max_worker_restarts"),
         _Flag(ParallelConfig, "cpu_affinity"),

@@ -29,6 +29,7 @@ ATTENTION_BACKENDS = ("auto", "cpu", "numba", "torch", "triton", "reference")  #
 CPU_KERNELS = ("auto", "torch")  # = tidal.kernels.cpu.ops.CPU_KERNELS
 CPU_KERNEL_OPTIONS = ("no-amx", "no-panels", "no-fused", "march=")  # = ops.CPU_KERNEL_OPTIONS
 EXECUTOR_BACKENDS = ("mp", "ray")
+CPU_WAIT_POLICIES = ("auto", "spin", "passive")
 RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed")
 
@@ -314,6 +315,15 @@ class ParallelConfig:
     """OpenMP threads per worker rank on the CPU; None: OMP_NUM_THREADS from the environment
     if set, else the rank's `cpu_affinity` cores, else every core this process may use shared
     among the ranks (`engine_core/cpu_threads.py` says why, and how idle threads wait)."""
+    cpu_wait_policy: str = "auto"
+    """How a CPU worker's idle OpenMP threads wait. auto: they spin a while before sleeping
+    (libgomp's default: twice PASSIVE's throughput on a quiet machine) until the worker's
+    threads wait for a CPU more than a quarter of their step time (other processes took the
+    cores: spinning then costs 10-100x); then they sleep at once, and spin again once the
+    cores have looked free for 2 s (4, 8 ... 60 s after tries that found them taken;
+    `workers/cpu_contention.py`). spin: always spin (the rank only warns). passive:
+    OMP_WAIT_POLICY=PASSIVE, sleep at once from the start (for a machine that is always
+    shared). OMP_WAIT_POLICY in the environment wins over spin and passive."""
     cpu_affinity: str | None = None
     """Cores each rank runs on, vLLM's VLLM_CPU_OMP_THREADS_BIND syntax: `0-3` for one rank,
     `0-3|4-7` for two; None or `all`: not pinned."""
@@ -341,6 +351,8 @@ class ParallelConfig:
                  f"must be non-negative, got {self.max_worker_restarts}")
         _require(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads",
                  f"must be at least 1, got {self.cpu_threads}")
+        _require(self.cpu_wait_policy in CPU_WAIT_POLICIES, "cpu_wait_policy",
+                 f"must be one of {CPU_WAIT_POLICIES}, got {self.cpu_wait_policy!r}")
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size",
                  f"must be at least 1, got {self.tensor_parallel_size}")
         _require(self.data_parallel_size >= 1, "data_parallel_size",
@@ -460,6 +472,7 @@ class EngineConfig:
             cpu_threads=worker_threads(p.cpu_threads, cores, p.world_size,
                                        dict(os.environ)),
             cpu_cores=cores,
+            cpu_wait_policy=p.cpu_wait_policy,
             grammar_compile_timeout=self.model.structured_outputs_compile_timeout,
             grammar_cache_bytes=self.model.structured_outputs_cache_bytes,
             runner=_runner(self, model_dir),

@@ -33,7 +33,16 @@ for every rank and handed to it through its environment before it imports torch:
   core lists, one per rank separated by `|` (`0-3|4-7`); a rank then runs only there and
   its thread count defaults to its list's length.
 
-A busy neighbour: spinning threads give way to a `nice`d process only if the kernel compares
+A busy neighbour in another session takes its share of the cores, and a spinning thread
+then waits at each barrier for a partner the scheduler has parked: the demo model's decode
+went from ~5 ms to 0.4-1 s a token. `--cpu-wait-policy` (`ParallelConfig.cpu_wait_policy`)
+chooses: auto (the default) spins, and has the worker switch libgomp to its throttled spin
+count (about PASSIVE) while its threads wait for a CPU, back once the cores are free
+(`workers/cpu_contention.py` says how a process changes this after libgomp has started);
+spin never changes; passive sets OMP_WAIT_POLICY=PASSIVE in the worker's environment
+(`cpu_contention.apply_wait_policy`).
+
+A `nice`d neighbour: spinning threads give way to a `nice`d process only if the kernel compares
 their priorities, and with autogroup scheduling (`/proc/sys/kernel/sched_autogroup_enabled`)
 it does so only within one session; so the engine core and its workers stay in the session
 that started them (`engine_core/supervisor.py`), and a `nice -n 19` job of that session cost the

@@ -561,6 +561,7 @@ class WorkerConfig(msgspec.Struct, **_STRUCT):
     seed: int
     cpu_threads: int | None  # OpenMP threads of this rank (None: the environment's)
     cpu_cores: list[int] | None  # cores this rank is pinned to (None: not pinned)
+    cpu_wait_policy: str  # ParallelConfig.cpu_wait_policy: auto | spin | passive
     tokenizer: str | None  # structured output's tokenizer folder (None: `model`)
     grammar_compile_timeout: float  # ModelConfig.structured_outputs_compile_timeout
     grammar_cache_bytes: int  # ModelConfig.structured_outputs_cache_bytes

@@ -1,28 +1,67 @@
-"""A warning when a worker's steps slow down because other processes take its cores.
+"""A CPU worker that notices when other processes take its cores, gives way, and says so.
 
 Linux counts, per thread, the time it spent runnable but waiting for a CPU
 (`/proc/self/task/*/schedstat`, second field, nanoseconds). While a step runs every OpenMP
 thread of the worker should be running; time they wait on a run queue is time another
-process had the core. Over a window of steps (`WINDOW_S` of step time at least) the worker
-sums that wait and compares it with what its threads could have run (step time x threads);
-past `WARN_SHARE` it logs one warning (at most one per `REPEAT_S`), which says what helps: a
-busy neighbour turns spinning OpenMP waits into lost turns (engine_core/cpu_threads.py says
-why the default spins and what PASSIVE costs on a quiet machine).
+process had the core. Each window of steps (`ADAPT_WINDOW_S` of step time; `WINDOW_S` where
+the rank does not adapt) the worker sums that wait and divides it by what its threads could
+have run (step time x threads): the window's *share*.
+
+Why not the thread count, and how the wait policy changes after start: libgomp reads
+OMP_WAIT_POLICY and GOMP_SPINCOUNT once, when the process starts, and spinning is what makes
+a quiet machine fast (`engine_core/cpu_threads.py`: twice PASSIVE's throughput on 2 cores).
+Beside a busy neighbour, though, a spinning thread burns its turn waiting at a barrier for a
+partner the scheduler has parked: the demo model's decode went from ~5 ms a token to 0.4-1 s
+on this project's 2-core VM. But libgomp spins only ~100 times instead of ~300,000 (about
+PASSIVE) whenever it manages more threads than the process has cores (`do_spin` in its
+config/linux/wait.h: `gomp_managed_threads > gomp_available_cpus`); so `OpenMPThrottle`
+makes it manage more: a helper thread opens one parallel region of a few threads, whose
+threads then sleep in that thread's pool, counted, until the helper ends. Fewer threads per
+step (torch.set_num_threads) was the other way; beside two busy loops it decoded 2-5x slower
+than sleeping waits on both threads (docs/performance.md).
+
+The `cpu_wait_policy=auto` rule (`CpuContention.step`):
+
+- share > `DROP_SHARE` while spinning: throttle, and log a warning (at most one per
+  `REPEAT_S`) that says what takes the cores and what the user can do;
+- share < `RESTORE_SHARE` in every window for `probe_after_s` while throttled: spin again. A
+  try that is contended at once doubles `probe_after_s` (from `FIRST_PROBE_S` up to
+  `MAX_PROBE_S`); one that holds resets it.
+
+The thread count never changes, so neither do the tokens. With `spin` or `passive`, or
+where the process has no libgomp, the rank only warns, over `WINDOW_S` windows.
 """
 
 from __future__ import annotations
 
+import ctypes
 import glob
 import logging
+import os
+import threading
 import time
-from typing import Callable
+from typing import Callable, MutableMapping
 
 logger = logging.getLogger(__name__)
 
 WINDOW_S = 10.0
-"""Seconds of step time between two looks at the run-queue wait."""
+"""Seconds of step time between two looks at the run-queue wait (a rank that does not adapt)."""
+ADAPT_WINDOW_S = 0.1
+"""Seconds of step time between two looks where the rank adapts (`cpu_wait_policy=auto`):
+short, so that a neighbour, or a try at spinning while it is still there, costs
+about this much slow decoding (at least one step: spinning beside two busy loops, one step
+of the demo model took 0.1-1 s). A look reads one small file per thread (~0.1 ms for a
+worker's ~20 threads: 0.1% of its time)."""
 WARN_SHARE = 0.25
 """Share of the threads' step time spent waiting for a CPU above which it warns."""
+DROP_SHARE = WARN_SHARE
+"""... and above which an adapting rank's idle threads stop spinning."""
+RESTORE_SHARE = 0.10
+"""Share below which a throttled rank counts the cores as free."""
+FIRST_PROBE_S = 2.0
+"""Seconds the cores must look free before a rank tries its full thread count again."""
+MAX_PROBE_S = 60.0
+"""The most that wait grows to after tries that found the cores taken at once."""
 REPEAT_S = 300.0
 """Least seconds between two warnings."""
 
@@ -42,42 +81,160 @@ def runqueue_wait_s() -> float | None:
     return total / 1e9 if found else None
 
 
+def apply_wait_policy(policy: str, env: MutableMapping[str, str]) -> None:
+    """OMP_WAIT_POLICY=PASSIVE in `env` for `cpu_wait_policy=passive` (the worker process's
+    own environment, before torch loads libgomp, which reads it once); auto and spin leave
+    libgomp's default (spin a while, then sleep). A value the user set is kept."""
+    if policy == "passive":
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+class OpenMPThrottle:
+    """Switches this process's libgomp between its own spin count and its throttled one
+    (~100 spins: about PASSIVE) while the process runs (see above). `engage(True)` starts a
+    helper thread that opens one parallel region of `extra + 1` threads (each calls libc's
+    free(NULL): nothing) and then waits; its `extra` threads stay in its pool, counted, so
+    libgomp manages more threads than `cores`. `engage(False)` ends the helper; its pool, and
+    the count, go with it (libgomp's thread destructor)."""
+
+    def __init__(self, threads: int, cores: int | None = None) -> None:
+        cores = cores if cores is not None else len(os.sched_getaffinity(0))
+        # libgomp counts the first thread and each pool thread: `threads` for the steps' team;
+        # `extra` more makes the count exceed the cores
+        self.extra = max(1, cores - threads + 1)
+        self.gomp = _loaded_libgomp()
+        self.helper: threading.Thread | None = None
+        self.held = threading.Event()  # the helper's region has run: its threads are counted
+        self.release = threading.Event()
+
+    @property
+    def available(self) -> bool:
+        """Whether this process runs libgomp (torch's CPU builds on Linux do)."""
+        return self.gomp is not None
+
+    def engage(self, on: bool) -> None:
+        if on and self.helper is None and self.gomp is not None:
+            self.held.clear()
+            self.release.clear()
+            self.helper = threading.Thread(target=self._hold, name="tidal-omp-throttle",
+                                           daemon=True)
+            self.helper.start()
+            self.held.wait()
+        elif not on and self.helper is not None:
+            self.release.set()
+            self.helper.join()
+            self.helper = None
+
+    def _hold(self) -> None:
+        free = ctypes.cast(ctypes.CDLL(None).free, ctypes.c_void_p)
+        self.gomp.GOMP_parallel(free, None, self.extra + 1, 0)
+        self.held.set()
+        self.release.wait()
+
+
+def _loaded_libgomp() -> ctypes.CDLL | None:
+    """The libgomp this process has loaded (torch's), from /proc/self/maps; None if none."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libgomp" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            gomp = ctypes.CDLL(path)
+            gomp.GOMP_parallel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint,
+                                           ctypes.c_uint]
+            return gomp
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
 class CpuContention:
-    """Fed each step's wall time; warns when the threads waited for CPUs (see above)."""
+    """Fed each step's wall time; warns when the threads waited for CPUs and, where
+    `throttle` is given (`cpu_wait_policy=auto`), switches libgomp's spinning off while they
+    do and on again once they stop (see above)."""
 
     def __init__(self, rank: int, threads: int,
                  read_wait: Callable[[], float | None] = runqueue_wait_s,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 throttle: Callable[[bool], None] | None = None) -> None:
         self.rank = rank
         self.threads = max(1, threads)
         self.read_wait = read_wait
         self.clock = clock
+        self.throttle = throttle
+        self.throttled = False
+        self.window_s = ADAPT_WINDOW_S if throttle is not None else WINDOW_S
         self.step_s = 0.0  # step time in the current window
         self.wait_at_start = read_wait()
         self.warned_at: float | None = None
         self.last_share: float | None = None  # the last window's, for tests and logs
+        self.probe_after_s = FIRST_PROBE_S
+        self.probing = False  # spinning was just tried again
+        self.since = clock()  # the last change, or the last contended window while throttled
 
     def step(self, seconds: float) -> None:
         """One step took `seconds` (wall clock)."""
         if self.wait_at_start is None:
             return  # no schedstat here
         self.step_s += seconds
-        if self.step_s < WINDOW_S:
+        if self.step_s < self.window_s:
             return
         wait = self.read_wait()
         if wait is None:
             return
-        share = min(1.0, (wait - self.wait_at_start) / (self.step_s * self.threads))
+        share = min(1.0, max(0.0, wait - self.wait_at_start) / (self.step_s * self.threads))
         self.last_share = share
         self.step_s, self.wait_at_start = 0.0, wait
         now = self.clock()
-        if share > WARN_SHARE and (self.warned_at is None or now - self.warned_at > REPEAT_S):
-            self.warned_at = now
+        if share > WARN_SHARE:
+            self._warn(share, now)
+        if self.throttle is not None:
+            self._adapt(share, now)
+
+    def _adapt(self, share: float, now: float) -> None:
+        if share > DROP_SHARE and not self.throttled:
+            if self.probing:  # the cores were taken as soon as it tried: wait longer next time
+                self.probe_after_s = min(MAX_PROBE_S, 2 * self.probe_after_s)
+            self.probing = False
+            self._change(True, now)
+        elif self.probing:  # spinning held for a window: the neighbour is gone
+            self.probing = False
+            self.probe_after_s = FIRST_PROBE_S
+        elif self.throttled and share >= RESTORE_SHARE:
+            self.since = now  # still taken: the cores must look free for a whole period
+        elif self.throttled and now - self.since >= self.probe_after_s:
+            self.probing = True
+            self._change(False, now)
+
+    def _change(self, throttled: bool, now: float) -> None:
+        logger.info("rank %d: idle OpenMP threads %s (run-queue wait %.0f%% of step time)",
+                    self.rank, "sleep at once" if throttled else "spin again",
+                    100 * (self.last_share or 0.0))
+        self.throttled = throttled
+        self.since = now
+        self.throttle(throttled)
+
+    def _warn(self, share: float, now: float) -> None:
+        if self.warned_at is not None and now - self.warned_at <= REPEAT_S:
+            return
+        self.warned_at = now
+        if self.throttle is not None:
+            logger.warning(
+                "rank %d: other processes are taking these cores: the worker's %d thread(s) "
+                "waited for a CPU %.0f%% of their step time, so its idle threads sleep at once "
+                "instead of spinning until the cores are free (--cpu-wait-policy auto). On a machine that is "
+                "always shared, --cpu-wait-policy passive (sleep from the start) or "
+                "fewer --cpu-threads keep more for both; `nice` on the other work helps only "
+                "in tidal's own session (engine_core/cpu_threads.py); --cpu-wait-policy spin "
+                "always spins", self.rank, self.threads, 100 * share)
+        else:
             logger.warning(
                 "rank %d: steps are slowed by other processes on these cores: the worker's "
                 "%d thread(s) waited for a CPU %.0f%% of their step time over the last %.0f s "
-                "of steps. OMP_WAIT_POLICY=PASSIVE in tidal's environment (idle threads "
-                "sleep instead of spinning) or fewer --cpu-threads keep more of the machine "
-                "for both; so does running the other work with nice in tidal's session "
-                "(engine_core/cpu_threads.py)", self.rank, self.threads, 100 * share,
-                WINDOW_S)
+                "of steps. --cpu-wait-policy auto (the default: idle threads sleep while the "
+                "cores are taken) or passive (idle threads sleep instead of spinning), or fewer "
+                "--cpu-threads, keep more of the machine for both; so does running the other "
+                "work with nice in tidal's session (engine_core/cpu_threads.py)", self.rank,
+                self.threads, 100 * share, self.window_s)

@@ -83,10 +83,7 @@ class WorkerProcess:
             self.worker.determine_num_kv_blocks()
             self.result_sock.send(encode(self.worker.ready_message()))
             self.ready = True
-            from .cpu_contention import CpuContention
-
-            self.contention = CpuContention(self.config.worker_index,
-                                            self.config.cpu_threads or os.cpu_count() or 1)
+            self.contention = self._contention()
             self._loop()
             return 0
         except Exception as exc:  # noqa: BLE001 - report anything to the core, exit non-zero
@@ -102,6 +99,19 @@ class WorkerProcess:
             return 1
         finally:
             self._close()
+
+    def _contention(self):
+        """The rank's CpuContention: it throttles libgomp's spinning while other processes
+        take the cores only where the rank computes on the CPU with cpu_wait_policy=auto
+        and runs libgomp (workers/cpu_contention.py)."""
+        from .cpu_contention import CpuContention, OpenMPThrottle
+
+        threads = self.config.cpu_threads or os.cpu_count() or 1
+        throttle = None
+        if self.config.cpu_wait_policy == "auto" and self.worker.device.type == "cpu":
+            omp = OpenMPThrottle(threads)
+            throttle = omp.engage if omp.available else None
+        return CpuContention(self.config.worker_index, threads, throttle=throttle)
 
     def _loop(self) -> None:
         while True:
@@ -168,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     watch_parent(args.lifeline_fd, grace_s=0, what="worker")
     config = decode_worker_config(args.config)
     _skip_numba_blas_probe()
+    from .cpu_contention import apply_wait_policy
+
+    apply_wait_policy(config.cpu_wait_policy, os.environ)  # before torch loads libgomp
     if config.cpu_cores:  # before torch starts its thread pools: they inherit the mask
         os.sched_setaffinity(0, config.cpu_cores)
     logging.basicConfig(

@@ -1,9 +1,25 @@
-"""Issue 38 item 3 (the warning part): a worker says in its log when its steps slow down
-because other processes take its cores (run-queue wait from /proc/self/task/*/schedstat)."""
+"""Issue 38 item 3: a CPU worker notices when other processes take its cores (run-queue wait
+from /proc/self/task/*/schedstat), says so in its log, and with `cpu_wait_policy=auto` has
+libgomp stop spinning until the cores are free (a throttle it switches while running)."""
 
 import logging
+import subprocess
+import sys
+import textwrap
 
-from tidal.workers.cpu_contention import WINDOW_S, CpuContention, runqueue_wait_s
+import pytest
+
+from tidal.workers.cpu_contention import (
+    ADAPT_WINDOW_S,
+    FIRST_PROBE_S,
+    MAX_PROBE_S,
+    WINDOW_S,
+    CpuContention,
+    apply_wait_policy,
+    runqueue_wait_s,
+)
+
+LOGGER = "tidal.workers.cpu_contention"
 
 
 def test_this_process_wait_is_readable():
@@ -13,10 +29,10 @@ def test_this_process_wait_is_readable():
 
 def test_it_warns_once_when_threads_wait_for_cpus(caplog):
     waits = iter([0.0, 2.0, 2.0 + 0.9 * 2 * WINDOW_S, 100.0, 200.0])
-    clock = iter([0.0, 1.0, 2.0])
+    clock = iter([0.0, 1.0, 2.0, 3.0])
     monitor = CpuContention(rank=0, threads=2, read_wait=lambda: next(waits),
                             clock=lambda: next(clock))
-    with caplog.at_level(logging.WARNING, logger="tidal.workers.cpu_contention"):
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
         monitor.step(WINDOW_S / 2)
         monitor.step(WINDOW_S / 2)  # window 1: 2 s of waiting over 2 x 10 s: 10%, quiet
         assert monitor.last_share == 0.1 and not caplog.records
@@ -26,10 +42,151 @@ def test_it_warns_once_when_threads_wait_for_cpus(caplog):
     (record,) = caplog.records
     assert "steps are slowed by other processes on these cores" in record.getMessage()
     assert "waited for a CPU 90% of their step time" in record.getMessage()
-    assert "OMP_WAIT_POLICY=PASSIVE" in record.getMessage()
+    assert "--cpu-wait-policy auto" in record.getMessage()
 
 
 def test_nothing_where_linux_keeps_no_schedstat():
-    monitor = CpuContention(rank=0, threads=2, read_wait=lambda: None)
+    monitor = CpuContention(rank=0, threads=2, read_wait=lambda: None,
+                            throttle=lambda on: pytest.fail("throttled"))
     monitor.step(2 * WINDOW_S)
     assert monitor.last_share is None
+
+
+WALL_S = 0.25
+"""Wall-clock seconds of one scripted window (ADAPT_WINDOW_S of step time, and the gaps
+between steps): a binary fraction, so that sums of them are exact."""
+
+
+class Machine:
+    """Scripted run-queue wait and clock: each window, the share of the threads' step time
+    they waited; the rank's throttle switches recorded."""
+
+    def __init__(self):
+        self.wait = 0.0
+        self.now = 0.0
+        self.switches: list[bool] = []
+        self.rank = CpuContention(rank=0, threads=2, read_wait=lambda: self.wait,
+                                  clock=lambda: self.now, throttle=self.switches.append)
+
+    def window(self, share: float) -> bool:
+        """One adapting window at `share`; whether the rank is throttled after it."""
+        self.wait += share * ADAPT_WINDOW_S * 2
+        self.now += WALL_S
+        self.rank.step(ADAPT_WINDOW_S)
+        return self.rank.throttled
+
+
+def test_auto_stops_spinning_while_the_cores_are_taken_and_warns_what_to_do(caplog):
+    machine = Machine()
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert not machine.window(0.05)  # a quiet machine: it spins
+        assert machine.window(0.6)
+        assert machine.window(0.4) and machine.window(0.9)  # still taken: no change
+    assert machine.switches == [True]
+    (record,) = caplog.records  # one warning, not one per window
+    text = record.getMessage()
+    assert "other processes are taking these cores" in text
+    assert "--cpu-wait-policy passive" in text and "--cpu-threads" in text
+
+
+def test_auto_spins_again_once_the_cores_look_free_for_a_while():
+    machine = Machine()
+    machine.window(0.9)
+    for _ in range(40):
+        assert machine.window(0.3)  # throttled, its threads still wait: the neighbour is there
+    quiet_windows = 1
+    while machine.window(0.02):
+        quiet_windows += 1
+    assert quiet_windows * WALL_S == FIRST_PROBE_S  # free that long, then the try
+    assert not machine.window(0.0) and machine.switches == [True, False]  # and it holds
+
+
+def test_a_try_that_finds_the_cores_taken_waits_twice_as_long_before_the_next():
+    """A neighbour that stays but leaves the throttled rank's threads alone (say, one busy
+    loop where two threads that sleep at once fit beside it): the rank tries spinning after
+    2, 4, 8 ... s, at most MAX_PROBE_S, not every time its threads stop waiting."""
+    machine = Machine()
+    machine.window(0.9)
+    waits = []
+    for _ in range(7):
+        quiet_s = WALL_S
+        while machine.window(0.0):
+            quiet_s += WALL_S
+        waits.append(quiet_s)
+        assert machine.window(0.8)  # spinning: taken at once, throttled again
+    assert waits == [FIRST_PROBE_S * 2 ** k for k in range(5)] + [MAX_PROBE_S] * 2
+    while machine.window(0.0):  # the neighbour leaves for good:
+        pass
+    assert not machine.window(0.0)  # the next try holds
+    assert machine.rank.probe_after_s == FIRST_PROBE_S
+
+
+def test_passive_sets_the_wait_policy_unless_the_user_did():
+    env = {}
+    apply_wait_policy("passive", env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    env = {"OMP_WAIT_POLICY": "ACTIVE"}
+    apply_wait_policy("passive", env)
+    assert env == {"OMP_WAIT_POLICY": "ACTIVE"}
+    for policy in ("auto", "spin"):
+        env = {}
+        apply_wait_policy(policy, env)
+        assert env == {}
+
+
+THROTTLE_CHECK = textwrap.dedent("""
+    import os, time, torch
+    from tidal.workers.cpu_contention import OpenMPThrottle
+
+    torch.set_num_threads(2)
+    x = torch.randn(256, 256)
+
+    def pool_cpu_ns():
+        # on-CPU time of every thread but this one, right after a parallel region
+        total = 0
+        for tid in os.listdir("/proc/self/task"):
+            if int(tid) != os.getpid():
+                total += int(open(f"/proc/self/task/{tid}/schedstat").read().split()[0])
+        return total
+
+    def spin_ns():
+        # the pool's CPU time in the 50 ms after one parallel region, best of 5
+        best = None
+        for _ in range(5):
+            (x @ x).sum()
+            before = pool_cpu_ns()
+            time.sleep(0.05)
+            spent = pool_cpu_ns() - before
+            best = spent if best is None else min(best, spent)
+        return best
+
+    def threads_after(expected):
+        # a thread that ended leaves /proc a little after join() returns
+        for _ in range(100):
+            if len(os.listdir("/proc/self/task")) == expected:
+                break
+            time.sleep(0.01)
+        return len(os.listdir("/proc/self/task"))
+
+    omp = OpenMPThrottle(threads=2, cores=2)
+    assert omp.available
+    spinning = spin_ns()
+    tasks = len(os.listdir("/proc/self/task"))
+    omp.engage(True)
+    assert threads_after(tasks + omp.extra + 1) == tasks + omp.extra + 1  # helper + its pool
+    throttled = spin_ns()
+    omp.engage(False)
+    assert threads_after(tasks) == tasks
+    print(spinning, throttled)
+""")
+
+
+def test_the_throttle_stops_libgomps_spinning_and_gives_it_back():
+    """After a parallel region libgomp's threads spin ~300,000 times (default policy); with
+    the throttle engaged they sleep at once, and the helper's threads go with it."""
+    out = subprocess.run([sys.executable, "-c", THROTTLE_CHECK], capture_output=True, text=True,
+                         env={k: v for k, v in __import__("os").environ.items()
+                              if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")})
+    assert out.returncode == 0, out.stderr
+    spinning, throttled = map(int, out.stdout.split())
+    assert throttled * 5 < spinning, (spinning, throttled)
