@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .config import (
-    ATTENTION_BACKENDS, CONVERTS, DEVICES, EXECUTOR_BACKENDS, RUNNERS, SCHEDULING_POLICIES,
+    ATTENTION_BACKENDS, CONVERTS, DEVICES, EXECUTOR_BACKENDS, KV_CACHE_DTYPES, RUNNERS,
+    SCHEDULING_POLICIES,
     CacheConfig,
     EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig,
     decode_engine_config,
@@ -116,6 +117,7 @@ FLAGS: dict[str, list[_Flag]] = {
         _Flag(CacheConfig, "gpu_memory_utilization"),
         _Flag(CacheConfig, "kv_cache_memory", type=parse_bytes, metavar="BYTES"),
         _Flag(CacheConfig, "num_kv_blocks_override", name="--num-gpu-blocks-override"),
+        _Flag(CacheConfig, "kv_cache_dtype", choices=KV_CACHE_DTYPES),
     ],
     "scheduler": [
         _Flag(SchedulerConfig, "max_num_seqs"),
