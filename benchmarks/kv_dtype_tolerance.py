@@ -48,7 +48,7 @@ def prompts() -> list[str]:
 
 def run(model: str, kv_cache_dtype: str, tokens: int) -> tuple[list, float]:
     """Each prompt's (token ids, chosen-token logprobs), and the seconds generate took."""
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=0)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=1)
     with LLM(model, kv_cache_dtype=kv_cache_dtype, kv_cache_memory="1GiB",
              startup_timeout=300) as llm:
         start = time.perf_counter()

@@ -76,12 +76,13 @@ def write_kv_quantized(key: torch.Tensor, value: torch.Tensor, key_cache: torch.
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     for x, cache, scale in ((key, key_cache, scales[0]), (value, value_cache, scales[1])):
         q, s = quantize(x, cache.dtype)
-        flat = cache.view(-1, num_kv_heads, head_dim) if cache.is_contiguous() else None
-        if flat is not None:
-            flat.index_copy_(0, slots, q)
+        # as bytes: torch's CPU index_copy_ has no fp8 kernel (and one byte is one byte)
+        q, target = q.view(torch.uint8), cache.view(torch.uint8)
+        if target.is_contiguous():
+            target.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, q)
         else:  # a head-major store: index it through the shape every backend sees
             blocks, offsets = slots // cache.shape[1], slots % cache.shape[1]
-            cache[blocks, offsets] = q
+            target[blocks, offsets] = q
         scale.view(-1, num_kv_heads).index_copy_(0, slots, s)
 
 

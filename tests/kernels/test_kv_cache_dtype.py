@@ -90,26 +90,31 @@ def test_quantized_cache_window_and_cap(name):
     torch.testing.assert_close(out[owned], expected[owned], atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("name", ["reference", "torch", "cpu"])
-def test_write_quantizes_each_token_and_head(name):
+@pytest.mark.parametrize("name,kv_cache_dtype", [("reference", "int8"), ("torch", "int8"),
+                                                 ("cpu", "int8"), ("torch", "fp8")])
+def test_write_quantizes_each_token_and_head(name, kv_cache_dtype):
     """write_kv stores q = round(x / s), s = max|x| / 127 per (token, KV head), at the slot;
     slot -1 writes nothing; an all-zero row stores scale 0."""
     if name == "cpu" and not cpu_attention.available():
         pytest.skip("no C compiler or no AVX on this machine")
-    backend = select_attention_backend(name, "cpu", torch.float32, "int8")
-    key_cache = backend.kv_cache(4, 4, 2, 16, torch.float32, torch.device("cpu")).zero_()
-    value_cache = backend.kv_cache(4, 4, 2, 16, torch.float32, torch.device("cpu")).zero_()
+    backend = select_attention_backend(name, "cpu", torch.float32, kv_cache_dtype)
+    dtype = storage_dtype(kv_cache_dtype)
+    key_cache = backend.kv_cache(4, 4, 2, 16, torch.float32, torch.device("cpu"))
+    value_cache = backend.kv_cache(4, 4, 2, 16, torch.float32, torch.device("cpu"))
+    for cache in (key_cache, value_cache):
+        cache.view(torch.uint8).zero_()
     scales = [backend.kv_scales(4, 4, 2, torch.device("cpu")).fill_(-1) for _ in range(2)]
     key, value = torch.randn(3, 2, 16) * 3, torch.randn(3, 2, 16)
     key[2] = 0
     backend.write_kv(key, value, key_cache, value_cache, torch.tensor([5, -1, 14]), scales)
-    expected_scale = key[0].abs().amax(-1) / QMAX[torch.int8]
+    expected_scale = key[0].abs().amax(-1) / QMAX[dtype]
     torch.testing.assert_close(scales[0][1, 1], expected_scale)
-    assert key_cache.dtype == torch.int8
-    torch.testing.assert_close(key_cache[1, 1], (key[0] / expected_scale[:, None]).round()
-                               .to(torch.int8))
-    assert key_cache[1, 1].abs().amax() == 127
-    assert (scales[0][3, 2] == 0).all() and (key_cache[3, 2] == 0).all()  # zero row
+    assert key_cache.dtype == dtype
+    scaled = key[0] / expected_scale[:, None]
+    expected = scaled.round().to(dtype) if dtype == torch.int8 else scaled.to(dtype)
+    assert torch.equal(key_cache[1, 1].view(torch.uint8), expected.view(torch.uint8))
+    assert key_cache[1, 1].float().abs().amax() == QMAX[dtype]
+    assert (scales[0][3, 2] == 0).all() and (key_cache[3, 2].float() == 0).all()  # zero row
     assert (scales[1].view(-1, 2)[[i for i in range(16) if i not in (5, 14)]] == -1).all()
 
 
