@@ -3,7 +3,7 @@ throughput at a tight `--kv-cache-memory`, and the decode step's attention over 
 
     python benchmarks/kv_dtype_capacity.py [--model DIR] [--kv-cache-memory 24MiB]
         [--requests 32] [--prompt 256] [--output 64] [--context 4096] [--decodes 8]
-        [--iters 7] [--skip-engine]
+        [--iters 7] [--skip-engine] [--skip-attention]
 
 1. blocks per GiB: the model runner's sizing (`AttentionBackend.kv_bytes_per_token_head`) for
    SmolLM2-135M's geometry (30 layers, 3 KV heads of 64, blocks of 16).
@@ -137,9 +137,11 @@ def main() -> None:
     parser.add_argument("--decodes", type=int, default=8)
     parser.add_argument("--iters", type=int, default=7)
     parser.add_argument("--skip-engine", action="store_true")
+    parser.add_argument("--skip-attention", action="store_true")
     args = parser.parse_args()
     blocks_per_gib()
-    attention(args)
+    if not args.skip_attention:
+        attention(args)
     if not args.skip_engine:
         engine(args)
 
