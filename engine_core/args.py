@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .config import (
-    ATTENTION_BACKENDS, CONVERTS, CPU_WAIT_POLICIES, DEVICES, EXECUTOR_BACKENDS, RUNNERS,
+    ATTENTION_BACKENDS, CONVERTS, CPU_WAIT_POLICIES, DEVICES, EXECUTOR_BACKENDS, KV_CACHE_DTYPES,
+    RUNNERS,
     SCHEDULING_POLICIES,
     CacheConfig,
     EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig,
@@ -117,6 +118,7 @@ FLAGS: dict[str, list[_Flag]] = {
         _Flag(CacheConfig, "gpu_memory_utilization"),
         _Flag(CacheConfig, "kv_cache_memory", type=parse_bytes, metavar="BYTES"),
         _Flag(CacheConfig, "num_kv_blocks_override", name="--num-gpu-blocks-override"),
+        _Flag(CacheConfig, "kv_cache_dtype", choices=KV_CACHE_DTYPES),
     ],
     "scheduler": [
         _Flag(SchedulerConfig, "max_num_seqs"),

@@ -26,6 +26,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "cpu", "numba", "torch", "triton", "reference")  # = tidal.kernels.BACKENDS
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # = tidal.kernels.attention.kv_quant.KV_CACHE_DTYPES
 CPU_KERNELS = ("auto", "torch")  # = tidal.kernels.cpu.ops.CPU_KERNELS
 CPU_KERNEL_OPTIONS = ("no-amx", "no-panels", "no-fused", "march=")  # = ops.CPU_KERNEL_OPTIONS
 EXECUTOR_BACKENDS = ("mp", "ray")
@@ -194,6 +195,12 @@ class CacheConfig:
     gpu_memory_utilization on GPU. None means the worker's default (4 GiB on the CPU)."""
     num_kv_blocks_override: int | None = None
     """Force this many KV blocks (tests, preemption experiments); None means measured."""
+    kv_cache_dtype: str = "auto"
+    """What the KV cache stores: auto (the model's compute dtype), int8 (each token's K/V row
+    of each KV head as int8 with one float32 scale: about 3.8x the tokens of a float32 cache
+    per byte at head_dim 64, 1.9x bf16's; not token-exact, see docs/kv-cache-dtype.md) or
+    fp8 (e4m3 with the same scales; read by the torch and reference attention backends
+    only)."""
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -203,6 +210,8 @@ class CacheConfig:
                  f"must be in (0, 1], got {self.gpu_memory_utilization}")
         _require(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory",
                  f"must be a positive number of bytes, got {self.kv_cache_memory}")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+                 f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         _require(self.num_kv_blocks_override is None or self.num_kv_blocks_override >= 2,
                  "num_kv_blocks_override",
                  f"must be at least 2 (block 0 is reserved), got {self.num_kv_blocks_override}")
@@ -465,6 +474,7 @@ class EngineConfig:
             gpu_memory_utilization=self.cache.gpu_memory_utilization,
             kv_cache_memory=self.cache.kv_cache_memory,
             num_kv_blocks_override=self.cache.num_kv_blocks_override,
+            kv_cache_dtype=self.cache.kv_cache_dtype,
             attention_backend=self.parallel.attention_backend,
             cpu_kernels=self.parallel.cpu_kernels,
             enforce_eager=self.parallel.enforce_eager,

@@ -555,6 +555,7 @@ class WorkerConfig(msgspec.Struct, **_STRUCT):
     gpu_memory_utilization: float
     kv_cache_memory: int | None  # bytes of KV cache per rank (CPU), None = default
     num_kv_blocks_override: int | None  # tests: force this many blocks
+    kv_cache_dtype: str  # auto | int8 | fp8 (CacheConfig.kv_cache_dtype)
     attention_backend: str  # auto | numba | torch | triton | reference
     cpu_kernels: str  # the CPU op seam's choice (ParallelConfig.cpu_kernels)
     enforce_eager: bool

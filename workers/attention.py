@@ -34,8 +34,10 @@ class AttentionInputs:
     backends that need no plan can be captured)."""
 
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
-"""(key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]."""
+KVCache = tuple[torch.Tensor, ...]
+"""(key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]; a
+quantized cache (`kv_cache_dtype` int8/fp8) adds (key_scale, value_scale), each
+[num_blocks, block_size, num_kv_heads] float32 (`kernels/attention/kv_quant.py`)."""
 
 
 class PagedAttention(nn.Module):
@@ -65,12 +67,13 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                 attn_inputs: AttentionInputs) -> torch.Tensor:
         """q [T, heads, d], k/v [T, kv_heads, d] -> [T, heads * d]."""
-        key_cache, value_cache = kv_cache
+        key_cache, value_cache, *scales = kv_cache
+        kv_scales = tuple(scales) if scales else None
         meta = attn_inputs.meta
-        self.backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        self.backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping, kv_scales)
         out = self.backend.attend(q, key_cache, value_cache, meta, attn_inputs.plan,
                                   self.scale, sliding_window=self.sliding_window,
-                                  soft_cap=self.logits_soft_cap)
+                                  soft_cap=self.logits_soft_cap, kv_scales=kv_scales)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
 

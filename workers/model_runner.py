@@ -147,10 +147,10 @@ class ModelRunner:
 
     @property
     def kv_block_bytes(self) -> int:
-        """Bytes one KV block takes on this rank, K and V over every layer of its stage."""
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        return (2 * self.model.num_layers * self.block_size * self.num_kv_heads
-                * self.head_dim * elem)
+        """Bytes one KV block takes on this rank, K and V over every layer of its stage (a
+        quantized cache's scales included: `AttentionBackend.kv_bytes_per_token_head`)."""
+        row = self.attention_backend.kv_bytes_per_token_head(self.head_dim, self.dtype)
+        return 2 * self.model.num_layers * self.block_size * self.num_kv_heads * row
 
     def allocate_kv_cache(self, num_blocks: int) -> list[KVCache]:
         """K and V tensors per layer, [num_blocks, block_size, kv_heads, head_dim] (stored as
@@ -165,14 +165,22 @@ class ModelRunner:
         request's `seq_len` (the torch backend masks by position, Triton masks its loads).
         Only the null block 0, which padding rows and padded block tables point at, is
         zeroed so that nothing ever sees NaN there.
+
+        A quantized cache (`kv_cache_dtype` int8/fp8) is (K, V, K scales, V scales) per
+        layer, the scales [num_blocks, block_size, kv_heads] float32, block 0's zeroed too.
         """
         geometry = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim, self.dtype,
                     self.device)
-        cache = self.attention_backend.kv_cache
-        caches = [(cache(*geometry), cache(*geometry)) for _ in range(self.model.num_layers)]
-        for key_cache, value_cache in caches:
-            key_cache[0].zero_()
-            value_cache[0].zero_()
+        backend = self.attention_backend
+        caches = []
+        for _ in range(self.model.num_layers):
+            layer = [backend.kv_cache(*geometry), backend.kv_cache(*geometry)]
+            if backend.kv_dtype is not None:
+                layer += [backend.kv_scales(num_blocks, self.block_size, self.num_kv_heads,
+                                            self.device) for _ in range(2)]
+            for tensor in layer:
+                tensor[0].zero_()
+            caches.append(tuple(layer))
         return caches
 
     def init_kv_cache(self, num_blocks: int) -> None:

@@ -76,7 +76,7 @@ class Worker:
         # the CPU ops first: their choice says which CPU the C kernels, attention's too, are for
         ops = select_cpu_ops(self.config.cpu_kernels) if self.device.type == "cpu" else None
         backend = select_attention_backend(self.config.attention_backend, self.device.type,
-                                           self.dtype)
+                                           self.dtype, self.config.kv_cache_dtype)
         with _default_dtype(self.dtype), torch.device(self.device):
             model = build_model(self.args, self.tp, backend, self.config.max_model_len,
                                 self.pp)

@@ -15,7 +15,10 @@ can answer; a larger tensor or pipeline parallel size would need another cost mo
   configured, in the simulation);
 - a KV cache 1.5 and 2 times as large (`--kv-cache-memory` on a CPU where a block's size is
   known, else `--num-gpu-blocks-override`);
-- `--max-num-batched-tokens` halved (where the config still holds).
+- `--max-num-batched-tokens` halved (where the config still holds);
+- `--kv-cache-dtype int8` where the cache is in the compute dtype: the same memory holds
+  `int8_block_factor` times the blocks (3.76x float32's, 1.88x bf16's at head_dim 64),
+  priced at the same step costs (the cost model was measured with the float cache).
 
 Calibrated to the engine as it ran: the core sends each request's first-token and finish
 times, and the steps are priced at the cost model times the factor that makes the simulated
@@ -187,7 +190,33 @@ def changes(config: EngineConfig, num_kv_blocks: int, peak_running: int,
                            max_num_batched_tokens=tokens))
     except ValueError:  # below max_num_seqs, or below the context without chunked prefill
         pass
+    factor = int8_block_factor(config, cost)
+    if factor is not None:
+        int8 = dataclasses.replace(config, cache=dataclasses.replace(config.cache,
+                                                                     kv_cache_dtype="int8"))
+        out.append(Change(INT8_FLAG, int8, int(num_kv_blocks * factor)))
     return out
+
+
+INT8_FLAG = "--kv-cache-dtype int8"
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+INT8_ROW_HEAD_DIM = 64
+"""The head size `int8_block_factor` assumes (the cost model does not record it): the
+smallest common one, where the float32 scale per row costs most (64 + 4 bytes); 128 would
+give 3.88x float32's blocks instead of 3.76x."""
+
+
+def int8_block_factor(config: EngineConfig, cost: StepCostModel) -> float | None:
+    """How many times the blocks the same memory holds with `--kv-cache-dtype int8`
+    (kernels/attention/kv_quant.py: head_dim int8 bytes and a float32 scale per token and KV
+    head, against head_dim elements of the compute dtype the cost model was measured in);
+    None where the cache is already quantized, the block count is forced, or that dtype is
+    unknown."""
+    elem = DTYPE_BYTES.get(cost.info.get("dtype", ""))
+    if (config.cache.kv_cache_dtype != "auto" or elem is None
+            or config.cache.num_kv_blocks_override is not None):
+        return None
+    return elem * INT8_ROW_HEAD_DIM / (INT8_ROW_HEAD_DIM + 4)
 
 
 def _change(config: EngineConfig, num_kv_blocks: int, flag: str, **scheduler) -> Change:
@@ -254,9 +283,13 @@ def summary(rows: list[tuple[str, dict]], seen: int, trace: Trace, pricing: str)
                 f"it predicts no preemption as configured ({seen} seen), so it cannot tell "
                 f"which change avoids them")
     free = [row for row in tried if row[1]["num_preemptions"] == 0]
+    also = ""
     if free:
         flag, best = max(free, key=lambda row: row[1]["output_throughput"])
         verdict = f"with {flag}: no preemptions at that load"
+        if flag != INT8_FLAG and any(row[0] == INT8_FLAG for row in free):
+            also = (f"; so does {INT8_FLAG}, in the memory it has now (not token-exact: "
+                    f"docs/kv-cache-dtype.md)")
     elif tried:
         flag, best = min(tried, key=lambda row: row[1]["num_preemptions"])
         verdict = (f"no single change tried avoids them; the fewest, "
@@ -268,7 +301,7 @@ def summary(rows: list[tuple[str, dict]], seen: int, trace: Trace, pricing: str)
             f"(TTFT p99 {_seconds(best['p99_ttft_ms'])}, {best['output_throughput']:.0f} "
             f"output tok/s; as configured {base['num_preemptions']} preemptions, "
             f"{seen} seen, TTFT p99 {_seconds(base['p99_ttft_ms'])}, "
-            f"{base['output_throughput']:.0f} output tok/s)")
+            f"{base['output_throughput']:.0f} output tok/s){also}")
 
 
 def report(rows: list[tuple[str, dict]], seen: int, trace: Trace, window: PreemptionWindow,

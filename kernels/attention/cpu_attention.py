@@ -13,7 +13,8 @@ AVX-512 builds: ROW_CHUNK_TOKENS) or, in AVX2 builds, the torch backend's SDPA p
 (AVX2_ROW_CHUNK_TOKENS).
 
 What the C kernels do not take goes to the numba kernel unchanged: float64, head sizes other
-than 16..128 in steps of 16 and 256. Results differ from the reference by float32 rounding
+than 16..128 in steps of 16 and 256, and an int8 cache (`kv_cache_dtype=int8`: the C kernels
+read float32 caches only; the numba kernel dequantizes int8 rows in its loops). Results differ from the reference by float32 rounding
 only.
 """
 from __future__ import annotations
@@ -161,26 +162,28 @@ class CpuBackend(NumbaBackend):
         return torch.empty(num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype,
                            device=device).transpose(1, 2)
 
-    @staticmethod
-    def _takes(dtype: torch.dtype, head_dim: int) -> bool:
-        """Whether the C kernels take caches of this dtype and head size."""
+    def _takes(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether the C kernels take caches of this dtype and head size (float32 caches
+        only: a quantized one, `kv_dtype`, goes to numba's kernel)."""
         library = load()
-        return (library is not None and dtype == torch.float32
+        return (library is not None and dtype == torch.float32 and self.kv_dtype is None
                 and bool(library.tidal_decode_attention_head_dim_ok(head_dim)))
 
-    def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+    def write_kv(self, key, value, key_cache, value_cache, slot_mapping,
+                 kv_scales=None) -> None:
         """float32 K/V into float32 caches by `tidal_write_kv` (row copies through both
         tensors' strides: indexing a head-major cache from torch took 25 us a layer at 32
         tokens, 0.41 ms at 2048, against 16 us / 0.22 ms for a plain cache's index_copy_);
         anything else as the torch backend."""
         library = load()
         tensors = (key, value, key_cache, value_cache)
-        if (library is None or any(t.dtype != torch.float32 for t in tensors)
+        if (library is None or kv_scales is not None
+                or any(t.dtype != torch.float32 for t in tensors)
                 or key.stride(2) != 1 or value.stride(2) != 1 or key_cache.stride(3) != 1
                 or key_cache.stride() != value_cache.stride()
                 or key.shape[1:] != key_cache.shape[2:] or value.shape != key.shape
                 or slot_mapping.shape != key.shape[:1]):
-            super().write_kv(key, value, key_cache, value_cache, slot_mapping)
+            super().write_kv(key, value, key_cache, value_cache, slot_mapping, kv_scales)
             return
         slots = slot_mapping.to(torch.int64).contiguous()
         bad = library.tidal_write_kv(
@@ -225,13 +228,13 @@ class CpuBackend(NumbaBackend):
     def _attend_decodes(self, query, key_cache, value_cache,
                         plan: CpuAttentionPlan | NumbaAttentionPlan, scale: float,
                         out: torch.Tensor, window: int | None = None,
-                        soft_cap: float | None = None) -> None:
+                        soft_cap: float | None = None, kv_scales=None) -> None:
         """Everything the C kernels take: the rows (decodes, short chunks) in one call, then
         each longer prefill chunk through the blocked kernel; within `window` (each row over
         its own window, the blocks before it unread) and soft-capped at `soft_cap`."""
         if isinstance(plan, NumbaAttentionPlan):
             super()._attend_decodes(query, key_cache, value_cache, plan, scale, out, window,
-                                    soft_cap)
+                                    soft_cap, kv_scales)
             return
         if plan.rows is None and not plan.chunks:
             return

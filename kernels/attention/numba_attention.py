@@ -23,6 +23,13 @@ results differ from the reference by rounding only (tested at the reference tole
 Prefill chunks (more than one new token) take the torch backend's SDPA path unchanged:
 `NumbaBackend` subclasses `TorchBackend` and replaces only the decodes.
 
+An int8 cache (`kv_cache_dtype=int8`, `kv_quant.py`) is read in place the same way, each
+row dequantized in the loop: a score is k_scale[slot, kv_head] * (q . K_q[slot]) (the int8
+values widen to the query's dtype in the multiply-add), a V row's weight w * v_scale[slot,
+kv_head]. Caches in the compute dtype take the same code with `quantized` False (a branch per
+position and KV head, not per element). numpy has no fp8 type: fp8 caches go to the torch
+backend (`select_attention_backend`).
+
 Compiled on first use for each dtype (about 4 s) and cached on disk next to this file
 (`cache=True`), so later processes load it in well under a second; `NumbaBackend.warm_up`
 does it at start-up.
@@ -38,6 +45,7 @@ import numpy as np
 import torch
 
 from . import NUMBA_DTYPES
+from .kv_quant import KVScales
 from .metadata import AttentionMetadata
 from .torch_attention import PrefillChunk, TorchBackend, _prefill, split_requests
 
@@ -93,6 +101,12 @@ class NumbaBackend(TorchBackend):
         paged_decode_numba(query, cache, cache, np.ones((1, 1), dtype=np.int32), one,
                            np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), 1.0,
                            torch.empty_like(query), 1, 1.0)  # the capped variant
+        if self.kv_dtype == torch.int8:  # the int8 cache's specialisation
+            scales = torch.ones(2, 4, 1)
+            paged_decode_numba(query, cache.to(torch.int8), cache.to(torch.int8),
+                               np.ones((1, 1), dtype=np.int32), one,
+                               np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), 1.0,
+                               torch.empty_like(query), kv_scales=(scales, scales))
         return time.perf_counter() - start
 
     def prepare(self, meta: AttentionMetadata, block_size: int, num_kv_heads: int,
@@ -110,26 +124,28 @@ class NumbaBackend(TorchBackend):
             requests=requests[order], token_rows=token_rows[order]), prefills)
 
     def attend(self, query, key_cache, value_cache, meta, plan: NumbaAttentionPlan, scale,
-               out=None, *, sliding_window=None, soft_cap=None) -> torch.Tensor:
+               out=None, *, sliding_window=None, soft_cap=None,
+               kv_scales=None) -> torch.Tensor:
         """The decodes in the compiled kernel (window and cap included), the prefill chunks
         through the torch backend's SDPA path."""
         if out is None:
             out = torch.empty_like(query)
         self._attend_decodes(query, key_cache, value_cache, plan, scale, out, sliding_window,
-                             soft_cap)
+                             soft_cap, kv_scales)
         for chunk in plan.prefills:
             _prefill(query, key_cache, value_cache, meta.block_tables[chunk.request], chunk,
-                     scale, out, sliding_window, soft_cap)
+                     scale, out, sliding_window, soft_cap, kv_scales)
         return out
 
     def _attend_decodes(self, query, key_cache, value_cache, plan: NumbaAttentionPlan,
                         scale: float, out: torch.Tensor, window: int | None = None,
-                        soft_cap: float | None = None) -> None:
+                        soft_cap: float | None = None,
+                        kv_scales: KVScales | None = None) -> None:
         d = plan.decode
         if d is not None:
             paged_decode_numba(query, key_cache, value_cache, d.block_tables, d.seq_lens,
                                d.requests, d.token_rows, scale, out, window or 0,
-                               soft_cap or 0.0)
+                               soft_cap or 0.0, kv_scales)
 
 
 def balanced_order(lengths: np.ndarray, num_threads: int) -> np.ndarray:
@@ -157,19 +173,28 @@ def paged_decode_numba(query: torch.Tensor, key_cache: torch.Tensor,
                        value_cache: torch.Tensor, block_tables: np.ndarray,
                        seq_lens: np.ndarray, requests: np.ndarray, token_rows: np.ndarray,
                        scale: float, out: torch.Tensor, window: int = 0,
-                       soft_cap: float = 0.0) -> None:
+                       soft_cap: float = 0.0, kv_scales: KVScales | None = None) -> None:
     """Attend the query rows `token_rows` (one new token each) of the requests `requests`
     (row indices of `block_tables` / `seq_lens`) and write them into `out` in place; over
     the last `window` positions only when it is above 0, scores soft-capped at `soft_cap`
-    when it is above 0."""
+    when it is above 0; an int8 cache dequantized with `kv_scales`."""
     q = query.detach().contiguous()
     result = out if out.is_contiguous() and out.dtype == q.dtype else torch.empty_like(q)
+    if kv_scales is None:
+        k_scale = v_scale = _NO_SCALES
+    else:
+        k_scale, v_scale = (t.detach().numpy() for t in kv_scales)
     _decode_kernel(q.numpy(), key_cache.detach().numpy(), value_cache.detach().numpy(),
                    block_tables, seq_lens, requests, token_rows, float(scale),
-                   result.numpy(), int(window), float(soft_cap))
+                   result.numpy(), int(window), float(soft_cap), kv_scales is not None,
+                   k_scale, v_scale)
     if result is not out:
         out.index_copy_(0, torch.from_numpy(token_rows),
                         result.index_select(0, torch.from_numpy(token_rows)).to(out.dtype))
+
+
+_NO_SCALES = np.ones((1, 1, 1), dtype=np.float32)
+"""The scales argument of a cache in the compute dtype (never read: `quantized` False)."""
 
 
 def exp_shifted(row, top, exponents):  # pragma: no cover - replaced by the overload below
@@ -227,8 +252,8 @@ if numba is not None:
 
     @njit(fastmath=True, cache=True, nogil=True, parallel=True)
     def _decode_kernel(q, key_cache, value_cache, block_tables, seq_lens, requests,
-                       token_rows, scale, out, window,
-                       soft_cap):  # pragma: no cover - compiled, not traced
+                       token_rows, scale, out, window, soft_cap, quantized, k_scale,
+                       v_scale):  # pragma: no cover - compiled, not traced
         num_heads, head_dim = q.shape[1], q.shape[2]
         block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
         group = num_heads // num_kv_heads
@@ -259,6 +284,8 @@ if numba is not None:
                         s = zero
                         for d in range(head_dim):
                             s += qs[h, d] * key_cache[block, offset, kh, d]
+                        if quantized:
+                            s *= k_scale[block, offset, kh]
                         scores[h, p] = s
             if soft_cap > 0:
                 for h in range(num_heads):  # float64 cap: exact for float64 scores
@@ -282,6 +309,8 @@ if numba is not None:
                     for g in range(group):
                         h = kh * group + g
                         w = scores[h, p]
+                        if quantized:
+                            w *= v_scale[block, offset, kh]
                         for d in range(head_dim):
                             acc[h, d] += w * value_cache[block, offset, kh, d]
             for h in range(num_heads):

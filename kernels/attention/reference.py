@@ -23,6 +23,10 @@ are never read: their table entries may name blocks the engine core has given to
 request, or the null block. With a soft cap c each score s = scale * q.k becomes
 c * tanh(s / c) before the mask and the softmax (Gemma 2).
 Softmax is computed in float32; the output has the query's dtype (float64 stays float64).
+
+A quantized cache (`kv_cache_dtype` int8/fp8) adds kv_scales = (key_scale, value_scale),
+[num_blocks, block_size, num_kv_heads] float32 at the same slots; a row reads back as
+q * scale (`kv_quant.py`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from . import FunctionBackend
+from .kv_quant import KVScales, dequantize, write_kv_quantized
 
 
 def write_kv_ref(
@@ -38,8 +43,13 @@ def write_kv_ref(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,  # same shape as key_cache
     slot_mapping: torch.Tensor,  # [num_tokens] int64; slot < 0 means "do not write"
+    kv_scales: KVScales | None = None,  # a quantized cache's scales
 ) -> None:
-    """Scatter each token's K and V into its cache slot (in place)."""
+    """Scatter each token's K and V into its cache slot (in place), quantized with their
+    scales when `kv_scales` is given."""
+    if kv_scales is not None:
+        write_kv_quantized(key, value, key_cache, value_cache, kv_scales, slot_mapping)
+        return
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
@@ -58,6 +68,7 @@ def paged_attention_ref(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    kv_scales: KVScales | None = None,  # a quantized cache's scales
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its paged K/V (GQA aware), within
     `sliding_window` and soft-capped by `soft_cap` when given (see the module docstring)."""
@@ -79,8 +90,12 @@ def paged_attention_ref(
         num_blocks = (seq_len + block_size - 1) // block_size
         blocks = block_tables[i, first:num_blocks].long()
         base = first * block_size
-        k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len - base]
-        v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len - base]
+        k, v = key_cache[blocks], value_cache[blocks]
+        if kv_scales is not None:
+            k = dequantize(k, kv_scales[0][blocks], acc_dtype)
+            v = dequantize(v, kv_scales[1][blocks], acc_dtype)
+        k = k.reshape(-1, num_kv_heads, head_dim)[:seq_len - base]
+        v = v.reshape(-1, num_kv_heads, head_dim)[:seq_len - base]
         # [kv_heads, seq, d] -> repeat each KV head for its `group` query heads
         k = k.transpose(0, 1).repeat_interleave(group, dim=0).to(acc_dtype)
         v = v.transpose(0, 1).repeat_interleave(group, dim=0).to(acc_dtype)

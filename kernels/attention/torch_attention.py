@@ -21,6 +21,10 @@ Python loop over decode requests. `TorchBackend.prepare` turns a step's metadata
 
 Softmax runs in float32 (float64 for float64 queries) as in the reference; the output has
 the query's dtype. Rows of `out` that no request owns are left untouched.
+
+A quantized cache (`kv_scales` given, `kv_quant.py`) is gathered the same way, int8 or fp8,
+with its scales block by block beside it, and dequantized in the copy (q * scale, in the
+accumulation dtype) before SDPA reads it: the gathered copy is the only one in float.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from . import AttentionBackend
+from .kv_quant import KVScales, dequantize, write_kv_quantized
 from .metadata import AttentionMetadata
 from .reference import first_visible, visible
 
@@ -131,8 +136,12 @@ class TorchBackend(AttentionBackend):
     def __init__(self, decode_chunk_bytes: int = DEFAULT_DECODE_CHUNK_BYTES):
         self.decode_chunk_bytes = decode_chunk_bytes
 
-    def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
-        write_kv_torch(key, value, key_cache, value_cache, slot_mapping)
+    def write_kv(self, key, value, key_cache, value_cache, slot_mapping,
+                 kv_scales=None) -> None:
+        if kv_scales is not None:
+            write_kv_quantized(key, value, key_cache, value_cache, kv_scales, slot_mapping)
+        else:
+            write_kv_torch(key, value, key_cache, value_cache, slot_mapping)
 
     def prepare(self, meta: AttentionMetadata, block_size: int, num_kv_heads: int,
                 head_dim: int, dtype: torch.dtype) -> TorchAttentionPlan:
@@ -173,27 +182,30 @@ class TorchBackend(AttentionBackend):
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                meta: AttentionMetadata, plan: TorchAttentionPlan, scale: float,
                out: torch.Tensor | None = None, *, sliding_window: int | None = None,
-               soft_cap: float | None = None) -> torch.Tensor:
+               soft_cap: float | None = None,
+               kv_scales: KVScales | None = None) -> torch.Tensor:
         if out is None:
             out = torch.empty_like(query)
         if sliding_window is None and soft_cap is None:
-            self._attend_decodes(query, key_cache, value_cache, plan, scale, out)
+            self._attend_decodes(query, key_cache, value_cache, plan, scale, out, kv_scales)
         else:
             self._attend_windowed_decodes(query, key_cache, value_cache, meta, plan, scale,
-                                          out, sliding_window, soft_cap)
+                                          out, sliding_window, soft_cap, kv_scales)
         for chunk in plan.prefills:
             _prefill(query, key_cache, value_cache, meta.block_tables[chunk.request], chunk,
-                     scale, out, sliding_window, soft_cap)
+                     scale, out, sliding_window, soft_cap, kv_scales)
         return out
 
     def _attend_decodes(self, query, key_cache, value_cache, plan: TorchAttentionPlan,
-                        scale: float, out: torch.Tensor) -> None:
+                        scale: float, out: torch.Tensor,
+                        kv_scales: KVScales | None = None) -> None:
         """One new token per decode request, a chunk at a time."""
         self._attend_chunks(query, key_cache, value_cache, plan, plan.decode_chunks, scale,
-                            out, None)
+                            out, None, kv_scales)
 
     def _attend_windowed_decodes(self, query, key_cache, value_cache, meta, plan, scale, out,
-                                 window: int | None, soft_cap: float | None) -> None:
+                                 window: int | None, soft_cap: float | None,
+                                 kv_scales: KVScales | None = None) -> None:
         """The decodes of a layer with a window or a cap: the window's own chunks (built
         once a step per window), then the chunks through SDPA or, capped, by hand."""
         chunks = plan.decode_chunks
@@ -203,12 +215,13 @@ class TorchBackend(AttentionBackend):
                 chunks = plan.windowed_chunks[window] = self._decode_chunks(
                     meta, plan, key_cache.shape[1], key_cache.shape[2], key_cache.shape[3],
                     query.dtype, window)
-        self._attend_chunks(query, key_cache, value_cache, plan, chunks, scale, out, soft_cap)
+        self._attend_chunks(query, key_cache, value_cache, plan, chunks, scale, out, soft_cap,
+                            kv_scales)
 
     @staticmethod
     def _attend_chunks(query, key_cache, value_cache, plan: TorchAttentionPlan,
                        chunks: list[DecodeChunk], scale: float, out: torch.Tensor,
-                       soft_cap: float | None) -> None:
+                       soft_cap: float | None, kv_scales: KVScales | None = None) -> None:
         if not chunks:
             return
         rows = max(chunk.blocks.numel() for chunk in chunks)
@@ -219,7 +232,7 @@ class TorchBackend(AttentionBackend):
         for chunk in chunks:
             result = _decode_chunk(query.index_select(0, chunk.token_rows), key_cache,
                                    value_cache, chunk, scale, _acc_dtype(query.dtype),
-                                   plan.workspace, soft_cap)
+                                   plan.workspace, soft_cap, kv_scales)
             out.index_copy_(0, chunk.token_rows, result.to(out.dtype))
 
 
@@ -278,17 +291,20 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _decode_chunk(q, key_cache, value_cache, chunk: DecodeChunk, scale, acc, workspace,
-                  soft_cap: float | None = None):
+                  soft_cap: float | None = None, kv_scales: KVScales | None = None):
     """q [n, heads, d] of one chunk's requests -> [n, heads, d] in `acc` dtype."""
     num, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
     shape = (num, chunk.padded_len, num_kv_heads, head_dim)
     gathered = []
-    for cache, buffer in zip((key_cache, value_cache), workspace):
+    for i, (cache, buffer) in enumerate(zip((key_cache, value_cache), workspace)):
         # whole blocks: one contiguous copy of block_size * kv_heads * head_dim per block
         kv = buffer[:chunk.blocks.numel()]
         torch.index_select(cache.view(cache.shape[0], -1), 0, chunk.blocks, out=kv)
         kv = kv.view(shape)
+        if kv_scales is not None:  # dequantized with the blocks' scales, in a float copy
+            rows = kv_scales[i].view(cache.shape[0], -1).index_select(0, chunk.blocks)
+            kv = dequantize(kv, rows.view(shape[:3]), acc)
         if chunk.pad_rows.numel():
             kv.view(num * chunk.padded_len, -1).index_fill_(0, chunk.pad_rows, 0)
         gathered.append(kv.to(acc).transpose(1, 2))  # [n, kv_heads, padded_len, d] view
@@ -319,7 +335,8 @@ def _capped_attention(q, k, v, mask, scale: float, soft_cap: float) -> torch.Ten
 
 
 def _prefill(query, key_cache, value_cache, table, chunk: PrefillChunk, scale, out,
-             window: int | None = None, soft_cap: float | None = None):
+             window: int | None = None, soft_cap: float | None = None,
+             kv_scales: KVScales | None = None):
     """A chunk of q_len > 1 new tokens of one request: SDPA with a bottom-right causal mask
     (and the window's, reading only the blocks from the one holding the chunk's first
     visible position). `table` is the request's block-table row."""
@@ -333,8 +350,11 @@ def _prefill(query, key_cache, value_cache, table, chunk: PrefillChunk, scale, o
     num_blocks = (seq_len + block_size - 1) // block_size
     blocks = table[first:num_blocks].long()
     # [blocks, block_size, kv_heads, d] -> [kv_heads, seq_len - base, d]
-    k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len - base]
-    v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len - base]
+    k, v = key_cache[blocks], value_cache[blocks]
+    if kv_scales is not None:
+        k, v = dequantize(k, kv_scales[0][blocks], acc), dequantize(v, kv_scales[1][blocks], acc)
+    k = k.reshape(-1, num_kv_heads, head_dim)[:seq_len - base]
+    v = v.reshape(-1, num_kv_heads, head_dim)[:seq_len - base]
     k, v = k.transpose(0, 1).to(acc), v.transpose(0, 1).to(acc)
     q = query[q_start:q_end].transpose(0, 1).to(acc)  # [heads, q_len, d]
     mask = _causal_mask(q_len, seq_len, query.device, window, base)

@@ -243,6 +243,29 @@ def test_greedy_tiny_kv_cache_preempts_tp2(tiny_llama, prompts, reference):
         assert stats.kv_cache_usage == 0.0
 
 
+INT8_KV_EXACT_PROMPTS = 11
+"""Issue 36: of these 16 prompts, how many must give exactly transformers' (float32) 10
+greedy tokens with an int8 KV cache. Not token-exact by nature: measured 12 of 16, the other
+4 leaving at positions where float32's top-2 logit gap is 0.004-0.10 (a random tiny model's
+logits lie close together; SmolLM2's agreement and |delta logprob|: docs/kv-cache-dtype.md)."""
+
+
+@pytest.mark.timeout(300)
+def test_int8_kv_cache_tiny_pool_agrees_and_frees_every_block(tiny_llama, prompts, reference):
+    """--kv-cache-dtype int8 with 7 usable blocks for 16 requests: preemptions happen, at
+    least INT8_KV_EXACT_PROMPTS prompts' greedy tokens equal float32 transformers', and every
+    block is free at the end."""
+    with LLM(tiny_llama, kv_cache_dtype="int8", num_gpu_blocks_override=8, max_model_len=112,
+             startup_timeout=STARTUP_TIMEOUT_S) as llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        exact = sum(out.outputs[0].token_ids == ref_tokens
+                    for out, (ref_tokens, _) in zip(outputs, reference))
+        assert exact >= INT8_KV_EXACT_PROMPTS, f"{exact} of {len(prompts)} prompts exact"
+        stats = llm.get_stats()
+        assert stats.num_preemptions > 0
+        assert stats.kv_cache_usage == 0.0
+
+
 # ---------------------------------------------------------------------------------------------
 # item 2: several frontends on one daemon
 

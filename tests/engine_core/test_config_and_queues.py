@@ -40,6 +40,7 @@ def test_defaults_are_vllms():
      "max_num_batched_tokens"),
     (lambda: CacheConfig(block_size=24), "block_size"),
     (lambda: CacheConfig(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    (lambda: CacheConfig(kv_cache_dtype="int4"), "kv_cache_dtype"),
     (lambda: SchedulerConfig(scheduling_policy="lifo"), "scheduling_policy"),
     (lambda: SchedulerConfig(stream_interval=0), "stream_interval"),
     (lambda: SchedulerConfig(max_queue_delay=0.0), "max_queue_delay"),

@@ -76,6 +76,26 @@ def test_prediction_names_the_best_change_that_removes_the_preemption(tmp_path):
     assert table["--max-num-batched-tokens 32"][0] == "1"
 
 
+def test_int8_kv_cache_is_tried_in_the_same_memory_and_named_when_it_ends_them(tmp_path):
+    """A cost model measured in float32: --kv-cache-dtype int8 holds 4 x 64 / 68 = 3.76x the
+    blocks (5 -> 18) in the same memory; both requests fit, so the summary names it beside
+    the best change. bf16: 2 x 64 / 68 = 1.88x (5 -> 9)."""
+    cost = StepCostModel(0.010, info={"dtype": "float32"})
+    tried = {c.flag: c for c in changes(config(max_num_seqs=2), 5, 2, cost)}
+    assert tried["--kv-cache-dtype int8"].num_kv_blocks == 18
+    assert tried["--kv-cache-dtype int8"].config.cache.kv_cache_dtype == "int8"
+    bf16 = StepCostModel(0.010, info={"dtype": "bfloat16"})
+    assert {c.flag: c for c in changes(config(max_num_seqs=2), 5, 2, bf16)}[
+        "--kv-cache-dtype int8"].num_kv_blocks == 9
+    path = tmp_path / "float32-cost.json"
+    cost.save(str(path))
+    prediction = advise(_window(tmp_path, step_cost_model=str(path)))
+    assert prediction.summary.endswith(
+        "output tok/s); so does --kv-cache-dtype int8, in the memory it has now (not "
+        "token-exact: docs/kv-cache-dtype.md)")
+    assert "--kv-cache-dtype int8" in prediction.report
+
+
 def test_says_so_when_the_simulation_has_none_of_the_preemptions_seen(tmp_path):
     """With 10 blocks both requests fit: the simulator cannot reproduce the one preemption the
     core saw, and says it cannot tell which change would avoid it."""

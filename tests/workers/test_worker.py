@@ -29,6 +29,23 @@ def test_cpu_kv_blocks_from_kv_cache_memory(tiny_llama):
     assert ready.load_seconds > 0
 
 
+def test_int8_kv_cache_counts_the_smaller_rows(tiny_llama):
+    """--kv-cache-dtype int8: a row of head_dim 16 is 16 int8 bytes and a float32 scale, so a
+    block is 2 x 2 x 16 x 2 x (16 + 4) bytes and 1 MiB holds 3.2x float32's blocks; each
+    layer's cache is (K, V) int8 and their scales [blocks, 16, 2] float32."""
+    import torch
+
+    worker = _loaded(tiny_llama, num_kv_blocks_override=None, kv_cache_memory=1 << 20,
+                     kv_cache_dtype="int8")
+    assert worker.runner.kv_block_bytes == 2 * 2 * 16 * 2 * (16 + 4)
+    blocks = worker.determine_num_kv_blocks()
+    assert blocks == (1 << 20) // 2560
+    worker.init_kv_cache(blocks)
+    k, v, k_scale, v_scale = worker.runner.kv_caches[0]
+    assert (k.dtype, v.dtype, k_scale.dtype) == (torch.int8, torch.int8, torch.float32)
+    assert tuple(k_scale.shape) == (blocks, 16, 2) and (k_scale[0] == 0).all()
+
+
 def test_cpu_kv_default_and_override(tiny_llama):
     worker = _loaded(tiny_llama, num_kv_blocks_override=None)
     assert worker.determine_num_kv_blocks() == DEFAULT_CPU_KV_CACHE_BYTES // BLOCK_BYTES
