@@ -75,15 +75,21 @@ def default_model() -> str:
              "(run tests/e2e/test_real_model.py once, or pass a folder)")
 
 
-def measure(llm, conversations, params, streams: int) -> tuple[float, list[list[int]]]:
-    """(tokens/s, token ids per conversation) running `streams` conversations at a time."""
+def measure(llm, conversations, params, streams: int) -> tuple[float, float, list[list[int]]]:
+    """(tokens/s, tokens per engine step, token ids per conversation) running `streams`
+    conversations at a time. Tokens per step does not depend on the machine's load: without
+    speculation it is the batch size, with it the accepted drafts add to it."""
     outputs = []
+    before = llm.get_stats()
     start = time.perf_counter()
     for i in range(0, len(conversations), streams):
         outputs += llm.chat(conversations[i:i + streams], params, use_tqdm=False)
     seconds = time.perf_counter() - start
+    after = llm.get_stats()
     ids = [o.outputs[0].token_ids for o in outputs]
-    return sum(map(len, ids)) / seconds, ids
+    per_step = (after.generation_tokens - before.generation_tokens) / max(
+        1, after.num_steps - before.num_steps)
+    return sum(map(len, ids)) / seconds, per_step, ids
 
 
 def main() -> None:
@@ -93,6 +99,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--tasks", type=int, default=4,
+                        help="prompts per workload at 1 stream (at N streams: N prompts)")
     args = parser.parse_args()
     from tidal.frontend import LLM, SamplingParams
 
@@ -101,22 +109,24 @@ def main() -> None:
     engines = {}
     for name in args.configs:
         spec = CONFIGS[name]
-        engines[name] = LLM(model, kv_cache_memory="1GiB", max_model_len=2048,
+        engines[name] = LLM(model, kv_cache_memory="256MiB", max_model_len=1024,
                             speculative_config=None if spec is None else json.dumps(spec))
     workloads = {"copy": COPY_TASKS, "chat": CHAT_TASKS}
     rates: dict[tuple, list[float]] = {}
     same: dict[tuple, list[int]] = {}
+    steps: dict[tuple, list[float]] = {}
     try:
         for _ in range(args.rounds):
             for wname, tasks in workloads.items():
                 for streams in args.streams:
-                    n = max(streams, len(tasks)) if streams > 1 else len(tasks)
+                    n = streams if streams > 1 else args.tasks
                     convs = [[{"role": "user", "content": tasks[i % len(tasks)]}]
                              for i in range(n)]
                     reference = None
                     for name, llm in engines.items():
-                        rate, ids = measure(llm, convs, params, streams)
+                        rate, per_step, ids = measure(llm, convs, params, streams)
                         rates.setdefault((wname, streams, name), []).append(rate)
+                        steps.setdefault((wname, streams, name), []).append(per_step)
                         if reference is None:
                             reference = ids
                         same.setdefault((wname, streams, name), []).append(
@@ -138,9 +148,14 @@ def main() -> None:
                 r = statistics.median(rates[(wname, streams, name)])
                 cells.append(f"{r:8.1f} ({r / base:4.2f}x)")
             print(f"{wname:9}{streams:>8}  " + "".join(f"{c:>18}" for c in cells))
-    print("identical outputs to off (all rounds): " + ", ".join(
+    print("tokens per engine step (independent of the machine's load):")
+    for wname in workloads:
+        for streams in args.streams:
+            cells = [f"{statistics.median(steps[(wname, streams, n)]):.2f}" for n in names]
+            print(f"{wname:9}{streams:>8}  " + "".join(f"{c:>18}" for c in cells))
+    print("outputs identical to off's: " + ", ".join(
         f"{n} {sum(sum(v) for k, v in same.items() if k[2] == n)}/"
-        f"{sum(len(v) * (max(k[1], 4) if k[1] > 1 else 4) for k, v in same.items() if k[2] == n)}"
+        f"{sum(len(v) * (k[1] if k[1] > 1 else args.tasks) for k, v in same.items() if k[2] == n)}"
         for n in names))
     for name, s in stats.items():
         if s.spec_num_draft_tokens:
