@@ -56,7 +56,6 @@ import msgspec
 from .block_pool import BlockPool
 from .config import EngineConfig, check_lengths
 from .kv_cache_manager import KVCacheManager
-from .advice.step_cost import StepCostModel, find_profile
 from .lora import LoRASlots, adapters_in_use
 from .preemption_log import PreemptionLog
 from .request import Request, RequestStatus
@@ -146,23 +145,17 @@ class Scheduler:
         self._init_counters()
 
     def _init_speculation(self, config: EngineConfig) -> None:
-        """The proposer, the adaptive policy (over the step cost model `tidal tune profile`
-        measured, or `CostTerms`' defaults) and the counters; all None when it is off."""
+        """The proposer, the adaptive policy and the counters; all None when it is off. The
+        policy prices steps with `CostTerms`' defaults until the advisory wing gives it the
+        measured step cost model (`advice/observers.py` SpeculationCostObserver)."""
         spec = parse_speculative_config(config.scheduler.speculative_config)
         self.spec_config = spec
         self.proposer = self.spec_policy = self.spec_stats = None
         if spec is None:
             return
-        terms = CostTerms()
-        path = find_profile(config)
-        if path is not None:
-            try:
-                terms = CostTerms.from_model(StepCostModel.load(path))
-            except (OSError, ValueError) as e:
-                logger.warning("speculative decoding: step cost model %s unreadable (%s); "
-                               "using default step costs", path, e)
         self.proposer = make_proposer(spec)
-        self.spec_policy = AdaptivePolicy(spec.num_speculative_tokens, terms, spec.adaptive)
+        self.spec_policy = AdaptivePolicy(spec.num_speculative_tokens, CostTerms(),
+                                          spec.adaptive)
         self.spec_stats = SpecStats(spec.num_speculative_tokens)
 
     def _init_counters(self) -> None:

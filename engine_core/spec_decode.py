@@ -301,6 +301,10 @@ class AdaptivePolicy:
         """A request's acceptance estimate: its own counts, shrunk toward the prior."""
         return (accepted + PRIOR_WEIGHT * self.prior()) / (drafted + PRIOR_WEIGHT)
 
+    def use_cost_model(self, model) -> None:
+        """Price steps with a measured `StepCostModel` (advice/observers.py gives it)."""
+        self.terms = CostTerms.from_model(model)
+
     def record(self, num_drafts: int, num_accepted: int) -> None:
         self.drafted += num_drafts
         self.accepted += num_accepted
