@@ -41,7 +41,8 @@ needs them next step anyway). A request with drafts in flight is not scheduled a
 its result is back (async scheduling and pipeline stages alike); so is, with speculation
 on, any request that may draft (async scheduling thus plans ahead only for the others and
 for prefill chunks: drafts need the last token). Speculation is off for
-requests with logprobs, penalties, a grammar, min_tokens still to reach, or pooling.
+requests with logprobs, penalties, a grammar, min_tokens still to reach, a LoRA adapter, or
+pooling.
 """
 
 from __future__ import annotations
@@ -908,9 +909,11 @@ class Scheduler:
 def _can_speculate(request: Request) -> bool:
     """Whether drafts may be verified for this request: the worker's verification applies
     temperature, top-k, top-p and min-p only, so requests needing more (logprobs, penalties,
-    a grammar, min_tokens still masking EOS) and pooling requests decode one token a step."""
+    a grammar, min_tokens still masking EOS) decode one token a step, as do pooling requests
+    and LoRA requests (not verified with drafts yet)."""
     sp = request.sampling
-    return (request.pooling is None and sp.logprobs is None and sp.structured_outputs is None
+    return (request.pooling is None and request.lora is None and sp.logprobs is None
+            and sp.structured_outputs is None
             and sp.presence_penalty == 0.0 and sp.frequency_penalty == 0.0
             and sp.repetition_penalty == 1.0
             and len(request.output_token_ids) >= request.min_tokens)
