@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from .cpu_threads import parse_cpu_affinity, worker_threads
+from .spec_decode import parse_speculative_config
 from ..ipc.messages import WorkerConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
@@ -256,8 +257,17 @@ class SchedulerConfig:
     """The step cost model file for `max_queue_delay` and for the simulator's prediction after
     preemptions; None means the profile `tidal tune profile` cached for this model, dtype,
     device, TP size, threads and attention backend (without one, neither)."""
+    speculative_config: str | None = None
+    """Speculative decoding, vLLM's JSON: {"method": "ngram" | "suffix",
+    "num_speculative_tokens": K, "prompt_lookup_min": N, "prompt_lookup_max": N}, plus
+    tidal's "adaptive" (default true: each step picks every request's draft count, 0..K,
+    from the step cost model and its acceptance; false: always K, as other engines) and
+    "suffix_max_match" / "suffix_cache_requests". None = off. See docs/speculative.md."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, dict):  # LLM(speculative_config={...})
+            object.__setattr__(self, "speculative_config", json.dumps(self.speculative_config))
+        parse_speculative_config(self.speculative_config)  # ValueError naming the key
         _require(self.max_num_seqs >= 1, "max_num_seqs",
                  f"must be at least 1, got {self.max_num_seqs}")
         _require(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",

@@ -143,7 +143,8 @@ class Placement:
 _SUMMED = ("num_running", "num_waiting", "num_kv_blocks", "num_preemptions",
            "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens",
            "num_steps", "preempted_prefix_cache_queries", "preempted_prefix_cache_hits",
-           "num_worker_restarts", "queued_prompt_tokens")
+           "num_worker_restarts", "queued_prompt_tokens", "spec_num_drafts",
+           "spec_num_draft_tokens", "spec_num_accepted_tokens")
 
 
 def merge_stats(per_core: list[SchedulerStats]) -> SchedulerStats:
@@ -154,6 +155,11 @@ def merge_stats(per_core: list[SchedulerStats]) -> SchedulerStats:
     total = SchedulerStats(cores=list(per_core))
     for name in _SUMMED:
         setattr(total, name, sum(getattr(s, name) for s in per_core))
+    positions = max((len(s.spec_accepted_per_pos) for s in per_core), default=0)
+    if positions:
+        total.spec_accepted_per_pos = [
+            sum(s.spec_accepted_per_pos[i] for s in per_core if i < len(s.spec_accepted_per_pos))
+            for i in range(positions)]
     if total.num_kv_blocks:
         used = sum(s.kv_cache_usage * s.num_kv_blocks for s in per_core)
         total.kv_cache_usage = used / total.num_kv_blocks

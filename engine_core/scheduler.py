@@ -29,6 +29,20 @@ last stage samples, so the first one cannot fill in a placeholder. A request who
 token is in flight is therefore not scheduled again until it is back (another request fills
 the next plan); its new tokens then travel in the plan (`CachedRequestData.new_token_ids`).
 Prefill chunks of one request may still follow each other: every stage runs plans in order.
+
+Speculative decoding (`engine_core/spec_decode.py`): after the running and waiting passes,
+each running request that decodes one token (its last token known, nothing in flight) may
+get k draft tokens from the proposer, k chosen by the adaptive policy within what is left of
+the token budget; they get KV slots (never by preemption: a request whose drafts do not fit
+gets none) and ride in the plan (`CachedRequestData.spec_token_ids`). `num_computed_tokens`
+advances over them at schedule time; `update()` sets it back to what was accepted (the
+rejected drafts' slots are overwritten next step; the blocks stay with the request, which
+needs them next step anyway). A request with drafts in flight is not scheduled again until
+its result is back (async scheduling and pipeline stages alike); so is, with speculation
+on, any request that may draft (async scheduling thus plans ahead only for the others and
+for prefill chunks: drafts need the last token). Speculation is off for
+requests with logprobs, penalties, a grammar, min_tokens still to reach, a LoRA adapter, or
+pooling.
 """
 
 from __future__ import annotations
@@ -47,6 +61,9 @@ from .lora import LoRASlots, adapters_in_use
 from .preemption_log import PreemptionLog
 from .request import Request, RequestStatus
 from .request_queue import create_request_queue, priority_key
+from .spec_decode import (
+    AdaptivePolicy, CostTerms, SpecStats, make_proposer, parse_speculative_config,
+)
 from ..ipc.batch_view import BatchView, StepRecord
 from ..ipc.messages import (
     BatchPlan, CachedRequestData, EngineCoreOutput, FinishReason, GrammarToCompile,
@@ -67,7 +84,8 @@ Outputs = dict[str, list[EngineCoreOutput]]
 class _Step:
     """Scratch state of one schedule() call."""
 
-    __slots__ = ("step_id", "budget", "scheduled", "preempted_req_ids", "num_preempted")
+    __slots__ = ("step_id", "budget", "scheduled", "preempted_req_ids", "num_preempted",
+                 "drafts")
 
     def __init__(self, step_id: int, budget: int) -> None:
         self.step_id = step_id
@@ -77,6 +95,8 @@ class _Step:
         order; blocks of requests admitted this step are published already."""
         self.preempted_req_ids: list[str] = []
         self.num_preempted = 0
+        self.drafts: dict[str, list[int]] = {}
+        """req_id -> the draft tokens it verifies this step (speculative decoding)."""
 
 
 class Scheduler:
@@ -122,7 +142,22 @@ class Scheduler:
         self._num_added = 0
         self.clock = time.monotonic
         self.preemption_log = PreemptionLog(logger, config, num_kv_blocks)
+        self._init_speculation(config)
         self._init_counters()
+
+    def _init_speculation(self, config: EngineConfig) -> None:
+        """The proposer, the adaptive policy and the counters; all None when it is off. The
+        policy prices steps with `CostTerms`' defaults until the advisory wing gives it the
+        measured step cost model (`advice/observers.py` SpeculationCostObserver)."""
+        spec = parse_speculative_config(config.scheduler.speculative_config)
+        self.spec_config = spec
+        self.proposer = self.spec_policy = self.spec_stats = None
+        if spec is None:
+            return
+        self.proposer = make_proposer(spec)
+        self.spec_policy = AdaptivePolicy(spec.num_speculative_tokens, CostTerms(),
+                                          spec.adaptive)
+        self.spec_stats = SpecStats(spec.num_speculative_tokens)
 
     def _init_counters(self) -> None:
         self.num_preemptions = 0
@@ -250,6 +285,12 @@ class Scheduler:
         self.num_finished += 1
         self.kv_cache_manager.free(request)
         self.awaiting_grammar.pop(request.req_id, None)
+        if self.proposer is not None:
+            if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+                self.proposer.finished(request.req_id, request.all_token_ids,
+                                       request.num_prompt_tokens)
+            else:
+                self.proposer.forget(request.req_id)
         if request.in_worker or request.grammar_sent:
             self._finished_req_ids.append(request.req_id)
             request.in_worker = request.grammar_sent = False
@@ -271,7 +312,50 @@ class Scheduler:
         self._schedule_running(step)
         if step.num_preempted == 0:
             self._schedule_waiting(step)
+        if self.proposer is not None and step.budget > 0:
+            self._add_drafts(step)
         return self._build_plan(step)
+
+    def _add_drafts(self, step: _Step) -> None:
+        """Speculative decoding: drafts for the step's one-token decodes, as many per request
+        as the policy picks within the budget left (see the module docstring)."""
+        proposer, policy = self.proposer, self.spec_policy
+        terms = policy.terms
+        ceiling = self.spec_config.num_speculative_tokens
+        base_cost, base_tokens = terms.intercept, 0.0
+        candidates, proposals = [], []
+        for request, num_new, _, admitted in step.scheduled.values():
+            computed = request.num_computed_tokens
+            num_tokens = len(request.all_token_ids)
+            if (num_new == 1 and not admitted and computed == num_tokens - 1
+                    and not request.num_output_placeholders and _can_speculate(request)):
+                room = min(request.max_tokens - len(request.output_token_ids),
+                           self.max_model_len - num_tokens) - 1
+                draft = proposer.propose(request.req_id, request.all_token_ids,
+                                         min(room, ceiling)) if room > 0 else []
+                if draft:
+                    candidates.append((len(draft), computed, policy.alpha(
+                        request.spec_accepted, request.spec_drafted)))
+                    proposals.append((request, draft))
+                    continue
+            base_cost += terms.entry(computed, num_new)
+            base_tokens += computed + num_new >= num_tokens
+        if not candidates:
+            return
+        counts = policy.choose(candidates, base_cost, base_tokens, step.budget)
+        kv = self.kv_cache_manager
+        for (request, draft), k in zip(proposals, counts):
+            if k <= 0:
+                continue
+            extra = kv.allocate_slots(request, 1 + k, publish=False)
+            if extra is None:
+                continue  # no free blocks for its drafts: it decodes one token
+            req_id = request.req_id
+            _, _, block_ids, _ = step.scheduled[req_id]
+            step.scheduled[req_id] = (request, 1 + k, block_ids + extra, False)
+            step.budget -= k
+            step.drafts[req_id] = draft[:k]
+            request.num_drafts_in_flight = k
 
     def _long_prefill_cap(self) -> int:
         """Per-request chunk cap this step (0 = none); off while only one request exists."""
@@ -290,14 +374,17 @@ class Scheduler:
         windowed = kv.sliding_window is not None
         scheduled = step.scheduled
         budget = step.budget
+        speculating = self.proposer is not None
         for request in list(self.running):
             if budget <= 0:
                 break
             if request.status != _RUNNING:  # preempted earlier in this pass
                 continue
             placeholders = request.num_output_placeholders
-            if placeholders and self.pipelined:
-                continue  # its token is still in the pipeline; the first stage lacks it
+            if placeholders and (self.pipelined or speculating and _can_speculate(request)):
+                # its token is still in the pipeline (the first stage lacks it), or it may
+                # draft (drafts follow its last token; how many come back is not known)
+                continue
             num_projected = len(request.all_token_ids) + placeholders
             if request.pooling is not None:
                 if placeholders:
@@ -376,6 +463,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0
+        request.num_drafts_in_flight = 0
         request.discard_before_step = stale_before_step
         request.num_preemptions += 1
         if request.in_worker:
@@ -475,6 +563,10 @@ class Scheduler:
                     cached.new_token_ids = pack_token_ids(
                         request.all_token_ids[request.num_worker_tokens:])
                     request.num_worker_tokens = num_tokens
+                if step.drafts:
+                    draft = step.drafts.get(request.req_id)
+                    if draft is not None:
+                        cached.spec_token_ids = pack_token_ids(draft)
                 cached_reqs.append(cached)
             else:
                 request.in_worker = True
@@ -529,6 +621,9 @@ class Scheduler:
             self._add_prompt_logprobs(sampled.prompt_logprobs, step_id)
         if sampled.pooled:
             self._finish_pooled(sampled.pooled, step_id, outputs)
+        if sampled.num_tokens or self.proposer is not None:
+            self._update_multi(sampled, step_id, token_ids, outputs)
+            return outputs
         num_finished = num_accepted = 0
         for i, req_id in enumerate(sampled.req_ids):
             request = requests.get(req_id)
@@ -567,6 +662,67 @@ class Scheduler:
         if num_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]
         return outputs
+
+    def _update_multi(self, sampled: SampledTokens, step_id: int, token_ids,
+                      outputs: Outputs) -> None:
+        """`update` for a step where requests verified drafts: each listed request has
+        `num_tokens[i]` tokens (1 + its accepted drafts), applied one by one (a stop ends
+        the run there); a request that had drafts gets `num_computed_tokens` set to what
+        was accepted."""
+        requests = self.requests
+        counts = unpack_token_ids(sampled.num_tokens) if sampled.num_tokens else None
+        logprobs = sampled.logprobs
+        num_finished = num_appended = 0
+        pos = 0
+        for i, req_id in enumerate(sampled.req_ids):
+            count = counts[i] if counts is not None else 1
+            tokens = token_ids[pos:pos + count]
+            pos += count
+            request = requests.get(req_id)
+            if (request is None or step_id < request.discard_before_step
+                    or request.num_output_placeholders <= 0):
+                continue
+            request.num_output_placeholders -= 1
+            num_drafts = request.num_drafts_in_flight
+            if num_drafts:
+                self._record_drafts(request, num_drafts, count - 1)
+            status = None
+            appended = 0
+            for token in tokens:
+                request.output_token_ids.append(token)
+                request.all_token_ids.append(token)
+                appended += 1
+                status = self._check_stop(request, token)
+                if status is not None:
+                    break
+            num_appended += appended
+            if num_drafts and status is None:
+                request.num_computed_tokens = len(request.all_token_ids) - 1
+            lp = logprobs[i] if logprobs else None
+            out = EngineCoreOutput(req_id, pack_token_ids(tokens[:appended]), None, None,
+                                   None if lp is None else [lp])
+            if not request.first_output_sent:
+                request.first_token_time = self.clock()
+                self._mark_first_output(request, out)
+                if request.prompt_logprob_parts is not None:
+                    out.prompt_logprobs = _take_prompt_logprobs(request)
+            if status is not None:
+                out.finish_reason = status.finish_reason
+                out.stop_reason = request.stop_reason
+                self._finish(request, status)
+                num_finished += 1
+            outputs.setdefault(request.client_id, []).append(out)
+        self.generation_tokens += num_appended
+        if num_finished:
+            self.running = [r for r in self.running if r.status == _RUNNING]
+
+    def _record_drafts(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """A request's drafts came back verified: its acceptance, the policy's, /metrics."""
+        request.num_drafts_in_flight = 0
+        request.spec_drafted += num_drafts
+        request.spec_accepted += num_accepted
+        self.spec_policy.record(num_drafts, num_accepted)
+        self.spec_stats.record(num_drafts, num_accepted)
 
     def _finish_pooled(self, pooled: list[PooledOutput], step_id: int,
                        outputs: Outputs) -> None:
@@ -664,7 +820,17 @@ class Scheduler:
             preempted_prefix_cache_hits=self.preempted_prefix_cache_hits,
             queued_prompt_tokens=sum(r.num_prompt_tokens for r in self.requests.values()
                                      if not r.output_token_ids),
+            **self._spec_counters(),
         )
+
+    def _spec_counters(self) -> dict:
+        stats = self.spec_stats
+        if stats is None:
+            return {}
+        return dict(spec_num_drafts=stats.num_drafts,
+                    spec_num_draft_tokens=stats.num_draft_tokens,
+                    spec_num_accepted_tokens=stats.num_accepted_tokens,
+                    spec_accepted_per_pos=list(stats.accepted_per_pos))
 
     def batch_view(self, steps: list[StepRecord], skipped: int,
                    warnings: list[str]) -> BatchView:
@@ -740,6 +906,19 @@ class Scheduler:
             assert not request.in_worker, f"{request} waits but the workers hold it"
 
 
+def _can_speculate(request: Request) -> bool:
+    """Whether drafts may be verified for this request: the worker's verification applies
+    temperature, top-k, top-p and min-p only, so requests needing more (logprobs, penalties,
+    a grammar, min_tokens still masking EOS) decode one token a step, as do pooling requests
+    and LoRA requests (not verified with drafts yet)."""
+    sp = request.sampling
+    return (request.pooling is None and request.lora is None and sp.logprobs is None
+            and sp.structured_outputs is None
+            and sp.presence_penalty == 0.0 and sp.frequency_penalty == 0.0
+            and sp.repetition_penalty == 1.0
+            and len(request.output_token_ids) >= request.min_tokens)
+
+
 def _take_prompt_logprobs(request: Request) -> PromptLogprobs:
     """The request's prompt logprobs in one piece (empty for a one-token prompt); from now on
     it wants none, so a resume after a preemption neither recomputes them nor skips the
@@ -758,7 +937,8 @@ def _check_running(request: Request, kv: KVCacheManager, block_size: int) -> Non
     assert request.num_output_placeholders >= 0, request
     assert request.in_worker, f"{request} runs but the workers were never told"
     assert request.num_computed_tokens <= (len(request.all_token_ids)
-                                           + request.num_output_placeholders), request
+                                           + request.num_output_placeholders
+                                           + request.num_drafts_in_flight), request
     num_slots = len(kv.req_blocks.get(request.req_id, ())) * block_size
     assert request.num_computed_tokens <= num_slots, f"{request} has too few blocks"
     assert (len(request.output_token_ids) + request.num_output_placeholders

@@ -464,6 +464,12 @@ class SchedulerStats(msgspec.Struct, **_STRUCT):
     view: BatchView | None = None
     """The live batch view, when the `StatsQuery` asked for it (with data parallelism, in
     each of `cores`)."""
+    # speculative decoding (engine_core/spec_decode.py), vLLM's spec_decode counters
+    spec_num_drafts: int = 0  # steps in which a request verified drafts
+    spec_num_draft_tokens: int = 0  # draft tokens verified
+    spec_num_accepted_tokens: int = 0  # draft tokens the target model accepted
+    spec_accepted_per_pos: list[int] = []
+    """Accepted drafts at each draft position (0 = the first), up to num_speculative_tokens."""
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", **_STRUCT):
@@ -624,6 +630,10 @@ class CachedRequestData(msgspec.Struct, **_STRUCT):
     num_computed_tokens: int
     num_scheduled_tokens: int
     new_token_ids: bytes = b""
+    spec_token_ids: bytes = b""
+    """Speculative decoding: draft tokens (packed int32) after the request's known tokens,
+    the last of `num_scheduled_tokens` (which counts them). The reporting worker verifies
+    them and answers with 1 + accepted tokens; no rank keeps them past this step."""
 
 
 class GrammarToCompile(msgspec.Struct, **_STRUCT):
@@ -714,7 +724,8 @@ class SampledTokens(msgspec.Struct, tag="sampled", **_STRUCT):
     """Rank 0 → engine core: the tokens sampled in one step.
 
     Only requests that sampled this step are listed (a prefill chunk that does not reach the
-    end of the prompt samples nothing). `token_ids` is packed int32, one per listed request.
+    end of the prompt samples nothing). `token_ids` is packed int32, one per listed request
+    (several for a request that verified drafts: see `num_tokens`).
     `logprobs[i]` is set only for requests that asked for them. `failed`: requests of this
     step's plan that the workers refused (every rank refuses the same ones) and dropped.
     `prompt_logprobs`: for each request that asked for them and computed prompt positions
@@ -733,6 +744,9 @@ class SampledTokens(msgspec.Struct, tag="sampled", **_STRUCT):
     pooled: list[PooledOutput] = []
     """Pooling requests whose last prompt token was computed this step, with their vectors
     (not in `req_ids`: nothing was sampled for them)."""
+    num_tokens: bytes = b""
+    """Speculative decoding: how many of `token_ids` each listed request has (packed int32,
+    1 + its accepted drafts), in `req_ids` order; empty when every request has one."""
 
 
 class WorkerFailed(msgspec.Struct, tag="failed", **_STRUCT):

@@ -18,6 +18,13 @@ sampling row), in slices of max_num_seqs rows so a long chunk never holds a full
 [num_tokens, vocab] tensor. Every chunk of a chunked prompt covers the positions it computes,
 so the positions 1 .. prompt_len - 1 each come once; the engine core keeps them in order.
 
+Speculative decoding: a request with k draft tokens (`CachedRequestData.spec_token_ids`,
+written after its known tokens in the persistent batch) schedules 1 + k tokens and samples at
+its last k + 1 rows: the logits there are the target's distributions after the last known
+token and after each draft. `Sampler.verify` keeps the longest prefix of drafts the target
+accepts plus one token of its own (greedy: argmax; sampled: rejection sampling), every rank
+alike; the request's row gets those tokens and the result says how many (`num_tokens`).
+
 Pipeline parallelism: every stage applies the same plan to its own persistent batch and
 builds the same inputs; a stage after the first takes the previous stage's hidden states
 [num_tokens, hidden] (`PipelineParallel.recv`) instead of embedding the tokens, a stage
@@ -80,6 +87,19 @@ class StepInputs:
     decode_only: bool  # every request schedules exactly one token
     prompt_logprobs: "PromptLogprobRows | None" = None  # requests that want them, this step
     pooling: list | None = None  # a pooling worker's requests' rows (`PoolingRequests.plan`)
+    spec: "SpecRows | None" = None  # requests verifying drafts this step
+
+
+@dataclass
+class SpecRows:
+    """The sampling requests that verify drafts this step."""
+
+    sample_index: np.ndarray  # [S] their index among the step's sampling requests
+    num_drafts: np.ndarray  # [S] k of each
+    draft_ids: np.ndarray  # [sum k] int64 their drafts, concatenated
+    draft_hidden_rows: torch.Tensor  # [sum k] rows of the hidden states before each draft's
+    # successor: the positions whose logits judge draft j (the last row judges nothing:
+    # it gives the bonus token, as `logits_indices`)
 
 
 @dataclass
@@ -103,6 +123,7 @@ class StepResult:
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)  # rank 0 only
     grammars_ready: list[str] = field(default_factory=list)  # compiles that ended well
     pooled: list = field(default_factory=list)  # PooledOutputs of prompts finished (pooling)
+    num_tokens: np.ndarray | None = None  # [len(req_ids)] tokens each (None: one each)
 
 
 class ModelRunner:
@@ -235,6 +256,8 @@ class ModelRunner:
         if not inputs.sample_req_ids:
             return StepResult([], np.zeros(0, np.int32), None, failed, prompt_logprobs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        if inputs.spec is not None:
+            return self._verify(inputs, hidden, logits, failed, prompt_logprobs)
         out = self.sampler(logits, self.sampling_batch(inputs.sample_rows,
                                                        inputs.sample_req_ids))
         token_ids = out.token_ids.cpu().numpy()
@@ -245,6 +268,57 @@ class ModelRunner:
         return StepResult(inputs.sample_req_ids, token_ids.astype(np.int32),
                           self._pack_logprobs(out, inputs.sample_rows), failed,
                           prompt_logprobs)
+
+    def _verify(self, inputs: StepInputs, hidden: torch.Tensor, logits: torch.Tensor,
+                failed: list[RequestFailure], prompt_logprobs: list) -> StepResult:
+        """A step where some requests verify drafts: the others sample as usual, these get
+        1 + accepted tokens from `Sampler.verify`."""
+        spec = inputs.spec
+        rows, req_ids = inputs.sample_rows, inputs.sample_req_ids
+        n = len(req_ids)
+        is_spec = np.zeros(n, bool)
+        is_spec[spec.sample_index] = True
+        plain = np.nonzero(~is_spec)[0]
+        per_row: list[np.ndarray] = [None] * n  # type: ignore[list-item]
+        logprobs = None
+        if len(plain):
+            plain_ids = [req_ids[i] for i in plain]
+            out = self.sampler(logits[torch.from_numpy(plain).to(logits.device)],
+                               self.sampling_batch(rows[plain], plain_ids))
+            plain_tokens = out.token_ids.cpu().numpy().astype(np.int32)
+            for i, token in zip(plain, plain_tokens):
+                per_row[i] = np.asarray([token], np.int32)
+            packed = self._pack_logprobs(out, rows[plain])
+            if packed is not None:
+                logprobs = [None] * n
+                for i, lp in zip(plain, packed):
+                    logprobs[i] = lp
+            if len(self.structured):
+                self.structured.accept(plain_ids, plain_tokens)
+        # per spec request: its k draft positions' logits, then its last row's
+        k = spec.num_drafts
+        offsets = np.concatenate([[0], np.cumsum(k)[:-1]])
+        draft_logits = self.model.compute_logits(hidden[spec.draft_hidden_rows])
+        combined = torch.cat([draft_logits, logits[torch.from_numpy(spec.sample_index)
+                                                   .to(logits.device)]])
+        total = int(k.sum())
+        order = np.concatenate([np.concatenate([offsets[i] + np.arange(k[i]), [total + i]])
+                                for i in range(len(k))]).astype(np.int64)
+        spec_rows = rows[spec.sample_index]
+        row_of = np.repeat(spec_rows, k + 1)
+        step_of = np.concatenate([np.arange(ki + 1) for ki in k])
+        batch = self.sampling_batch(row_of)
+        batch.positions = batch.positions + self._to_device(step_of, torch.int64)
+        accepted = self.sampler.verify(combined[torch.from_numpy(order).to(combined.device)],
+                                       batch, spec.draft_ids, k)
+        for i, tokens in zip(spec.sample_index, accepted):
+            per_row[i] = tokens
+        if self.pp.size == 1:  # else the tokens come back in the next plan
+            for row, tokens in zip(rows, per_row):
+                self.batch.append_many(int(row), tokens)
+        counts = np.asarray([len(t) for t in per_row], np.int32)
+        return StepResult(req_ids, np.concatenate(per_row).astype(np.int32), logprobs,
+                          failed, prompt_logprobs, num_tokens=counts)
 
     @torch.inference_mode()
     def compute_logits_all(self, plan: BatchPlan) -> torch.Tensor:
@@ -373,7 +447,8 @@ class ModelRunner:
         slot_mapping = (b.block_table[token_rows, positions // bs].astype(np.int64) * bs
                         + positions % bs)
         width = max(1, int((seq_lens.max() + bs - 1) // bs))
-        samples = seq_lens >= b.num_tokens[rows]
+        num_spec = b.num_spec[rows]
+        samples = seq_lens >= b.num_tokens[rows] + num_spec
         pooling = None
         if self.pooling is not None:  # every request pools; none samples
             pooling = self.pooling.plan(req_ids, start, seq_lens, b.prompt_len[rows],
@@ -398,7 +473,27 @@ class ModelRunner:
             prompt_logprobs=self._prompt_logprob_rows(req_ids, rows, start, seq_lens,
                                                       query_start_loc),
             pooling=pooling,
+            spec=self._spec_rows(rows, num_spec, samples, query_start_loc)
+            if num_spec.any() else None,
         )
+
+    def _spec_rows(self, rows: np.ndarray, num_spec: np.ndarray, samples: np.ndarray,
+                   query_start_loc: np.ndarray) -> SpecRows:
+        """Where the drafts of this step's verifying requests sit (a request's last k + 1
+        query rows sample: the k before its last judge its drafts)."""
+        b = self.batch
+        sampling = np.nonzero(samples)[0]
+        k = num_spec[sampling]
+        has = k > 0
+        which = sampling[has]
+        k = k[has]
+        ends = query_start_loc[1:][which] - 1  # each one's last query row
+        hidden_rows = np.concatenate([ends[i] - k[i] + np.arange(k[i]) for i in range(len(k))])
+        starts = b.num_tokens[rows[which]]
+        drafts = np.concatenate([b.token_ids[rows[w], s:s + ki]
+                                 for w, s, ki in zip(which, starts, k)]).astype(np.int64)
+        return SpecRows(sample_index=np.nonzero(has)[0], num_drafts=k, draft_ids=drafts,
+                        draft_hidden_rows=self._to_device(hidden_rows, torch.int64))
 
     def _prompt_logprob_rows(self, req_ids: list[str], rows: np.ndarray, start: np.ndarray,
                              seq_lens: np.ndarray,
@@ -577,7 +672,8 @@ class ModelRunner:
 
 def _check_schedule(req_ids, rows, num_scheduled, seq_lens, batch: PersistentBatch,
                     block_size: int) -> None:
-    bad = np.nonzero((seq_lens > batch.num_tokens[rows]) | (num_scheduled < 1))[0]
+    known = batch.num_tokens[rows] + batch.num_spec[rows]
+    bad = np.nonzero((seq_lens > known) | (num_scheduled < 1))[0]
     if len(bad):
         i = int(bad[0])
         raise ValueError(f"request {req_ids[i]!r}: scheduled up to token {int(seq_lens[i])} "

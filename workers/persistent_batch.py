@@ -8,6 +8,9 @@ deltas for the rest (`CachedRequestData`), so the state lives here between steps
             num_computed[r]                     tokens already in the KV cache
             temperature[r], top_k[r], ...       sampling parameters
             num_prompt_logprobs[r]              top alternatives per prompt position, -1 off
+            token_ids[r, num_tokens[r]:num_tokens[r] + num_spec[r]]
+                                                this step's draft tokens (speculative
+                                                decoding), never counted in num_tokens
 
 The worker appends each token it samples to its row itself (`append_sampled`), so with async
 scheduling the "placeholder" the engine core schedules is simply that token.
@@ -49,6 +52,7 @@ class PersistentBatch:
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.lora_id = np.zeros(max_num_reqs, dtype=np.int64)  # 0: the base model
+        self.num_spec = np.zeros(max_num_reqs, dtype=np.int64)  # drafts this step
         self._init_sampling_arrays(max_num_reqs)
 
     def _init_sampling_arrays(self, n: int) -> None:
@@ -92,6 +96,7 @@ class PersistentBatch:
         self.prompt_len[row] = req.prompt_len
         self.output_start[row] = req.prompt_len - req.num_resumed_tokens
         self.num_computed[row] = req.num_computed_tokens
+        self.num_spec[row] = 0
         self.lora_id[row] = req.lora_int_id
         self.num_blocks[row] = 0
         self._append_blocks(row, req.block_ids, req.req_id)
@@ -108,7 +113,24 @@ class PersistentBatch:
         if req.new_token_ids:  # pipeline parallelism: tokens the last stage sampled
             self._append_tokens(row, np.frombuffer(unpack_token_ids(req.new_token_ids),
                                                    dtype=np.int32), req.req_id)
+        self.num_spec[row] = 0
+        if req.spec_token_ids:
+            self._set_drafts(row, np.frombuffer(unpack_token_ids(req.spec_token_ids),
+                                                dtype=np.int32), req.req_id)
         return row
+
+    def _set_drafts(self, row: int, drafts: np.ndarray, req_id: str) -> None:
+        """Write this step's draft tokens after the row's known tokens (not counted in
+        num_tokens: the verified ones are appended by `append_sampled`)."""
+        start = int(self.num_tokens[row])
+        end = start + len(drafts)
+        if end > self.max_model_len:
+            raise ValueError(f"request {req_id!r}: {len(drafts)} draft tokens after "
+                             f"{start} would pass max_model_len ({self.max_model_len})")
+        if len(drafts) and (int(drafts.min()) < 0 or int(drafts.max()) >= self.vocab_size):
+            raise ValueError(f"request {req_id!r}: draft token ids outside the vocabulary")
+        self.token_ids[row, start:end] = drafts
+        self.num_spec[row] = len(drafts)
 
     def _append_tokens(self, row: int, token_ids: np.ndarray, req_id: str) -> None:
         start = int(self.num_tokens[row])
@@ -118,6 +140,13 @@ class PersistentBatch:
                              f"max_model_len ({self.max_model_len})")
         self.token_ids[row, start:end] = token_ids
         self.num_tokens[row] = end
+
+    def append_many(self, row: int, token_ids: np.ndarray) -> None:
+        """Append a row's verified tokens (speculative decoding), up to max_model_len."""
+        start = int(self.num_tokens[row])
+        token_ids = token_ids[:max(0, self.max_model_len - start)]
+        self.token_ids[row, start:start + len(token_ids)] = token_ids
+        self.num_tokens[row] = start + len(token_ids)
 
     def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         """Append each row's sampled token (rows already at max_model_len keep theirs)."""

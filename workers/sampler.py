@@ -11,6 +11,10 @@ Order of operations (as vLLM v1):
       ├─► greedy rows (temperature 0): argmax
       └─ / temperature ─ min_p ─ top_k ─ top_p ─ draw ──► random rows
 
+Speculative decoding's verification (`Sampler.verify`) runs the same processing (no
+penalties, grammars or logprobs: the engine core verifies drafts only for requests without
+them) on every draft position, then accepts or rejects the drafts.
+
 The draw is by inverse CDF: one uniform u per row, and the token is the first index whose
 cumulative probability (float64) exceeds u times the row's total, which samples exactly from
 probs and can never pick a token of probability 0. For a seeded request u comes from a
@@ -30,6 +34,8 @@ import numpy as np
 import torch
 
 _MASK32 = 0xFFFFFFFF
+_VERIFY_SALT = 0x5BD1E995 << 8
+"""Mixed into a seeded request's seed for its verification draws."""
 
 
 @dataclass
@@ -134,6 +140,81 @@ class Sampler:
         if batch.flag("top_k_top_p"):
             logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
         return inverse_cdf(torch.softmax(logits, dim=-1), self._uniforms(batch))
+
+    def verify(self, logits: torch.Tensor, batch: SamplingBatch, draft_ids: np.ndarray,
+               num_drafts: np.ndarray) -> list[np.ndarray]:
+        """Speculative decoding: the tokens each request keeps from its drafts.
+
+        `logits` [sum(k + 1), vocab]: request i's k_i + 1 rows in a run (row j is the
+        target's distribution for the token after draft j - 1; row 0 after its last known
+        token), `batch` per row (positions: the index each row's token would take),
+        `draft_ids` [sum k] the drafts, concatenated. Greedy rows accept draft j while it
+        equals row j's argmax; sampled rows use rejection sampling against a deterministic
+        draft (vLLM's for n-gram drafts: q is one-hot), accepting draft d with probability
+        p(d) and otherwise drawing from p with d removed, so every emitted token is
+        distributed exactly as the target's p. Either way the first rejected position
+        gives its own token, and a run with every draft accepted gives a bonus token from
+        its last row. Returns, per request, its 1 + accepted tokens (int32)."""
+        logits = logits.to(torch.float32)
+        num_rows = logits.shape[0]
+        device = logits.device
+        greedy = argmax_rows(logits)
+        draft_at = np.full(num_rows, -1, np.int64)  # the draft each row judges (-1: bonus row)
+        starts = np.concatenate([[0], np.cumsum(num_drafts + 1)[:-1]])
+        for start, offset, k in zip(starts, np.concatenate([[0], np.cumsum(num_drafts)[:-1]]),
+                                    num_drafts):
+            draft_at[start:start + k] = draft_ids[offset:offset + k]
+        judged = torch.from_numpy(np.maximum(draft_at, 0)).to(device)
+        if batch.flag("all_greedy"):
+            accept = (greedy == judged).cpu().numpy()
+            choice = greedy.cpu().numpy()
+        else:
+            probs = self._target_probs(logits, batch)
+            u_accept, u_draw = self._verify_uniforms(batch)
+            p_draft = probs.gather(1, judged.unsqueeze(1)).squeeze(1).to(torch.float64)
+            sampled_accept = u_accept < p_draft
+            # the residual max(p - q, 0) with q one-hot at the draft: p without the draft
+            has_draft = torch.from_numpy(draft_at >= 0).to(device)
+            residual = probs.clone()
+            residual[has_draft.nonzero().squeeze(1), judged[has_draft]] = 0.0
+            drawn = inverse_cdf(residual, u_draw)
+            is_greedy = batch.temperature == 0
+            accept = torch.where(is_greedy, greedy == judged, sampled_accept).cpu().numpy()
+            choice = torch.where(is_greedy, greedy, drawn).cpu().numpy()
+        out = []
+        for start, offset, k in zip(starts, np.concatenate([[0], np.cumsum(num_drafts)[:-1]]),
+                                    num_drafts):
+            a = 0
+            while a < k and accept[start + a]:
+                a += 1
+            out.append(np.concatenate([draft_ids[offset:offset + a],
+                                       choice[start + a:start + a + 1]]).astype(np.int32))
+        return out
+
+    def _target_probs(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The distribution a sampled row draws from: temperature, min_p, top-k, top-p."""
+        temperature = torch.where(batch.temperature == 0, 1.0, batch.temperature)
+        logits = logits / temperature.unsqueeze(1)
+        if batch.flag("min_p"):
+            logits = apply_min_p(logits, batch.min_p)
+        if batch.flag("top_k_top_p"):
+            logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+        return torch.softmax(logits, dim=-1)
+
+    def _verify_uniforms(self, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two [N] float64 uniforms per row (the accept test, the draw): the generator's, or
+        for seeded rows a hash of (seed, position) apart from plain sampling's (a salted
+        seed), so a seeded request's run is reproducible whatever the batch."""
+        num_rows = batch.temperature.shape[0]
+        device = batch.temperature.device
+        u = torch.rand(2, num_rows, generator=self.generator, dtype=torch.float64,
+                       device=device)
+        if batch.flag("seeded"):
+            rows = batch.seeded.nonzero().squeeze(1)
+            seeds = batch.seeds[rows] ^ _VERIFY_SALT
+            u[0, rows] = hashed_uniform_rows(seeds, batch.positions[rows])
+            u[1, rows] = hashed_uniform_rows(seeds ^ 1, batch.positions[rows])
+        return u[0], u[1]
 
     def _uniforms(self, batch: SamplingBatch) -> torch.Tensor:
         """[N] float64 uniforms in [0, 1): the generator's, or (seed, position)'s hash."""

@@ -196,7 +196,9 @@ class Worker:
                              token_ids=pack_token_ids(result.token_ids),
                              logprobs=result.logprobs, failed=result.failed,
                              prompt_logprobs=result.prompt_logprobs,
-                             grammars_ready=result.grammars_ready, pooled=result.pooled)
+                             grammars_ready=result.grammars_ready, pooled=result.pooled,
+                             num_tokens=(b"" if result.num_tokens is None
+                                         else pack_token_ids(result.num_tokens)))
 
     def shutdown(self) -> None:
         """Release the KV cache and leave the process group."""

@@ -35,6 +35,8 @@ def observers_for(config: EngineConfig, logger: logging.Logger) -> list[EngineOb
     path = advice_cost_model(config, logger)
     if path is not None:
         observers.append(PreemptionAdviceObserver(config, path, logger))
+        if config.scheduler.speculative_config is not None:
+            observers.append(SpeculationCostObserver(StepCostModel.load(path), logger))
     return observers
 
 
@@ -65,6 +67,22 @@ def advice_cost_model(config: EngineConfig, logger: logging.Logger) -> str | Non
         logger.warning("no simulation after preemptions: %s", e)
         return None
     return path
+
+
+class SpeculationCostObserver(EngineObserver):
+    """Speculative decoding's adaptive policy prices drafts with the step cost model
+    `tidal tune profile` measured for this machine and model (without one it uses
+    `spec_decode.CostTerms`' defaults)."""
+
+    def __init__(self, model: StepCostModel, logger: logging.Logger) -> None:
+        self.model = model
+        self.logger = logger
+
+    def attach(self, scheduler: Scheduler) -> None:
+        if scheduler.spec_policy is not None:
+            scheduler.spec_policy.use_cost_model(self.model)
+            self.logger.info("speculative decoding: drafts priced by the step cost model (%s)",
+                             self.model.formula())
 
 
 class QueueDelayObserver(EngineObserver):

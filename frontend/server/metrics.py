@@ -79,7 +79,17 @@ _CORE_COUNTERS = {
     "generation_tokens": ("Tokens generated.", "generation_tokens"),
     "worker_restarts": ("Times the engine core replaced its workers after a failure.",
                         "num_worker_restarts"),
+    # speculative decoding (--speculative-config), vLLM's spec_decode names
+    "spec_decode_num_drafts": ("Speculative decoding: request-steps that verified drafts.",
+                               "spec_num_drafts"),
+    "spec_decode_num_draft_tokens": ("Speculative decoding: draft tokens verified.",
+                                     "spec_num_draft_tokens"),
+    "spec_decode_num_accepted_tokens": ("Speculative decoding: draft tokens accepted.",
+                                        "spec_num_accepted_tokens"),
 }
+_PER_POSITION = ("spec_decode_num_accepted_tokens_per_pos",
+                 "Speculative decoding: draft tokens accepted at each draft position "
+                 "(label position, 0 = the first draft).", "spec_accepted_per_pos")
 
 
 def multiprocess_mode() -> bool:
@@ -108,6 +118,17 @@ class _CoreStatsCollector:
             yield self._family(GaugeMetricFamily, name, doc, field)
         for name, (doc, field) in _CORE_COUNTERS.items():
             yield self._family(CounterMetricFamily, name, doc, field)
+        if self._stats.spec_accepted_per_pos:
+            yield self._per_position()
+
+    def _per_position(self):
+        """Accepted drafts per draft position (one series per position; with data
+        parallelism the whole server's)."""
+        name, doc, field = _PER_POSITION
+        family = CounterMetricFamily(self._prefix + name, doc, labels=["model_name", "position"])
+        for position, value in enumerate(getattr(self._stats, field)):
+            family.add_metric([self._model, str(position)], float(value))
+        return family
 
     def _family(self, kind, name: str, doc: str, field: str):
         """One metric: with data parallelism (`stats.cores`) one series per engine core,

@@ -53,7 +53,8 @@ def unpack_prompt_logprobs(part: PromptLogprobs) -> list[tuple[int, int, float]]
 def make_config(*, block_size: int = 16, max_num_seqs: int | None = None,
                 max_num_batched_tokens: int = 8192, chunked: bool = True,
                 caching: bool = True, policy: str = "fcfs", threshold: int = 0,
-                async_scheduling: bool = False, pp: int = 1) -> EngineConfig:
+                async_scheduling: bool = False, pp: int = 1,
+                speculative_config: dict | None = None) -> EngineConfig:
     if max_num_seqs is None:
         max_num_seqs = min(256, max_num_batched_tokens)
     return EngineConfig(
@@ -63,7 +64,8 @@ def make_config(*, block_size: int = 16, max_num_seqs: int | None = None,
                                   max_num_batched_tokens=max_num_batched_tokens,
                                   enable_chunked_prefill=chunked, scheduling_policy=policy,
                                   long_prefill_token_threshold=threshold,
-                                  async_scheduling=async_scheduling),
+                                  async_scheduling=async_scheduling,
+                                  speculative_config=speculative_config),
         parallel=ParallelConfig(pipeline_parallel_size=pp))
 
 
@@ -143,6 +145,7 @@ class FakeWorker:
             assert job.req_id not in self.grammars, f"{job.req_id}'s grammar sent twice"
             self.grammars[job.req_id] = "compiling"
         work, failed, num_skipped = [], [], 0
+        drafts: dict[str, list[int]] = {}  # speculative decoding: this step's drafts
         for new in plan.new_requests:
             if new.req_id in self.refuse:
                 self.refused.add(new.req_id)
@@ -169,26 +172,46 @@ class FakeWorker:
                 state.tokens += unpack_token_ids(cached.new_token_ids).tolist()
             else:
                 assert not cached.new_token_ids, "tokens sent to a worker that samples them"
+            if cached.spec_token_ids:
+                drafts[cached.req_id] = unpack_token_ids(cached.spec_token_ids).tolist()
             work.append((cached.req_id, state, cached.num_computed_tokens,
                          cached.num_scheduled_tokens))
         assert sum(w[3] for w in work) + num_skipped == plan.total_num_scheduled_tokens
         for req_id, state, start, num in work:  # pass 1: write the step's KV
+            draft = drafts.get(req_id, [])  # the drafts' KV too, right or wrong
+            state.tokens += draft
             self._write_kv(state, start, start + num)
+            del state.tokens[len(state.tokens) - len(draft):]
             self.num_scheduled[req_id] = self.num_scheduled.get(req_id, 0) + num
         prompt_logprobs = [part for req_id, state, start, num in work
                            if (part := self._prompt_logprobs(req_id, state, start, num))]
-        req_ids, token_ids = [], []
+        req_ids, token_ids, counts = [], [], []
         for req_id, state, start, num in work:  # pass 2: attention + sampling
-            if start + num == len(state.tokens):
+            draft = drafts.get(req_id, [])
+            if start + num == len(state.tokens) + len(draft):
                 self._check_kv(req_id, state)
-                token = (forced or {}).get(req_id, self.model(state.tokens))
+                tokens = self._verify(state.tokens, draft, (forced or {}).get(req_id))
                 if not self.pipelined:
-                    state.tokens.append(token)
+                    state.tokens += tokens
                 req_ids.append(req_id)
-                token_ids.append(token)
+                token_ids += tokens
+                counts.append(len(tokens))
         ready = self._grammar_news(failed)
         return SampledTokens(plan.step_id, req_ids, pack_token_ids(token_ids), failed=failed,
-                             prompt_logprobs=prompt_logprobs, grammars_ready=ready)
+                             prompt_logprobs=prompt_logprobs, grammars_ready=ready,
+                             num_tokens=pack_token_ids(counts) if drafts else b"")
+
+    def _verify(self, tokens: list[int], draft: list[int], forced: int | None) -> list[int]:
+        """The model's token after `tokens`, and after each draft it agrees with (greedy
+        verification); `forced` replaces the first token."""
+        seq, out = list(tokens), []
+        for j in range(len(draft) + 1):
+            token = forced if forced is not None and j == 0 else self.model(seq)
+            out.append(token)
+            if j == len(draft) or draft[j] != token:
+                return out
+            seq.append(token)
+        return out
 
     def _grammar_news(self, failed: list[RequestFailure]) -> list[str]:
         """Compiles that ended this step: the ready ones returned, the bad ones in `failed`."""

@@ -39,3 +39,17 @@ def test_both_names_and_one_help_line_each():
     assert samples["vllm:num_requests_running"] == samples["tidal:num_requests_running"] == 2
     assert samples["vllm:gpu_cache_usage_perc"] == samples["vllm:kv_cache_usage_perc"] == 0.25
     assert samples["vllm:time_per_output_token_seconds_count"] == 2
+
+
+def test_speculative_decoding_counters_under_vllm_spec_decode_names():
+    page = ServerMetrics("m").render(SchedulerStats(
+        spec_num_drafts=10, spec_num_draft_tokens=40, spec_num_accepted_tokens=25,
+        spec_accepted_per_pos=[9, 8, 5, 3])).decode()
+    samples = {(s.name, s.labels.get("position")): s.value
+               for family in text_string_to_metric_families(page) for s in family.samples}
+    for prefix in ("vllm:", "tidal:"):
+        assert samples[prefix + "spec_decode_num_drafts_total", None] == 10
+        assert samples[prefix + "spec_decode_num_draft_tokens_total", None] == 40
+        assert samples[prefix + "spec_decode_num_accepted_tokens_total", None] == 25
+        assert [samples[prefix + "spec_decode_num_accepted_tokens_per_pos_total", str(i)]
+                for i in range(4)] == [9, 8, 5, 3]

@@ -1,0 +1,373 @@
+"""Speculative decoding in the engine core: the config, the proposers that need no model, and
+the policy that decides every step how many draft tokens each request proposes.
+
+    --speculative-config '{"method": "ngram", "num_speculative_tokens": 4,
+                           "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
+
+A draft is a guess at a request's next tokens. The scheduler appends a request's k drafts
+after its one new token (they count against the token budget and get KV slots), the reporting
+worker computes logits at all k + 1 positions and keeps the longest prefix the target model
+agrees with plus one token of its own (greedy: argmax; sampled: rejection sampling, which
+keeps the target distribution exactly), and the scheduler sets `num_computed_tokens` to
+what was accepted (the rejected drafts' KV slots are overwritten by the next step).
+
+Proposers (pure Python, no model, no torch):
+
+- `ngram` (prompt lookup, vLLM's): the last n tokens (n from prompt_lookup_max down to
+  prompt_lookup_min) are searched for earlier in the request's own tokens; the tokens that
+  followed the latest earlier occurrence are the draft.
+- `suffix` (Arctic Inference's suffix decoding, simplified): the longest suffix of the
+  request's tokens (up to `suffix_max_match` long) that occurred before, in the request
+  (prompt and output) or in a bounded store of earlier requests' outputs, proposes what
+  followed it. The store is an index from n-gram to where it continues (n = 1 ..
+  suffix_max_match), so a lookup is a few dict probes, not a scan.
+
+The adaptive policy (`AdaptivePolicy`, on unless `"adaptive": false`): every step it picks
+k_i in 0 .. min(num_speculative_tokens, draft length) for each request so that
+(expected tokens the step produces) / (predicted step time) is highest. A request whose
+drafts are accepted with probability a (each position, its running estimate) yields
+1 + a + ... + a^k tokens for k drafts; the step time comes from the step cost model
+(`advice/step_cost.py`: a request with k drafts is a prefill chunk of k + 1 tokens). The
+maximum of this ratio over the separable choices is found by Dinkelbach's iteration
+(fix the ratio r, let each request maximise E_i(k) - r * cost_i(k), recompute r; exact,
+converges in a few rounds). A lone request on a memory-bound machine thus gets every draft
+(an extra token costs little); a full batch whose step is compute-bound gets drafts only for
+requests whose acceptance pays for them, and a chat request that never matches gets none.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+
+METHODS = ("ngram", "suffix", "draft_model")
+_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+         "model", "adaptive", "suffix_max_match", "suffix_cache_requests"}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`--speculative-config` (vLLM's JSON keys, and tidal's own: adaptive, suffix_*)."""
+
+    method: str
+    num_speculative_tokens: int
+    """The most drafts a request proposes in one step (the adaptive policy's ceiling)."""
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 5
+    """ngram: the shortest and longest n-gram looked up."""
+    adaptive: bool = True
+    """Pick each request's draft count every step from the step cost model and its
+    acceptance (False: always propose as many as the proposer has, up to the ceiling, as
+    vLLM, SGLang and llama.cpp do)."""
+    suffix_max_match: int = 8
+    """suffix: the longest suffix matched."""
+    suffix_cache_requests: int = 256
+    """suffix: earlier requests whose outputs the global store keeps (oldest dropped)."""
+
+
+def parse_speculative_config(value: str | dict | None) -> SpeculativeConfig | None:
+    """The JSON text (or dict) of `--speculative-config` as a `SpeculativeConfig`; None for
+    None. ValueError naming the key for an unknown key or a bad value."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+    unknown = sorted(set(value) - _KEYS)
+    if unknown:
+        raise ValueError(f"speculative_config: unknown key {unknown[0]!r} (known: "
+                         f"{', '.join(sorted(_KEYS))})")
+    method = value.get("method")
+    if method is None and value.get("model"):
+        method = "draft_model"
+    if method not in METHODS:
+        raise ValueError(f"speculative_config.method must be one of {METHODS}, got {method!r}")
+    if method == "draft_model":
+        raise ValueError("speculative_config.method 'draft_model' (a draft model) is not "
+                         "supported yet; use 'ngram' or 'suffix'")
+    if value.get("model") is not None:
+        raise ValueError(f"speculative_config.model is only for method 'draft_model', not "
+                         f"{method!r}")
+    k = value.get("num_speculative_tokens")
+    _int(k, "num_speculative_tokens", 1, 32)
+    lo, hi = value.get("prompt_lookup_min", 1), value.get("prompt_lookup_max", 5)
+    _int(lo, "prompt_lookup_min", 1, 64)
+    _int(hi, "prompt_lookup_max", 1, 64)
+    if lo > hi:
+        raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be at most "
+                         f"prompt_lookup_max ({hi})")
+    adaptive = value.get("adaptive", True)
+    if not isinstance(adaptive, bool):
+        raise ValueError(f"speculative_config.adaptive must be true or false, got {adaptive!r}")
+    max_match = value.get("suffix_max_match", 8)
+    _int(max_match, "suffix_max_match", 1, 64)
+    cached = value.get("suffix_cache_requests", 256)
+    _int(cached, "suffix_cache_requests", 0, 1 << 20)
+    return SpeculativeConfig(method, k, lo, hi, adaptive, max_match, cached)
+
+
+def _int(value, key: str, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ValueError(f"speculative_config.{key} must be an integer in [{lo}, {hi}], "
+                         f"got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# proposers
+
+
+class NgramProposer:
+    """Prompt lookup: the continuation of the latest earlier occurrence of the last n tokens
+    (n from prompt_lookup_max down to prompt_lookup_min)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.k = config.num_speculative_tokens
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose(self, req_id: str, tokens: list[int], k: int | None = None) -> list[int]:
+        """Up to k (default: the ceiling) draft tokens to follow `tokens`; [] for none. The
+        longest match (at most prompt_lookup_max) wins, the latest among equals: one
+        backward scan over the positions holding the last token."""
+        k = self.k if k is None else k
+        n_tokens = len(tokens)
+        if n_tokens < 2 or k <= 0:
+            return []
+        last = tokens[-1]
+        max_n = self.max_n
+        best_len, best_end = 0, -1
+        i = n_tokens - 2
+        while i >= 0:
+            if tokens[i] == last:
+                n = 1
+                while n < max_n and n <= i and tokens[i - n] == tokens[n_tokens - 1 - n]:
+                    n += 1
+                if n > best_len:
+                    best_len, best_end = n, i + 1
+                    if n == max_n:
+                        break
+            i -= 1
+        if best_len < self.min_n:
+            return []
+        return tokens[best_end:best_end + k]
+
+    def finished(self, req_id: str, tokens: list[int], num_prompt: int) -> None:
+        """A request finished (nothing to remember)."""
+
+    def forget(self, req_id: str) -> None:
+        """A request left (nothing kept per request)."""
+
+
+class _NgramIndex:
+    """n-gram (as a tuple, n = 1 .. max_n) -> the position after its latest occurrence, over
+    one token list that only grows (`extend`)."""
+
+    __slots__ = ("tokens", "max_n", "where")
+
+    def __init__(self, max_n: int) -> None:
+        self.tokens: list[int] = []
+        self.max_n = max_n
+        self.where: dict[tuple, int] = {}
+
+    def extend(self, new_tokens) -> None:
+        tokens, where, max_n = self.tokens, self.where, self.max_n
+        for t in new_tokens:
+            tokens.append(t)
+            end = len(tokens)
+            # the n-grams ending before this token now continue with it
+            for n in range(1, min(max_n, end - 1) + 1):
+                where[tuple(tokens[end - 1 - n:end - 1])] = end - 1
+
+    def continuation(self, suffix: tuple, k: int) -> list[int]:
+        at = self.where.get(suffix)
+        return [] if at is None else self.tokens[at:at + k]
+
+
+class SuffixProposer:
+    """The longest suffix of the request's tokens (up to suffix_max_match) seen before, in
+    the request itself or in earlier requests' outputs, proposes what followed it. Per
+    request an incremental n-gram index; globally a bounded LRU of earlier requests' indexes
+    (their prompt tails and outputs), searched after the request's own."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.k = config.num_speculative_tokens
+        self.max_n = config.suffix_max_match
+        self.capacity = config.suffix_cache_requests
+        self.own: dict[str, _NgramIndex] = {}
+        self.earlier: OrderedDict[str, _NgramIndex] = OrderedDict()
+
+    def propose(self, req_id: str, tokens: list[int], k: int | None = None) -> list[int]:
+        k = self.k if k is None else k
+        index = self.own.get(req_id)
+        if index is None:
+            index = self.own[req_id] = _NgramIndex(self.max_n)
+        if len(index.tokens) > len(tokens):  # recomputed after a preemption: start over
+            index = self.own[req_id] = _NgramIndex(self.max_n)
+        # index every token but the last: the suffix ending at the last is the query
+        if len(index.tokens) < len(tokens) - 1:
+            index.extend(tokens[len(index.tokens):len(tokens) - 1])
+        for n in range(min(self.max_n, len(tokens)), 0, -1):
+            suffix = tuple(tokens[len(tokens) - n:])
+            at = index.where.get(suffix)  # the index holds a prefix of `tokens`
+            if at is not None:
+                return tokens[at:at + k]
+            for other in reversed(self.earlier.values()):
+                draft = other.continuation(suffix, k)
+                if draft:
+                    return draft
+        return []
+
+    def finished(self, req_id: str, tokens: list[int], num_prompt: int) -> None:
+        """Keep a finished request's output (with the prompt's last tokens as context) in
+        the global store."""
+        self.own.pop(req_id, None)
+        if self.capacity == 0 or len(tokens) <= num_prompt:
+            return
+        index = _NgramIndex(self.max_n)
+        index.extend(tokens[max(0, num_prompt - self.max_n):])
+        self.earlier[req_id] = index
+        while len(self.earlier) > self.capacity:
+            self.earlier.popitem(last=False)
+
+    def forget(self, req_id: str) -> None:
+        self.own.pop(req_id, None)
+
+
+def make_proposer(config: SpeculativeConfig):
+    return NgramProposer(config) if config.method == "ngram" else SuffixProposer(config)
+
+
+# ---------------------------------------------------------------------------------------------
+# the adaptive policy
+
+
+@dataclass(frozen=True)
+class CostTerms:
+    """The step cost model's terms that a verification changes (seconds, or relative units:
+    only ratios matter). Defaults when no `tidal tune profile` exists: a step's fixed part
+    equals 32 tokens of compute, as on a memory-bound CPU or GPU decode of a small model."""
+
+    intercept: float = 1.0
+    per_token: float = 1.0 / 32  # a prefill token
+    per_decode: float = 1.0 / 32  # a decode request
+    per_context: float = 0.0  # a decode's key
+    per_pair: float = 0.0  # a prefill chunk's (query, key) pair
+
+    @classmethod
+    def from_model(cls, model) -> CostTerms:
+        """From a `StepCostModel`."""
+        return cls(max(model.intercept_s, 1e-9), model.per_prefill_token_s,
+                   model.per_decode_req_s, model.per_decode_context_token_s,
+                   model.per_prefill_attention_pair_s)
+
+    def entry(self, num_computed: int, num_tokens: int) -> float:
+        """The cost of one plan entry (`step_cost.chunk_features`)."""
+        if num_tokens == 1:
+            return self.per_decode + self.per_context * (num_computed + 1)
+        return (self.per_token * num_tokens
+                + self.per_pair * num_tokens * (num_computed + (num_tokens + 1) / 2))
+
+
+PRIOR_WEIGHT = 4.0
+"""Draft positions' worth of weight the global acceptance has in a request's estimate."""
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """1 + a + ... + a^k: tokens a step yields for a request with k drafts, each accepted
+    with probability a given the ones before it were."""
+    return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+class AdaptivePolicy:
+    """Chooses draft counts per request and step (see the module docstring)."""
+
+    def __init__(self, ceiling: int, terms: CostTerms, adaptive: bool = True) -> None:
+        self.ceiling = ceiling
+        self.terms = terms
+        self.adaptive = adaptive
+        self.accepted = 0
+        self.drafted = 0
+        """Positions accepted / proposed over every request (the prior's evidence)."""
+
+    def prior(self) -> float:
+        """The global acceptance per draft position (0.5 before any evidence)."""
+        return (self.accepted + 1.0) / (self.drafted + 2.0)
+
+    def alpha(self, accepted: int, drafted: int) -> float:
+        """A request's acceptance estimate: its own counts, shrunk toward the prior."""
+        return (accepted + PRIOR_WEIGHT * self.prior()) / (drafted + PRIOR_WEIGHT)
+
+    def use_cost_model(self, model) -> None:
+        """Price steps with a measured `StepCostModel` (advice/observers.py gives it)."""
+        self.terms = CostTerms.from_model(model)
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.drafted += num_drafts
+        self.accepted += num_accepted
+
+    def choose(self, candidates: list[tuple[int, int, float]], base_cost: float,
+               base_tokens: float, budget: int) -> list[int]:
+        """Draft counts for `candidates` [(drafts available, num_computed, alpha)], each a
+        decode of the step; `base_cost` the rest of the step's cost (intercept included),
+        `base_tokens` the tokens the rest yields; at most `budget` drafts in all."""
+        caps = [min(n, self.ceiling) for n, _, _ in candidates]
+        if not self.adaptive:
+            return _fit_budget(caps, budget)
+        terms = self.terms
+        # cost and yield of each option k = 0 .. cap, per candidate
+        options = []
+        for (_, computed, alpha), cap in zip(candidates, caps):
+            options.append([(expected_tokens(alpha, k), terms.entry(computed, k + 1))
+                            for k in range(cap + 1)])
+        ks = [0] * len(candidates)
+        ratio = self._ratio(options, ks, base_cost, base_tokens)
+        for _ in range(8):  # Dinkelbach: a handful of rounds reach the fixed point
+            ks = [max(range(len(opt)), key=lambda k: opt[k][0] - ratio * opt[k][1])
+                  for opt in options]
+            new_ratio = self._ratio(options, ks, base_cost, base_tokens)
+            if new_ratio <= ratio * (1 + 1e-9):
+                break
+            ratio = new_ratio
+        # each round's choice is at least as good as the last (Dinkelbach), so never
+        # worse than no drafts at all
+        return _fit_budget(ks, budget)
+
+    @staticmethod
+    def _ratio(options, ks, base_cost: float, base_tokens: float) -> float:
+        tokens = base_tokens + sum(opt[k][0] for opt, k in zip(options, ks))
+        cost = base_cost + sum(opt[k][1] for opt, k in zip(options, ks))
+        return tokens / cost if cost > 0 else 0.0
+
+
+def _fit_budget(ks: list[int], budget: int) -> list[int]:
+    """Trim draft counts (from the last request) to at most `budget` in all."""
+    total = sum(ks)
+    i = len(ks) - 1
+    while total > budget and i >= 0:
+        cut = min(ks[i], total - budget)
+        ks[i] -= cut
+        total -= cut
+        i -= 1
+    return ks
+
+
+class SpecStats:
+    """Counters for /metrics (vLLM's spec_decode names): drafts, draft tokens, accepted
+    tokens, accepted tokens per draft position."""
+
+    def __init__(self, ceiling: int) -> None:
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * ceiling
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            self.accepted_per_pos[pos] += 1
