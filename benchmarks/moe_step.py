@@ -13,6 +13,9 @@ worker path: model runner, attention backend, the CPU op seam's kernels on the C
 requests of `--context` tokens are prefilled, then decode steps are timed in `--rounds`
 rounds of `--steps` steps, MoE then dense or dense then MoE by turns, so a shared machine's
 drift falls on both. Prints the median step per batch size and the MoE / dense ratio.
+A third decoder runs the MoE model with the few-token path off (`workers/moe.py`
+FEW_TOKENS = 0: every step sorted and grouped by expert), in the same rounds, so the last
+column is what the few-token path saves (steps of up to FEW_TOKENS tokens take it).
 
 What it shows: at batch 1 the MoE step reads k experts' weights a layer, as the dense one
 reads its MLP; as the batch grows the tokens spread over more experts, so the MoE step
@@ -43,6 +46,7 @@ from tidal.engine_core.config import (CacheConfig, EngineConfig, ModelConfig,  #
                                       ParallelConfig, SchedulerConfig)
 from tidal.ipc.messages import (BatchPlan, CachedRequestData, NewRequestData,  # noqa: E402
                                 SamplingParams, pack_token_ids)
+from tidal.workers import moe  # noqa: E402
 from tidal.workers.worker import Worker  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -110,6 +114,22 @@ class Decoder:
                                           for r in self.ids])
 
 
+def print_profile(decoder: Decoder, few_tokens: int, title: str) -> None:
+    """torch.profiler's operators of 3 decode steps, by self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    moe.FEW_TOKENS = few_tokens
+    activities = [ProfilerActivity.CPU]
+    if decoder.worker.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        for _ in range(3):
+            decoder.step()
+    sort = "self_cuda_time_total" if len(activities) > 1 else "self_cpu_time_total"
+    print(f"-- {title}: 3 steps")
+    print(prof.key_averages().table(sort_by=sort, row_limit=12, max_name_column_width=40))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=768)
@@ -124,6 +144,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--profile", action="store_true", help="after each batch size, print "
+                    "torch.profiler's top operators of 3 MoE decode steps, each path")
     ap.add_argument("--models", default=None, help="folder to write the models into "
                     "(default: a temporary one)")
     a = ap.parse_args(argv)
@@ -139,21 +161,36 @@ def main(argv=None) -> int:
               f"{a.expert_size}, top-{a.top_k}; dense MLP {active} wide; {a.device} {dtype}, "
               f"{a.threads} threads, context {a.context}, {a.rounds} rounds of {a.steps} steps",
               flush=True)
-        print(f"{'batch':>5}  {'MoE ms':>8}  {'dense ms':>8}  {'MoE/dense':>9}")
+        print(f"{'batch':>5}  {'MoE ms':>8}  {'dense ms':>8}  {'MoE/dense':>9}  "
+              f"{'grouped ms':>10}  {'grouped/MoE':>11}")
+        few = moe.FEW_TOKENS
         for batch in a.batch:
-            pair = [Decoder(folders[name], a.device, dtype, batch, a.context,
-                            a.rounds * a.steps + a.steps) for name in ("moe", "dense")]
-            for d in pair:
-                d.step()  # warm-up
-            rounds: list[list[float]] = [[], []]
+            # MoE (few-token path as shipped), dense, MoE with every step grouped
+            trio = [Decoder(folders[name], a.device, dtype, batch, a.context,
+                            a.rounds * a.steps + a.steps + 3) for name in ("moe", "dense", "moe")]
+            limits = (few, few, 0)
+
+            def steps(which: int) -> float:
+                moe.FEW_TOKENS = limits[which]
+                return statistics.median(trio[which].step() for _ in range(a.steps))
+
+            for which in range(3):
+                steps(which)  # warm-up
+            rounds: list[list[float]] = [[], [], []]
             for r in range(a.rounds):
-                for which in ((0, 1) if r % 2 == 0 else (1, 0)):
-                    rounds[which].append(statistics.median(pair[which].step()
-                                                           for _ in range(a.steps)))
+                for which in ((0, 1, 2) if r % 2 == 0 else (2, 1, 0)):
+                    rounds[which].append(steps(which))
+            moe.FEW_TOKENS = few
             med = [statistics.median(times) * 1e3 for times in rounds]
-            ratio = statistics.median(m / d for m, d in zip(*rounds))
-            print(f"{batch:5d}  {med[0]:8.2f}  {med[1]:8.2f}  {ratio:9.2f}", flush=True)
-            for d in pair:
+            ratio = statistics.median(m / d for m, d in zip(rounds[0], rounds[1]))
+            saved = statistics.median(g / m for m, g in zip(rounds[0], rounds[2]))
+            print(f"{batch:5d}  {med[0]:8.2f}  {med[1]:8.2f}  {ratio:9.2f}  {med[2]:10.2f}  "
+                  f"{saved:11.2f}", flush=True)
+            if a.profile:
+                for which, label in ((0, "few-token path as shipped"), (2, "grouped")):
+                    print_profile(trio[which], limits[which], f"batch {batch}, MoE, {label}")
+            moe.FEW_TOKENS = few
+            for d in trio:
                 d.worker.shutdown()
     return 0
 

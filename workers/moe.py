@@ -53,6 +53,10 @@ from ..kernels.cpu.ops import CpuOps
 from .distributed import TensorParallel
 from .layers import _check_shape, _copy, _take
 
+FEW_TOKENS = 4
+"""Steps of at most this many tokens take `FusedMoE._few_tokens` (no grouping): measured by
+benchmarks/moe_step.py (docs/performance.md)."""
+
 STACKED = "stacked"
 """Shard id of a checkpoint tensor holding every expert ([E, ...])."""
 
@@ -163,6 +167,8 @@ class FusedMoE(nn.Module):
             raise RuntimeError("MoE layers are not captured in CUDA graphs: the grouped "
                                "experts read each expert's row count on the host")
         num_tokens, top_k = ids.shape
+        if num_tokens <= FEW_TOKENS:
+            return self._few_tokens(x, weights, ids)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens in order
         token_of = order // top_k  # the token of each sorted pair
@@ -177,6 +183,24 @@ class FusedMoE(nn.Module):
         weighted = out * weights.reshape(-1)[order].unsqueeze(-1)
         result = torch.zeros_like(x)
         return result.index_add_(0, token_of, weighted.to(x.dtype))
+
+    def _few_tokens(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+                    ) -> torch.Tensor:
+        """The grouped path's result for a decode step of a few tokens, without its sort,
+        gather, scatter and per-expert loop: each token's k experts on its one row, each
+        weighted term cast to the activations' dtype and summed by expert id from zero in
+        float32, as the CPU's index_add_ does, so one token's result is the grouped path's
+        bit for bit on the CPU (its k experts are distinct: each sees one row there too;
+        tests/workers/test_moe_models.py). On CUDA, whose index_add_ adds in the activations'
+        dtype, the sum here is the more exact one. Same one host sync (the ids)."""
+        rows = []
+        for t, token_ids in enumerate(ids.tolist()):
+            xt = x[t:t + 1]
+            acc = torch.zeros_like(xt, dtype=torch.float32)  # index_add_'s CPU accumulator
+            for j in sorted(range(len(token_ids)), key=token_ids.__getitem__):
+                acc += (self._expert(token_ids[j], xt) * weights[t:t + 1, j:j + 1]).to(x.dtype)
+            rows.append(acc.to(x.dtype))
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """down(silu(gate(x)) * up(x)) of expert e, on this rank's slice."""

@@ -207,3 +207,36 @@ def test_pipeline_stages_load_their_own_experts(tiny_model_factory):
     first, last = (s.model.layers for s in stages)
     assert list(first) == ["0"] and first["0"].mlp.experts.w13.shape[0] == 8
     assert list(last) == ["1"] and hasattr(last["1"].mlp, "gate_up_proj")
+
+
+@pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])
+def test_few_token_path_equals_the_grouped_one(monkeypatch, weights_dtype):
+    """workers/moe.py: steps of up to FEW_TOKENS tokens skip the sort and grouping; one token
+    gives the grouped path's result bit for bit (each of its k experts sees its one row in
+    both), a few tokens to float32 rounding (the grouped path may give an expert several
+    rows in one GEMM). Routing weights in float32 (Mixtral's combine) or in the activations'
+    dtype (bfloat16 here: the cast before the sum is the grouped path's)."""
+    from tidal.workers import moe
+    from tidal.workers.distributed import TensorParallel
+
+    torch.manual_seed(0)
+    layer = moe.FusedMoE(8, 32, 16, TensorParallel())
+    with torch.no_grad():
+        layer.w13.normal_(0, 0.3)
+        layer.w2.normal_(0, 0.3)
+    dtype = torch.float32 if weights_dtype == torch.float32 else torch.bfloat16
+    layer.to(dtype)
+    for tokens in (1, 3, moe.FEW_TOKENS):
+        x = torch.randn(tokens, 32).to(dtype)
+        ids = torch.stack([torch.randperm(8)[:3] for _ in range(tokens)])  # top-3, distinct
+        weights = torch.rand(tokens, 3).to(weights_dtype)
+        few = layer(x, weights, ids)
+        monkeypatch.setattr(moe, "FEW_TOKENS", 0)
+        grouped = layer(x, weights, ids)
+        monkeypatch.undo()
+        assert few.dtype == grouped.dtype == dtype
+        if tokens == 1:
+            assert torch.equal(few, grouped)
+        else:
+            torch.testing.assert_close(few, grouped, rtol=1e-6 if dtype == torch.float32
+                                       else 1e-2, atol=1e-6 if dtype == torch.float32 else 1e-2)

@@ -1,7 +1,9 @@
 """The decoder that tidal's mixture-of-experts families share (Mixtral, Qwen2-MoE, Qwen3-MoE,
-OLMoE, Granite-MoE; one short module each picks its config fields): llama.py's attention and
-decoder layer order (norm, attention, residual add, norm, MLP, residual add), the dense MLP
-replaced by a sparse block in every layer the config makes sparse.
+OLMoE, Granite-MoE; one short module each picks its config fields): llama.py's classes
+(`MoeDecoderLayer`, `MoeModel`, `MoeForCausalLM` subclass its layer, model and LM: the layer
+order norm, attention, residual add, norm, MLP, residual add), the dense MLP replaced by a
+sparse block in every layer the config makes sparse. A family's quirks stay in its own module
+(Granite-MoE's multipliers: granite.py's mixins, composed in granite_moe.py).
 
 Module names mirror the checkpoints (so most tensors load by name):
 
