@@ -103,8 +103,11 @@ def main(argv=None) -> int:
         cmd = [sys.executable, __file__, *([a.model] if a.model else []), "--child", policy,
                "--tokens", str(a.tokens), "--settle", str(a.settle), "--rounds", str(a.rounds),
                "--loops", str(a.loops)]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        r = json.loads(out.strip().splitlines()[-1])
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            print(f"{policy}: failed\n{done.stderr[-3000:]}")
+            continue
+        r = json.loads(done.stdout.strip().splitlines()[-1])
         quiet, busy = statistics.median(r["quiet"]), statistics.median(r["busy"])
         print(f"{policy:<34} {quiet:12.1f} {busy:12.1f} {busy / quiet:9.1f}x   "
               f"(quiet {', '.join(f'{x:.1f}' for x in r['quiet'])}; "

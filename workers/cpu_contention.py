@@ -24,7 +24,8 @@ The `cpu_wait_policy=auto` rule (`CpuContention.step`):
 
 - share > `DROP_SHARE` while spinning: throttle, and log a warning (at most one per
   `REPEAT_S`) that says what takes the cores and what the user can do;
-- share < `RESTORE_SHARE` in every window for `probe_after_s` while throttled: spin again. A
+- share < `RESTORE_SHARE` in every window for `probe_after_s` while throttled, and the cores
+  idle `FREE_CORES` on average meanwhile: spin again. A
   try that is contended at once doubles `probe_after_s` (from `FIRST_PROBE_S` up to
   `MAX_PROBE_S`); one that holds resets it.
 
@@ -57,7 +58,12 @@ WARN_SHARE = 0.25
 DROP_SHARE = WARN_SHARE
 """... and above which an adapting rank's idle threads stop spinning."""
 RESTORE_SHARE = 0.10
-"""Share below which a throttled rank counts the cores as free."""
+"""Share below which a throttled rank counts the cores as free ..."""
+FREE_CORES = 0.25
+"""... provided the cores this process may use were also idle this many cores' worth on
+average over the period (/proc/stat): threads that sleep at once wait little on a run
+queue even on a busy machine (they are not runnable), so their wait alone tried spinning
+again under load, and each try cost a step of 0.4-1 s."""
 FIRST_PROBE_S = 2.0
 """Seconds the cores must look free before a rank tries its full thread count again."""
 MAX_PROBE_S = 60.0
@@ -79,6 +85,23 @@ def runqueue_wait_s() -> float | None:
         except (OSError, IndexError, ValueError):  # a thread that ended meanwhile
             continue
     return total / 1e9 if found else None
+
+
+def idle_cores_s() -> float | None:
+    """Seconds the cores this process may run on have been idle since boot, summed over
+    them (/proc/stat's idle and iowait of each; None where Linux does not say)."""
+    try:
+        cores = os.sched_getaffinity(0)
+        with open("/proc/stat") as f:
+            lines = f.read().splitlines()
+    except (AttributeError, OSError):
+        return None
+    ticks = 0
+    for line in lines:
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
+            ticks += int(fields[3]) + int(fields[4])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def apply_wait_policy(policy: str, env: MutableMapping[str, str]) -> None:
@@ -158,7 +181,8 @@ class CpuContention:
     def __init__(self, rank: int, threads: int,
                  read_wait: Callable[[], float | None] = runqueue_wait_s,
                  clock: Callable[[], float] = time.monotonic,
-                 throttle: Callable[[bool], None] | None = None) -> None:
+                 throttle: Callable[[bool], None] | None = None,
+                 read_idle: Callable[[], float | None] = idle_cores_s) -> None:
         self.rank = rank
         self.threads = max(1, threads)
         self.read_wait = read_wait
@@ -172,7 +196,8 @@ class CpuContention:
         self.last_share: float | None = None  # the last window's, for tests and logs
         self.probe_after_s = FIRST_PROBE_S
         self.probing = False  # spinning was just tried again
-        self.since = clock()  # the last change, or the last contended window while throttled
+        self.read_idle = read_idle
+        self._watch(clock())  # from the last change, or the last contended look, on
 
     def step(self, seconds: float) -> None:
         """One step took `seconds` (wall clock)."""
@@ -203,17 +228,27 @@ class CpuContention:
             self.probing = False
             self.probe_after_s = FIRST_PROBE_S
         elif self.throttled and share >= RESTORE_SHARE:
-            self.since = now  # still taken: the cores must look free for a whole period
+            self._watch(now)  # still taken: the cores must look free for a whole period
         elif self.throttled and now - self.since >= self.probe_after_s:
-            self.probing = True
-            self._change(False, now)
+            idle = self.read_idle()
+            if (idle is not None and self.idle_at is not None
+                    and idle - self.idle_at >= FREE_CORES * (now - self.since)):
+                self.probing = True
+                self._change(False, now)
+            else:
+                self._watch(now)  # the machine is busy: look again over the next period
+
+    def _watch(self, now: float) -> None:
+        """Judge whether the cores are free from `now` on."""
+        self.since = now
+        self.idle_at = self.read_idle()
 
     def _change(self, throttled: bool, now: float) -> None:
         logger.info("rank %d: idle OpenMP threads %s (run-queue wait %.0f%% of step time)",
                     self.rank, "sleep at once" if throttled else "spin again",
                     100 * (self.last_share or 0.0))
         self.throttled = throttled
-        self.since = now
+        self._watch(now)
         self.throttle(throttled)
 
     def _warn(self, share: float, now: float) -> None:

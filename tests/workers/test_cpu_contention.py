@@ -63,14 +63,18 @@ class Machine:
 
     def __init__(self):
         self.wait = 0.0
+        self.idle = 0.0
         self.now = 0.0
         self.switches: list[bool] = []
         self.rank = CpuContention(rank=0, threads=2, read_wait=lambda: self.wait,
-                                  clock=lambda: self.now, throttle=self.switches.append)
+                                  clock=lambda: self.now, throttle=self.switches.append,
+                                  read_idle=lambda: self.idle)
 
-    def window(self, share: float) -> bool:
-        """One adapting window at `share`; whether the rank is throttled after it."""
+    def window(self, share: float, idle_cores: float = 0.5) -> bool:
+        """One adapting window at `share`, `idle_cores` of the machine idle on average;
+        whether the rank is throttled after it."""
         self.wait += share * ADAPT_WINDOW_S * 2
+        self.idle += idle_cores * WALL_S
         self.now += WALL_S
         self.rank.step(ADAPT_WINDOW_S)
         return self.rank.throttled
@@ -99,6 +103,16 @@ def test_auto_spins_again_once_the_cores_look_free_for_a_while():
         quiet_windows += 1
     assert quiet_windows * WALL_S == FIRST_PROBE_S  # free that long, then the try
     assert not machine.window(0.0) and machine.switches == [True, False]  # and it holds
+
+
+def test_a_throttled_rank_stays_throttled_while_the_machine_is_busy():
+    """Threads that sleep at once hardly wait on a run queue (they are not runnable): on a
+    busy machine only the cores' idle time says the neighbour is still there."""
+    machine = Machine()
+    machine.window(0.9)
+    for _ in range(400):  # 100 s
+        assert machine.window(0.0, idle_cores=0.05)
+    assert machine.switches == [True]
 
 
 def test_a_try_that_finds_the_cores_taken_waits_twice_as_long_before_the_next():
