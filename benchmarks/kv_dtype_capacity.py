@@ -60,7 +60,7 @@ def engine(args) -> None:
           f"tokens at once, --kv-cache-memory {args.kv_cache_memory}")
     for kv in ("auto", "int8"):
         with LLM(args.model, kv_cache_dtype=kv, kv_cache_memory=args.kv_cache_memory,
-                 startup_timeout=300) as llm:
+                 max_model_len=args.prompt + args.output, startup_timeout=600) as llm:
             start = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - start
