@@ -21,15 +21,15 @@ from tidal.ipc.messages import SamplingParams
 
 STARTUP_TIMEOUT_S = 120.0
 SMALL_KV = "64MiB"
-GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    """8 prompts that quote themselves (a phrase repeated with noise between)."""
+    """10 prompts that quote themselves (a phrase repeated with noise between)."""
     rng = random.Random(36)
     out = []
-    for n in range(8):
+    for n in range(10):
         phrase = [rng.randrange(3, 500) for _ in range(6 + n)]
         noise = [rng.randrange(3, 500) for _ in range(3 + 2 * n)]
         out.append(phrase + noise + phrase[:4])
@@ -69,7 +69,7 @@ def test_greedy_identical_with_speculation_chunked_preempted_async(tiny_llama, p
 def test_greedy_identical_with_speculation_tp2_pp2(tiny_llama, prompts, reference):
     """Tensor and pipeline parallelism at once (4 workers): the drafts travel to every stage
     in the plan, every tensor-parallel rank verifies alike."""
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
             "prompt_lookup_max": 3, "adaptive": False}
     with LLM(tiny_llama, speculative_config=spec, tensor_parallel_size=2,
              pipeline_parallel_size=2, kv_cache_memory=SMALL_KV, max_model_len=96,
