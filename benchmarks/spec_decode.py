@@ -127,6 +127,8 @@ def main() -> None:
                         rate, per_step, ids = measure(llm, convs, params, streams)
                         rates.setdefault((wname, streams, name), []).append(rate)
                         steps.setdefault((wname, streams, name), []).append(per_step)
+                        print(f"# {wname} {streams} stream(s) {name}: {rate:.2f} tokens/s, "
+                              f"{per_step:.2f} tokens/step", flush=True)
                         if reference is None:
                             reference = ids
                         same.setdefault((wname, streams, name), []).append(
