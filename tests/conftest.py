@@ -10,7 +10,6 @@ is the real-model cache under the temporary root (tests/real_models.py), unless 
 import os
 import shutil
 import sys
-import tempfile
 import time
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -20,30 +19,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
-from process_tree import alive  # noqa: E402
-from real_models import real_model_cache  # noqa: E402
 from tiny_models import make_tiny_gguf, make_tiny_model  # noqa: E402
 
-# Set at import, before any test or subprocess asks: every process started from here on
-# (daemons, workers, `tidal serve`) inherits both. Each pytest-xdist worker imports this file
-# and gets a runtime folder of its own.
-RUN_RUNTIME_DIR = tempfile.mkdtemp(prefix="tidal-run-")  # mode 0700, as XDG requires
-os.environ["XDG_RUNTIME_DIR"] = RUN_RUNTIME_DIR
-os.environ.setdefault("TIDAL_CACHE_DIR", real_model_cache())
-
-
-def live_socket_owners(folder: str) -> dict[str, int]:
-    """{socket file: pid} for each socket in `folder` whose creator is still alive. tidal names
-    them TAG-PID-RANDOM.sock (ipc/transport.new_private_address); a process SIGKILLed by a
-    fault test leaves its files behind, which is no leak: the folder goes with the run."""
-    owners = {}
-    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-        parts = name.rsplit("-", 2)
-        if name.endswith(".sock") and len(parts) == 3 and parts[1].isdigit():
-            pid = int(parts[1])
-            if pid != os.getpid() and alive(pid):
-                owners[name] = pid
-    return owners
+from run_folders import RUN_RUNTIME_DIR, live_socket_owners  # noqa: E402  (sets both folders)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from conftest import RUN_RUNTIME_DIR, live_socket_owners
+from run_folders import RUN_RUNTIME_DIR, live_socket_owners
 from real_models import real_model_cache
 
 from tidal.ipc.paths import cache_dir
