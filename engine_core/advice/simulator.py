@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -122,6 +122,9 @@ class Simulator:
 
     def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int,
                  cost_model: StepCostModel) -> None:
+        # without speculative decoding: this simulated worker samples one token per request
+        # and step, and cannot verify drafts (the step cost model prices plain decodes)
+        config = replace(config, scheduler=replace(config.scheduler, speculative_config=None))
         self.config = config
         self.num_kv_blocks = num_kv_blocks
         self.max_model_len = max_model_len

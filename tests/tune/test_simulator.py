@@ -57,6 +57,20 @@ def test_one_request(async_scheduling):
     assert s["num_preemptions"] == 0 and s["duration_s"] == pytest.approx(1.134)
 
 
+def test_a_speculative_config_is_simulated_as_plain_decoding():
+    """The simulated worker samples one token a step and the cost model prices plain decodes,
+    so the simulator drops `--speculative-config` (its prompts of one repeated token would
+    otherwise draft every step): the same times as test_one_request."""
+    from dataclasses import replace
+
+    spec = replace(config(), scheduler=replace(
+        config().scheduler, speculative_config='{"method": "ngram", "num_speculative_tokens": 4}'))
+    cost = StepCostModel(0.010, per_prefill_token_s=0.001, per_decode_req_s=0.002)
+    result = simulate(spec, 100, 256, cost, trace((1.0, 100, 3)))
+    assert result.finish.tolist() == approx([1.134])
+    assert result.itl.tolist() == approx([0.012, 0.012])
+
+
 def test_serving_terms_delay_arrivals_and_lengthen_each_step_by_what_it_streams():
     """The cost of test_one_request plus serving terms: 10 ms + 0.2 ms per prompt token from
     arrival to the scheduler (30 ms for 100 tokens), 1 ms per step and 0.5 ms per token
