@@ -59,7 +59,7 @@ def child(model: str | None, policy: str, tokens: int, settle: int, rounds: int,
           loops: int) -> dict:
     from tidal import LLM
 
-    kwargs = {"kv_cache_memory": "32MiB"}
+    kwargs = {"kv_cache_memory": "32MiB", "max_model_len": 512}  # room for any model
     if policy.startswith("env:"):
         for pair in policy[4:].split(","):
             name, _, value = pair.partition("=")
