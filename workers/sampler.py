@@ -133,13 +133,7 @@ class Sampler:
         return out
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        temperature = torch.where(batch.temperature == 0, 1.0, batch.temperature)
-        logits = logits / temperature.unsqueeze(1)
-        if batch.flag("min_p"):
-            logits = apply_min_p(logits, batch.min_p)
-        if batch.flag("top_k_top_p"):
-            logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
-        return inverse_cdf(torch.softmax(logits, dim=-1), self._uniforms(batch))
+        return inverse_cdf(self._target_probs(logits, batch), self._uniforms(batch))
 
     def verify(self, logits: torch.Tensor, batch: SamplingBatch, draft_ids: np.ndarray,
                num_drafts: np.ndarray) -> list[np.ndarray]:
