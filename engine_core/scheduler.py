@@ -640,10 +640,7 @@ class Scheduler:
             out = EngineCoreOutput(req_id, _pack_one(token), None, None,
                                    None if lp is None else [lp])
             if not request.first_output_sent:
-                request.first_token_time = self.clock()
-                self._mark_first_output(request, out)
-                if request.prompt_logprob_parts is not None:
-                    out.prompt_logprobs = _take_prompt_logprobs(request)
+                self._first_output(request, out)
             num_output = len(output_token_ids)
             if (num_output >= request.max_tokens or len(request.all_token_ids) >= max_model_len
                     or (num_output > request.min_tokens and (
@@ -662,6 +659,14 @@ class Scheduler:
         if num_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]
         return outputs
+
+    def _first_output(self, request: Request, out: EngineCoreOutput) -> None:
+        """`out` is the request's first output: its first-token time, the queue time and
+        cache hit it reports (`_mark_first_output`), and its prompt logprobs, all at once."""
+        request.first_token_time = self.clock()
+        self._mark_first_output(request, out)
+        if request.prompt_logprob_parts is not None:
+            out.prompt_logprobs = _take_prompt_logprobs(request)
 
     def _update_multi(self, sampled: SampledTokens, step_id: int, token_ids,
                       outputs: Outputs) -> None:
@@ -702,10 +707,7 @@ class Scheduler:
             out = EngineCoreOutput(req_id, pack_token_ids(tokens[:appended]), None, None,
                                    None if lp is None else [lp])
             if not request.first_output_sent:
-                request.first_token_time = self.clock()
-                self._mark_first_output(request, out)
-                if request.prompt_logprob_parts is not None:
-                    out.prompt_logprobs = _take_prompt_logprobs(request)
+                self._first_output(request, out)
             if status is not None:
                 out.finish_reason = status.finish_reason
                 out.stop_reason = request.stop_reason
