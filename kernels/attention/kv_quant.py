@@ -86,7 +86,11 @@ def write_kv_quantized(key: torch.Tensor, value: torch.Tensor, key_cache: torch.
         scale.view(-1, num_kv_heads).index_copy_(0, slots, s)
 
 
-def gather_dequantized(cache: torch.Tensor, scale: torch.Tensor, blocks: torch.Tensor,
-                       dtype: torch.dtype) -> torch.Tensor:
-    """The rows of `blocks` [n] dequantized: [n, block_size, num_kv_heads, head_dim]."""
-    return dequantize(cache[blocks], scale[blocks], dtype)
+def gather_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, kv_scales: KVScales | None,
+              blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of `blocks` [n], each [n, block_size, num_kv_heads, head_dim]: dequantized
+    into `dtype` for a quantized cache (`kv_scales` given), else as stored."""
+    k, v = key_cache[blocks], value_cache[blocks]
+    if kv_scales is None:
+        return k, v
+    return dequantize(k, kv_scales[0][blocks], dtype), dequantize(v, kv_scales[1][blocks], dtype)

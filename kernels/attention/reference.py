@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from . import FunctionBackend
-from .kv_quant import KVScales, dequantize, write_kv_quantized
+from .kv_quant import KVScales, gather_kv, write_kv_quantized
 
 
 def write_kv_ref(
@@ -90,10 +90,7 @@ def paged_attention_ref(
         num_blocks = (seq_len + block_size - 1) // block_size
         blocks = block_tables[i, first:num_blocks].long()
         base = first * block_size
-        k, v = key_cache[blocks], value_cache[blocks]
-        if kv_scales is not None:
-            k = dequantize(k, kv_scales[0][blocks], acc_dtype)
-            v = dequantize(v, kv_scales[1][blocks], acc_dtype)
+        k, v = gather_kv(key_cache, value_cache, kv_scales, blocks, acc_dtype)
         k = k.reshape(-1, num_kv_heads, head_dim)[:seq_len - base]
         v = v.reshape(-1, num_kv_heads, head_dim)[:seq_len - base]
         # [kv_heads, seq, d] -> repeat each KV head for its `group` query heads

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from . import AttentionBackend
-from .kv_quant import KVScales, dequantize, write_kv_quantized
+from .kv_quant import KVScales, dequantize, gather_kv, write_kv_quantized
 from .metadata import AttentionMetadata
 from .reference import first_visible, visible
 
@@ -350,9 +350,7 @@ def _prefill(query, key_cache, value_cache, table, chunk: PrefillChunk, scale, o
     num_blocks = (seq_len + block_size - 1) // block_size
     blocks = table[first:num_blocks].long()
     # [blocks, block_size, kv_heads, d] -> [kv_heads, seq_len - base, d]
-    k, v = key_cache[blocks], value_cache[blocks]
-    if kv_scales is not None:
-        k, v = dequantize(k, kv_scales[0][blocks], acc), dequantize(v, kv_scales[1][blocks], acc)
+    k, v = gather_kv(key_cache, value_cache, kv_scales, blocks, acc)
     k = k.reshape(-1, num_kv_heads, head_dim)[:seq_len - base]
     v = v.reshape(-1, num_kv_heads, head_dim)[:seq_len - base]
     k, v = k.transpose(0, 1).to(acc), v.transpose(0, 1).to(acc)
