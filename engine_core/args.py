@@ -201,21 +201,25 @@ def flag_help(flag: _Flag) -> str:
     return text.replace("%", "%%")
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, docs: bool = True) -> None:
     """Add MODEL and the model, cache, scheduler and parallel flags (vLLM names and
-    defaults; help from the config fields' docstrings)."""
+    defaults; help from the config fields' docstrings). `docs=False` leaves the help text
+    out, for a parser that never prints it: reading the docstrings parses the config's
+    source, 0.1 s of every engine start on the 2-vCPU VM (`LLM` and the daemon a frontend
+    starts each built this parser)."""
     for title, flags in FLAGS.items():
         group = parser.add_argument_group(title)
         if title == "model":
             group.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
                                help="same as --model (default in tidal serve/core/generate: "
                                     "the bundled demo model)")
-            group.add_argument("--model", default=None, help=field_docs(ModelConfig)["model"])
+            group.add_argument("--model", default=None,
+                               help=field_docs(ModelConfig)["model"] if docs else None)
         for flag in flags:
             default = _field(flag).default
             kwargs: dict[str, Any] = {
                 "default": None if default is dataclasses.MISSING else default,
-                "help": flag_help(flag), "dest": flag.dest}
+                "help": flag_help(flag) if docs else None, "dest": flag.dest}
             if _is_bool(flag):
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:

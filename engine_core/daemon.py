@@ -469,7 +469,9 @@ def _data_parallel_size(ns: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tidal core",
                                      description="tidal engine-core daemon")
-    add_engine_args(parser)
+    argv = sys.argv[1:] if argv is None else argv
+    # a daemon a frontend starts gets its whole config as --engine-config: no help to print
+    add_engine_args(parser, docs="--engine-config" not in argv)
     add_daemon_args(parser)
     return run_daemon_from_args(parser.parse_args(argv))
 

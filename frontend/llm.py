@@ -58,7 +58,7 @@ def engine_config_from_kwargs(model: str, **engine_flags) -> EngineConfig:
     parser (so `kv_cache_memory="64MiB"` and `dtype="half"` work as on the command line).
     """
     parser = argparse.ArgumentParser(add_help=False)
-    add_engine_args(parser)
+    add_engine_args(parser, docs=False)
     ns = parser.parse_args([])
     ns.model = model
     actions = {a.dest: a for a in parser._actions}

@@ -89,7 +89,7 @@ class Worker:
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         if ops is not None:
             log_cpu_ops(ops, logger, f"rank {self.rank}: ", taken=model.use_cpu_ops(ops))
-            ops.warm_up()  # numba's RMSNorm and rotary: compiled once, then disk-cached
+            ops.warm_up(self.dtype)  # numba's RMSNorm and rotary where they are called
         self.runner = ModelRunner(self.config, model, self.args, self.device, self.dtype,
                                   backend, self.pp)
         if self.config.max_loras:

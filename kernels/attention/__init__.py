@@ -271,6 +271,6 @@ def _cpu_kernel_builds() -> bool:
 
 
 def _numba_installed() -> bool:
-    from .numba_attention import numba
+    from .numba_attention import installed
 
-    return numba is not None
+    return installed()

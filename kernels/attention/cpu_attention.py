@@ -139,10 +139,14 @@ class CpuBackend(NumbaBackend):
     name = "cpu"
 
     def warm_up(self, dtype: torch.dtype) -> float:
-        """Build or load the C kernel, and the numba kernel that takes what it does not."""
+        """Build or load the C kernel, and the numba kernel where it takes this model's caches
+        (not float32, or quantized); a head size the C kernel refuses loads numba's at the
+        first step instead (its disk cache: a few tenths of a second, once)."""
         start = time.perf_counter()
-        load()
-        return super().warm_up(dtype) + (time.perf_counter() - start)
+        library = load()
+        if library is None or dtype != torch.float32 or self.kv_dtype is not None:
+            return super().warm_up(dtype) + (time.perf_counter() - start)
+        return time.perf_counter() - start
 
     def kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> torch.Tensor:

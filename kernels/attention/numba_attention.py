@@ -30,14 +30,16 @@ kv_head]. Caches in the compute dtype take the same code with `quantized` False 
 position and KV head, not per element). numpy has no fp8 type: fp8 caches go to the torch
 backend (`select_attention_backend`).
 
-Compiled on first use for each dtype (about 4 s) and cached on disk next to this file
-(`cache=True`), so later processes load it in well under a second; `NumbaBackend.warm_up`
-does it at start-up.
+The kernel lives in `numba_decode.py`, imported on first use (`kernels()`), so a process
+whose attention never reaches it does not import numba. Compiled on first use for each dtype
+(about 4 s) and cached on disk next to that file (`cache=True`), so later processes load it in
+well under a second; `NumbaBackend.warm_up` does it at start-up.
 """
 
 from __future__ import annotations
 
-import math
+import functools
+import importlib.util
 import time
 from dataclasses import dataclass
 
@@ -49,11 +51,22 @@ from .kv_quant import KVScales
 from .metadata import AttentionMetadata
 from .torch_attention import PrefillChunk, TorchBackend, _prefill, split_requests
 
-try:
-    import numba
-    from numba import njit, prange
-except ImportError:  # pragma: no cover - numba is a dependency; tolerate its absence
-    numba = None
+
+
+def installed() -> bool:
+    """Whether numba can be imported (it is a dependency; tolerated absent), without
+    importing it."""
+    return importlib.util.find_spec("numba") is not None
+
+
+@functools.cache
+def kernels():
+    """The compiled kernel's module (`numba_decode.py`), imported on first use: numba's
+    import and the kernel's load from its disk cache are paid by a process that runs it."""
+    from . import numba_decode
+
+    _match_torch_threads(numba_decode.numba)
+    return numba_decode
 
 
 @dataclass
@@ -91,7 +104,6 @@ class NumbaBackend(TorchBackend):
         if dtype not in NUMBA_DTYPES:
             raise ValueError(f"the numba decode kernel takes {NUMBA_DTYPES}, not {dtype}")
         start = time.perf_counter()
-        _match_torch_threads()
         query = torch.zeros(1, 2, 4, dtype=dtype)
         cache = torch.zeros(2, 4, 1, 4, dtype=dtype)
         one = np.ones(1, dtype=np.int32)
@@ -118,7 +130,7 @@ class NumbaBackend(TorchBackend):
         seq_lens = np.ascontiguousarray(meta.seq_lens.numpy())
         requests = np.array([request for request, _ in decodes], dtype=np.int64)
         token_rows = np.array([row for _, row in decodes], dtype=np.int64)
-        order = balanced_order(seq_lens[requests], numba.get_num_threads())
+        order = balanced_order(seq_lens[requests], kernels().numba.get_num_threads())
         return NumbaAttentionPlan(NumbaDecode(
             block_tables=np.ascontiguousarray(meta.block_tables.numpy()), seq_lens=seq_lens,
             requests=requests[order], token_rows=token_rows[order]), prefills)
@@ -161,11 +173,12 @@ def balanced_order(lengths: np.ndarray, num_threads: int) -> np.ndarray:
     return np.concatenate([by_length[k::num_threads] for k in range(num_threads)])
 
 
-def _match_torch_threads() -> None:
+def _match_torch_threads(numba) -> None:
     """Run the kernel on as many threads as torch's intra-op pool has (a worker confined to
     fewer cores than the machine's keeps numba there too), at most numba's pool size.
     numba keeps this setting per calling thread: the worker process loads (and warms up)
-    and runs its steps on the same thread, so setting it once here holds for every step."""
+    and runs its steps on the same thread, so setting it once, when `kernels()` first
+    imports the kernel, holds for every step."""
     numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
 
 
@@ -184,10 +197,10 @@ def paged_decode_numba(query: torch.Tensor, key_cache: torch.Tensor,
         k_scale = v_scale = _NO_SCALES
     else:
         k_scale, v_scale = (t.detach().numpy() for t in kv_scales)
-    _decode_kernel(q.numpy(), key_cache.detach().numpy(), value_cache.detach().numpy(),
-                   block_tables, seq_lens, requests, token_rows, float(scale),
-                   result.numpy(), int(window), float(soft_cap), kv_scales is not None,
-                   k_scale, v_scale)
+    kernels().decode_kernel(q.numpy(), key_cache.detach().numpy(),
+                            value_cache.detach().numpy(), block_tables, seq_lens, requests,
+                            token_rows, float(scale), result.numpy(), int(window),
+                            float(soft_cap), kv_scales is not None, k_scale, v_scale)
     if result is not out:
         out.index_copy_(0, torch.from_numpy(token_rows),
                         result.index_select(0, torch.from_numpy(token_rows)).to(out.dtype))
@@ -195,124 +208,3 @@ def paged_decode_numba(query: torch.Tensor, key_cache: torch.Tensor,
 
 _NO_SCALES = np.ones((1, 1, 1), dtype=np.float32)
 """The scales argument of a cache in the compute dtype (never read: `quantized` False)."""
-
-
-def exp_shifted(row, top, exponents):  # pragma: no cover - replaced by the overload below
-    """`row[p] = exp(row[p] - top)` in place, for `row <= top`; `exponents` is int32 scratch
-    of the row's length. Called from compiled code only (see `_exp_shifted_impl`)."""
-    raise NotImplementedError("exp_shifted is compiled into the numba kernel")
-
-
-if numba is not None:
-    from numba.extending import overload
-
-    # exp(x) for x <= 0 as 2^n * P(r): n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts,
-    # Cody and Waite, so r keeps its low bits), P the degree-7 Taylor polynomial of exp on
-    # |r| <= ln 2 / 2 (truncation error 2e-9, below float32's 6e-8 rounding), and 2^n added to
-    # the result's exponent field through an int32 view. x is clamped at -87 (exp(-87) is
-    # 1.6e-38, float32's smallest normal is 1.2e-38), so the exponent never underflows; weights
-    # that small vanish beside the row's maximum, whose weight is 1. Measured against float64
-    # exp over [-87, 0]: relative error 6e-8. math.exp is a library call per element that LLVM
-    # cannot vectorise without Intel's SVML (PyPI's llvmlite has none): this loop compiles to
-    # AVX-512, 4x faster on 300 scores, and softmax was a quarter of the kernel's time.
-    # No `reassoc` flag: fastmath would be free to fold the two-part ln 2 back into one.
-    _EXP_FLAGS = {"nsz", "contract", "arcp", "nnan", "ninf"}
-
-    @njit(fastmath=_EXP_FLAGS, cache=True, nogil=True, inline="always")
-    def _exp_shifted_f32(row, top, exponents):  # pragma: no cover - compiled
-        for p in range(row.shape[0]):
-            x = max(row[p] - top, np.float32(-87.0))
-            n = math.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
-            r = x - n * np.float32(0.693359375)
-            r = r - n * np.float32(-2.12194440e-4)
-            e = np.float32(1 / 5040)
-            e = e * r + np.float32(1 / 720)
-            e = e * r + np.float32(1 / 120)
-            e = e * r + np.float32(1 / 24)
-            e = e * r + np.float32(1 / 6)
-            e = e * r + np.float32(0.5)
-            e = e * r + np.float32(1.0)
-            row[p] = e * r + np.float32(1.0)
-            exponents[p] = np.int32(n)
-        bits = row.view(np.int32)
-        for p in range(row.shape[0]):
-            bits[p] += exponents[p] << 23
-
-    @njit(fastmath=True, cache=True, nogil=True, inline="always")
-    def _exp_shifted_f64(row, top, exponents):  # pragma: no cover - compiled
-        for p in range(row.shape[0]):
-            row[p] = math.exp(row[p] - top)
-
-    @overload(exp_shifted, inline="always")
-    def _exp_shifted_impl(row, top, exponents):
-        """float32 rows take the vectorisable polynomial, float64 rows math.exp."""
-        if row.dtype == numba.types.float32:
-            return lambda row, top, exponents: _exp_shifted_f32(row, top, exponents)
-        return lambda row, top, exponents: _exp_shifted_f64(row, top, exponents)
-
-    @njit(fastmath=True, cache=True, nogil=True, parallel=True)
-    def _decode_kernel(q, key_cache, value_cache, block_tables, seq_lens, requests,
-                       token_rows, scale, out, window, soft_cap, quantized, k_scale,
-                       v_scale):  # pragma: no cover - compiled, not traced
-        num_heads, head_dim = q.shape[1], q.shape[2]
-        block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-        group = num_heads // num_kv_heads
-        for i in prange(requests.shape[0]):
-            r, t = requests[i], token_rows[i]
-            end = seq_lens[r]
-            # positions [lo, end): the window's (scores[h, p - lo]); blocks before lo unread
-            lo = max(end - window, 0) if window > 0 else 0
-            seq_len = end - lo
-            scores = np.empty((num_heads, seq_len), dtype=q.dtype)
-            acc = np.zeros((num_heads, head_dim), dtype=q.dtype)
-            qs = np.empty((num_heads, head_dim), dtype=q.dtype)
-            inverse = np.empty(num_heads, dtype=q.dtype)
-            exponents = np.empty(seq_len, dtype=np.int32)
-            # NOTE: a zero of the query's dtype. A literal `0` is an int64, which numba
-            # promotes float32 sums to float64 with: a convert per multiply-add made the
-            # float32 dot products 1.7x slower (measured: 1.97 -> 1.18 ms for 64 x 300 x 9).
-            zero = acc[0, 0]
-            for h in range(num_heads):
-                for d in range(head_dim):
-                    qs[h, d] = q[t, h, d] * scale
-            for p in range(seq_len):  # scores: one pass over K
-                block = block_tables[r, (lo + p) // block_size]
-                offset = (lo + p) % block_size
-                for kh in range(num_kv_heads):
-                    for g in range(group):
-                        h = kh * group + g
-                        s = zero
-                        for d in range(head_dim):
-                            s += qs[h, d] * key_cache[block, offset, kh, d]
-                        if quantized:
-                            s *= k_scale[block, offset, kh]
-                        scores[h, p] = s
-            if soft_cap > 0:
-                for h in range(num_heads):  # float64 cap: exact for float64 scores
-                    for p in range(seq_len):
-                        scores[h, p] = soft_cap * math.tanh(scores[h, p] / soft_cap)
-            for h in range(num_heads):  # softmax over positions, per head
-                row = scores[h]
-                top = row[0]
-                for p in range(1, seq_len):
-                    top = max(top, row[p])
-                exp_shifted(row, top, exponents)
-                total = zero
-                for p in range(seq_len):
-                    total += row[p]
-                inverse[h] = 1  # the output row is normalised, not every weight
-                inverse[h] /= total
-            for p in range(seq_len):  # weighted sum: one pass over V
-                block = block_tables[r, (lo + p) // block_size]
-                offset = (lo + p) % block_size
-                for kh in range(num_kv_heads):
-                    for g in range(group):
-                        h = kh * group + g
-                        w = scores[h, p]
-                        if quantized:
-                            w *= v_scale[block, offset, kh]
-                        for d in range(head_dim):
-                            acc[h, d] += w * value_cache[block, offset, kh, d]
-            for h in range(num_heads):
-                for d in range(head_dim):
-                    out[t, h, d] = acc[h, d] * inverse[h]

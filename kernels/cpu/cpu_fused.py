@@ -17,8 +17,9 @@ calling thread (a `prange` fork/join would cost more than the work at decode siz
   sum or difference, as in transformers' `x * cos + rotate_half(x) * sin`: bit-identical
   (tested) for float32 and float64.
 
-Compiled on first use per dtype and cached on disk next to this file (`cache=True`);
-`warm_up` does it at start-up. Where a C compiler is at hand, float32 calls go to the same
+The kernels live in `numba_layer_ops.py`, imported on first use (`kernels()`). Compiled on
+first use per dtype and cached on disk next to that file (`cache=True`); `warm_up` does it at
+start-up where numba takes calls (`ops.CpuOps.warm_up`). Where a C compiler is at hand, float32 calls go to the same
 arithmetic in C instead (`layer_ops.c`, through ctypes: numba's dispatch cost ~10 us a call,
 the whole of a decode step's RMSNorm of a few rows); numba keeps float64 and machines
 without a compiler. Which one a call takes, and whether torch's own ops take it instead, the
@@ -28,6 +29,8 @@ CPU op seam decides (`ops.CpuOps.rms_norm`, `rotate_split`): these functions onl
 from __future__ import annotations
 
 import ctypes
+import functools
+import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -35,10 +38,6 @@ import torch
 
 from . import native
 
-try:
-    from numba import njit
-except ImportError:  # pragma: no cover - numba is a dependency; tolerate its absence
-    njit = None
 
 
 SOURCE = Path(__file__).with_name("layer_ops.c")
@@ -63,8 +62,16 @@ def c_library() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    """Whether the numba kernels can run (numba installed)."""
-    return njit is not None
+    """Whether the numba kernels can run (numba installed), without importing numba."""
+    return importlib.util.find_spec("numba") is not None
+
+
+@functools.cache
+def kernels():
+    """The compiled kernels' module (`numba_layer_ops.py`), imported on first use."""
+    from . import numba_layer_ops
+
+    return numba_layer_ops
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -78,7 +85,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         library.tidal_rms_norm(x.data_ptr(), x.numel() // hidden if hidden else 0, hidden,
                                weight.data_ptr(), eps, out.data_ptr())
         return out
-    _rms_norm_kernel(x.detach().view(-1, hidden).numpy(), weight.detach().numpy(),
+    kernels().rms_norm_kernel(x.detach().view(-1, hidden).numpy(), weight.detach().numpy(),
                      np.float32(eps), out.view(-1, hidden).numpy())
     return out
 
@@ -99,45 +106,16 @@ def rotate_split(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_hea
                                        qk.stride(1), cos.data_ptr(), sin.data_ptr(),
                                        cos.stride(0), num_heads, q.data_ptr(), k.data_ptr())
             return q, k
-    _rotate_kernel(qk.detach().numpy(), cos.detach().reshape(tokens, -1).numpy(),
+    kernels().rotate_kernel(qk.detach().numpy(), cos.detach().reshape(tokens, -1).numpy(),
                    sin.detach().reshape(tokens, -1).numpy(), q.numpy(), k.numpy())
     return q, k
 
 
 def warm_up() -> None:
     """Compile (or load from the disk cache) the numba kernels for the dtypes they take."""
-    if njit is None:
+    if not available():
         return
     rms_norm(torch.ones(1, 4), torch.ones(4), 1e-6)
     for dtype in (torch.float32, torch.float64):
         qk = torch.ones(1, 2, 4, dtype=dtype)
         rotate_split(qk, torch.ones(1, 2, dtype=dtype), torch.ones(1, 2, dtype=dtype), 1)
-
-
-if njit is not None:
-
-    @njit(fastmath=True, cache=True, nogil=True)
-    def _rms_norm_kernel(x, weight, eps, out):  # pragma: no cover - compiled
-        rows, hidden = x.shape
-        for i in range(rows):
-            total = np.float32(0.0)
-            for j in range(hidden):
-                total += x[i, j] * x[i, j]
-            # torch's rsqrt and 1 / sqrt agree to float32 rounding; the mean is sum / n
-            scale = np.float32(1.0) / np.sqrt(total / np.float32(hidden) + eps)
-            for j in range(hidden):
-                out[i, j] = weight[j] * (x[i, j] * scale)
-
-    @njit(cache=True, nogil=True)
-    def _rotate_kernel(qk, cos, sin, q, k):  # pragma: no cover - compiled
-        tokens, heads, head_dim = qk.shape
-        num_heads = q.shape[1]
-        half = head_dim // 2
-        for t in range(tokens):
-            for h in range(heads):
-                dst = q[t, h] if h < num_heads else k[t, h - num_heads]
-                for j in range(half):
-                    x1, x2 = qk[t, h, j], qk[t, h, j + half]
-                    c, s = cos[t, j], sin[t, j]
-                    dst[j] = x1 * c - x2 * s
-                    dst[j + half] = x2 * c + x1 * s

@@ -164,9 +164,11 @@ class CpuOps:
             return None
         return fused_layers.fuse(layers, shape)
 
-    def warm_up(self) -> None:
-        """Compile (or load from numba's disk cache) the numba kernels this choice calls."""
-        if self.numba:
+    def warm_up(self, dtype: torch.dtype) -> None:
+        """Compile (or load from numba's disk cache) the numba kernels a model of `dtype`
+        calls under this choice: none where `layer_ops.c` takes float32 (numba is then not
+        even imported: about a second of a worker's start-up)."""
+        if self.numba and (self.layer_ops is None or dtype != torch.float32):
             cpu_fused.warm_up()
 
     # -- the start-up line -------------------------------------------------------------------

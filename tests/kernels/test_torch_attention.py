@@ -325,7 +325,7 @@ def test_numba_plan_balances_decodes_over_threads_and_leaves_prefills_to_sdpa(mo
     torch path's."""
     import tidal.kernels.attention.numba_attention as numba_attention
 
-    monkeypatch.setattr(numba_attention.numba, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(numba_attention.kernels().numba, "get_num_threads", lambda: 2)
     case = make_case([1, 4, 1, 1], [70, 4, 1, 33], 4, 2, 16, 16, torch.float32)
     plan = prepare(NumbaBackend(), case)
     assert plan.decode.requests.tolist() == [0, 2, 3]
@@ -357,7 +357,7 @@ def test_the_kernels_float32_exp_is_exact_to_float32_rounding_and_never_underflo
     1e30) it gives a tiny positive weight, never a NaN, Inf or garbage exponent."""
     from numba import njit
 
-    from tidal.kernels.attention.numba_attention import exp_shifted
+    from tidal.kernels.attention.numba_decode import exp_shifted
 
     @njit
     def exp_rows(row, top):
