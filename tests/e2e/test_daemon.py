@@ -577,14 +577,16 @@ def test_preemptions_bring_the_simulators_prediction_into_the_log(tiny_llama, tm
                                                                   prompts, reference, eos_id):
     """With a step cost model (--step-cost-model) and a KV cache that preempts, the core has
     the simulator replay the traffic once the preempted requests are done: its log gets the
-    table and the best change, and the tokens are the reference's all the same."""
+    table and the best change, and the tokens are the reference's all the same. The spell
+    ends after 1 s without a preemption (--preemption-advice-quiet-s; the default 5 s was
+    waited out here for nothing: the prompts all arrive at once and run in about a second)."""
     from tidal.engine_core.advice.step_cost import StepCostModel
 
     cost = tmp_path / "cost.json"
     StepCostModel(0.002, per_prefill_token_s=1e-5, per_decode_req_s=1e-4).save(str(cost))
     d = Daemon(tiny_llama, str(tmp_path / "core.log"), "--max-num-batched-tokens", "32",
                "--max-model-len", "128", "--num-gpu-blocks-override", "12",
-               "--step-cost-model", str(cost))
+               "--step-cost-model", str(cost), "--preemption-advice-quiet-s", "1")
     client = Client(zctx, d.address, "advice")
     try:
         client.hello()
