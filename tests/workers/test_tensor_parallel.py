@@ -70,10 +70,10 @@ def _run(path: str, **config) -> tuple[torch.Tensor, list[int], list[int], list]
 
 # arch -> (tiny-model overrides, prompt length, float64 tolerance against transformers).
 # Dense prompts stay inside the tiny Phi-3's original 40 positions (past them transformers'
-# one-call forward switches to LongRoPE's long factors: tests/workers/test_dense_families.py);
-# Gemma 2's 1e-6: transformers' float32 softmax in its eager attention; the q/k norms'
-# statistics (OLMo 2, OLMoE, Qwen3-MoE) are float32 sums, added across ranks in another order
-# (2e-7 measured for OLMoE).
+# one-call forward switches to LongRoPE's long factors: tests/workers/test_dense_families.py).
+# Measured (both ranks alike): Granite 3.5e-16, Phi-3 2.2e-16; OLMo 2 3.2e-7 (its q/k norms'
+# float32 statistics, added across ranks in another order); Gemma 2 9.5e-8 (transformers'
+# float32 softmax in its eager attention); the MoE families 0.8-1.8e-7 (OLMoE the most).
 FAMILIES = {
     "granite": ({}, 30, 1e-9),
     "olmo2": ({}, 30, 1e-6),
