@@ -260,10 +260,10 @@ class SchedulerConfig:
     preemption_advice_quiet_s: float = 5.0
     """Seconds without a preemption (and no preempted request unfinished) that end a spell of
     preemptions, after which the simulator's prediction is made
-    (engine_core/advice/preemption_advice.py). Measured on the demo model: ending a spell at the first moment no
-    preempted request was left cut a steady spell after its first seconds, and the simulator,
-    given 33 requests of a run of 100, predicted none of its preemptions. Tests that want the
-    advice of one short burst set it lower."""
+    (engine_core/advice/preemption_advice.py). Measured on the demo model: ending a spell at
+    the first moment no preempted request was left cut a steady spell after its first
+    seconds, and the simulator, given 33 requests of a run of 100, predicted none of its
+    preemptions. Tests that want the advice of one short burst set it lower."""
     speculative_config: str | None = None
     """Speculative decoding, vLLM's JSON: {"method": "ngram" | "suffix",
     "num_speculative_tokens": K, "prompt_lookup_min": N, "prompt_lookup_max": N}, plus
