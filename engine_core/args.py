@@ -132,6 +132,7 @@ FLAGS: dict[str, list[_Flag]] = {
         _Flag(SchedulerConfig, "long_prefill_token_threshold"),
         _Flag(SchedulerConfig, "max_queue_delay", metavar="SECONDS"),
         _Flag(SchedulerConfig, "step_cost_model", metavar="PATH"),
+        _Flag(SchedulerConfig, "preemption_advice_quiet_s", metavar="SECONDS"),
         _Flag(SchedulerConfig, "speculative_config", metavar="JSON"),
     ],
     "parallel": [

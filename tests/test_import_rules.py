@@ -27,6 +27,7 @@ Python does. A module named in a string is held to the table too: a launch (`[sy
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -155,10 +156,17 @@ def _named_in_strings(tree: ast.AST) -> list[tuple[int, str]]:
     return found
 
 
+@functools.lru_cache(maxsize=None)
+def _parsed(path: Path) -> ast.Module:
+    """The file's syntax tree, parsed once per test run (the rules below read every module of
+    the package several times)."""
+    return ast.parse(path.read_text(), str(path))
+
+
 def _imports(path: Path) -> list[tuple[int, str, bool]]:
     """(line, imported module, at module level) for every import in the file, and for every
     module it names in a string (never at module level: nothing is imported then)."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = _parsed(path)
     top_level = {id(node) for node in tree.body}
     found = []
     for node in ast.walk(tree):
@@ -247,10 +255,15 @@ def test_no_module_of_the_package_imports_tidal_by_its_installed_name():
 
 
 def _is_absolute_import(path: Path, line: int) -> bool:
-    tree = ast.parse(path.read_text(), str(path))
-    return any(getattr(node, "lineno", None) == line and (
-        isinstance(node, ast.Import) or (isinstance(node, ast.ImportFrom) and node.level == 0))
-        for node in ast.walk(tree))
+    return line in _absolute_import_lines(path)
+
+
+@functools.lru_cache(maxsize=None)
+def _absolute_import_lines(path: Path) -> frozenset[int]:
+    """The lines of the file's absolute imports (`import x`, `from x import y`), found in one
+    walk of its tree (walking it again for each import cost seconds)."""
+    return frozenset(node.lineno for node in ast.walk(_parsed(path)) if isinstance(
+        node, ast.Import) or (isinstance(node, ast.ImportFrom) and node.level == 0))
 
 
 def test_kernels_take_only_the_cache_folder_of_ipc(tmp_path, monkeypatch):

@@ -3,8 +3,9 @@
 With a step cost model for this model and machine (`tidal tune profile`, or
 `--step-cost-model`), the advisor observes the engine core (`observers.py`) and keeps the
 requests it saw lately (`RecentRequests`: references to the `Request` objects, nothing copied
-while they run). A spell starts at the first preemption seen; it ends once QUIET_S have passed
-without one and no request it preempted is still unfinished, or MAX_SPELL_S after it began.
+while they run). A spell starts at the first preemption seen; it ends once QUIET_S (the
+config's `preemption_advice_quiet_s`) have passed without one and no request it preempted is
+still unfinished, or MAX_SPELL_S after it began.
 Its window is every request that arrived by then and was unfinished at any time since
 LOOKBACK_S before the spell began; once they have all finished (or FINISH_WAIT_S later), the
 advisor writes them as a `PreemptionWindow` (ipc/advice.py: lengths, the prefix cache's block
@@ -34,7 +35,7 @@ from collections import deque
 
 import msgspec
 
-from ..config import EngineConfig, encode_engine_config
+from ..config import EngineConfig, SchedulerConfig, encode_engine_config
 from ..preemption_log import PreemptionLog
 from ..request import Request
 from ...ipc.advice import PreemptionPrediction, PreemptionWindow, WindowRequest
@@ -45,10 +46,8 @@ MAX_SPELL_S = 60.0
 """A spell still going on after this long is simulated anyway."""
 FINISH_WAIT_S = 60.0
 """Longest wait for the window's requests to finish once the spell is over."""
-QUIET_S = 5.0
-"""Seconds without a preemption that end a spell (measured on the demo model: ending it at
-the first moment no preempted request was left cut a steady spell after its first seconds,
-and the simulator, given 33 requests of a run of 100, predicted none of its preemptions)."""
+QUIET_S = SchedulerConfig.preemption_advice_quiet_s
+"""The default seconds without a preemption that end a spell (the config field says why)."""
 ADVICE_INTERVAL_S = 300.0
 """Least seconds between the starts of two simulations."""
 CHILD_TIMEOUT_S = 300.0
@@ -190,7 +189,8 @@ class PreemptionAdvisor:
     def _spell_over(self, now: float) -> bool:
         if now - self._spell_start >= MAX_SPELL_S:
             return True
-        return (now - self._last_preemption >= QUIET_S
+        quiet_s = self.config.scheduler.preemption_advice_quiet_s
+        return (now - self._last_preemption >= quiet_s
                 and not self.recent.any_preempted_unfinished())
 
     def _simulate(self, now: float) -> None:

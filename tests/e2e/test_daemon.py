@@ -569,28 +569,40 @@ def test_hostile_requests_are_refused_to_their_sender_alone(daemon, zctx, prompt
 
 
 # ---------------------------------------------------------------------------------------------
-# daemons of their own: sync scheduling + SIGTERM, CURVE + a killed worker
+# daemons of their own: sync scheduling + the simulator's advice + SIGTERM, CURVE + a killed
+# worker
 
 
 @pytest.mark.timeout(150)
-def test_preemptions_bring_the_simulators_prediction_into_the_log(tiny_llama, tmp_path, zctx,
-                                                                  prompts, reference, eos_id):
-    """With a step cost model (--step-cost-model) and a KV cache that preempts, the core has
-    the simulator replay the traffic once the preempted requests are done: its log gets the
-    table and the best change, and the tokens are the reference's all the same."""
+def test_sync_scheduling_same_tokens_the_simulators_advice_then_sigterm(tiny_llama, tmp_path,
+                                                                        zctx, prompts,
+                                                                        reference, eos_id):
+    """Synchronous scheduling, every prompt chunked (32-token budget) and a KV cache so small
+    that requests are preempted: the same tokens. With a step cost model (--step-cost-model)
+    the core has the simulator replay the traffic once the preempted requests are done: its
+    log gets the table and the best change. Then SIGTERM mid-generation.
+
+    The spell of preemptions ends after 1 s without one (--preemption-advice-quiet-s; the
+    default 5 s was waited out here for nothing: the prompts all arrive at once and run in
+    about a second). One daemon for both stories (they were two tests with the same flags
+    but the cost model: one start less)."""
     from tidal.engine_core.advice.step_cost import StepCostModel
 
     cost = tmp_path / "cost.json"
     StepCostModel(0.002, per_prefill_token_s=1e-5, per_decode_req_s=1e-4).save(str(cost))
-    d = Daemon(tiny_llama, str(tmp_path / "core.log"), "--max-num-batched-tokens", "32",
-               "--max-model-len", "128", "--num-gpu-blocks-override", "12",
-               "--step-cost-model", str(cost))
-    client = Client(zctx, d.address, "advice")
+    d = Daemon(tiny_llama, str(tmp_path / "core.log"), "--no-async-scheduling",
+               "--max-num-batched-tokens", "32", "--max-model-len", "128",
+               "--num-gpu-blocks-override", "12", "--step-cost-model", str(cost),
+               "--preemption-advice-quiet-s", "1")
     try:
+        client = Client(zctx, d.address, "sync")
         client.hello()
-        assert _run_prompts(client, "a", prompts, eos_id) == reference, d.log_text()
+        workers = d.workers()
+        assert len(workers) == 1
+        assert _run_prompts(client, "s", prompts, eos_id) == reference, d.log_text()
         preemptions = client.stats().num_preemptions
         assert preemptions > 0
+
         deadline = time.monotonic() + 60
         while "Preemption advice" not in d.log_text():
             assert time.monotonic() < deadline and d.proc.poll() is None, d.log_text()
@@ -602,27 +614,7 @@ def test_preemptions_bring_the_simulators_prediction_into_the_log(tiny_llama, tm
         assert f"replaying the last {len(prompts)} requests" in advice
         assert f"{preemptions} seen" in advice
         assert "\n  as configured " in advice and "\n  --num-gpu-blocks-override 18 " in advice
-    finally:
-        client.close()
-        d.stop()
-    assert d.proc.returncode == 0, d.log_text()
 
-
-@pytest.mark.timeout(150)
-def test_sync_scheduling_same_tokens_then_sigterm(tiny_llama, tmp_path, zctx, prompts,
-                                                   reference, eos_id):
-    """Synchronous scheduling, every prompt chunked (32-token budget) and a KV cache so small
-    that requests are preempted: the same tokens. Then SIGTERM mid-generation."""
-    d = Daemon(tiny_llama, str(tmp_path / "core.log"), "--no-async-scheduling",
-               "--max-num-batched-tokens", "32", "--max-model-len", "128",
-               "--num-gpu-blocks-override", "12")
-    try:
-        client = Client(zctx, d.address, "sync")
-        client.hello()
-        workers = d.workers()
-        assert len(workers) == 1
-        assert _run_prompts(client, "s", prompts, eos_id) == reference, d.log_text()
-        assert client.stats().num_preemptions > 0
         client.add("long", prompts[0], max_tokens=100, ignore_eos=True)
         client.recv_until(lambda m: len(client.tokens["long"]) > 0, 20)
         d.proc.send_signal(signal.SIGTERM)

@@ -172,38 +172,6 @@ def completes(base_url: str) -> bool:
 
 
 @pytest.mark.timeout(240)
-def test_stalled_http_process_gets_errors_then_serves(long_llama):
-    """SIGSTOP the only HTTP process past a 2 s --frontend-timeout: the core drops it. After
-    SIGCONT its stream ends with an error event and [DONE], its non-streaming client gets a
-    5xx with an OpenAI error body, both naming the timeout; then it serves new requests."""
-    server = LiveServer([long_llama, *FLAGS, "--frontend-timeout", "2"]).start()
-    try:
-        (pid,) = http_processes(server.proc.pid)
-        plain = post_in_background(server.base_url, LONG)
-        stream = Stream(server.base_url)
-        assert stream.first.wait(60) and not stream.broken
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            wait_until(lambda: "silent for" in server.output(), 20, "the core to drop it")
-        finally:
-            os.kill(pid, signal.SIGCONT)
-        # The error names the timeout (the core's ERROR output for each request it knew), or
-        # "does not know frontend": a request whose AddRequest left the process after the core
-        # dropped it (the non-streaming one, when its tokenizing thread finished late) is
-        # refused with that answer (tests/e2e/test_daemon.py). Seen once in CI.
-        dropped = ("--frontend-timeout 2", "does not know frontend")
-        assert any(text in stream.finish().error() for text in dropped)
-        plain["thread"].join(60)
-        r = plain["response"]
-        assert r.status_code in (500, 503), r.text
-        assert any(text in r.json()["error"]["message"] for text in dropped)
-        wait_until(lambda: completes(server.base_url), 30, "the process to serve again")
-        assert httpx.get(server.base_url + "/health").status_code == 200
-    finally:
-        server.stop()
-
-
-@pytest.mark.timeout(240)
 def test_killing_one_http_process_leaves_the_others_streams_alone(long_llama):
     server = LiveServer([long_llama, *FLAGS, "--api-server-count", "2"]).start()
     try:
@@ -308,34 +276,72 @@ def assert_streams_go_on_through(server: LiveServer, fault: int, expected: list)
     assert completes(server.base_url)
 
 
+@pytest.fixture(scope="module")
+def serve_ft2(long_llama):
+    """One `tidal serve MODEL` (one HTTP process, --frontend-timeout 2, --max-engine-restarts
+    2) for the two tests below, in this order: the stalled HTTP process's, which leaves it
+    serving, then the core faults', whose third fault ends it. One server start less than a
+    server each (a start is ~4-5 s of the stalled test's ~8 s, quiet)."""
+    server = LiveServer([long_llama, *FLAGS, "--max-engine-restarts", "2",
+                         "--frontend-timeout", "2"]).start()
+    yield server
+    server.stop()
+
+
+@pytest.mark.timeout(240)
+def test_stalled_http_process_gets_errors_then_serves(serve_ft2):
+    """SIGSTOP the only HTTP process past a 2 s --frontend-timeout: the core drops it. After
+    SIGCONT its stream ends with an error event and [DONE], its non-streaming client gets a
+    5xx with an OpenAI error body, both naming the timeout; then it serves new requests."""
+    server = serve_ft2
+    (pid,) = http_processes(server.proc.pid)
+    plain = post_in_background(server.base_url, LONG)
+    stream = Stream(server.base_url)
+    assert stream.first.wait(60) and not stream.broken
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_until(lambda: "silent for" in server.output(), 20, "the core to drop it")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    # The error names the timeout (the core's ERROR output for each request it knew), or
+    # "does not know frontend": a request whose AddRequest left the process after the core
+    # dropped it (the non-streaming one, when its tokenizing thread finished late) is
+    # refused with that answer (tests/e2e/test_daemon.py). Seen once in CI.
+    dropped = ("--frontend-timeout 2", "does not know frontend")
+    assert any(text in stream.finish().error() for text in dropped)
+    plain["thread"].join(60)
+    r = plain["response"]
+    assert r.status_code in (500, 503), r.text
+    assert any(text in r.json()["error"]["message"] for text in dropped)
+    wait_until(lambda: completes(server.base_url), 30, "the process to serve again")
+    assert httpx.get(server.base_url + "/health").status_code == 200
+
+
 @pytest.mark.timeout(300)
-def test_core_stopped_or_killed_under_serve_is_restarted_and_streams_go_on(long_llama):
+def test_core_stopped_or_killed_under_serve_is_restarted_and_streams_go_on(serve_ft2):
     """SIGSTOP the daemon `tidal serve MODEL` started while two streams run: it echoes no
     heartbeat for its --frontend-timeout (2 s), so the supervisor kills it and starts it
     again at the same address, the HTTP process resubmits both requests (prompt + the
     tokens streamed), and each stream ends with the text of a fault-free run. The same after
     a SIGKILL of the new core. With --max-engine-restarts 2 used up, a third fault is
     final: the stream in flight ends with an error event and `tidal serve` exits 1."""
-    server = LiveServer([long_llama, *FLAGS, "--max-engine-restarts", "2",
-                         "--frontend-timeout", "2"]).start()
-    try:
-        # both at once (greedy and seeded outputs do not depend on the batch)
-        expected = [s.finish(120) for s in [Stream(server.base_url, body) for body in HEALED]]
-        assert all(s.ended_well() for s in expected)
-        assert_streams_go_on_through(server, signal.SIGSTOP, expected)
-        out = server.output()
-        assert "echoed no heartbeat" in out and "stopped or hung; killing it" in out
-        assert "starting it again at the same address (restart 1 of at most 2 in 10 min)" in out
-        assert "resubmitted 2 engine requests" in out
-        assert_streams_go_on_through(server, signal.SIGKILL, expected)
-        assert "(restart 2 of at most 2 in 10 min)" in server.output()
+    server = serve_ft2
+    earlier = len(server.output())  # the log of the stalled-HTTP-process test before this
+    # both at once (greedy and seeded outputs do not depend on the batch)
+    expected = [s.finish(120) for s in [Stream(server.base_url, body) for body in HEALED]]
+    assert all(s.ended_well() for s in expected)
+    assert_streams_go_on_through(server, signal.SIGSTOP, expected)
+    out = server.output()[earlier:]
+    assert "echoed no heartbeat" in out and "stopped or hung; killing it" in out
+    assert "starting it again at the same address (restart 1 of at most 2 in 10 min)" in out
+    assert "resubmitted 2 engine requests" in out
+    assert_streams_go_on_through(server, signal.SIGKILL, expected)
+    assert "(restart 2 of at most 2 in 10 min)" in server.output()[earlier:]
 
-        stream = Stream(server.base_url, HEALED[0])
-        assert stream.first.wait(60) and not stream.broken
-        os.kill(core_process(server.proc.pid), signal.SIGKILL)
-        assert stream.finish(60).error()
-        assert server.proc.wait(60) == 1
-        assert ("restarted 2 times already within 10 min (--max-engine-restarts 2)"
-                in server.output())
-    finally:
-        server.stop()
+    stream = Stream(server.base_url, HEALED[0])
+    assert stream.first.wait(60) and not stream.broken
+    os.kill(core_process(server.proc.pid), signal.SIGKILL)
+    assert stream.finish(60).error()
+    assert server.proc.wait(60) == 1
+    assert ("restarted 2 times already within 10 min (--max-engine-restarts 2)"
+            in server.output()[earlier:])

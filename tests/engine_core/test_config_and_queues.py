@@ -44,6 +44,7 @@ def test_defaults_are_vllms():
     (lambda: SchedulerConfig(scheduling_policy="lifo"), "scheduling_policy"),
     (lambda: SchedulerConfig(stream_interval=0), "stream_interval"),
     (lambda: SchedulerConfig(max_queue_delay=0.0), "max_queue_delay"),
+    (lambda: SchedulerConfig(preemption_advice_quiet_s=0.0), "preemption_advice_quiet_s"),
     (lambda: ModelConfig("m", dtype="int8"), "dtype"),
     (lambda: ModelConfig(""), "model"),
     (lambda: ParallelConfig(tensor_parallel_size=0), "tensor_parallel_size"),
