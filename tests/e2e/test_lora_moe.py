@@ -52,8 +52,8 @@ def peft_greedy(base: str, adapter: str | None, prompts: list[list[int]]) -> lis
     from peft import PeftModel
 
     model = _load(base)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, adapter)
+    if adapter is not None:  # merged: W + scaling * B A per expert, as PEFT's forward adds
+        model = PeftModel.from_pretrained(model, adapter).merge_and_unload()  # (faster)
     out = []
     with torch.no_grad():
         for prompt in prompts:
