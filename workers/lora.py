@@ -261,33 +261,40 @@ class LoRAExperts:
     parameter W [E, out, in] one lora_A [r * E, in] (expert e's rows e*r ..) and one lora_B
     [out, r * E] (expert e's columns e, E + e, 2E + e, ..: PEFT reshapes B to [out, r, E]),
     delta W[e] = scaling · B_e A_e, scaling lora_alpha / r (rslora: / sqrt(r)). Layout here,
-    R = max_lora_rank, expert e and slot s, B scaled and zero-padded past the adapter's rank:
+    expert-major so that an expert's slots are one matrix, R = max_lora_rank, S = max_loras,
+    B scaled and zero-padded past the adapter's rank:
 
-        A13 [max_loras, E, R, hidden]   gate_up_proj's A_e, whole (column-parallel)
-        B13 [max_loras, E, 2 I/P, R]    its B_e's rows of this rank: gate rows r*I/P.. |
-                                        up rows I + r*I/P.. (w13's local layout)
-        A2  [max_loras, E, R, I/P]      down_proj's A_e, this rank's columns (row-parallel)
-        B2  [max_loras, E, hidden, R]   its B_e, whole: the partial products join the
-                                        experts' partial sums before the all-reduce
+        A13 [E, S, R, hidden]   gate_up_proj's A_e per slot, whole (column-parallel)
+        B13 [E, 2 I/P, S, R]    its B_e's rows of this rank: gate rows r*I/P.. | up rows
+                                I + r*I/P.. (w13's local layout)
+        A2  [E, S, R, I/P]      down_proj's A_e, this rank's columns (row-parallel)
+        B2  [E, hidden, S, R]   its B_e, whole: the partial products join the experts'
+                                partial sums before the all-reduce
 
-    `FusedMoE` adds (x A^T) B^T to an expert's gate/up product and to its down product, per
-    run of the expert's rows that share a slot (`add13`, `add2`)."""
+    `FusedMoE` adds the adapters' products to an expert's gate/up product (before silu) and to
+    its down product (`add13`, `add2`), its rows sorted by slot: (x[run] A_s^T) B_s^T per run
+    of one adapter's rows, except where several adapters share an expert's at most
+    DENSE_MAX_TOKENS adapter rows (decode): every slot at once, ((x A_e^T) * M) B_e^T with M
+    each row's slot as a 0/1 mask, as the masked projections do: two matmuls whatever the
+    number of adapters, where the per-run products paid 2 small matmuls per adapter
+    (measured: docs/lora.md)."""
 
     def __init__(self, experts: nn.Module, step: LoRAStep, max_loras: int, rank: int,
                  dtype: torch.dtype, device: torch.device):
         self.experts, self.step, self.rank, self.max_loras = experts, step, rank, max_loras
         e, h, i = experts.num_experts, experts.hidden_size, experts.local_size
         zeros = dict(dtype=dtype, device=device)
-        self.A13 = torch.zeros(max_loras, e, rank, h, **zeros)
-        self.B13 = torch.zeros(max_loras, e, 2 * i, rank, **zeros)
-        self.A2 = torch.zeros(max_loras, e, rank, i, **zeros)
-        self.B2 = torch.zeros(max_loras, e, h, rank, **zeros)
+        self.A13 = torch.zeros(e, max_loras, rank, h, **zeros)
+        self.B13 = torch.zeros(e, 2 * i, max_loras, rank, **zeros)
+        self.A2 = torch.zeros(e, max_loras, rank, i, **zeros)
+        self.B2 = torch.zeros(e, h, max_loras, rank, **zeros)
         self.loaded: set[int] = set()
         """Slots whose adapter has expert weights in this layer."""
 
     def clear(self, slot: int) -> None:
-        for t in (self.A13, self.B13, self.A2, self.B2):
-            t[slot].zero_()
+        for a, b in ((self.A13, self.B13), (self.A2, self.B2)):
+            a[:, slot].zero_()
+            b[:, :, slot].zero_()
         self.loaded.discard(slot)
 
     def put(self, slot: int, a: torch.Tensor, b: torch.Tensor, scaling) -> None:
@@ -308,11 +315,11 @@ class LoRAExperts:
         start = ex.tp.rank * i
         if (a.shape[1], b.shape[0]) == (h, 2 * big):  # gate_up_proj
             rows = torch.cat((b_e[:, start:start + i], b_e[:, big + start:big + start + i]), 1)
-            self.A13[slot, :, :r].copy_(a_e)
-            self.B13[slot, :, :, :r].copy_(rows)
+            self.A13[:, slot, :r].copy_(a_e)
+            self.B13[:, :, slot, :r].copy_(rows)
         elif (a.shape[1], b.shape[0]) == (big, h):  # down_proj
-            self.A2[slot, :, :r].copy_(a_e[:, :, start:start + i])
-            self.B2[slot, :, :, :r].copy_(b_e)
+            self.A2[:, slot, :r].copy_(a_e[:, :, start:start + i])
+            self.B2[:, :, slot, :r].copy_(b_e)
         else:
             raise ValueError(f"LoRA on the experts: A {list(a.shape)} and B {list(b.shape)} "
                              f"fit neither gate_up_proj [{num}, {2 * big}, {h}] nor down_proj "
@@ -323,23 +330,41 @@ class LoRAExperts:
         """Some token of this step has an adapter with expert weights in this layer."""
         return self.step.active and not self.loaded.isdisjoint(self.step.present)
 
-    def add13(self, expert: int, x: torch.Tensor, y: torch.Tensor, runs: list[int]) -> None:
-        """y [rows, 2 I/P] += each run's adapter product of x [rows, hidden]; runs[s + 1]
-        rows of slot s follow runs[0] base rows (the order `FusedMoE` sorts them in)."""
-        self._add(self.A13, self.B13, expert, x, y, runs)
+    def row_mask(self, row_slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[rows, S * R] the 0/1 mask of each row's slot (-1: none) over the slots' ranks."""
+        cols = torch.arange(self.max_loras * self.rank, device=row_slots.device) // self.rank
+        return (cols[None, :] == row_slots[:, None]).to(dtype)
 
-    def add2(self, expert: int, x: torch.Tensor, y: torch.Tensor, runs: list[int]) -> None:
-        """y [rows, hidden] += each run's adapter product of x [rows, I/P] (a partial sum)."""
-        self._add(self.A2, self.B2, expert, x, y, runs)
+    def add13(self, expert: int, x: torch.Tensor, y: torch.Tensor, runs: list[int],
+              mask: torch.Tensor | None) -> None:
+        """y [rows, 2 I/P] += the adapters' products of x [rows, hidden]: runs[0] base rows,
+        then runs[s + 1] rows of slot s; mask: the rows' `row_mask` (None: one run)."""
+        self._add(self.A13, self.B13, expert, x, y, runs, mask)
+
+    def add2(self, expert: int, x: torch.Tensor, y: torch.Tensor, runs: list[int],
+             mask: torch.Tensor | None) -> None:
+        """y [rows, hidden] += the adapters' products of x [rows, I/P] (a partial sum)."""
+        self._add(self.A2, self.B2, expert, x, y, runs, mask)
 
     def _add(self, A: torch.Tensor, B: torch.Tensor, expert: int, x: torch.Tensor,
-             y: torch.Tensor, runs: list[int]) -> None:
-        start = runs[0]
+             y: torch.Tensor, runs: list[int], mask: torch.Tensor | None) -> None:
+        used, start = [], runs[0]
         for slot, n in enumerate(runs[1:]):
             if n and slot in self.loaded:
-                rows = slice(start, start + n)
-                y[rows] += (x[rows] @ A[slot, expert].t()) @ B[slot, expert].t()
+                used.append((slot, start, n))
             start += n
+        if not used:
+            return
+        adapter_rows = used[-1][1] + used[-1][2] - used[0][1]
+        if len(used) == 1 or mask is None or adapter_rows > DENSE_MAX_TOKENS:
+            for slot, start, n in used:  # one adapter, or rows enough to fill each product
+                rows = slice(start, start + n)
+                y[rows] += (x[rows] @ A[expert, slot].t()) @ B[expert, :, slot].t()
+            return
+        rows = slice(used[0][1], used[-1][1] + used[-1][2])  # every adapter row, base excluded
+        xa = x[rows] @ A[expert].view(-1, A.shape[-1]).t()  # [rows, S * R]
+        xa *= mask[rows]
+        y[rows] += xa @ B[expert].view(B.shape[1], -1).t()
 
 
 class LoRAModel:

@@ -226,7 +226,7 @@ class FusedMoE(nn.Module):
                 xt = x[t:t + 1]
                 acc = torch.zeros_like(xt, dtype=torch.float32)
                 for j in sorted(range(top_k), key=token_ids.__getitem__):
-                    out = self._expert_lora(token_ids[j], xt, runs)
+                    out = self._expert_lora(token_ids[j], xt, runs, None)
                     acc += (out * weights[t:t + 1, j:j + 1]).to(x.dtype)
                 rows.append(acc.to(x.dtype))
             return rows[0] if len(rows) == 1 else torch.cat(rows)
@@ -234,6 +234,7 @@ class FusedMoE(nn.Module):
         order = torch.argsort(key, stable=True)
         token_of = order // top_k
         counts = torch.bincount(key, minlength=self.num_experts * width).tolist()
+        mask = lora.row_mask(key[order] % width - 1, x.dtype)  # each sorted row's slot
         rows = x[token_of]
         out = torch.empty_like(rows)
         start = 0
@@ -241,26 +242,29 @@ class FusedMoE(nn.Module):
             runs = counts[expert * width:(expert + 1) * width]
             n = sum(runs)
             if n:
-                out[start:start + n] = self._expert_lora(expert, rows[start:start + n], runs)
+                out[start:start + n] = self._expert_lora(expert, rows[start:start + n], runs,
+                                                         mask[start:start + n])
                 start += n
         weighted = out * weights.reshape(-1)[order].unsqueeze(-1)
         result = torch.zeros_like(x)
         return result.index_add_(0, token_of, weighted.to(x.dtype))
 
-    def _expert_lora(self, e: int, x: torch.Tensor, runs: list[int]) -> torch.Tensor:
-        """`_expert` plus each run's adapter products on gate/up (before silu) and down;
-        x's rows: runs[0] base rows, then runs[s + 1] rows of slot s."""
+    def _expert_lora(self, e: int, x: torch.Tensor, runs: list[int],
+                     mask: torch.Tensor | None) -> torch.Tensor:
+        """`_expert` plus the adapters' products on gate/up (before silu) and down; x's rows:
+        runs[0] base rows, then runs[s + 1] rows of slot s; mask: their slots
+        (`LoRAExperts.row_mask`; None: a single run)."""
         lora = self.lora
         if self.gemms is not None:
             gate, up, down = self.gemms[e]
             h = torch.cat((gate(x), up(x)), dim=-1)
         else:
             h = F.linear(x, self.w13[e])
-        lora.add13(e, x, h, runs)
+        lora.add13(e, x, h, runs, mask)
         gate_out, up_out = h.chunk(2, dim=-1)
         act = F.silu(gate_out) * up_out
         y = down(act) if self.gemms is not None else F.linear(act, self.w2[e])
-        lora.add2(e, act, y, runs)
+        lora.add2(e, act, y, runs, mask)
         return y
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:

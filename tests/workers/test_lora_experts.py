@@ -2,8 +2,8 @@
 `FusedMoE._forward_lora`), against PEFT's own definition of the delta (peft/tuners/lora/
 layer.py `ParamWrapper.get_delta_weight`: lora_A [r * E, in] as [E, r, in], lora_B
 [out, r * E] as [out, r, E], W[e] + scaling * B_e A_e): a batch mixing two adapters (one on
-both stacks, one on down_proj alone) and the base model, on the grouped path and on the
-few-token path, whole and cut over two tensor-parallel ranks (their partial sums added). The
+both stacks, one on down_proj alone) and the base model, on the grouped path (masked and per
+adapter) and on the few-token path, whole and cut over two tensor-parallel ranks (their partial sums added). The
 process tree and transformers + PEFT's tokens: tests/e2e/test_lora_moe.py."""
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ def _factors(gen, r: int, out: int, inp: int) -> tuple[torch.Tensor, torch.Tenso
             torch.randn(out, r * E, generator=gen) * 0.3)
 
 
-@pytest.mark.parametrize("num_tokens", [10, 3])  # the grouped path, the few-token path
+# grouped with both adapters' rows of an expert masked together (10 tokens) or in a product
+# per adapter (300: above DENSE_MAX_TOKENS adapter rows an expert); the few-token path (3)
+@pytest.mark.parametrize("num_tokens", [10, 300, 3])
 def test_experts_lora_equals_peft_merged_weights_mixed_slots_tp1_and_tp2(num_tokens):
     gen = torch.Generator().manual_seed(0)
     w13, w2 = torch.randn(E, 2 * I, H, generator=gen), torch.randn(E, H, I, generator=gen)
