@@ -5,11 +5,12 @@
 
 Makes four random PEFT adapters (rank --rank, every attention and MLP projection; with
 --experts, for an MoE model, also its experts' stacked gate_up_proj and down_proj, PEFT's
-`target_parameters`) for the model in a temporary folder, starts one engine with --enable-lora --max-loras 4, and runs the
-same offline batch (--requests prompts of 64 tokens, 64 greedy tokens each) in turn: every
-request on the base model, then the requests spread over the four adapters; rounds alternate
-which goes first. Prints each run's seconds per engine step (wall time / steps the scheduler
-counted) and the median ratio adapters / base (docs/performance.md keeps the figures).
+`target_parameters`) for the model in a temporary folder, starts one engine with
+--enable-lora --max-loras 4, and runs the same offline batch (--requests prompts of 64
+tokens, 64 greedy tokens each) in turn: every request on the base model, then the requests
+spread over the four adapters; rounds alternate which goes first. Prints each run's seconds
+per engine step (wall time / steps the scheduler counted) and the median ratio adapters /
+base (docs/performance.md keeps the figures).
 The default model is SmolLM2-135M-Instruct's folder converted from the tests' GGUF file.
 """
 

@@ -3,8 +3,9 @@
 layer.py `ParamWrapper.get_delta_weight`: lora_A [r * E, in] as [E, r, in], lora_B
 [out, r * E] as [out, r, E], W[e] + scaling * B_e A_e): a batch mixing two adapters (one on
 both stacks, one on down_proj alone) and the base model, on the grouped path (masked and per
-adapter) and on the few-token path, whole and cut over two tensor-parallel ranks (their partial sums added). The
-process tree and transformers + PEFT's tokens: tests/e2e/test_lora_moe.py."""
+adapter) and on the few-token path, whole and cut over two tensor-parallel ranks (their
+partial sums added). The process tree and transformers + PEFT's tokens:
+tests/e2e/test_lora_moe.py."""
 
 from __future__ import annotations
 
