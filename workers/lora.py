@@ -34,6 +34,11 @@ else an index tensor. Two ways to the product, never a loop over tokens:
 per projection (`active` is False), and keeps the CUDA graphs and the CPU's one-call decoder
 layers; a step with one takes the per-module path, eagerly.
 
+MoE layers: Qwen2-MoE's shared expert is an MLP of these projections (`shared_expert.*`);
+the routed experts' stacked weights have their own slots (`LoRAExperts`: PEFT's
+`target_parameters` layout, TP-cut as the experts are), which `workers/moe.py` adds per run
+of an expert's rows that share an adapter.
+
 Adapters come from PEFT folders the worker reads itself (`ipc/lora.py` checks the config),
 kept in host memory in an LRU of max_cpu_loras (full tensors, this rank's shards cut when
 one goes into a slot).

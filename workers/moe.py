@@ -31,6 +31,12 @@ counts per expert); no Python loop over tokens. That sync cannot be captured in 
 a capture raises, `workers/cuda_graphs.py` logs it and the runner stays eager (untested: no
 GPU was at hand when this was written).
 
+LoRA (`lora`, workers/lora.py `LoRAExperts`): in a step where some token's adapter has
+weights on these experts, `_forward_lora` sorts the pairs by expert and then by the token's
+adapter slot (one bincount of the combined key: still one host sync), so each (expert,
+adapter) pair is a contiguous run, and adds the adapters' products to each expert's gate/up
+output (before silu) and to its down output. Other steps take the paths above unchanged.
+
 Checkpoints name the experts one by one (`experts.3.w1.weight`, `experts.3.gate_proj.weight`)
 or stacked (transformers 5's `experts.gate_up_proj` [E, 2I, hidden] / `experts.down_proj`
 [E, hidden, I], Granite-MoE's `input_linear.weight` / `output_linear.weight`, the same
