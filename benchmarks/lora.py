@@ -1,13 +1,16 @@
 """A batch mixing four LoRA adapters against the base model alone, on one engine.
 
     python benchmarks/lora.py [MODEL_FOLDER] [--requests 16] [--rank 16] [--rounds 3]
+                              [--experts]
 
-Makes four random PEFT adapters (rank --rank, every attention and MLP projection) for the
-model in a temporary folder, starts one engine with --enable-lora --max-loras 4, and runs the
-same offline batch (--requests prompts of 64 tokens, 64 greedy tokens each) in turn: every
-request on the base model, then the requests spread over the four adapters; rounds alternate
-which goes first. Prints each run's seconds per engine step (wall time / steps the scheduler
-counted) and the median ratio adapters / base (docs/performance.md keeps the figures).
+Makes four random PEFT adapters (rank --rank, every attention and MLP projection; with
+--experts, for an MoE model, also its experts' stacked gate_up_proj and down_proj, PEFT's
+`target_parameters`) for the model in a temporary folder, starts one engine with
+--enable-lora --max-loras 4, and runs the same offline batch (--requests prompts of 64
+tokens, 64 greedy tokens each) in turn: every request on the base model, then the requests
+spread over the four adapters; rounds alternate which goes first. Prints each run's seconds
+per engine step (wall time / steps the scheduler counted) and the median ratio adapters /
+base (docs/performance.md keeps the figures).
 The default model is SmolLM2-135M-Instruct's folder converted from the tests' GGUF file.
 """
 
@@ -30,7 +33,8 @@ def default_model() -> str:
     return found[0]
 
 
-def make_adapters(model: str, root: str, rank: int, count: int) -> list[str]:
+def make_adapters(model: str, root: str, rank: int, count: int,
+                  experts: bool = False) -> list[str]:
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -42,7 +46,9 @@ def make_adapters(model: str, root: str, rank: int, count: int) -> list[str]:
         peft = get_peft_model(base, LoraConfig(
             r=rank, lora_alpha=2 * rank, lora_dropout=0.0, init_lora_weights=False,
             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                            "down_proj"]))
+                            "down_proj"],
+            target_parameters=["experts.gate_up_proj", "experts.down_proj"] if experts
+            else None))
         path = os.path.join(root, f"adapter{i}")
         peft.save_pretrained(path)
         paths.append(path)
@@ -60,15 +66,20 @@ def main() -> None:
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="the worker's threads (1 on a shared machine: no OpenMP barrier "
                         "waits for a time slice)")
+    parser.add_argument("--experts", action="store_true",
+                        help="adapters on an MoE model's experts too (target_parameters)")
     args = parser.parse_args()
     model = args.model or default_model()
+
+    from transformers import AutoTokenizer
 
     from tidal.frontend import LLM, LoRARequest, SamplingParams
 
     with tempfile.TemporaryDirectory() as root:
-        paths = make_adapters(model, root, args.rank, 4)
+        paths = make_adapters(model, root, args.rank, 4, args.experts)
         loras = [LoRARequest(f"adapter{i}", i + 1, p) for i, p in enumerate(paths)]
-        prompts = [[(7 * r + 13 * t) % 1000 + 10 for t in range(args.prompt_len)]
+        span = min(1000, len(AutoTokenizer.from_pretrained(model)) - 10)  # a tiny vocabulary
+        prompts = [[(7 * r + 13 * t) % span + 10 for t in range(args.prompt_len)]
                    for r in range(args.requests)]
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
         with LLM(model, enable_lora=True, max_loras=4, max_lora_rank=args.rank,

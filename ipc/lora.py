@@ -4,11 +4,13 @@ by every worker (which reads the weights itself; `workers/lora.py`). Standard li
 
 A folder is `adapter_config.json` plus `adapter_model.safetensors`. tidal takes plain LoRA
 (`peft_type` LORA) on the attention and MLP projections of the decoder layers
-(`TARGET_MODULES`), any rank up to --max-lora-rank (per module too: `rank_pattern` is read
-from the tensors' shapes), scaling lora_alpha / r (lora_alpha / sqrt(r) with use_rslora).
-What it does not take is refused by name: DoRA, biases, `modules_to_save`, `alpha_pattern`,
-embeddings or the LM head as targets, MoE experts, routers and shared experts (PEFT's
-`target_parameters`, or tensors under an MoE block: `workers/lora.py`), `.bin` weights.
+(`TARGET_MODULES`, Qwen2-MoE's shared expert's included) and on MoE layers' stacked experts
+(`target_parameters` naming `EXPERT_PARAMETERS`), any rank up to --max-lora-rank (per module
+too: `rank_pattern` is read from the tensors' shapes), scaling lora_alpha / r
+(lora_alpha / sqrt(r) with use_rslora). What it does not take is refused by name: DoRA,
+biases, `modules_to_save`, `alpha_pattern`, embeddings or the LM head as targets, other
+`target_parameters` (a router's weight, ...) and other tensors under an MoE block (the
+router, the shared expert's gate: `workers/lora.py`), `.bin` weights.
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
 """The projections an adapter may target: PEFT's names in Llama-family checkpoints, and the
 fused ones of checkpoints that fuse them (Phi-3's qkv_proj and gate_up_proj)."""
 
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+"""The `target_parameters` an adapter may name: transformers' stacked MoE experts
+(`mlp.experts.gate_up_proj` [E, 2I, hidden], `mlp.experts.down_proj` [E, hidden, I]; every
+MoE family tidal serves stacks them so), as `experts.gate_up_proj`, `mlp.experts.down_proj`,
+or the bare parameter name."""
+
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
@@ -36,6 +44,8 @@ class AdapterConfig:
     lora_alpha: float
     use_rslora: bool
     target_modules: tuple[str, ...]
+    target_parameters: tuple[str, ...] = ()
+    """The MoE experts' stacked parameters the adapter adapts (`EXPERT_PARAMETERS`)."""
 
     def scaling(self, rank: int) -> float:
         """The factor on B·A of a module of this rank (PEFT's `scaling`)."""
@@ -74,10 +84,14 @@ def read_adapter_config(path: str, max_lora_rank: int) -> AdapterConfig:
     ranks = [rank] + [r for r in (raw.get("rank_pattern") or {}).values()]
     if max(ranks) > max_lora_rank:
         raise bad(f"rank {max(ranks)} exceeds --max-lora-rank {max_lora_rank}")
-    if raw.get("target_parameters"):  # PEFT's LoRA on bare parameters: MoE experts' stacks
-        raise bad(f"target_parameters {raw['target_parameters']!r} are not supported (LoRA "
-                  "on parameters such as MoE experts' stacked weights; tidal takes adapters "
-                  "on the attention and dense MLP projections only)")
+    parameters = raw.get("target_parameters") or []
+    if isinstance(parameters, str) or not all(isinstance(p, str) for p in parameters):
+        raise bad(f"target_parameters must be a list of names, got {parameters!r}")
+    unsupported = [p for p in parameters if not _is_expert_stack(p)]
+    if unsupported:
+        raise bad(f"target_parameters {unsupported} are not supported (supported: the MoE "
+                  f"experts' stacked {' and '.join(EXPERT_PARAMETERS)}, e.g. "
+                  f"'experts.gate_up_proj'; not routers or other parameters)")
     targets = raw.get("target_modules") or []
     if isinstance(targets, str):  # a regex in PEFT: the weights' names say which modules
         targets = list(TARGET_MODULES)
@@ -89,4 +103,11 @@ def read_adapter_config(path: str, max_lora_rank: int) -> AdapterConfig:
     if not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
         raise bad(f"lora_alpha must be a number, got {alpha!r}")
     return AdapterConfig(path, rank, float(alpha), bool(raw.get("use_rslora", False)),
-                         tuple(targets))
+                         tuple(targets), tuple(parameters))
+
+
+def _is_expert_stack(name: str) -> bool:
+    """`name` (a PEFT target_parameters entry: a suffix of a parameter's dotted name) names
+    an MoE layer's stacked gate_up_proj or down_proj: `experts.<p>` or its tail `<p>`."""
+    *parents, last = name.split(".")
+    return last in EXPERT_PARAMETERS and (not parents or parents[-1] == "experts")

@@ -34,6 +34,11 @@ else an index tensor. Two ways to the product, never a loop over tokens:
 per projection (`active` is False), and keeps the CUDA graphs and the CPU's one-call decoder
 layers; a step with one takes the per-module path, eagerly.
 
+MoE layers: Qwen2-MoE's shared expert is an MLP of these projections (`shared_expert.*`);
+the routed experts' stacked weights have their own slots (`LoRAExperts`: PEFT's
+`target_parameters` layout, TP-cut as the experts are), which `workers/moe.py` adds per run
+of an expert's rows that share an adapter.
+
 Adapters come from PEFT folders the worker reads itself (`ipc/lora.py` checks the config),
 kept in host memory in an LRU of max_cpu_loras (full tensors, this rank's shards cut when
 one goes into a slot).
@@ -55,8 +60,17 @@ from ..ipc.messages import LoRARequest, LoRASlot
 
 logger = logging.getLogger(__name__)
 
-_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
-"""A PEFT tensor name: base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight."""
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.((?:shared_expert\.)?\w+)"
+                  r"\.lora_([AB])\.weight$")
+"""A PEFT tensor name: base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight, or
+on Qwen2-MoE's shared expert ...layers.{i}.mlp.shared_expert.gate_proj.lora_A.weight."""
+
+_EXPERTS_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts"
+                          r"((?:\.base_layer)*)\.lora_([AB])\.weight$")
+"""PEFT's LoRA on an MoE layer's stacked experts (`target_parameters` experts.gate_up_proj /
+experts.down_proj: a `ParamWrapper` per parameter, nested when both are targeted, so the
+names say `experts.lora_A` / `experts.base_layer.lora_A`, not which parameter: the shapes do,
+`LoRAExperts.put`)."""
 
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0),
@@ -88,6 +102,13 @@ class LoRAStep:
     """[tokens] each token's slot (-1: none), on the device, for a masked step; else None."""
     masks: dict = field(default_factory=dict)
     """width per slot -> the step's mask [tokens, max_loras * width] (made on first use)."""
+    slots: torch.Tensor | None = None
+    """[tokens] each token's slot (-1: none), on the device, in every active step: the MoE
+    experts group their (token, expert) pairs by it (`workers/moe.py`)."""
+    host_slots: list[int] = field(default_factory=list)
+    """The same on the host (the MoE few-token path's per-token loop reads it)."""
+    present: frozenset = frozenset()
+    """The slots some token of the step uses."""
 
     def mask(self, width: int, max_loras: int, dtype: torch.dtype) -> torch.Tensor:
         m = self.masks.get(width)
@@ -101,10 +122,16 @@ class LoRAStep:
 @dataclass
 class Adapter:
     """An adapter read from its folder, in host memory: per (layer, PEFT module) the full
-    A [r, in] and scaling · B [out, r] in float32."""
+    A [r, in] and scaling · B [out, r] in float32 (module: `q_proj`, ...,
+    `shared_expert.gate_proj`); per (layer, PEFT wrapper) the experts' stacked A
+    [r * E, in] and B [out, r * E] unscaled (the rank is r * E / E: the model knows E)."""
 
     lora: LoRARequest
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    experts: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict)
+    scaling: object = None
+    """rank -> the factor on B·A (`AdapterConfig.scaling`), for the experts' B at `put`."""
 
 
 def read_adapter(lora: LoRARequest, max_lora_rank: int) -> Adapter:
@@ -113,21 +140,28 @@ def read_adapter(lora: LoRARequest, max_lora_rank: int) -> Adapter:
 
     config = read_adapter_config(lora.lora_path, max_lora_rank)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    stacked: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     with safe_open(f"{lora.lora_path}/{WEIGHTS_FILE}", framework="pt") as f:
         for name in f.keys():
+            e = _EXPERTS_KEY.search(name)
+            if e is not None:
+                stacked.setdefault((int(e.group(1)), "experts" + e.group(2)), {})[
+                    e.group(3)] = f.get_tensor(name).to(torch.float32)
+                continue
             m = _KEY.search(name)
-            if m is None or m.group(2) not in PACKED:
+            if m is None or m.group(2).removeprefix("shared_expert.") not in PACKED:
                 moe = next((p for p in _MOE_PARTS if p in name.split(".")), None)
                 what = f" (LoRA on an MoE block's {moe} is not supported)" if moe else ""
                 raise ValueError(f"lora_path {lora.lora_path!r}: tensor {name} is not on a "
                                  f"supported projection ({', '.join(PACKED)}){what}")
             halves.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = \
                 f.get_tensor(name).to(torch.float32)
-    weights = {}
-    for key, pair in halves.items():
+    for key, pair in [*halves.items(), *stacked.items()]:
         if set(pair) != {"A", "B"}:
             raise ValueError(f"lora_path {lora.lora_path!r}: layer {key[0]} {key[1]} lacks "
                              f"lora_{'B' if 'A' in pair else 'A'}")
+    weights = {}
+    for key, pair in halves.items():
         a, b = pair["A"], pair["B"]
         rank = a.shape[0]
         if rank > max_lora_rank or b.shape[1] != rank:
@@ -135,7 +169,8 @@ def read_adapter(lora: LoRARequest, max_lora_rank: int) -> Adapter:
                              f"{rank} (B {list(b.shape)}), above --max-lora-rank "
                              f"{max_lora_rank} or inconsistent")
         weights[key] = (a, b * config.scaling(rank))
-    return Adapter(lora, weights)
+    experts = {key: (pair["A"], pair["B"]) for key, pair in stacked.items()}
+    return Adapter(lora, weights, experts, config.scaling)
 
 
 class LoRAProjection:
@@ -225,6 +260,118 @@ class LoRAProjection:
         return y
 
 
+class LoRAExperts:
+    """The slots of one MoE layer's stacked experts (`FusedMoE`) on this rank, as PEFT's
+    `target_parameters` adapts them (peft/tuners/lora/layer.py `ParamWrapper`): per stacked
+    parameter W [E, out, in] one lora_A [r * E, in] (expert e's rows e*r ..) and one lora_B
+    [out, r * E] (expert e's columns e, E + e, 2E + e, ..: PEFT reshapes B to [out, r, E]),
+    delta W[e] = scaling · B_e A_e, scaling lora_alpha / r (rslora: / sqrt(r)). Layout here,
+    expert-major so that an expert's slots are one matrix, R = max_lora_rank, S = max_loras,
+    B scaled and zero-padded past the adapter's rank:
+
+        A13 [E, S, R, hidden]   gate_up_proj's A_e per slot, whole (column-parallel)
+        B13 [E, 2 I/P, S, R]    its B_e's rows of this rank: gate rows r*I/P.. | up rows
+                                I + r*I/P.. (w13's local layout)
+        A2  [E, S, R, I/P]      down_proj's A_e, this rank's columns (row-parallel)
+        B2  [E, hidden, S, R]   its B_e, whole: the partial products join the experts'
+                                partial sums before the all-reduce
+
+    `FusedMoE` adds the adapters' products to an expert's gate/up product (before silu) and to
+    its down product (`add13`, `add2`), its rows sorted by slot: (x[run] A_s^T) B_s^T per run
+    of one adapter's rows, except where several adapters share an expert's at most
+    DENSE_MAX_TOKENS adapter rows (decode): every slot at once, ((x A_e^T) * M) B_e^T with M
+    each row's slot as a 0/1 mask, as the masked projections do: two matmuls whatever the
+    number of adapters, where the per-run products paid 2 small matmuls per adapter
+    (measured: docs/lora.md)."""
+
+    def __init__(self, experts: nn.Module, step: LoRAStep, max_loras: int, rank: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.experts, self.step, self.rank, self.max_loras = experts, step, rank, max_loras
+        e, h, i = experts.num_experts, experts.hidden_size, experts.local_size
+        zeros = dict(dtype=dtype, device=device)
+        self.A13 = torch.zeros(e, max_loras, rank, h, **zeros)
+        self.B13 = torch.zeros(e, 2 * i, max_loras, rank, **zeros)
+        self.A2 = torch.zeros(e, max_loras, rank, i, **zeros)
+        self.B2 = torch.zeros(e, h, max_loras, rank, **zeros)
+        self.loaded: set[int] = set()
+        """Slots whose adapter has expert weights in this layer."""
+
+    def clear(self, slot: int) -> None:
+        for a, b in ((self.A13, self.B13), (self.A2, self.B2)):
+            a[:, slot].zero_()
+            b[:, :, slot].zero_()
+        self.loaded.discard(slot)
+
+    def put(self, slot: int, a: torch.Tensor, b: torch.Tensor, scaling) -> None:
+        """One PEFT `ParamWrapper`'s lora_A [r * E, in] and lora_B [out, r * E] (unscaled)
+        into `slot`, cut to this rank's shard; which stacked parameter it adapts is read from
+        the shapes (gate_up_proj: in = hidden, out = 2 I; down_proj: in = I, out = hidden)."""
+        ex = self.experts
+        num, h, big, i = ex.num_experts, ex.hidden_size, ex.intermediate_size, ex.local_size
+        if a.shape[0] % num or b.shape[1] != a.shape[0]:
+            raise ValueError(f"LoRA on the experts: A {list(a.shape)} and B {list(b.shape)} "
+                             f"are not {num} experts' stacked factors")
+        r = a.shape[0] // num
+        if r > self.rank:
+            raise ValueError(f"LoRA on the experts has rank {r}, above --max-lora-rank "
+                             f"{self.rank}")
+        a_e = a.view(num, r, a.shape[1])  # [E, r, in]
+        b_e = (b * scaling(r)).view(b.shape[0], r, num).permute(2, 0, 1)  # [E, out, r]
+        start = ex.tp.rank * i
+        if (a.shape[1], b.shape[0]) == (h, 2 * big):  # gate_up_proj
+            rows = torch.cat((b_e[:, start:start + i], b_e[:, big + start:big + start + i]), 1)
+            self.A13[:, slot, :r].copy_(a_e)
+            self.B13[:, :, slot, :r].copy_(rows)
+        elif (a.shape[1], b.shape[0]) == (big, h):  # down_proj
+            self.A2[:, slot, :r].copy_(a_e[:, :, start:start + i])
+            self.B2[:, :, slot, :r].copy_(b_e)
+        else:
+            raise ValueError(f"LoRA on the experts: A {list(a.shape)} and B {list(b.shape)} "
+                             f"fit neither gate_up_proj [{num}, {2 * big}, {h}] nor down_proj "
+                             f"[{num}, {h}, {big}]")
+        self.loaded.add(slot)
+
+    def used(self) -> bool:
+        """Some token of this step has an adapter with expert weights in this layer."""
+        return self.step.active and not self.loaded.isdisjoint(self.step.present)
+
+    def row_mask(self, row_slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[rows, S * R] the 0/1 mask of each row's slot (-1: none) over the slots' ranks."""
+        cols = torch.arange(self.max_loras * self.rank, device=row_slots.device) // self.rank
+        return (cols[None, :] == row_slots[:, None]).to(dtype)
+
+    def add13(self, expert: int, x: torch.Tensor, y: torch.Tensor, runs: list[int],
+              mask: torch.Tensor | None) -> None:
+        """y [rows, 2 I/P] += the adapters' products of x [rows, hidden]: runs[0] base rows,
+        then runs[s + 1] rows of slot s; mask: the rows' `row_mask` (None: one run)."""
+        self._add(self.A13, self.B13, expert, x, y, runs, mask)
+
+    def add2(self, expert: int, x: torch.Tensor, y: torch.Tensor, runs: list[int],
+             mask: torch.Tensor | None) -> None:
+        """y [rows, hidden] += the adapters' products of x [rows, I/P] (a partial sum)."""
+        self._add(self.A2, self.B2, expert, x, y, runs, mask)
+
+    def _add(self, A: torch.Tensor, B: torch.Tensor, expert: int, x: torch.Tensor,
+             y: torch.Tensor, runs: list[int], mask: torch.Tensor | None) -> None:
+        used, start = [], runs[0]
+        for slot, n in enumerate(runs[1:]):
+            if n and slot in self.loaded:
+                used.append((slot, start, n))
+            start += n
+        if not used:
+            return
+        adapter_rows = used[-1][1] + used[-1][2] - used[0][1]
+        if len(used) == 1 or mask is None or adapter_rows > DENSE_MAX_TOKENS:
+            for slot, start, n in used:  # one adapter, or rows enough to fill each product
+                rows = slice(start, start + n)
+                y[rows] += (x[rows] @ A[expert, slot].t()) @ B[expert, :, slot].t()
+            return
+        rows = slice(used[0][1], used[-1][1] + used[-1][2])  # every adapter row, base excluded
+        xa = x[rows] @ A[expert].view(-1, A.shape[-1]).t()  # [rows, S * R]
+        xa *= mask[rows]
+        y[rows] += xa @ B[expert].view(B.shape[1], -1).t()
+
+
 class LoRAModel:
     """Every LoRA projection of this rank's model, its slots and the host-memory LRU."""
 
@@ -235,12 +382,23 @@ class LoRAModel:
         self.device = device
         self.step = LoRAStep()
         self.projections: dict[tuple[int, str], LoRAProjection] = {}
+        """(layer, projection) -> its slots; projection `qkv_proj`, .., `down_proj`, or
+        `shared_expert.gate_up_proj` / `shared_expert.down_proj` (Qwen2-MoE)."""
+        self.experts: dict[int, LoRAExperts] = {}
+        """layer -> its MoE experts' slots."""
         for name, module in model.named_modules():
-            m = re.search(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)$", name)
-            if m is None or m.group(2) not in ("qkv_proj", "o_proj", "gate_up_proj",
-                                               "down_proj"):
+            e = re.search(r"layers\.(\d+)\.\w+\.experts$", name)
+            if e is not None and hasattr(module, "w13"):  # workers/moe.py FusedMoE
+                module.lora = self.experts[int(e.group(1))] = LoRAExperts(
+                    module, self.step, max_loras, max_lora_rank, dtype, device)
                 continue
-            proj = LoRAProjection(module, m.group(2), self.step, max_loras, max_lora_rank,
+            m = re.search(r"layers\.(\d+)\.(?:self_attn|mlp)\.((?:shared_expert\.)?\w+)$",
+                          name)
+            if m is None or m.group(2).removeprefix("shared_expert.") not in (
+                    "qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                continue
+            kind = m.group(2).removeprefix("shared_expert.")
+            proj = LoRAProjection(module, kind, self.step, max_loras, max_lora_rank,
                                   dtype, device)
             module.lora = proj
             self.projections[(int(m.group(1)), m.group(2))] = proj
@@ -262,8 +420,7 @@ class LoRAModel:
             for lora_id, s in list(self.slot_of.items()):
                 if s == slot:
                     del self.slot_of[lora_id]
-            for proj in self.projections.values():
-                proj.clear(slot)
+            self._clear(slot)
             try:
                 adapter = self._read(load.lora)
             except (ValueError, OSError) as e:  # the slot stays empty, its requests fail
@@ -274,8 +431,7 @@ class LoRAModel:
             try:
                 self._put(slot, adapter)
             except (ValueError, RuntimeError) as e:  # shapes not this model's: as above
-                for proj in self.projections.values():
-                    proj.clear(slot)
+                self._clear(slot)
                 self.failed[load.lora.lora_int_id] = f"lora_path {load.lora.lora_path!r}: {e}"
                 logger.warning("LoRA adapter %r (id %d) not loaded: %s", load.lora.lora_name,
                                load.lora.lora_int_id, e)
@@ -285,16 +441,30 @@ class LoRAModel:
             logger.info("LoRA adapter %r (id %d) in slot %d", load.lora.lora_name,
                         load.lora.lora_int_id, slot)
 
+    def _clear(self, slot: int) -> None:
+        for part in [*self.projections.values(), *self.experts.values()]:
+            part.clear(slot)
+
     def _put(self, slot: int, adapter: Adapter) -> None:
         for (layer, module), (a, b) in adapter.weights.items():
-            kind, sub = PACKED[module]
-            proj = self.projections.get((layer, kind))
-            if proj is None:  # another pipeline stage's layer
-                continue
+            prefix, _, name = module.rpartition(".")  # "shared_expert" or ""
+            kind, sub = PACKED[name]
+            proj = self.projections.get((layer, f"{prefix}.{kind}" if prefix else kind))
+            if proj is None:
+                if (layer, "qkv_proj") in self.projections:  # this stage has the layer
+                    raise ValueError(f"layer {layer} has no {module} in this model")
+                continue  # another pipeline stage's layer
             if sub is None:
                 proj.put_fused(slot, a, b)
             else:
                 proj.put(slot, sub, a, b)
+        for (layer, wrapper), (a, b) in adapter.experts.items():
+            experts = self.experts.get(layer)
+            if experts is None:
+                if (layer, "qkv_proj") in self.projections:
+                    raise ValueError(f"layer {layer} has no MoE experts (a dense layer)")
+                continue
+            experts.put(slot, a, b, adapter.scaling)
 
     def _read(self, lora: LoRARequest) -> Adapter:
         key = (lora.lora_int_id, lora.lora_path)
@@ -318,11 +488,16 @@ class LoRAModel:
         token count, in batch order."""
         step = self.step
         step.groups, step.token_slots, step.masks = [], None, {}
+        step.slots, step.host_slots, step.present = None, [], frozenset()
         step.active = bool(lora_ids.any())
         if not step.active:
             return
         slots = np.array([self.slot_of[i] if i else -1 for i in lora_ids.tolist()], np.int64)
         token_slots = np.repeat(slots, num_scheduled)
+        step.present = frozenset(slots[slots >= 0].tolist())
+        if self.experts:
+            step.host_slots = token_slots.tolist()
+            step.slots = torch.from_numpy(token_slots).to(self.device)
         if len(token_slots) <= DENSE_MAX_TOKENS:
             step.token_slots = torch.from_numpy(token_slots).to(self.device)
             return

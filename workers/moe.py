@@ -31,6 +31,12 @@ counts per expert); no Python loop over tokens. That sync cannot be captured in 
 a capture raises, `workers/cuda_graphs.py` logs it and the runner stays eager (untested: no
 GPU was at hand when this was written).
 
+LoRA (`lora`, workers/lora.py `LoRAExperts`): in a step where some token's adapter has
+weights on these experts, `_forward_lora` sorts the pairs by expert and then by the token's
+adapter slot (one bincount of the combined key: still one host sync), so each (expert,
+adapter) pair is a contiguous run, and adds the adapters' products to each expert's gate/up
+output (before silu) and to its down output. Other steps take the paths above unchanged.
+
 Checkpoints name the experts one by one (`experts.3.w1.weight`, `experts.3.gate_proj.weight`)
 or stacked (transformers 5's `experts.gate_up_proj` [E, 2I, hidden] / `experts.down_proj`
 [E, hidden, I], Granite-MoE's `input_linear.weight` / `output_linear.weight`, the same
@@ -113,6 +119,10 @@ class FusedMoE(nn.Module):
         self.gemms: list[tuple[SmallBatchGemm, SmallBatchGemm, SmallBatchGemm]] | None = None
         """Per expert (gate, up, down) GEMMs from the CPU op seam (`use_cpu_ops`)."""
 
+    lora = None
+    """The LoRA slots of these experts (`workers/lora.py` LoRAExperts) when the engine serves
+    adapters; steps where no token's adapter has expert weights here take the plain path."""
+
     # -- loading -----------------------------------------------------------------------------
 
     def load_w13(self, param: nn.Parameter, loaded: Any, shard_id) -> tuple | None:
@@ -167,6 +177,8 @@ class FusedMoE(nn.Module):
             raise RuntimeError("MoE layers are not captured in CUDA graphs: the grouped "
                                "experts read each expert's row count on the host")
         num_tokens, top_k = ids.shape
+        if self.lora is not None and self.lora.used():
+            return self._forward_lora(x, weights, ids)
         if num_tokens <= FEW_TOKENS:
             return self._few_tokens(x, weights, ids)
         flat = ids.reshape(-1)
@@ -201,6 +213,65 @@ class FusedMoE(nn.Module):
                 acc += (self._expert(token_ids[j], xt) * weights[t:t + 1, j:j + 1]).to(x.dtype)
             rows.append(acc.to(x.dtype))
         return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+    def _forward_lora(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+                      ) -> torch.Tensor:
+        """`forward` in a step where some token's adapter has weights on these experts: the
+        (token, expert) pairs sorted by expert and, within an expert, by the token's slot
+        (base rows first), so each (expert, slot) pair present is one contiguous run and one
+        adapter product (`LoRAExperts`); still one host sync (the counts per (expert, slot)).
+        A token's k terms are summed in expert order, as in the plain path."""
+        lora, step = self.lora, self.lora.step
+        num_tokens, top_k = ids.shape
+        width = lora.max_loras + 1  # runs per expert: the base rows, then each slot's
+        if num_tokens <= FEW_TOKENS:  # the few-token path's loop, each token its own run
+            rows = []
+            for t, token_ids in enumerate(ids.tolist()):
+                runs = [0] * width
+                runs[step.host_slots[t] + 1] = 1
+                xt = x[t:t + 1]
+                acc = torch.zeros_like(xt, dtype=torch.float32)
+                for j in sorted(range(top_k), key=token_ids.__getitem__):
+                    out = self._expert_lora(token_ids[j], xt, runs, None)
+                    acc += (out * weights[t:t + 1, j:j + 1]).to(x.dtype)
+                rows.append(acc.to(x.dtype))
+            return rows[0] if len(rows) == 1 else torch.cat(rows)
+        key = ids.reshape(-1) * width + (step.slots + 1).repeat_interleave(top_k)
+        order = torch.argsort(key, stable=True)
+        token_of = order // top_k
+        counts = torch.bincount(key, minlength=self.num_experts * width).tolist()
+        mask = lora.row_mask(key[order] % width - 1, x.dtype)  # each sorted row's slot
+        rows = x[token_of]
+        out = torch.empty_like(rows)
+        start = 0
+        for expert in range(self.num_experts):
+            runs = counts[expert * width:(expert + 1) * width]
+            n = sum(runs)
+            if n:
+                out[start:start + n] = self._expert_lora(expert, rows[start:start + n], runs,
+                                                         mask[start:start + n])
+                start += n
+        weighted = out * weights.reshape(-1)[order].unsqueeze(-1)
+        result = torch.zeros_like(x)
+        return result.index_add_(0, token_of, weighted.to(x.dtype))
+
+    def _expert_lora(self, e: int, x: torch.Tensor, runs: list[int],
+                     mask: torch.Tensor | None) -> torch.Tensor:
+        """`_expert` plus the adapters' products on gate/up (before silu) and down; x's rows:
+        runs[0] base rows, then runs[s + 1] rows of slot s; mask: their slots
+        (`LoRAExperts.row_mask`; None: a single run)."""
+        lora = self.lora
+        if self.gemms is not None:
+            gate, up, down = self.gemms[e]
+            h = torch.cat((gate(x), up(x)), dim=-1)
+        else:
+            h = F.linear(x, self.w13[e])
+        lora.add13(e, x, h, runs, mask)
+        gate_out, up_out = h.chunk(2, dim=-1)
+        act = F.silu(gate_out) * up_out
+        y = down(act) if self.gemms is not None else F.linear(act, self.w2[e])
+        lora.add2(e, act, y, runs, mask)
+        return y
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """down(silu(gate(x)) * up(x)) of expert e, on this rank's slice."""

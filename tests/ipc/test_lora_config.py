@@ -32,14 +32,25 @@ def test_a_plain_lora_reads_with_peft_scaling(tmp_path):
     (dict(rank_pattern={"q_proj": 64}), "rank 64 exceeds"),
     (dict(modules_to_save=["lm_head"]), "modules_to_save is not supported"),
     (dict(peft_type="IA3"), "peft_type 'IA3' is not supported"),
-    # PEFT 0.21's LoRA on transformers 5's stacked MoE experts (Mixtral, Qwen-MoE, OLMoE)
-    (dict(target_modules=[], target_parameters=["experts.gate_up_proj", "experts.down_proj"]),
-     r"target_parameters \['experts.gate_up_proj', 'experts.down_proj'\] are not supported "
-     r"\(LoRA on parameters such as MoE experts"),
+    # PEFT 0.21's target_parameters on an MoE router's weight, or a dense weight
+    (dict(target_parameters=["experts.down_proj", "mlp.gate.weight"]),
+     r"target_parameters \['mlp.gate.weight'\] are not supported \(supported: the MoE "
+     r"experts' stacked gate_up_proj and down_proj"),
+    (dict(target_parameters=["self_attn.q_proj.weight"]), r"\['self_attn.q_proj.weight'\]"),
+    (dict(target_parameters="experts.down_proj"), "target_parameters must be a list"),
 ])
 def test_what_tidal_cannot_run_is_refused_by_name(tmp_path, config, message):
     with pytest.raises(ValueError, match=message):
         read_adapter_config(_folder(tmp_path, **config), 16)
+
+
+def test_lora_on_the_moe_experts_stacked_parameters_is_taken(tmp_path):
+    """PEFT 0.21's LoRA on transformers 5's stacked experts (every MoE family tidal serves:
+    `mlp.experts.gate_up_proj` / `down_proj`), named as PEFT users write it."""
+    for names in (["experts.gate_up_proj", "experts.down_proj"], ["mlp.experts.down_proj"],
+                  ["gate_up_proj"]):
+        config = read_adapter_config(_folder(tmp_path, target_parameters=names), 16)
+        assert config.target_parameters == tuple(names)
 
 
 def test_a_folder_without_the_files_is_refused(tmp_path):
@@ -64,16 +75,17 @@ def test_lora_modules_take_name_path_and_json():
 
 
 def test_an_adapter_on_moe_blocks_is_refused_naming_the_module(tmp_path):
-    """Tensors of a PEFT adapter on an MoE block (its router, a shared expert, experts as
-    modules in older transformers) are refused by the worker's reader, naming the tensor and
-    the block's module; its requests fail alone (docs/lora.md)."""
+    """Tensors of a PEFT adapter on an MoE block's router, the shared expert's gate, or
+    experts as modules (older transformers) are refused by the worker's reader, naming the
+    tensor and the block's module; its requests fail alone (docs/lora.md). The stacked
+    experts and the shared expert's projections read (tests/e2e/test_lora_moe.py runs them)."""
     import torch
     from safetensors.torch import save_file
 
     from tidal.ipc.messages import LoRARequest
     from tidal.workers.lora import read_adapter
 
-    for module in ("mlp.gate", "mlp.shared_expert.gate_proj", "block_sparse_moe.experts.0.w1"):
+    def folder_with(module: str):
         folder = tmp_path / module.replace(".", "_")
         folder.mkdir()
         (folder / "adapter_config.json").write_text(json.dumps(
@@ -82,8 +94,15 @@ def test_an_adapter_on_moe_blocks_is_refused_naming_the_module(tmp_path):
         save_file({f"{name}.lora_A.weight": torch.zeros(4, 8),
                    f"{name}.lora_B.weight": torch.zeros(8, 4)},
                   str(folder / "adapter_model.safetensors"))
-        block = {"mlp.gate": "gate", "mlp.shared_expert.gate_proj": "shared_expert"}.get(
-            module, "experts")
+        return LoRARequest("moe", 1, str(folder)), name
+
+    for module, block in (("mlp.gate", "gate"), ("mlp.shared_expert_gate", "shared_expert_gate"),
+                          ("block_sparse_moe.experts.0.w1", "experts")):
+        lora, name = folder_with(module)
         with pytest.raises(ValueError, match=rf"tensor {name}.lora_A.weight is not on a "
                            rf".*MoE block's {block}"):
-            read_adapter(LoRARequest("moe", 1, str(folder)), 16)
+            read_adapter(lora, 16)
+    adapter = read_adapter(folder_with("mlp.shared_expert.gate_proj")[0], 16)
+    assert list(adapter.weights) == [(0, "shared_expert.gate_proj")]
+    adapter = read_adapter(folder_with("mlp.experts.base_layer")[0], 16)
+    assert list(adapter.experts) == [(0, "experts.base_layer")] and not adapter.weights

@@ -161,7 +161,8 @@ class SparseMoeBlock(nn.Module):
         out = self.experts(x, weights, ids)  # this rank's partial sums
         if self.has_shared:  # its down projection split like the experts': reduced with them
             mlp = self.shared_expert
-            shared = mlp.down_proj.matmul(mlp.gate_up_proj.silu_and_mul(x))
+            act = mlp.gate_up_proj.silu_and_mul(x)  # an adapter's gate/up product included
+            shared = mlp.down_proj.lora_add(act, mlp.down_proj.matmul(act))
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
         out = self.tp.all_reduce(out)
         return out if residual is None else residual + out
