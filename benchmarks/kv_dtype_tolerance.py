@@ -203,7 +203,9 @@ def main() -> None:
     parser.add_argument("--llama-server", default=DEFAULT_LLAMA_SERVER)
     parser.add_argument("--gguf", default=DEFAULT_GGUF,
                         help="F32 GGUF of the same weights as --model")
-    parser.add_argument("--llama-threads", type=int, default=2)
+    # one thread: the figures do not depend on it, and on the shared 2-core machine two
+    # threads of ggml's spinning thread pool took 1.0-2.3 s a token (2026-12-04, load 8-10)
+    parser.add_argument("--llama-threads", type=int, default=1)
     parser.add_argument("--llama-log-dir", default="/tmp",
                         help="where each llama-server run's log goes")
     parser.add_argument("--no-llama-cpp", action="store_true",
