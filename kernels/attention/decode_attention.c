@@ -446,6 +446,167 @@ int tidal_decode_attention(const float *q, const float *key_cache, const float *
                                          scale, 0, 0.0f, out);
 }
 
+/* An int8 cache (kv_cache_dtype int8, kv_quant.py): K and V rows of int8 with one float32
+ * scale per (position, KV head), in scale tensors [num_blocks, block_size, KVH] beside the
+ * caches (strides in elements, any order). The same two passes as ITEM, a row widened to float
+ * VL values at a time in registers (int8 -> int32 -> float: exact), a score scaled once by its
+ * K scale, scale_k * (q . k), and a V row's weight by its V scale, (e * scale_v) v, as
+ * numba_attention.py's kernel does; only the rounding order differs from the reference over
+ * the dequantized cache. Rows are walked block by block (the table read once a block, no
+ * prefetching: the hardware prefetcher follows a block's rows). Positions outside [lo,
+ * seq_len) and their scales are never read. */
+#if TIDAL_DECODE_ATTENTION
+typedef struct { int bs; long block, pos, scale_block, scale_pos; } layout_i8_t;
+
+#if VL == 16
+static inline vec load_i8(const signed char *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#else
+static inline vec load_i8(const signed char *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#endif
+
+#define ITEM_I8(DV)                                                                         \
+static void item_i8_##DV(const float *q, const signed char *kc, const signed char *vc,      \
+                         const float *ks, const float *vs, const int *table, int lo,        \
+                         int seq_len, layout_i8_t at, long head, long scale_head, int group, \
+                         float scale, float cap, float *out, float *scores) {               \
+    vec qv[MAX_GROUP][DV], acc[MAX_GROUP][DV];                                              \
+    float top[MAX_GROUP], inverse[MAX_GROUP];                                               \
+    int n = seq_len - lo;                                                                   \
+    for (int g = 0; g < group; g++) {                                                       \
+        top[g] = -INFINITY;                                                                 \
+        for (int c = 0; c < DV; c++) {                                                      \
+            qv[g][c] = V(mul_ps)(V(loadu_ps)(q + g * VL * DV + VL * c),                     \
+                                     V(set1_ps)(scale));                                    \
+            acc[g][c] = V(setzero_ps)();                                                    \
+        }                                                                                   \
+    }                                                                                       \
+    for (int p = lo; p < seq_len;) {                                                        \
+        long block = table[p / at.bs];                                                      \
+        int i = p % at.bs, end = p - i + at.bs < seq_len ? p - i + at.bs : seq_len;         \
+        for (; p < end; p++, i++) {                                                         \
+            const signed char *k = kc + block * at.block + i * at.pos + head;               \
+            float k_scale = ks[block * at.scale_block + i * at.scale_pos + scale_head];     \
+            vec kv[DV];                                                                     \
+            for (int c = 0; c < DV; c++) kv[c] = load_i8(k + VL * c);                       \
+            for (int g = 0; g < group; g++) {                                               \
+                vec s = V(mul_ps)(qv[g][0], kv[0]);                                         \
+                for (int c = 1; c < DV; c++) s = V(fmadd_ps)(qv[g][c], kv[c], s);           \
+                float score = k_scale * vsum(s);                                            \
+                if (cap > 0.0f) score = cap * tanhf(score / cap);                           \
+                scores[g * n + p - lo] = score;                                             \
+                top[g] = score > top[g] ? score : top[g];                                   \
+            }                                                                               \
+        }                                                                                   \
+    }                                                                                       \
+    for (int g = 0; g < group; g++)                                                         \
+        inverse[g] = softmax_row(scores + g * n, n, top[g]);                                \
+    for (int p = lo; p < seq_len;) {                                                        \
+        long block = table[p / at.bs];                                                      \
+        int i = p % at.bs, end = p - i + at.bs < seq_len ? p - i + at.bs : seq_len;         \
+        for (; p < end; p++, i++) {                                                         \
+            const signed char *v = vc + block * at.block + i * at.pos + head;               \
+            float v_scale = vs[block * at.scale_block + i * at.scale_pos + scale_head];     \
+            vec vv[DV];                                                                     \
+            for (int c = 0; c < DV; c++) vv[c] = load_i8(v + VL * c);                       \
+            for (int g = 0; g < group; g++) {                                               \
+                vec w = V(set1_ps)(scores[g * n + p - lo] * v_scale);                       \
+                for (int c = 0; c < DV; c++) acc[g][c] = V(fmadd_ps)(w, vv[c], acc[g][c]);  \
+            }                                                                               \
+        }                                                                                   \
+    }                                                                                       \
+    for (int g = 0; g < group; g++)                                                         \
+        for (int c = 0; c < DV; c++)                                                        \
+            V(storeu_ps)(out + g * VL * DV + VL * c,                                        \
+                             V(mul_ps)(acc[g][c], V(set1_ps)(inverse[g])));                 \
+}
+#if VL == 16
+ITEM_I8(1) ITEM_I8(2) ITEM_I8(3) ITEM_I8(4) ITEM_I8(5) ITEM_I8(6) ITEM_I8(7) ITEM_I8(8)
+ITEM_I8(16)
+#else
+ITEM_I8(2) ITEM_I8(4) ITEM_I8(6) ITEM_I8(8) ITEM_I8(10) ITEM_I8(12) ITEM_I8(14) ITEM_I8(16)
+ITEM_I8(32)
+#endif
+
+typedef void (*item_i8_fn)(const float *, const signed char *, const signed char *,
+                           const float *, const float *, const int *, int, int, layout_i8_t,
+                           long, long, int, float, float, float *, float *);
+
+static item_i8_fn item_i8_for(int head_dim) {
+    switch (head_dim / VL * (head_dim % VL == 0)) {
+#if VL == 16
+    case 1: return item_i8_1; case 2: return item_i8_2; case 3: return item_i8_3;
+    case 4: return item_i8_4; case 5: return item_i8_5; case 6: return item_i8_6;
+    case 7: return item_i8_7; case 8: return item_i8_8; case 16: return item_i8_16;
+#else
+    case 2: return item_i8_2; case 4: return item_i8_4; case 6: return item_i8_6;
+    case 8: return item_i8_8; case 10: return item_i8_10; case 12: return item_i8_12;
+    case 14: return item_i8_14; case 16: return item_i8_16; case 32: return item_i8_32;
+#endif
+    default: return 0;
+    }
+}
+#endif /* TIDAL_DECODE_ATTENTION */
+
+/* tidal_decode_attention_window over an int8 cache: key_cache / value_cache int8 rows (strides
+ * in elements), key_scales / value_scales their float32 scales (strides scale_block,
+ * scale_pos, scale_head in floats). Returns as tidal_decode_attention_window does. */
+int tidal_decode_attention_int8(const float *q, const signed char *key_cache,
+                                const signed char *value_cache, const float *key_scales,
+                                const float *value_scales, const int *tables, long max_blocks,
+                                const int *lens, const long *requests, const long *rows, long n,
+                                int num_heads, int num_kv_heads, int head_dim, int block_size,
+                                long block_stride, long pos_stride, long head_stride,
+                                long scale_block, long scale_pos, long scale_head, float scale,
+                                int window, float soft_cap, float *out) {
+#if TIDAL_DECODE_ATTENTION
+    item_i8_fn item = item_i8_for(head_dim);
+    if (!item) return -1;
+    int group = num_heads / num_kv_heads;
+    int parts = (group + MAX_GROUP - 1) / MAX_GROUP; /* items per KV head */
+    long items = n * num_kv_heads * parts;
+    layout_i8_t at = {block_size, block_stride, pos_stride, scale_block, scale_pos};
+    int failed = 0;
+    #pragma omp parallel
+    {
+        float *scores = 0;
+        long capacity = 0;
+        #pragma omp for schedule(dynamic)
+        for (long i = 0; i < items; i++) {
+            long request = requests[i / (num_kv_heads * parts)];
+            long row = rows[i / (num_kv_heads * parts)];
+            int kv_head = (int)(i / parts % num_kv_heads), part = (int)(i % parts);
+            int first = kv_head * group + part * MAX_GROUP;
+            int heads = group - part * MAX_GROUP < MAX_GROUP ? group - part * MAX_GROUP : MAX_GROUP;
+            int seq_len = lens[i / (num_kv_heads * parts)];
+            int lo = window > 0 && seq_len > window ? seq_len - window : 0;
+            if ((long)heads * (seq_len - lo) > capacity) {
+                free(scores);
+                capacity = (long)heads * (seq_len - lo);
+                scores = malloc(capacity * sizeof(float));
+                if (!scores) { capacity = 0; failed = 1; continue; }
+            }
+            item(q + (row * num_heads + first) * head_dim, key_cache, value_cache, key_scales,
+                 value_scales, tables + request * max_blocks, lo, seq_len, at,
+                 kv_head * head_stride, kv_head * scale_head, heads, scale, soft_cap,
+                 out + (row * num_heads + first) * head_dim, scores);
+        }
+        free(scores);
+    }
+    return failed ? -2 : 0;
+#else
+    (void)q; (void)key_cache; (void)value_cache; (void)key_scales; (void)value_scales;
+    (void)tables; (void)max_blocks; (void)lens; (void)requests; (void)rows; (void)n;
+    (void)num_heads; (void)num_kv_heads; (void)head_dim; (void)block_size; (void)block_stride;
+    (void)pos_stride; (void)head_stride; (void)scale_block; (void)scale_pos; (void)scale_head;
+    (void)scale; (void)window; (void)soft_cap; (void)out;
+    return -1;
+#endif
+}
+
 /* One prefill chunk of one request: q_len query rows q[q_row0 + r] at positions seq_len -
  * q_len + r, each over the positions up to its own (the last `window` of them when window >
  * 0: blocks wholly before the first row's window are neither transposed nor read), K and V
