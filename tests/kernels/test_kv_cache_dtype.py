@@ -2,8 +2,7 @@
 CPU attention backend that reads one equals the reference over the same quantized cache (the
 dequantization is the only new arithmetic: float32 tolerances), and that reference stays within
 the stated quantization tolerance of attention over the float cache it was quantized from.
-Cache slots nobody may read hold NaN scales, so a kernel that reads them fails. The cpu
-backend decodes int8 in its C row kernel (`tidal_decode_attention_int8`). The write
+Cache slots nobody may read hold NaN scales, so a kernel that reads them fails. The write
 quantizes per token and KV head; `select_attention_backend` refuses a backend that cannot read
 the cache's dtype, naming `kv_cache_dtype`."""
 
@@ -11,7 +10,7 @@ import pytest
 import torch
 
 from kernel_cases import TOLERANCE, make_case, poisoned_like, windowed
-from tidal.kernels.attention import cpu_attention, numba_attention, select_attention_backend
+from tidal.kernels.attention import cpu_attention, select_attention_backend
 from tidal.kernels.attention.kv_quant import QMAX, dequantize, quantize, storage_dtype
 from tidal.kernels.attention.metadata import AttentionMetadata
 from tidal.kernels.attention.reference import paged_attention_ref
@@ -77,11 +76,9 @@ def test_quantized_cache_reads_equal_reference(name, kv_cache_dtype, q_lens, seq
     assert torch.isnan(out[owned.stop:]).all(), "wrote rows no request owns"
 
 
-@pytest.mark.parametrize("name", ["numba", "torch", "cpu"])
+@pytest.mark.parametrize("name", ["numba", "torch"])
 def test_quantized_cache_window_and_cap(name):
     """Sliding window (blocks before it name the null block: NaN) and soft cap, int8."""
-    if name == "cpu" and not cpu_attention.available():
-        pytest.skip("no C compiler or no AVX on this machine")
     backend = select_attention_backend(name, "cpu", torch.float32, "int8")
     case = windowed(make_case([1, 6, 1], [40, 30, 17], 4, 2, 64, 8), 9)
     caches, (k_read, v_read) = quantized_case(case, torch.int8)
@@ -89,26 +86,6 @@ def test_quantized_cache_window_and_cap(name):
     expected = paged_attention_ref(case.query, k_read, v_read, case.block_tables,
                                    case.query_start_loc, case.seq_lens, case.scale,
                                    sliding_window=9, soft_cap=5.0)
-    owned = case.owned_rows()
-    torch.testing.assert_close(out[owned], expected[owned], atol=2e-5, rtol=2e-5)
-
-
-def test_cpu_backend_decodes_int8_in_its_c_kernel(monkeypatch):
-    """The cpu backend's int8 decodes go to `tidal_decode_attention_int8`, not numba's kernel
-    (which is made to fail here), and equal the reference over the dequantized cache."""
-    if not cpu_attention.available():
-        pytest.skip("no C compiler or no AVX on this machine")
-
-    def numba_kernel(*args, **kwargs):
-        raise AssertionError("an int8 decode went to numba's kernel")
-
-    monkeypatch.setattr(numba_attention, "paged_decode_numba", numba_kernel)
-    backend = select_attention_backend("cpu", "cpu", torch.float32, "int8")
-    case = make_case([1, 1, 1], [1, 31, 70], 9, 3, 64, 16)  # SmolLM2's heads, group 3
-    caches, (k_read, v_read) = quantized_case(case, torch.int8)
-    out = attend(backend, case, caches)
-    expected = paged_attention_ref(case.query, k_read, v_read, case.block_tables,
-                                   case.query_start_loc, case.seq_lens, case.scale)
     owned = case.owned_rows()
     torch.testing.assert_close(out[owned], expected[owned], atol=2e-5, rtol=2e-5)
 
