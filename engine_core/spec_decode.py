@@ -38,7 +38,8 @@ requests whose acceptance pays for them, and a chat request that never matches g
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
+import statistics
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 METHODS = ("ngram", "suffix", "draft_model")
@@ -283,10 +284,10 @@ class CostTerms:
 
 STEP_SAMPLES = 3
 """Measured steps of a row count before `StepTimes` trusts its time."""
-STEP_WEIGHT = 0.2
-"""Weight of a new measurement in a row count's running mean (after the first 1 / weight
-ones, which are averaged evenly): recent steps count most, as the contexts grow and the
-machine's load changes."""
+STEP_WINDOW = 9
+"""A row count's time is the median of its last this many measured steps: recent ones, as
+the contexts grow and the machine's load changes, and the median, since on a shared machine
+a step now and then takes several times its due (2-vCPU VM, load 8: one step in ten)."""
 
 
 class StepTimes:
@@ -302,16 +303,20 @@ class StepTimes:
 
     def __init__(self) -> None:
         self.mean: dict[int, float] = {}
+        """Each row count's time: the median of its last STEP_WINDOW steps."""
         self.count: dict[int, int] = {}
+        self._recent: dict[int, deque[float]] = {}
         self._trusted: list[int] = []  # sorted row counts with STEP_SAMPLES measurements
 
     def observe(self, rows: int, seconds: float) -> None:
         if rows <= 0 or not seconds > 0:
             return
-        n = self.count.get(rows, 0) + 1
-        mean = self.mean.get(rows, seconds)
-        self.mean[rows] = mean + max(1.0 / n, STEP_WEIGHT) * (seconds - mean)
-        self.count[rows] = n
+        recent = self._recent.get(rows)
+        if recent is None:
+            recent = self._recent[rows] = deque(maxlen=STEP_WINDOW)
+        recent.append(seconds)
+        self.mean[rows] = statistics.median(recent)
+        n = self.count[rows] = self.count.get(rows, 0) + 1
         if n == STEP_SAMPLES:
             self._trusted = sorted(self._trusted + [rows])
 
