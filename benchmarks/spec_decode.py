@@ -1,7 +1,9 @@
 """Speculative decoding on SmolLM2: decode tokens/s with speculation off, ngram and suffix,
 each with the adaptive policy and with a fixed draft count (as other engines), at 1, 4 and 32
 streams, on a copy-heavy workload (outputs that quote the prompt: code edits, extraction) and
-a chat workload (outputs that do not).
+a chat workload (outputs that do not). Every conversation of a run has its own prompt
+(`prompt`: the tasks with other names and numbers each time), so the suffix method's store
+of earlier outputs holds no answer to a repeated question.
 
     python benchmarks/spec_decode.py [MODEL_FOLDER] [--streams 1 4 32] [--rounds 2]
 
@@ -23,36 +25,65 @@ import statistics
 import sys
 import time
 
-CODE = '''def load_users(path):
-    users = []
+CODE = '''def load_{things}(path):
+    {things} = []
     with open(path) as f:
         for line in f:
-            name, age, email = line.strip().split(",")
-            users.append({"name": name, "age": int(age), "email": email})
-    return users
+            name, {field}, email = line.strip().split(",")
+            {things}.append({{"name": name, "{field}": int({field}), "email": email}})
+    return {things}
 
 
-def adults(users):
-    return [u for u in users if u["age"] >= 18]
+def {adjective}({things}):
+    return [u for u in {things} if u["{field}"] >= {limit}]
 '''
-
+THINGS = ["users", "orders", "books", "songs", "tickets", "patients", "players", "cars",
+          "flights", "students", "invoices", "recipes", "rooms", "plants", "movies", "trips"]
+FIELDS = ["age", "price", "pages", "year", "score", "weight", "level", "rank"]
+CITIES = ["Lisbon", "Oslo", "Denver", "Osaka", "Nairobi", "Lyon", "Perth", "Quito"]
 COPY_TASKS = [
-    "Rewrite this Python code, renaming the function load_users to read_users. Output only "
-    "the code.\n\n" + CODE,
-    "Add a docstring to each function of this code and output the whole code.\n\n" + CODE,
-    "Copy the following text exactly, then write DONE.\n\nThe quarterly report shows revenue "
-    "of 4.2 million dollars, up 12 percent from last year. Costs rose to 3.1 million dollars. "
-    "The board approved a new office in Lisbon and a hiring plan of 40 engineers.",
-    "Extract every sentence that mentions a number from this text, word for word.\n\nThe "
-    "bridge is 1200 meters long. It was opened in 1998 by the mayor. Traffic is heavy in the "
-    "morning. About 45000 cars cross it every day. The toll is 3 euros for cars.",
+    lambda t, f, n, c: "Rewrite this Python code, renaming the function load_{0} to "
+    "read_{0}. Output only the code.\n\n".format(t) + CODE.format(
+        things=t, field=f, adjective="selected", limit=n % 90 + 10),
+    lambda t, f, n, c: "Add a docstring to each function of this code and output the whole "
+    "code.\n\n" + CODE.format(things=t, field=f, adjective="filtered", limit=n % 70 + 5),
+    lambda t, f, n, c: "Copy the following text exactly, then write DONE.\n\nThe quarterly "
+    f"report on {t} shows revenue of {n % 9 + 1}.{n % 7} million dollars, up {n % 30 + 2} "
+    f"percent from last year. Costs rose to {n % 5 + 1}.{n % 3} million dollars. The board "
+    f"approved a new office in {c} and a hiring plan of {n % 60 + 10} engineers.",
+    lambda t, f, n, c: "Extract every sentence that mentions a number from this text, word for "
+    f"word.\n\nThe bridge in {c} is {n % 2000 + 300} meters long. It was opened in "
+    f"{1950 + n % 70} by the mayor. Traffic is heavy in the morning. About {n % 90 + 10}000 "
+    f"cars cross it every day. The toll is {n % 9 + 1} euros for cars.",
 ]
+ANIMALS = ["dragon", "penguin", "fox", "robot", "turtle", "owl", "whale", "goat", "cat",
+           "bear", "snail", "parrot", "horse", "frog", "tiger", "beetle"]
+SKILLS = ["cook", "paint", "swim", "sing", "fly a kite", "play chess", "garden", "dance"]
+TIPS = ["sleeping better", "learning a language", "saving money", "running a marathon",
+        "cooking rice", "writing essays", "keeping plants alive", "staying focused"]
+WHYS = ["the sky is blue", "leaves change color", "the sea is salty", "we have seasons",
+        "ice floats", "the moon has phases", "thunder follows lightning", "bread rises"]
+EVENTS = ["birthday party", "picnic", "game night", "weekend trip", "dinner", "garden party",
+          "holiday", "movie night"]
+RELATIVES = ["grandmother", "brother", "best friend", "neighbour"]
 CHAT_TASKS = [
-    "Write a short story about a dragon who learns to cook.",
-    "What are three tips for sleeping better?",
-    "Explain why the sky is blue to a ten-year-old.",
-    "Give me ideas for a birthday party for my grandmother.",
+    lambda t, f, n, c: f"Write a short story about a {ANIMALS[n % 16]} who learns to "
+    f"{SKILLS[n // 16 % 8]}.",
+    lambda t, f, n, c: f"What are three tips for {TIPS[n % 8]} in {CITIES[n // 8 % 8]}?",
+    lambda t, f, n, c: f"Explain why {WHYS[n % 8]} to a {n // 8 % 6 + 7}-year-old.",
+    lambda t, f, n, c: f"Give me ideas for a {EVENTS[n % 8]} for my "
+    f"{RELATIVES[n // 8 % 4]} in {c}.",
 ]
+
+
+def prompt(tasks: list, index: int) -> str:
+    """The index-th prompt of a workload: its tasks in turn, each time with other names and
+    numbers, so no two prompts of a run are alike (the suffix method would otherwise find
+    earlier rounds' outputs in its store and look better than on fresh requests)."""
+    n = index // len(tasks)
+    return tasks[index % len(tasks)](THINGS[n % 16], FIELDS[n // 16 % 8], n * 37 + 11,
+                                     CITIES[n % 8])
+
 
 CONFIGS = {
     "off": None,
@@ -115,13 +146,15 @@ def main() -> None:
     rates: dict[tuple, list[float]] = {}
     same: dict[tuple, list[int]] = {}
     steps: dict[tuple, list[float]] = {}
+    used = {wname: 0 for wname in workloads}  # prompts of each workload so far
     try:
         for _ in range(args.rounds):
             for wname, tasks in workloads.items():
                 for streams in args.streams:
                     n = streams if streams > 1 else args.tasks
-                    convs = [[{"role": "user", "content": tasks[i % len(tasks)]}]
+                    convs = [[{"role": "user", "content": prompt(tasks, used[wname] + i)}]
                              for i in range(n)]
+                    used[wname] += n
                     reference = None
                     for name, llm in engines.items():
                         rate, per_step, ids = measure(llm, convs, params, streams)

@@ -194,8 +194,10 @@ class EngineCore:
         now = self.clock()
         submitted = self._submitted.popleft()
         if plan.total_num_scheduled_tokens:  # not a plan that only drops or polls
+            seconds = now - max(submitted, self._last_collected)
+            self.scheduler.step_ran(plan, seconds)  # speculation's measured step costs
             for observer in self.observers:
-                observer.step_ran(plan, now - max(submitted, self._last_collected), now)
+                observer.step_ran(plan, seconds, now)
         self._last_collected = now
         return self.scheduler.update(plan, sampled)
 

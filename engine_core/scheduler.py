@@ -324,7 +324,10 @@ class Scheduler:
         ceiling = self.spec_config.num_speculative_tokens
         base_cost, base_tokens = terms.intercept, 0.0
         candidates, proposals = [], []
+        rows, decodes_only = 0, True
         for request, num_new, _, admitted in step.scheduled.values():
+            rows += num_new
+            decodes_only = decodes_only and num_new == 1
             computed = request.num_computed_tokens
             num_tokens = len(request.all_token_ids)
             if (num_new == 1 and not admitted and computed == num_tokens - 1
@@ -342,7 +345,8 @@ class Scheduler:
             base_tokens += computed + num_new >= num_tokens
         if not candidates:
             return
-        counts = policy.choose(candidates, base_cost, base_tokens, step.budget)
+        counts = policy.choose(candidates, base_cost, base_tokens, step.budget,
+                               rows if decodes_only else None)
         kv = self.kv_cache_manager
         for (request, draft), k in zip(proposals, counts):
             if k <= 0:
@@ -717,6 +721,18 @@ class Scheduler:
         self.generation_tokens += num_appended
         if num_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]
+
+    def step_ran(self, plan: BatchPlan, seconds: float) -> None:
+        """`plan` took `seconds` at the workers (the engine core's measure). With
+        speculation, a step of decodes and their drafts only (no prefill chunk) teaches the
+        adaptive policy what a step of that many query rows costs here."""
+        policy = self.spec_policy
+        if policy is None or plan.new_requests:
+            return
+        for cached in plan.cached_requests:  # 4 bytes a packed draft token
+            if cached.num_scheduled_tokens != 1 + len(cached.spec_token_ids) // 4:
+                return
+        policy.observe_step(plan.total_num_scheduled_tokens, seconds)
 
     def _record_drafts(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """A request's drafts came back verified: its acceptance, the policy's, /metrics."""

@@ -38,7 +38,8 @@ requests whose acceptance pays for them, and a chat request that never matches g
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
+import statistics
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 METHODS = ("ngram", "suffix", "draft_model")
@@ -264,12 +265,83 @@ class CostTerms:
                    model.per_decode_req_s, model.per_decode_context_token_s,
                    model.per_prefill_attention_pair_s)
 
+    def verify_entry(self, num_computed: int, k: int) -> float:
+        """The cost of a decode with k drafts: the decode, and each draft a prefill token."""
+        return self.entry(num_computed, k + 1)
+
+    def step_time(self, rows: int) -> float:
+        """A decode step's cost by these terms, `rows` query rows in all (contexts left
+        out): the prior `StepTimes` scales to its measurements."""
+        return self.intercept + self.per_decode * rows
+
     def entry(self, num_computed: int, num_tokens: int) -> float:
         """The cost of one plan entry (`step_cost.chunk_features`)."""
         if num_tokens == 1:
             return self.per_decode + self.per_context * (num_computed + 1)
         return (self.per_token * num_tokens
                 + self.per_pair * num_tokens * (num_computed + (num_tokens + 1) / 2))
+
+
+STEP_SAMPLES = 3
+"""Measured steps of a row count before `StepTimes` trusts its time."""
+STEP_WINDOW = 9
+"""A row count's time is the median of its last this many measured steps: recent ones, as
+the contexts grow and the machine's load changes, and the median, since on a shared machine
+a step now and then takes several times its due (2-vCPU VM, load 8: one step in ten)."""
+
+
+class StepTimes:
+    """Seconds of decode steps (no prefill chunk) by their query rows, as the engine core
+    measured them (each plan's own time at the workers): what a step with drafts really
+    costs on this machine and model, which no prefill-and-decode profile says (a
+    verification's rows run the decode kernels, not the prefill ones).
+
+    A row count measured `STEP_SAMPLES` times is trusted; another one is estimated from
+    its trusted neighbours: linearly between the nearest below and above, past the last
+    along the line through the last two, else (one trusted) as the prior
+    (`CostTerms.step_time`) scaled to it."""
+
+    def __init__(self) -> None:
+        self.mean: dict[int, float] = {}
+        """Each row count's time: the median of its last STEP_WINDOW steps."""
+        self.count: dict[int, int] = {}
+        self._recent: dict[int, deque[float]] = {}
+        self._trusted: list[int] = []  # sorted row counts with STEP_SAMPLES measurements
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if rows <= 0 or not seconds > 0:
+            return
+        recent = self._recent.get(rows)
+        if recent is None:
+            recent = self._recent[rows] = deque(maxlen=STEP_WINDOW)
+        recent.append(seconds)
+        self.mean[rows] = statistics.median(recent)
+        n = self.count[rows] = self.count.get(rows, 0) + 1
+        if n == STEP_SAMPLES:
+            self._trusted = sorted(self._trusted + [rows])
+
+    def known_at_or_below(self, rows: int) -> bool:
+        """Whether some trusted row count is at most `rows` (estimates then never
+        extrapolate downward, where a prior scaled from a slower step would overprice)."""
+        return bool(self._trusted) and self._trusted[0] <= rows
+
+    def estimate(self, rows: int, prior) -> float:
+        """Seconds of a decode step of `rows` rows; `prior(rows)` a cost in any unit. Needs
+        a trusted row count."""
+        trusted = self._trusted
+        if self.count.get(rows, 0) >= STEP_SAMPLES:
+            return self.mean[rows]
+        below = max((r for r in trusted if r < rows), default=None)
+        above = min((r for r in trusted if r > rows), default=None)
+        if below is not None and above is not None:
+            t = (rows - below) / (above - below)
+            return self.mean[below] + t * (self.mean[above] - self.mean[below])
+        if below is not None and len(trusted) >= 2:  # past the last: its two last's slope
+            low, high = trusted[-2], trusted[-1]
+            slope = max(0.0, (self.mean[high] - self.mean[low]) / (high - low))
+            return self.mean[high] + slope * (rows - high)
+        near = below if below is not None else above
+        return self.mean[near] * prior(rows) / prior(near)
 
 
 PRIOR_WEIGHT = 4.0
@@ -292,6 +364,8 @@ class AdaptivePolicy:
         self.accepted = 0
         self.drafted = 0
         """Positions accepted / proposed over every request (the prior's evidence)."""
+        self.times = StepTimes()
+        """Measured decode step times by query rows (fed by the engine core's loop)."""
 
     def prior(self) -> float:
         """The global acceptance per draft position (0.5 before any evidence)."""
@@ -309,19 +383,31 @@ class AdaptivePolicy:
         self.drafted += num_drafts
         self.accepted += num_accepted
 
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A decode step of `rows` query rows (decodes and their drafts, no prefill chunk)
+        took `seconds` at the workers."""
+        self.times.observe(rows, seconds)
+
     def choose(self, candidates: list[tuple[int, int, float]], base_cost: float,
-               base_tokens: float, budget: int) -> list[int]:
+               base_tokens: float, budget: int, rows: int | None = None) -> list[int]:
         """Draft counts for `candidates` [(drafts available, num_computed, alpha)], each a
         decode of the step; `base_cost` the rest of the step's cost (intercept included),
-        `base_tokens` the tokens the rest yields; at most `budget` drafts in all."""
+        `base_tokens` the tokens the rest yields; at most `budget` drafts in all. `rows`:
+        the step's query rows before drafts where every entry is a decode (None where it
+        has a prefill chunk): such a step is priced by the measured `StepTimes` once they
+        know enough (`_choose_measured`)."""
         caps = [min(n, self.ceiling) for n, _, _ in candidates]
         if not self.adaptive:
             return _fit_budget(caps, budget)
+        if rows is not None:
+            ks = self._choose_measured(candidates, caps, base_tokens, budget, rows)
+            if ks is not None:
+                return ks
         terms = self.terms
         # cost and yield of each option k = 0 .. cap, per candidate
         options = []
         for (_, computed, alpha), cap in zip(candidates, caps):
-            options.append([(expected_tokens(alpha, k), terms.entry(computed, k + 1))
+            options.append([(expected_tokens(alpha, k), terms.verify_entry(computed, k))
                             for k in range(cap + 1)])
         ks = [0] * len(candidates)
         ratio = self._ratio(options, ks, base_cost, base_tokens)
@@ -335,6 +421,41 @@ class AdaptivePolicy:
         # each round's choice is at least as good as the last (Dinkelbach), so never
         # worse than no drafts at all
         return _fit_budget(ks, budget)
+
+    def _choose_measured(self, candidates, caps: list[int], base_tokens: float,
+                         budget: int, rows: int) -> list[int] | None:
+        """Draft counts for a decode step priced by measured step times (None before any
+        step is measured; no drafts while none of `rows` rows or fewer is, so that the
+        step without drafts is measured first).
+
+        Such a step's time depends on its total query rows (the weights are read once a
+        step, the arithmetic grows with every row, and the kernels change with the row
+        count: on the AVX2 EPYC a step of 5 rows costs ~2.5x one of 1, and past 8 rows the
+        fused layers stop; docs/speculative.md), so the choice is over D, the drafts in
+        all: the best D drafts are the D largest marginal yields a^j (each request's fall
+        with j, so taking the largest keeps every request's drafts a prefix), and D is the
+        one whose (tokens) / (time of rows + D rows) is highest, ties to fewer drafts."""
+        times = self.times
+        if not times.count:
+            return None  # nothing measured yet (no engine loop feeds it): the cost terms
+        if not times.known_at_or_below(rows):
+            return [0] * len(candidates)  # measure the step without drafts first
+        gains = sorted(((alpha ** j, j, i) for i, ((_, _, alpha), cap)
+                        in enumerate(zip(candidates, caps)) for j in range(1, cap + 1)),
+                       key=lambda g: (-g[0], g[1]))
+        gains = gains[:max(0, budget)]
+        prior = self.terms.step_time
+        tokens = base_tokens + len(candidates)
+        best_d, best = 0, tokens / times.estimate(rows, prior)
+        for d, (gain, _, _) in enumerate(gains, start=1):
+            tokens += gain
+            rate = tokens / times.estimate(rows + d, prior)
+            if rate > best * (1 + 1e-9):
+                best_d, best = d, rate
+        ks = [0] * len(candidates)
+        for _, _, i in gains[:best_d]:
+            ks[i] += 1
+        return ks
 
     @staticmethod
     def _ratio(options, ks, base_cost: float, base_tokens: float) -> float:

@@ -235,10 +235,64 @@ static void rows_##RB##_##T(const float *x, long K, const unsigned char *w, floa
     FINISH(RB, a, y, N, other, op)                                                           \
 }
 
-/* A pair of blocks against all M rows in row blocks of 12, 8, 4, 1; the first row block
- * prefetches the whole next pair. */
+#if defined(__AVX512F__)
+#define ROW_BLOCKS_Q(T) ROW_BLOCKS(ROW_BLOCK_Q, T)
+#define DISPATCH_Q(T, left, args) DISPATCH(T, left, args)
+#else
+/* Half of row k of a block (h 0: columns 0-15, 1: 16-31) as two vectors, b[0..2). */
+#define Q4_HALF(w, k, h, b)                                                                  \
+    const float *dm = (const float *)(w);                                                    \
+    const unsigned char *qk = (w) + 256 + 16 * (k);                                          \
+    vec b[2] = {q4_eight(qk, h, dm + 16 * (h), dm + 32 + 16 * (h)),                          \
+                q4_eight(qk + 8, h, dm + 8 + 16 * (h), dm + 40 + 16 * (h))}
+#define Q8_HALF(w, k, h, b)                                                                  \
+    const float *dm = (const float *)(w);                                                    \
+    const unsigned char *qk = (w) + 128 + 32 * (k) + 16 * (h);                               \
+    vec b[2] = {q8_eight(qk, dm + 16 * (h)), q8_eight(qk + 8, dm + 16 * (h) + 8)}
+/* AVX2, 3 to 5 rows: each half of the pair in turn (16 columns, two vectors of weights),
+ * RB rows' 2 RB sums in registers (5 rows: 10 sums, 2 weights, a broadcast and the widening's
+ * temporaries in 16 ymm). Why: in row blocks of 2 and 1 every block widens the pair's
+ * weights again, and the widening (a multiply and an add per weight) rivals the FMAs: on the
+ * 2-vCPU AVX2 EPYC a 5-row product of SmolLM2's layers cost ~2.5x a 1-row one. Here the
+ * weights are widened once for the rows of the block. Each sum still runs over k in order
+ * with fused multiply-adds from zero, so results are those of the 2- and 1-row blocks bit
+ * for bit. The first half prefetches the next pair. */
+#define ROW_BLOCK_QH(RB, T)                                                                  \
+static void rows_h##RB##_##T(const float *x, long K, const unsigned char *w0, float *y,     \
+                             long N, const float *other, int op, const char *prefetch) {   \
+    for (int h = 0; h < 2; h++) {                                                            \
+        const unsigned char *w = w0;                                                         \
+        vec a[RB][2];                                                                        \
+        for (int i = 0; i < RB; i++) a[i][0] = a[i][1] = VZERO();                           \
+        for (long kb = 0; kb < K; kb += 32, w += T##_BLOCK_BYTES) {                          \
+            if (prefetch && h == 0)                                                          \
+                for (int l = 0; l < T##_BLOCK_BYTES; l += 64)                                \
+                    __builtin_prefetch(prefetch + kb / 32 * T##_BLOCK_BYTES + l, 0, 2);      \
+            for (long k = 0; k < 32; k++) {                                                  \
+                T##_HALF(w, k, h, b);                                                        \
+                for (int i = 0; i < RB; i++) {                                               \
+                    vec xi = VSET1(x[i * K + kb + k]);                                       \
+                    a[i][0] = VFMA(xi, b[0], a[i][0]);                                       \
+                    a[i][1] = VFMA(xi, b[1], a[i][1]);                                       \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+        for (int i = 0; i < RB; i++)                                                         \
+            for (int j = 0; j < 2; j++)                                                      \
+                finish(y + i * N + 16 * h + VL * j,                                          \
+                       other ? other + i * N + 16 * h + VL * j : 0, op, a[i][j]);            \
+    }                                                                                        \
+}
+#define ROW_BLOCKS_Q(T) ROW_BLOCKS(ROW_BLOCK_Q, T) ROW_BLOCK_QH(5, T) ROW_BLOCK_QH(4, T)     \
+    ROW_BLOCK_QH(3, T)
+#define DISPATCH_Q(T, left, args)                                                            \
+    ((left) >= 5 ? (rows_h5_##T args, 5) : (left) == 4 ? (rows_h4_##T args, 4)              \
+     : (left) == 3 ? (rows_h3_##T args, 3) : DISPATCH(T, left, args))
+#endif
+/* A pair of blocks against all M rows in row blocks (12, 8, 4, 1 with AVX-512; 5, 4, 3 of
+ * half pairs, then 2, 1 with AVX2); the first row block prefetches the whole next pair. */
 #define PAIR_Q(T)                                                                            \
-ROW_BLOCKS(ROW_BLOCK_Q, T)                                                                   \
+ROW_BLOCKS_Q(T)                                                                              \
 static void pair_##T(const float *x, long M, long K, const void *w0, float *y, long N,     \
                      const float *other, int op, const void *next) {                        \
     long m = 0;                                                                              \
@@ -249,7 +303,7 @@ static void pair_##T(const float *x, long M, long K, const void *w0, float *y, l
         const float *o = other ? other + m * N : 0;                                          \
         const float *xm = x + m * K;                                                         \
         float *ym = y + m * N;                                                               \
-        m += DISPATCH(T, left, (xm, K, w0, ym, N, o, op, pf));                              \
+        m += DISPATCH_Q(T, left, (xm, K, w0, ym, N, o, op, pf));                            \
         block++;                                                                             \
     }                                                                                        \
 }

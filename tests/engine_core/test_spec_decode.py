@@ -13,8 +13,8 @@ from sched_utils import (
 )
 from tidal.engine_core.config import SchedulerConfig
 from tidal.engine_core.spec_decode import (
-    AdaptivePolicy, CostTerms, NgramProposer, SuffixProposer, expected_tokens,
-    parse_speculative_config,
+    STEP_SAMPLES, AdaptivePolicy, CostTerms, NgramProposer, StepTimes, SuffixProposer,
+    expected_tokens, parse_speculative_config,
 )
 from tidal.ipc.messages import unpack_token_ids
 
@@ -118,6 +118,90 @@ def test_policy_acceptance_estimate_follows_evidence():
     policy.record(100, 90)
     assert policy.alpha(0, 0) > 0.85
     assert policy.alpha(0, 40) < 0.2  # its own record outweighs the prior
+
+
+def epyc_step_ms(rows: int) -> float:
+    """SmolLM2's decode step on the 2-vCPU AVX2 EPYC, by query rows (the shape measured
+    there: 5 rows ~2.5x one, compute-bound; past 8 rows the fused layers stop and every
+    row costs more)."""
+    return 10.0 + 6.0 * rows if rows <= 8 else 40.0 + 7.5 * rows
+
+
+def measured_policy(rows_seen, step_ms=epyc_step_ms) -> AdaptivePolicy:
+    policy = AdaptivePolicy(4, CostTerms())
+    for rows in rows_seen:
+        for _ in range(STEP_SAMPLES):
+            policy.observe_step(rows, step_ms(rows) / 1000)
+    return policy
+
+
+def test_step_times_trust_a_row_count_after_a_few_steps_and_fill_the_gaps():
+    times = StepTimes()
+    prior = CostTerms().step_time
+    times.observe(4, 0.010)
+    assert not times.known_at_or_below(4)  # one step is not enough
+    for rows, seconds in [(4, 0.010), (4, 0.010), (8, 0.020), (8, 0.020), (8, 0.020)]:
+        times.observe(rows, seconds)
+    assert times.known_at_or_below(4) and not times.known_at_or_below(3)
+    assert times.estimate(4, prior) == pytest.approx(0.010)
+    assert times.estimate(6, prior) == pytest.approx(0.015)  # between two measured
+    assert times.estimate(16, prior) == pytest.approx(0.040)  # the last two's line
+    lone = StepTimes()
+    for _ in range(STEP_SAMPLES):
+        lone.observe(8, 0.020)
+    # one measured: the prior's shape (1 + rows / 32) scaled to it
+    assert lone.estimate(16, prior) == pytest.approx(0.020 * (1 + 16 / 32) / (1 + 8 / 32))
+    times.observe(4, 0.200)  # a step that waited for the CPU: no matter
+    assert times.estimate(4, prior) == pytest.approx(0.010)
+    for _ in range(20):  # a slower machine now: the recent steps count
+        times.observe(4, 0.030)
+    assert times.estimate(4, prior) == pytest.approx(0.030)
+
+
+def test_measured_policy_drafts_only_when_tokens_per_second_go_up():
+    """With the EPYC's measured step times (5 rows 2.5x one), one copying stream
+    (acceptance 0.9) gains from every draft, at 0.8 from two (a third's 0.51 tokens cost
+    more than its row), one chat stream (0.3) from none; four copying streams do not pay
+    for 16 drafts (20 rows cost 5.6x 4 rows, past the fused layers) but do for one each;
+    32 chat streams get none."""
+    one = measured_policy([1, 5])
+    assert one.choose([(4, 100, 0.9)], 0.0, 0.0, 100, rows=1) == [4]
+    assert one.choose([(4, 100, 0.8)], 0.0, 0.0, 100, rows=1) == [2]
+    assert one.choose([(4, 100, 0.3)], 0.0, 0.0, 100, rows=1) == [0]
+    four = measured_policy([4, 8, 20])
+    assert four.choose([(4, 100, 0.9)] * 4, 0.0, 0.0, 100, rows=4) == [1] * 4
+    assert four.choose([(4, 100, 0.3)] * 4, 0.0, 0.0, 100, rows=4) == [0] * 4
+    many = measured_policy([32, 64])
+    assert many.choose([(4, 100, 0.3)] * 32, 0.0, 0.0, 1000, rows=32) == [0] * 32
+    # the chosen drafts are the highest-acceptance requests' first positions
+    assert four.choose([(4, 100, 0.2), (4, 100, 0.9), (4, 100, 0.2), (4, 100, 0.2)],
+                       0.0, 0.0, 100, rows=4)[0] == 0
+
+
+def test_measured_policy_measures_the_step_without_drafts_first():
+    policy = measured_policy([5])  # only verification steps measured so far
+    assert policy.choose([(4, 100, 0.9)], 0.0, 0.0, 100, rows=1) == [0]
+    for _ in range(STEP_SAMPLES):
+        policy.observe_step(1, epyc_step_ms(1) / 1000)
+    assert policy.choose([(4, 100, 0.9)], 0.0, 0.0, 100, rows=1) == [4]
+
+
+def test_scheduler_feeds_decode_step_times_to_the_policy():
+    """The engine core tells the scheduler each plan's time; steps of decodes and their
+    drafts teach the policy (by query rows), steps with a prefill chunk do not."""
+    sched = make_scheduler(block_size=4, speculative_config=NGRAM)
+    worker = FakeWorker(4, model=copying_model(period=2))
+    sched.add(make_request("a", [3, 4, 3, 4], max_tokens=30))
+    seen = []
+    for _ in range(12):
+        plan, _ = step(sched, worker)
+        sched.step_ran(plan, 0.001 * plan.total_num_scheduled_tokens)
+        seen.append(plan.total_num_scheduled_tokens)
+    times = sched.spec_policy.times
+    assert seen[0] == 4 and 4 not in times.count  # the prompt's step
+    assert seen[1] > 1  # nothing measured yet: drafts priced by the cost terms
+    assert times.count.get(1, 0) >= STEP_SAMPLES  # then steps without drafts, measured
+    assert any(rows > 1 for rows in times.count)
 
 
 # -- the scheduler ----------------------------------------------------------------------------

@@ -147,3 +147,55 @@ def test_a_quantized_models_few_row_steps_read_its_blocks_and_larger_ones_float_
     for chunk in (1, 7, 64, 200):
         ours, plain = fused_and_plain_logits(worker, tokens, chunk)
         assert rel_err(ours, plain) < 1e-6, chunk
+
+
+def verification_logits(worker, prompts, drafts):
+    """Logits of a step where each request has a few query rows: its next token and its
+    drafts (speculative decoding's verification), after its prompt's own step."""
+    from tidal.ipc.messages import BatchPlan, CachedRequestData, NewRequestData, pack_token_ids
+
+    sampling = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    blocks = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(len(prompts))]
+    new = [NewRequestData(f"v{i}", pack_token_ids(p), len(p), blocks[i], 0, len(p), sampling)
+           for i, p in enumerate(prompts)]
+    worker.execute(BatchPlan(1, new_requests=new,
+                             total_num_scheduled_tokens=sum(map(len, prompts))))
+    cached = [CachedRequestData(f"v{i}", [], len(p), 1 + len(d), spec_token_ids=pack_token_ids(d))
+              for i, (p, d) in enumerate(zip(prompts, drafts))]
+    logits = worker.runner.compute_logits_all(BatchPlan(
+        2, cached_requests=cached, total_num_scheduled_tokens=sum(1 + len(d) for d in drafts)))
+    for i in range(len(prompts)):
+        worker.runner.batch.remove(f"v{i}")
+    return logits
+
+
+def test_a_verification_steps_few_rows_per_request_take_the_fused_call(tiny_gguf_factory,
+                                                                      tmp_path):
+    """Two requests verifying 2 and 3 drafts (7 rows, 3 and 4 a request: the row attention
+    takes each as a short chunk) go through the fused call on a de-quantized GGUF (the
+    blocks' kernel, AVX2 included) and give the layers' own calls' logits and argmax."""
+    from tidal.workers.gguf import gguf_folder
+
+    folder = gguf_folder(tiny_gguf_factory("Q4_1"), str(tmp_path))
+    fused_w = fused_worker(folder)
+    fused = fused_w.runner.model.model.fused
+    calls = []  # the rows of each step the fused call took
+    for_step = fused.for_step
+
+    def recording(hidden, plan):
+        call = for_step(hidden, plan)
+        if call is not None:
+            calls.append(hidden.shape[0])
+        return call
+
+    fused.for_step = recording
+    prompts = [prompt_ids(seed=1, n=30), prompt_ids(seed=2, n=45)]
+    drafts = [[5, 6], [7, 8, 9]]
+    ours = verification_logits(fused_w, prompts, drafts)
+    assert 7 in calls  # the verification step ran in one fused call
+    plain = loaded_worker(folder, "float32", max_num_batched_tokens=1024, max_model_len=512,
+                          cpu_kernels="auto,no-fused")
+    theirs = verification_logits(plain, prompts, drafts)
+    assert ours.shape == theirs.shape == (7, ours.shape[1])
+    assert rel_err(ours, theirs) < 1e-6
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
