@@ -88,6 +88,20 @@ def test_suffix_matches_own_tokens_then_earlier_requests_outputs():
     assert "a" not in p.own
 
 
+def test_suffix_store_prefers_the_latest_output_and_forgets_the_oldest_beyond_its_size():
+    p = SuffixProposer(parse_speculative_config({"method": "suffix", "num_speculative_tokens": 2,
+                                                 "suffix_cache_requests": 2}))
+    p.finished("a", [0, 7, 8, 1, 2], num_prompt=1)
+    p.finished("b", [0, 7, 8, 3, 4], num_prompt=1)
+    assert p.propose("x", [5, 7, 8]) == [3, 4]  # b, the latest, wins over a
+    assert p.propose("y", [5, 50, 51]) == []
+    p.finished("c", [0, 50, 51, 60, 61], num_prompt=1)  # a leaves the store
+    assert p.propose("x", [5, 7, 8]) == [3, 4]  # b's n-grams stay
+    p.finished("d", [0, 9, 9, 9], num_prompt=1)  # b leaves: no request holds 7 8 now
+    assert p.propose("z", [5, 7, 8]) == []
+    assert p.propose("y", [5, 50, 51]) == [60, 61]
+
+
 # -- the adaptive policy ----------------------------------------------------------------------
 
 
@@ -176,6 +190,24 @@ def test_measured_policy_drafts_only_when_tokens_per_second_go_up():
     # the chosen drafts are the highest-acceptance requests' first positions
     assert four.choose([(4, 100, 0.2), (4, 100, 0.9), (4, 100, 0.2), (4, 100, 0.2)],
                        0.0, 0.0, 100, rows=4)[0] == 0
+
+
+def test_measured_policy_drafts_nothing_for_a_gain_within_the_noise():
+    """Drafts that promise under MIN_GAIN more tokens per second than none are not made:
+    one stream whose step of 2 rows costs 1.6x one of 1 row breaks even at acceptance
+    0.6 (1.6 tokens for 1.6x the time), so at 0.62 (1% more) it drafts nothing and at 0.8
+    (12.5% more) one draft."""
+    policy = measured_policy([1, 2], step_ms=lambda rows: 10.0 if rows == 1 else 16.0)
+    assert policy.choose([(1, 100, 0.62)], 0.0, 0.0, 100, rows=1) == [0]
+    assert policy.choose([(1, 100, 0.8)], 0.0, 0.0, 100, rows=1) == [1]
+
+
+def test_measured_policy_drafts_nothing_in_a_step_with_a_prefill_chunk():
+    """Once steps are measured, a step with a prefill chunk (rows None) gets no drafts:
+    its extra rows are priced by no measurement, and it is compute-bound."""
+    policy = measured_policy([1, 5])
+    assert policy.choose([(4, 100, 0.9)], 0.0, 0.0, 100, rows=1) == [4]
+    assert policy.choose([(4, 100, 0.9)], 0.0, 0.0, 100, rows=None) == [0]
 
 
 def test_measured_policy_measures_the_step_without_drafts_first():
