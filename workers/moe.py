@@ -196,21 +196,25 @@ class FusedMoE(nn.Module):
         result = torch.zeros_like(x)
         return result.index_add_(0, token_of, weighted.to(x.dtype))
 
-    def _few_tokens(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-                    ) -> torch.Tensor:
+    def _few_tokens(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    expert=None) -> torch.Tensor:
         """The grouped path's result for a decode step of a few tokens, without its sort,
         gather, scatter and per-expert loop: each token's k experts on its one row, each
         weighted term cast to the activations' dtype and summed by expert id from zero in
         float32, as the CPU's index_add_ does, so one token's result is the grouped path's
         bit for bit on the CPU (its k experts are distinct: each sees one row there too;
         tests/workers/test_moe_models.py). On CUDA, whose index_add_ adds in the activations'
-        dtype, the sum here is the more exact one. Same one host sync (the ids)."""
+        dtype, the sum here is the more exact one. Same one host sync (the ids). `expert(e,
+        row, t)`: expert e on token t's row (default `_expert`; the LoRA path's adds the
+        token's adapter)."""
         rows = []
         for t, token_ids in enumerate(ids.tolist()):
             xt = x[t:t + 1]
             acc = torch.zeros_like(xt, dtype=torch.float32)  # index_add_'s CPU accumulator
             for j in sorted(range(len(token_ids)), key=token_ids.__getitem__):
-                acc += (self._expert(token_ids[j], xt) * weights[t:t + 1, j:j + 1]).to(x.dtype)
+                out = self._expert(token_ids[j], xt) if expert is None else \
+                    expert(token_ids[j], xt, t)
+                acc += (out * weights[t:t + 1, j:j + 1]).to(x.dtype)
             rows.append(acc.to(x.dtype))
         return rows[0] if len(rows) == 1 else torch.cat(rows)
 
@@ -224,18 +228,13 @@ class FusedMoE(nn.Module):
         lora, step = self.lora, self.lora.step
         num_tokens, top_k = ids.shape
         width = lora.max_loras + 1  # runs per expert: the base rows, then each slot's
-        if num_tokens <= FEW_TOKENS:  # the few-token path's loop, each token its own run
-            rows = []
-            for t, token_ids in enumerate(ids.tolist()):
+        if num_tokens <= FEW_TOKENS:  # the few-token path, each token its own run
+            def expert(e: int, xt: torch.Tensor, t: int) -> torch.Tensor:
                 runs = [0] * width
                 runs[step.host_slots[t] + 1] = 1
-                xt = x[t:t + 1]
-                acc = torch.zeros_like(xt, dtype=torch.float32)
-                for j in sorted(range(top_k), key=token_ids.__getitem__):
-                    out = self._expert_lora(token_ids[j], xt, runs, None)
-                    acc += (out * weights[t:t + 1, j:j + 1]).to(x.dtype)
-                rows.append(acc.to(x.dtype))
-            return rows[0] if len(rows) == 1 else torch.cat(rows)
+                return self._expert_lora(e, xt, runs, None)
+
+            return self._few_tokens(x, weights, ids, expert)
         key = ids.reshape(-1) * width + (step.slots + 1).repeat_interleave(top_k)
         order = torch.argsort(key, stable=True)
         token_of = order // top_k
