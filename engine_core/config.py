@@ -348,8 +348,9 @@ class ParallelConfig:
     """How a CPU worker's idle OpenMP threads wait. auto: they spin a while before sleeping
     (libgomp's default: twice PASSIVE's throughput on a quiet machine) until the worker's
     threads wait for a CPU more than a quarter of their step time (other processes took the
-    cores: spinning then costs 10-100x); then they sleep at once, and spin again once the
-    cores have looked free for 2 s (4, 8 ... 60 s after tries that found them taken;
+    cores: spinning then costs 10-100x); then the steps run on half the threads (at least
+    one) and idle threads sleep at once, and every thread spins again once the cores have
+    looked free for 2 s (4, 8 ... 60 s after tries that found them taken;
     `workers/cpu_contention.py`). spin: always spin (the rank only warns). passive:
     OMP_WAIT_POLICY=PASSIVE, sleep at once from the start (for a machine that is always
     shared). OMP_WAIT_POLICY in the environment wins over spin and passive."""

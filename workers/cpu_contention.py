@@ -7,30 +7,37 @@ process had the core. Each window of steps (`ADAPT_WINDOW_S` of step time; `WIND
 the rank does not adapt) the worker sums that wait and divides it by what its threads could
 have run (step time x threads): the window's *share*.
 
-Why not the thread count, and how the wait policy changes after start: libgomp reads
-OMP_WAIT_POLICY and GOMP_SPINCOUNT once, when the process starts, and spinning is what makes
-a quiet machine fast (`engine_core/cpu_threads.py`: twice PASSIVE's throughput on 2 cores).
-Beside a busy neighbour, though, a spinning thread burns its turn waiting at a barrier for a
-partner the scheduler has parked: the demo model's decode went from ~5 ms a token to 0.4-1 s
-on this project's 2-core VM. But libgomp spins only ~100 times instead of ~300,000 (about
-PASSIVE) whenever it manages more threads than the process has cores (`do_spin` in its
+How the wait policy changes after start: libgomp reads OMP_WAIT_POLICY and GOMP_SPINCOUNT
+once, when the process starts, and spinning is what makes a quiet machine fast
+(`engine_core/cpu_threads.py`: twice PASSIVE's throughput on 2 cores). Beside a busy
+neighbour, though, a spinning thread burns its turn waiting at a barrier for a partner the
+scheduler has parked: the demo model's decode went from ~5 ms a token to 0.4-1 s on this
+project's 2-core VM. But libgomp spins only ~100 times instead of ~300,000 (about PASSIVE)
+whenever it manages more threads than the process has cores (`do_spin` in its
 config/linux/wait.h: `gomp_managed_threads > gomp_available_cpus`); so `OpenMPThrottle`
 makes it manage more: a helper thread opens one parallel region of a few threads, whose
-threads then sleep in that thread's pool, counted, until the helper ends. Fewer threads per
-step (torch.set_num_threads) was the other way; beside two busy loops it decoded 2-5x slower
-than sleeping waits on both threads (docs/performance.md).
+threads then sleep in that thread's pool, counted, until the helper ends.
 
+Why the thread count halves too (`ContendedMode`): beside two un-niced busy loops in sessions
+of their own, Linux's autogroup gives each session an equal share, so the worker's session
+gets 2/3 of a core of the 2-core VM whatever its thread count. Split over two threads that
+meet at every barrier of every layer, each third of a core waits for the other's turn;
+one thread computes in its share undisturbed. SmolLM2-135M decode, 2026-12-04 12:35 UTC
+(`benchmarks/shared_cpu.py`, quiet -> busy): two sleeping threads 9.9 -> 58-69 ms a token,
+one thread 15-17.5 -> 21-27 ms. 1 and 2 threads give bit-identical logits (every kernel
+splits its outputs, never a sum, across threads), so the tokens do not change either.
 The `cpu_wait_policy=auto` rule (`CpuContention.step`):
 
-- share > `DROP_SHARE` while spinning: throttle, and log a warning (at most one per
-  `REPEAT_S`) that says what takes the cores and what the user can do;
+- share > `DROP_SHARE` while spinning: throttle (half the threads, the idle ones sleeping
+  at once), and log a warning (at most one per `REPEAT_S`) that says what takes the cores
+  and what the user can do;
 - share < `RESTORE_SHARE` in every window for `probe_after_s` while throttled, and the cores
-  idle `FREE_CORES` on average meanwhile: spin again. A
+  idle `FREE_CORES` on average meanwhile: every thread, spinning, again. A
   try that is contended at once doubles `probe_after_s` (from `FIRST_PROBE_S` up to
   `MAX_PROBE_S`); one that holds resets it.
 
-The thread count never changes, so neither do the tokens. With `spin` or `passive`, or
-where the process has no libgomp, the rank only warns, over `WINDOW_S` windows.
+With `spin` or `passive`, or where the process has no libgomp, the rank only warns, over
+`WINDOW_S` windows.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import ctypes
 import glob
 import logging
 import os
+import sys
 import threading
 import time
 from typing import Callable, MutableMapping
@@ -155,6 +163,42 @@ class OpenMPThrottle:
         self.release.wait()
 
 
+class ContendedMode:
+    """What an adapting rank (`cpu_wait_policy=auto`) changes while other processes take its
+    cores: its steps run on half its threads (at least one), and libgomp's idle threads sleep
+    at once (`OpenMPThrottle`, where the process runs libgomp). `engage` is called on the
+    thread that runs the steps (OpenMP's and numba's thread counts are per calling thread)
+    and returns the threads the steps now run on."""
+
+    def __init__(self, threads: int, omp: OpenMPThrottle | None = None,
+                 set_threads: Callable[[int], None] | None = None) -> None:
+        self.threads = max(1, threads)
+        self.contended_threads = max(1, self.threads // 2)
+        self.omp = omp if omp is not None and omp.available else None
+        self.set_threads = set_threads or set_step_threads
+
+    def engage(self, on: bool) -> int:
+        if self.omp is not None:
+            self.omp.engage(on)
+        threads = self.contended_threads if on else self.threads
+        self.set_threads(threads)
+        return threads
+
+
+def set_step_threads(threads: int) -> None:
+    """The threads this thread's parallel regions use from now on: torch's (and, through its
+    libgomp, the C kernels'), and numba's where its pool runs already."""
+    import torch
+
+    torch.set_num_threads(threads)
+    numba = sys.modules.get("numba")
+    if numba is not None:
+        try:
+            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        except Exception:  # noqa: BLE001 - numba without a threading layer: nothing to set
+            pass
+
+
 def _loaded_libgomp() -> ctypes.CDLL | None:
     """The libgomp this process has loaded (torch's), from /proc/self/maps; None if none."""
     try:
@@ -175,13 +219,14 @@ def _loaded_libgomp() -> ctypes.CDLL | None:
 
 class CpuContention:
     """Fed each step's wall time; warns when the threads waited for CPUs and, where
-    `throttle` is given (`cpu_wait_policy=auto`), switches libgomp's spinning off while they
-    do and on again once they stop (see above)."""
+    `throttle` is given (`cpu_wait_policy=auto`: `ContendedMode.engage`), engages it while
+    they do and releases it once they stop (see above). A throttle that returns a number
+    says how many threads the steps run on from then (the share's denominator)."""
 
     def __init__(self, rank: int, threads: int,
                  read_wait: Callable[[], float | None] = runqueue_wait_s,
                  clock: Callable[[], float] = time.monotonic,
-                 throttle: Callable[[bool], None] | None = None,
+                 throttle: Callable[[bool], int | None] | None = None,
                  read_idle: Callable[[], float | None] = idle_cores_s) -> None:
         self.rank = rank
         self.threads = max(1, threads)
@@ -244,12 +289,15 @@ class CpuContention:
         self.idle_at = self.read_idle()
 
     def _change(self, throttled: bool, now: float) -> None:
-        logger.info("rank %d: idle OpenMP threads %s (run-queue wait %.0f%% of step time)",
-                    self.rank, "sleep at once" if throttled else "spin again",
-                    100 * (self.last_share or 0.0))
         self.throttled = throttled
         self._watch(now)
-        self.throttle(throttled)
+        threads = self.throttle(throttled)
+        if threads is not None:
+            self.threads = threads
+        logger.info("rank %d: %s (run-queue wait %.0f%% of step time)", self.rank,
+                    f"steps on {self.threads} thread(s), idle ones sleeping at once" if throttled
+                    else f"steps on {self.threads} thread(s), idle ones spinning again",
+                    100 * (self.last_share or 0.0))
 
     def _warn(self, share: float, now: float) -> None:
         if self.warned_at is not None and now - self.warned_at <= REPEAT_S:
@@ -258,8 +306,9 @@ class CpuContention:
         if self.throttle is not None:
             logger.warning(
                 "rank %d: other processes are taking these cores: the worker's %d thread(s) "
-                "waited for a CPU %.0f%% of their step time, so its idle threads sleep at once "
-                "instead of spinning until the cores are free (--cpu-wait-policy auto). On a machine that is "
+                "waited for a CPU %.0f%% of their step time, so its steps run on half its threads "
+                "and idle threads sleep at once instead of spinning until the cores are free "
+                "(--cpu-wait-policy auto). On a machine that is "
                 "always shared, --cpu-wait-policy passive (sleep from the start) or "
                 "fewer --cpu-threads keep more for both; `nice` on the other work helps only "
                 "in tidal's own session (engine_core/cpu_threads.py); --cpu-wait-policy spin "

@@ -101,16 +101,19 @@ class WorkerProcess:
             self._close()
 
     def _contention(self):
-        """The rank's CpuContention: it throttles libgomp's spinning while other processes
-        take the cores only where the rank computes on the CPU with cpu_wait_policy=auto
-        and runs libgomp (workers/cpu_contention.py)."""
-        from .cpu_contention import CpuContention, OpenMPThrottle
+        """The rank's CpuContention: while other processes take the cores it halves the
+        steps' threads and throttles libgomp's spinning, only where the rank computes on the
+        CPU with cpu_wait_policy=auto and runs libgomp (workers/cpu_contention.py)."""
+        from .cpu_contention import ContendedMode, CpuContention, OpenMPThrottle
 
         threads = self.config.cpu_threads or os.cpu_count() or 1
         throttle = None
         if self.config.cpu_wait_policy == "auto" and self.worker.device.type == "cpu":
             omp = OpenMPThrottle(threads)
-            throttle = omp.engage if omp.available else None
+            if omp.available:
+                import torch
+
+                throttle = ContendedMode(torch.get_num_threads(), omp).engage
         return CpuContention(self.config.worker_index, threads, throttle=throttle)
 
     def _loop(self) -> None:
