@@ -24,8 +24,9 @@ gets 2/3 of a core of the 2-core VM whatever its thread count. Split over two th
 meet at every barrier of every layer, each third of a core waits for the other's turn;
 one thread computes in its share undisturbed. SmolLM2-135M decode, 2026-12-04 12:35 UTC
 (`benchmarks/shared_cpu.py`, quiet -> busy): two sleeping threads 9.9 -> 58-69 ms a token,
-one thread 15-17.5 -> 21-27 ms. 1 and 2 threads give bit-identical logits (every kernel
-splits its outputs, never a sum, across threads), so the tokens do not change either.
+one thread 15-17.5 -> 21-27 ms. On SmolLM2 1 and 2 threads gave bit-identical logprobs
+(24 greedy tokens of 6 prompts); a kernel that split a sum across threads (oneDNN may, for
+long products) could change the last bits, as a change of machine can.
 The `cpu_wait_policy=auto` rule (`CpuContention.step`):
 
 - share > `DROP_SHARE` while spinning: throttle (half the threads, the idle ones sleeping
