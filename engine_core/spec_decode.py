@@ -14,8 +14,9 @@ what was accepted (the rejected drafts' KV slots are overwritten by the next ste
 Proposers (pure Python, no model, no torch):
 
 - `ngram` (prompt lookup, vLLM's): the last n tokens (n from prompt_lookup_max down to
-  prompt_lookup_min) are searched for earlier in the request's own tokens; the tokens that
-  followed the latest earlier occurrence are the draft.
+  prompt_lookup_min) are looked up earlier in the request's own tokens (a per-request index
+  of each n-gram's latest end, extended by new tokens only); the tokens that followed the
+  latest earlier occurrence are the draft.
 - `suffix` (Arctic Inference's suffix decoding, simplified): the longest suffix of the
   request's tokens (up to `suffix_max_match` long) that occurred before, in the request
   (prompt and output) or in a bounded store of earlier requests' outputs, proposes what
@@ -303,6 +304,15 @@ the contexts grow and the machine's load changes, and the median, since on a sha
 a step now and then takes several times its due (2-vCPU VM, load 8: one step in ten)."""
 
 
+STEP_STALE = 256
+"""Measured steps (of any row count) after which a row count not measured since is
+forgotten: while a row count's time says drafts do not pay, no step of it runs and its
+time would never change, so a load that passed (a 5-row step measured at 6x a 1-row one on
+the loaded 2-vCPU EPYC, ~2x quiet) would stop speculation for good. Forgotten, it is
+estimated from its neighbours or the prior again, and drafted and measured afresh if that
+says they pay (a few steps in every STEP_STALE)."""
+
+
 class StepTimes:
     """Seconds of decode steps (no prefill chunk) by their query rows, as the engine core
     measured them (each plan's own time at the workers): what a step with drafts really
@@ -320,10 +330,16 @@ class StepTimes:
         self.count: dict[int, int] = {}
         self._recent: dict[int, deque[float]] = {}
         self._trusted: list[int] = []  # sorted row counts with STEP_SAMPLES measurements
+        self._steps = 0  # steps observed
+        self._last: dict[int, int] = {}  # row count -> the step that last measured it
 
     def observe(self, rows: int, seconds: float) -> None:
         if rows <= 0 or not seconds > 0:
             return
+        self._steps += 1
+        self._last[rows] = self._steps
+        if self._steps % 16 == 0:
+            self._forget_stale()
         recent = self._recent.get(rows)
         if recent is None:
             recent = self._recent[rows] = deque(maxlen=STEP_WINDOW)
@@ -332,6 +348,15 @@ class StepTimes:
         n = self.count[rows] = self.count.get(rows, 0) + 1
         if n == STEP_SAMPLES:
             self._trusted = sorted(self._trusted + [rows])
+
+    def _forget_stale(self) -> None:
+        """Drop the row counts not measured in the last STEP_STALE steps."""
+        stale = [r for r, at in self._last.items() if self._steps - at > STEP_STALE]
+        for rows in stale:
+            for table in (self.mean, self.count, self._recent, self._last):
+                table.pop(rows, None)
+        if stale:
+            self._trusted = [r for r in self._trusted if r in self.count]
 
     def known_at_or_below(self, rows: int) -> bool:
         """Whether some trusted row count is at most `rows` (estimates then never

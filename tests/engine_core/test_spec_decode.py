@@ -13,7 +13,7 @@ from sched_utils import (
 )
 from tidal.engine_core.config import SchedulerConfig
 from tidal.engine_core.spec_decode import (
-    STEP_SAMPLES, AdaptivePolicy, CostTerms, NgramProposer, StepTimes, SuffixProposer,
+    STEP_SAMPLES, STEP_STALE, AdaptivePolicy, CostTerms, NgramProposer, StepTimes, SuffixProposer,
     expected_tokens, parse_speculative_config,
 )
 from tidal.ipc.messages import unpack_token_ids
@@ -170,6 +170,20 @@ def test_step_times_trust_a_row_count_after_a_few_steps_and_fill_the_gaps():
     for _ in range(20):  # a slower machine now: the recent steps count
         times.observe(4, 0.030)
     assert times.estimate(4, prior) == pytest.approx(0.030)
+
+
+def test_step_times_forget_a_row_count_not_measured_for_a_while():
+    """A verification step's time measured under load stops drafting, so it would never be
+    measured again: after STEP_STALE steps without it, the policy estimates it afresh (and
+    drafts, to measure it again)."""
+    policy = measured_policy([1], step_ms=lambda rows: 16.0)
+    for _ in range(STEP_SAMPLES):
+        policy.observe_step(5, 0.100)  # 6x a 1-row step: a loaded machine
+    assert policy.choose([(4, 100, 0.9)], 0.0, 0.0, 100, rows=1) == [0]
+    for _ in range(STEP_STALE + 16):
+        policy.observe_step(1, 0.016)
+    assert 5 not in policy.times.count
+    assert policy.choose([(4, 100, 0.9)], 0.0, 0.0, 100, rows=1) == [4]
 
 
 def test_measured_policy_drafts_only_when_tokens_per_second_go_up():
