@@ -4,10 +4,12 @@ each, alternating (so a machine whose load drifts affects both alike); prints ea
 median and least time and their ratio, what the adaptive policy's measured step times see.
 
     python benchmarks/verify_step.py MODEL_FOLDER [--requests 1] [--drafts 4] [--steps 30]
-                                     [--threads 2] [--profile]
+                                     [--threads 2] [--profile] [--parts]
 
 --profile prints cProfile's top functions over the verification steps (then the decode
-steps) instead. The drafts are a fixed token, mostly rejected: a step costs the same either
+steps) instead. --parts runs the fused layers' build with its per-part timer
+(`fused_layers.timed_build`) and prints, for both kinds of step, each part's median ms a step
+over the 30 layers (the parts' sum is the fused call's time). The drafts are a fixed token, mostly rejected: a step costs the same either
 way.
 """
 
@@ -43,6 +45,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--parts", action="store_true")
     args = parser.parse_args()
     import numpy as np
     import torch
@@ -52,6 +55,10 @@ def main() -> None:
     )
 
     torch.set_num_threads(args.threads)
+    if args.parts:
+        from tidal.kernels.cpu import fused_layers
+        if fused_layers.timed_build().library is None:
+            raise SystemExit("the timed build of decoder_layers.c failed")
     worker = worker_for(args.model)
     rng = random.Random(0)
     sampling = SamplingParams(temperature=0.0, max_tokens=10**6, ignore_eos=True)
@@ -98,6 +105,9 @@ def main() -> None:
             print(f"--- {args.steps} steps of {args.requests} x {1 + k} rows")
             pstats.Stats(profile).sort_stats("tottime").print_stats(12)
         return
+    if args.parts:
+        print_parts(run, args)
+        return
     decode, verify = [], []
     for _ in range(args.steps):
         decode.append(run(0))
@@ -107,6 +117,33 @@ def main() -> None:
           f"threads: decode median {md * 1e3:.2f} ms (least {min(decode) * 1e3:.2f}), verify "
           f"median {mv * 1e3:.2f} ms (least {min(verify) * 1e3:.2f}); verify / decode "
           f"{mv / md:.2f} (least {min(verify) / min(decode):.2f})")
+
+
+def print_parts(run, args) -> None:
+    """Each timed part's median ms a step, decode and verification steps alternating."""
+    from tidal.kernels.cpu import fused_layers
+
+    fused_layers.layer_times(reset=True)
+    parts = {0: [], args.drafts: []}
+    walls = {0: [], args.drafts: []}
+    for _ in range(args.steps):
+        for k in (0, args.drafts):
+            walls[k].append(run(k))
+            parts[k].append(fused_layers.layer_times(reset=True))
+    print(f"{args.requests} request(s), {args.drafts} drafts each, median ms a step "
+          f"(least), parts summed over the layers:")
+    print(f"{'part':>10} {'decode':>16} {'verify':>16}")
+    for name in fused_layers.PARTS + ("layers", "step"):
+        cells = []
+        for k in (0, args.drafts):
+            if name == "step":
+                values = walls[k]
+            elif name == "layers":
+                values = [sum(p.values()) for p in parts[k]]
+            else:
+                values = [p[name] for p in parts[k]]
+            cells.append(f"{statistics.median(values) * 1e3:7.2f} ({min(values) * 1e3:6.2f})")
+        print(f"{name:>10} {cells[0]:>16} {cells[1]:>16}")
 
 
 if __name__ == "__main__":

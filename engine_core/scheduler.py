@@ -318,35 +318,57 @@ class Scheduler:
 
     def _add_drafts(self, step: _Step) -> None:
         """Speculative decoding: drafts for the step's one-token decodes, as many per request
-        as the policy picks within the budget left (see the module docstring)."""
+        as the policy picks within the budget left (see the module docstring). The proposer
+        runs only for the requests the policy asks (`AdaptivePolicy.ask`: none where even
+        every draft found and accepted at its running rate would not pay)."""
         proposer, policy = self.proposer, self.spec_policy
         terms = policy.terms
         ceiling = self.spec_config.num_speculative_tokens
         base_cost, base_tokens = terms.intercept, 0.0
-        candidates, proposals = [], []
+        eligible, rest = [], []  # (request, most drafts), (request, num_new)
         rows, decodes_only = 0, True
         for request, num_new, _, admitted in step.scheduled.values():
             rows += num_new
             decodes_only = decodes_only and num_new == 1
-            computed = request.num_computed_tokens
             num_tokens = len(request.all_token_ids)
-            if (num_new == 1 and not admitted and computed == num_tokens - 1
+            if (num_new == 1 and not admitted and request.num_computed_tokens == num_tokens - 1
                     and not request.num_output_placeholders and _can_speculate(request)):
                 room = min(request.max_tokens - len(request.output_token_ids),
                            self.max_model_len - num_tokens) - 1
-                draft = proposer.propose(request.req_id, request.all_token_ids,
-                                         min(room, ceiling)) if room > 0 else []
-                if draft:
-                    candidates.append((len(draft), computed, policy.alpha(
-                        request.spec_accepted, request.spec_drafted)))
-                    proposals.append((request, draft))
+                if room > 0:
+                    eligible.append((request, min(room, ceiling)))
                     continue
-            base_cost += terms.entry(computed, num_new)
-            base_tokens += computed + num_new >= num_tokens
+            rest.append((request, num_new))
+        if not eligible:
+            return
+        rows = rows if decodes_only else None
+        best_case = [(most, request.num_computed_tokens,
+                      policy.alpha(request.spec_accepted, request.spec_drafted))
+                     for request, most in eligible]
+        rest_tokens = sum(request.num_computed_tokens + num_new >= len(request.all_token_ids)
+                          for request, num_new in rest)
+        ask = policy.ask(best_case, rest_tokens, step.budget, rows)
+        candidates, proposals = [], []
+        started, asked = time.perf_counter(), 0
+        for (request, most), entry, asking in zip(eligible, best_case, ask):
+            draft = []
+            if asking:
+                asked += 1
+                draft = proposer.propose(request.req_id, request.all_token_ids, most)
+            if draft:
+                candidates.append((len(draft), entry[1], entry[2]))
+                proposals.append((request, draft))
+            else:
+                rest.append((request, 1))
+        if asked:
+            policy.observe_proposer(time.perf_counter() - started, asked)
         if not candidates:
             return
-        counts = policy.choose(candidates, base_cost, base_tokens, step.budget,
-                               rows if decodes_only else None)
+        for request, num_new in rest:
+            computed = request.num_computed_tokens
+            base_cost += terms.entry(computed, num_new)
+            base_tokens += computed + num_new >= len(request.all_token_ids)
+        counts = policy.choose(candidates, base_cost, base_tokens, step.budget, rows)
         kv = self.kv_cache_manager
         for (request, draft), k in zip(proposals, counts):
             if k <= 0:

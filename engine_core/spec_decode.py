@@ -14,8 +14,9 @@ what was accepted (the rejected drafts' KV slots are overwritten by the next ste
 Proposers (pure Python, no model, no torch):
 
 - `ngram` (prompt lookup, vLLM's): the last n tokens (n from prompt_lookup_max down to
-  prompt_lookup_min) are searched for earlier in the request's own tokens; the tokens that
-  followed the latest earlier occurrence are the draft.
+  prompt_lookup_min) are looked up earlier in the request's own tokens (a per-request index
+  of each n-gram's latest end, extended by new tokens only); the tokens that followed the
+  latest earlier occurrence are the draft.
 - `suffix` (Arctic Inference's suffix decoding, simplified): the longest suffix of the
   request's tokens (up to `suffix_max_match` long) that occurred before, in the request
   (prompt and output) or in a bounded store of earlier requests' outputs, proposes what
@@ -124,43 +125,50 @@ def _int(value, key: str, lo: int, hi: int) -> None:
 
 class NgramProposer:
     """Prompt lookup: the continuation of the latest earlier occurrence of the last n tokens
-    (n from prompt_lookup_max down to prompt_lookup_min)."""
+    (n from prompt_lookup_max down to prompt_lookup_min). Per request an incremental index
+    (`_NgramIndex` over every token: each n-gram's latest end), extended by the tokens new
+    since the last call, so a call costs O(new tokens + probes): the backward scan over the
+    whole token list it replaces cost O(tokens) per request and step."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.k = config.num_speculative_tokens
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+        self.own: dict[str, _NgramIndex] = {}
 
     def propose(self, req_id: str, tokens: list[int], k: int | None = None) -> list[int]:
         """Up to k (default: the ceiling) draft tokens to follow `tokens`; [] for none. The
-        longest match (at most prompt_lookup_max) wins, the latest among equals: one
-        backward scan over the positions holding the last token."""
+        longest match (at most prompt_lookup_max) wins, the latest among equals."""
         k = self.k if k is None else k
         n_tokens = len(tokens)
         if n_tokens < 2 or k <= 0:
             return []
-        last = tokens[-1]
-        max_n = self.max_n
-        best_len, best_end = 0, -1
-        i = n_tokens - 2
-        while i >= 0:
-            if tokens[i] == last:
-                n = 1
-                while n < max_n and n <= i and tokens[i - n] == tokens[n_tokens - 1 - n]:
-                    n += 1
-                if n > best_len:
-                    best_len, best_end = n, i + 1
-                    if n == max_n:
-                        break
-            i -= 1
-        if best_len < self.min_n:
-            return []
-        return tokens[best_end:best_end + k]
+        index = _own_index(self.own, req_id, self.max_n, tokens)
+        # every token indexed: an n-gram ending at position i (i <= n_tokens - 2) maps to
+        # i + 1, so the query (the last n tokens) is found only strictly earlier
+        if len(index.tokens) < n_tokens:
+            index.extend(tokens[len(index.tokens):])
+        where = index.where
+        for n in range(min(self.max_n, n_tokens - 1), self.min_n - 1, -1):
+            at = where.get(tuple(tokens[n_tokens - n:]))
+            if at is not None:
+                return tokens[at:at + k]
+        return []
 
     def finished(self, req_id: str, tokens: list[int], num_prompt: int) -> None:
-        """A request finished (nothing to remember)."""
+        """A request finished: its index goes."""
+        self.own.pop(req_id, None)
 
     def forget(self, req_id: str) -> None:
-        """A request left (nothing kept per request)."""
+        self.own.pop(req_id, None)
+
+
+def _own_index(own: dict, req_id: str, max_n: int, tokens: list[int]) -> _NgramIndex:
+    """A request's own index (new, or afresh when it holds more tokens than `tokens`: the
+    request was recomputed after a preemption)."""
+    index = own.get(req_id)
+    if index is None or len(index.tokens) > len(tokens):
+        index = own[req_id] = _NgramIndex(max_n)
+    return index
 
 
 class _NgramIndex:
@@ -205,11 +213,7 @@ class SuffixProposer:
 
     def propose(self, req_id: str, tokens: list[int], k: int | None = None) -> list[int]:
         k = self.k if k is None else k
-        index = self.own.get(req_id)
-        if index is None:
-            index = self.own[req_id] = _NgramIndex(self.max_n)
-        if len(index.tokens) > len(tokens):  # recomputed after a preemption: start over
-            index = self.own[req_id] = _NgramIndex(self.max_n)
+        index = _own_index(self.own, req_id, self.max_n, tokens)
         # index every token but the last: the suffix ending at the last is the query
         if len(index.tokens) < len(tokens) - 1:
             index.extend(tokens[len(index.tokens):len(tokens) - 1])
@@ -300,6 +304,15 @@ the contexts grow and the machine's load changes, and the median, since on a sha
 a step now and then takes several times its due (2-vCPU VM, load 8: one step in ten)."""
 
 
+STEP_STALE = 256
+"""Measured steps (of any row count) after which a row count not measured since is
+forgotten: while a row count's time says drafts do not pay, no step of it runs and its
+time would never change, so a load that passed (a 5-row step measured at 6x a 1-row one on
+the loaded 2-vCPU EPYC, ~2x quiet) would stop speculation for good. Forgotten, it is
+estimated from its neighbours or the prior again, and drafted and measured afresh if that
+says they pay (a few steps in every STEP_STALE)."""
+
+
 class StepTimes:
     """Seconds of decode steps (no prefill chunk) by their query rows, as the engine core
     measured them (each plan's own time at the workers): what a step with drafts really
@@ -317,10 +330,16 @@ class StepTimes:
         self.count: dict[int, int] = {}
         self._recent: dict[int, deque[float]] = {}
         self._trusted: list[int] = []  # sorted row counts with STEP_SAMPLES measurements
+        self._steps = 0  # steps observed
+        self._last: dict[int, int] = {}  # row count -> the step that last measured it
 
     def observe(self, rows: int, seconds: float) -> None:
         if rows <= 0 or not seconds > 0:
             return
+        self._steps += 1
+        self._last[rows] = self._steps
+        if self._steps % 16 == 0:
+            self._forget_stale()
         recent = self._recent.get(rows)
         if recent is None:
             recent = self._recent[rows] = deque(maxlen=STEP_WINDOW)
@@ -329,6 +348,15 @@ class StepTimes:
         n = self.count[rows] = self.count.get(rows, 0) + 1
         if n == STEP_SAMPLES:
             self._trusted = sorted(self._trusted + [rows])
+
+    def _forget_stale(self) -> None:
+        """Drop the row counts not measured in the last STEP_STALE steps."""
+        stale = [r for r, at in self._last.items() if self._steps - at > STEP_STALE]
+        for rows in stale:
+            for table in (self.mean, self.count, self._recent, self._last):
+                table.pop(rows, None)
+        if stale:
+            self._trusted = [r for r in self._trusted if r in self.count]
 
     def known_at_or_below(self, rows: int) -> bool:
         """Whether some trusted row count is at most `rows` (estimates then never
@@ -362,6 +390,9 @@ times) grows with drafts. Without it, the quiet benchmark (2026-12-04, SmolLM2 o
 EPYC) drafted on 32 chat streams for 1% more tokens a step and ran at 0.92x, and on 4
 copying streams at 0.94-0.95x."""
 
+PROPOSE_SMOOTHING = 0.1
+"""Weight of the newest step in the proposer's running mean time per request asked."""
+
 PRIOR_WEIGHT = 4.0
 """Draft positions' worth of weight the global acceptance has in a request's estimate."""
 
@@ -384,6 +415,9 @@ class AdaptivePolicy:
         """Positions accepted / proposed over every request (the prior's evidence)."""
         self.times = StepTimes()
         """Measured decode step times by query rows (fed by the engine core's loop)."""
+        self.propose_s = 0.0
+        """The proposer's seconds per request asked (a running mean, `observe_proposer`):
+        engine-core time a step spends before its plan, not in the measured step times."""
 
     def prior(self) -> float:
         """The global acceptance per draft position (0.5 before any evidence)."""
@@ -405,6 +439,29 @@ class AdaptivePolicy:
         """A decode step of `rows` query rows (decodes and their drafts, no prefill chunk)
         took `seconds` at the workers."""
         self.times.observe(rows, seconds)
+
+    def observe_proposer(self, seconds: float, asked: int) -> None:
+        """The proposer took `seconds` for `asked` requests in one step."""
+        if asked > 0 and seconds >= 0:
+            self.propose_s += (seconds / asked - self.propose_s) * PROPOSE_SMOOTHING
+
+    def ask(self, candidates: list[tuple[int, int, float]], base_tokens: float, budget: int,
+            rows: int | None) -> list[bool]:
+        """Which of `candidates` [(most drafts it may get, num_computed, alpha)] the
+        proposer is asked for drafts this step, before it runs (its time is engine-core time
+        on the step's path). Each is asked as if it found all its drafts: where even that
+        best case does not pass `MIN_GAIN` with the measured step times and the proposer's
+        time for those asked, no one is asked, and a request whose drafts keep failing (its
+        first draft not among the best case's) is not asked either. Before any step is
+        measured, and with `"adaptive": false`, every candidate is asked."""
+        if not self.adaptive or not self.times.count:
+            return [True] * len(candidates)
+        if rows is None:
+            return [False] * len(candidates)  # a step with a prefill chunk drafts nothing
+        caps = [min(n, self.ceiling) for n, _, _ in candidates]
+        ks = self._choose_measured(candidates, caps, base_tokens, budget, rows,
+                                   self.propose_s)
+        return [k > 0 for k in ks]
 
     def choose(self, candidates: list[tuple[int, int, float]], base_cost: float,
                base_tokens: float, budget: int, rows: int | None = None) -> list[int]:
@@ -447,7 +504,8 @@ class AdaptivePolicy:
         return _fit_budget(ks, budget)
 
     def _choose_measured(self, candidates, caps: list[int], base_tokens: float,
-                         budget: int, rows: int) -> list[int] | None:
+                         budget: int, rows: int, per_request_s: float = 0.0
+                         ) -> list[int] | None:
         """Draft counts for a decode step priced by measured step times (None before any
         step is measured; no drafts while none of `rows` rows or fewer is, so that the
         step without drafts is measured first).
@@ -459,7 +517,9 @@ class AdaptivePolicy:
         all: the best D drafts are the D largest marginal yields a^j (each request's fall
         with j, so taking the largest keeps every request's drafts a prefix), and D is the
         one whose (tokens) / (time of rows + D rows) is highest, ties to fewer drafts, and
-        none unless that beats the step without drafts by `MIN_GAIN`."""
+        none unless that beats the step without drafts by `MIN_GAIN`. `per_request_s` is
+        added to a drafting step's time for every request with drafts in it (the
+        proposer's, when it is still to run: `ask`)."""
         times = self.times
         if not times.count:
             return None  # nothing measured yet (no engine loop feeds it): the cost terms
@@ -473,9 +533,11 @@ class AdaptivePolicy:
         tokens = base_tokens + len(candidates)
         best_d, best = 0, tokens / times.estimate(rows, prior)
         no_drafts = best
-        for d, (gain, _, _) in enumerate(gains, start=1):
+        drafting = 0  # requests with drafts among the first d
+        for d, (gain, j, _) in enumerate(gains, start=1):
             tokens += gain
-            rate = tokens / times.estimate(rows + d, prior)
+            drafting += j == 1
+            rate = tokens / (times.estimate(rows + d, prior) + per_request_s * drafting)
             if rate > best * (1 + 1e-9):
                 best_d, best = d, rate
         if best < no_drafts * (1 + MIN_GAIN):

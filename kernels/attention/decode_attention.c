@@ -379,6 +379,17 @@ int tidal_decode_attention_head_dim_ok(int head_dim) {
 #endif
 }
 
+/* Rows whose (key position, head) pairs are fewer run on the calling thread alone (each item
+ * is the same arithmetic on any thread: results do not change): there a region's wake-up of
+ * the other threads costs about what it saves on a quiet machine, and on one shared with
+ * other processes far more. Per-part times of SmolLM2's 30 layers on the 2-vCPU AVX2 EPYC
+ * (`benchmarks/verify_step.py --parts`, 1 request at ~200 positions, 9 heads, 2026-12-04):
+ * its 1-row decode steps (1,800 pairs a layer) spent a median 6.7 ms a step in this kernel
+ * at load ~4 with OpenMP's default wait policy, 1.1 ms on one thread; but 5-row steps (9,000
+ * pairs) took 3.3 ms with spinning threads (OMP_WAIT_POLICY=ACTIVE) against 5.3 ms on one,
+ * so they stay split. */
+#define ROWS_PARALLEL_WORK 4096
+
 /* Attend query row rows[i] over the first lens[i] >= 1 positions of request requests[i] (a
  * row of tables), i < n, of those only the last `window` when window > 0 (the rows'
  * sliding window: blocks before it are never read), scores soft-capped at soft_cap when it is
@@ -399,7 +410,9 @@ int tidal_decode_attention_window(const float *q, const float *key_cache,
     long items = n * num_kv_heads * parts;
     layout_t at = {block_size, block_stride, pos_stride};
     int failed = 0;
-    #pragma omp parallel
+    long work = 0; /* (key position, head) pairs: the rows' arithmetic */
+    for (long r = 0; r < n; r++) work += (long)lens[r] * num_heads;
+    #pragma omp parallel if (work >= ROWS_PARALLEL_WORK)
     {
         float *scores = 0;
         long capacity = 0;
@@ -543,9 +556,12 @@ int tidal_prefill_attention(const float *q, const float *key_cache, const float 
  * requests ~300). Measured on the 2-vCPU AMD EPYC (Zen 4), SmolLM2's offline run (64
  * sharegpt-like requests, tidal alone), one thread against two: its six 2048-token steps
  * 17.8 / 17.6 s against 16.1 / 16.0 s, walls 37.1 / 38.1 s against 36.1 / 35.3 s; splitting
- * decode steps too (any step of two or more tokens, not 64 or more) took its decode steps
- * from 18.8 / 18.6 s to 18.6 / 18.1 s. */
-#define WRITE_KV_PARALLEL 2
+ * decode steps too (any step of 8 or more tokens, not 64 or more) took its decode steps
+ * from 18.8 / 18.6 s to 18.6 / 18.1 s. A step of fewer tokens (one request verifying its
+ * drafts) writes on one thread: its region's wake-up of the other thread, on the same VM
+ * shared with other processes, cost a median 18 ms a step over 30 layers against 0.1 ms for
+ * the copies (`benchmarks/verify_step.py --parts`, 2026-12-04). */
+#define WRITE_KV_PARALLEL 8
 long tidal_write_kv(const float *key, const float *value, long key_token, long key_head,
                     long value_token, long value_head, float *key_cache, float *value_cache,
                     const long *slots, long n, int num_kv_heads, int head_dim, int block_size,

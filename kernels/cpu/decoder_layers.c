@@ -148,6 +148,47 @@ void tidal_exp(const float *x, long n, float *out) {
     for (; i < n; i++) out[i] = expf(x[i]);
 }
 
+/* Per-part times of the layers (measurement only): built with -DTIDAL_LAYER_TIMES
+ * (fused_layers.timed_build(); benchmarks/verify_step.py --parts), each part's wall seconds
+ * over every call add up in part_seconds; in the served build MARK is nothing and
+ * tidal_layer_times returns 0. The parts, in a layer's order: */
+enum { P_NORM, P_QKV, P_ROTATE, P_WRITE_KV, P_ROWS, P_CHUNKS, P_O, P_NORM2, P_GATE, P_SILU,
+       P_UP, P_DOWN, P_PARTS };
+#ifdef TIDAL_LAYER_TIMES
+#include <time.h>
+static double part_seconds[P_PARTS];
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+#define MARK_START double mark_last_ = now_s()
+#define MARK(part)                                                                        \
+    do {                                                                                  \
+        double mark_now_ = now_s();                                                       \
+        part_seconds[part] += mark_now_ - mark_last_;                                     \
+        mark_last_ = mark_now_;                                                           \
+    } while (0)
+#else
+#define MARK_START ((void)0)
+#define MARK(part) ((void)0)
+#endif
+
+/* Copies the parts' seconds so far into out[P_PARTS] and, when reset, zeroes them; returns
+ * P_PARTS, or 0 in a build without the timer (out untouched). */
+int tidal_layer_times(double *out, int reset) {
+#ifdef TIDAL_LAYER_TIMES
+    for (int p = 0; p < P_PARTS; p++) {
+        out[p] = part_seconds[p];
+        if (reset) part_seconds[p] = 0.0;
+    }
+    return P_PARTS;
+#else
+    (void)out; (void)reset;
+    return 0;
+#endif
+}
+
 /* Run layers [0, num_layers) over h [T, hidden] in place. Returns 0; -1 - t when token t's
  * slot is past the cache (nothing of that layer written); 1 when an attention kernel fails
  * (out of memory). */
@@ -158,23 +199,29 @@ long tidal_decoder_layers(const tidal_kernels *kn, const tidal_shape *s,
     const int H = s->hidden, nh = s->num_heads, nkv = s->num_kv_heads, d = s->head_dim;
     const long qkv_width = (long)(nh + 2 * nkv) * d;
     enum { PLAIN = 0, ADD = 1, MUL = 2 };
+    MARK_START;
     for (int i = 0; i < num_layers; i++) {
         const tidal_layer *L = &layers[i];
         kn->norm(h, T, H, L->input_norm, s->eps, b->xn);
+        MARK(P_NORM);
         kn->gemm(b->xn, T, H, L->qkv, L->qkv_type, qkv_width, b->qkv, 0, PLAIN);
+        MARK(P_QKV);
         kn->rotate(b->qkv, T, nh + nkv, d, qkv_width, d, st->cos, st->sin, st->table_stride,
                    nh, b->q, b->k);
+        MARK(P_ROTATE);
         long bad = kn->write_kv(b->k, b->qkv + (long)(nh + nkv) * d, (long)nkv * d, d,
                                 qkv_width, d, L->key_cache, L->value_cache, st->slots, T,
                                 nkv, d, s->block_size, s->num_slots, s->block_stride,
                                 s->pos_stride, s->head_stride);
         if (bad >= 0) return -1 - bad;
+        MARK(P_WRITE_KV);
         if (st->n_rows > 0
             && kn->rows(b->q, L->key_cache, L->value_cache, st->tables, st->max_blocks,
                         st->lens, st->requests, st->rows, st->n_rows, nh, nkv, d,
                         s->block_size, s->block_stride, s->pos_stride, s->head_stride,
                         s->scale, b->attn) != 0)
             return 1;
+        MARK(P_ROWS);
         for (long c = 0; c < st->n_chunks; c++) {
             const long *chunk = st->chunks + 4 * c;
             if (kn->chunk(b->q, L->key_cache, L->value_cache,
@@ -184,12 +231,19 @@ long tidal_decoder_layers(const tidal_kernels *kn, const tidal_shape *s,
                           b->attn) != 0)
                 return 1;
         }
+        MARK(P_CHUNKS);
         kn->gemm(b->attn, T, (long)nh * d, L->o, L->o_type, H, b->h2, h, ADD);
+        MARK(P_O);
         kn->norm(b->h2, T, H, L->post_norm, s->eps, b->xn);
+        MARK(P_NORM2);
         kn->gemm(b->xn, T, H, L->gate, L->gate_type, s->intermediate, b->gate, 0, PLAIN);
+        MARK(P_GATE);
         tidal_silu(b->gate, T * s->intermediate);
+        MARK(P_SILU);
         kn->gemm(b->xn, T, H, L->up, L->up_type, s->intermediate, b->m, b->gate, MUL);
+        MARK(P_UP);
         kn->gemm(b->m, T, s->intermediate, L->down, L->down_type, H, h, b->h2, ADD);
+        MARK(P_DOWN);
     }
     return 0;
 }

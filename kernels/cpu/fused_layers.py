@@ -84,6 +84,39 @@ def _declare(library: ctypes.CDLL) -> None:
     library.tidal_silu.restype = None
     library.tidal_exp.argtypes = [_p, _n, _p]
     library.tidal_exp.restype = None
+    library.tidal_layer_times.argtypes = [_p, _i]
+    library.tidal_layer_times.restype = _i
+
+
+PARTS = ("norm", "qkv", "rotate", "write_kv", "rows", "chunks", "o", "norm2", "gate", "silu",
+         "up", "down")
+"""`decoder_layers.c`'s timed parts, in its order (P_NORM ..)."""
+
+
+def timed_build() -> native.Build:
+    """Measurement only: `decoder_layers.c` built with its per-part timer
+    (-DTIDAL_LAYER_TIMES) and installed as this process's build, so that every
+    `FusedLayers` made after runs it; `layer_times()` reads it. The served build has no
+    timer (its marks compile to nothing)."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as folder:
+        source = Path(folder) / "decoder_layers_timed.c"
+        source.write_text("#define TIDAL_LAYER_TIMES 1\n" + SOURCE.read_text())
+        built = native.build_and_load(source, "tidal_decoder_layers_available")
+    if built.library is not None:
+        _declare(built.library)
+        native._builds[(SOURCE, native.march)] = built
+    return built
+
+
+def layer_times(reset: bool = True) -> dict[str, float] | None:
+    """Seconds per part of the layers since the last reset (a `timed_build` run), or None
+    in a build without the timer."""
+    library = load()
+    out = (ctypes.c_double * len(PARTS))()
+    if library is None or not library.tidal_layer_times(out, int(reset)):
+        return None
+    return dict(zip(PARTS, out))
 
 
 def build() -> native.Build:

@@ -13,7 +13,7 @@ from sched_utils import (
 )
 from tidal.engine_core.config import SchedulerConfig
 from tidal.engine_core.spec_decode import (
-    STEP_SAMPLES, AdaptivePolicy, CostTerms, NgramProposer, StepTimes, SuffixProposer,
+    STEP_SAMPLES, STEP_STALE, AdaptivePolicy, CostTerms, NgramProposer, StepTimes, SuffixProposer,
     expected_tokens, parse_speculative_config,
 )
 from tidal.ipc.messages import unpack_token_ids
@@ -172,6 +172,20 @@ def test_step_times_trust_a_row_count_after_a_few_steps_and_fill_the_gaps():
     assert times.estimate(4, prior) == pytest.approx(0.030)
 
 
+def test_step_times_forget_a_row_count_not_measured_for_a_while():
+    """A verification step's time measured under load stops drafting, so it would never be
+    measured again: after STEP_STALE steps without it, the policy estimates it afresh (and
+    drafts, to measure it again)."""
+    policy = measured_policy([1], step_ms=lambda rows: 16.0)
+    for _ in range(STEP_SAMPLES):
+        policy.observe_step(5, 0.100)  # 6x a 1-row step: a loaded machine
+    assert policy.choose([(4, 100, 0.9)], 0.0, 0.0, 100, rows=1) == [0]
+    for _ in range(STEP_STALE + 16):
+        policy.observe_step(1, 0.016)
+    assert 5 not in policy.times.count
+    assert policy.choose([(4, 100, 0.9)], 0.0, 0.0, 100, rows=1) == [4]
+
+
 def test_measured_policy_drafts_only_when_tokens_per_second_go_up():
     """With the EPYC's measured step times (5 rows 2.5x one), one copying stream
     (acceptance 0.9) gains from every draft, at 0.8 from two (a third's 0.51 tokens cost
@@ -216,6 +230,52 @@ def test_measured_policy_measures_the_step_without_drafts_first():
     for _ in range(STEP_SAMPLES):
         policy.observe_step(1, epyc_step_ms(1) / 1000)
     assert policy.choose([(4, 100, 0.9)], 0.0, 0.0, 100, rows=1) == [4]
+
+
+def test_policy_asks_the_proposer_only_where_the_best_case_pays():
+    """Before the proposer runs, each request is priced as if it found all its drafts: with
+    the EPYC's step times 32 chat streams (0.3) are asked nothing, one copying stream (0.9)
+    is; among four streams only those whose first draft the best case would take; a step
+    with a prefill chunk asks no one once steps are measured; a proposer whose time per
+    request exceeds what its drafts save is not asked."""
+    many = measured_policy([32, 64])
+    assert many.ask([(4, 100, 0.3)] * 32, 0.0, 1000, rows=32) == [False] * 32
+    one = measured_policy([1, 5])
+    assert one.ask([(4, 100, 0.9)], 0.0, 100, rows=1) == [True]
+    assert one.ask([(4, 100, 0.9)], 0.0, 100, rows=None) == [False]
+    four = measured_policy([4, 8, 20])
+    assert four.ask([(4, 100, 0.2), (4, 100, 0.9), (4, 100, 0.2), (4, 100, 0.9)], 0.0, 100,
+                    rows=4) == [False, True, False, True]
+    # one stream gains (4.1 tokens in 40 ms against 1 in 16 ms); a proposer taking 30 ms a
+    # request (its running mean) makes that 4.1 in 70 ms: a loss
+    one.observe_proposer(0.300, 1)  # the running mean moves a tenth of the way: 30 ms
+    assert one.propose_s == pytest.approx(0.030)
+    assert one.ask([(4, 100, 0.9)], 0.0, 100, rows=1) == [False]
+    unmeasured = AdaptivePolicy(4, CostTerms())  # no engine loop: everyone is asked
+    assert unmeasured.ask([(4, 100, 0.1)] * 2, 0.0, 100, rows=2) == [True, True]
+
+
+def test_scheduler_asks_no_proposer_for_chat_streams_once_steps_say_drafts_do_not_pay():
+    sched = make_scheduler(block_size=4, speculative_config=NGRAM)
+    calls = []
+    propose = sched.proposer.propose
+    sched.proposer.propose = lambda *a, **kw: calls.append(a[0]) or propose(*a, **kw)
+    for i in range(8):
+        sched.add(make_request(f"r{i}", [3, 4, 3, 4, 5 + i], max_tokens=40))
+    worker = FakeWorker(4, model=lambda tokens: (tokens[-1] * 7 + len(tokens)) % 997 + 1)
+    def step_s(rows):  # memory-bound: a draft's row costs a tenth of the step
+        return 0.010 + 0.001 * rows
+    for rows in (8, 16, 40):
+        for _ in range(STEP_SAMPLES):
+            sched.spec_policy.observe_step(rows, step_s(rows))
+    sched.spec_policy.record(100, 5)  # drafts have failed so far
+    for _ in range(6):
+        plan, _ = step(sched, worker)
+        sched.step_ran(plan, step_s(plan.total_num_scheduled_tokens))
+    assert calls == []  # the prompts' step has a prefill chunk, the decodes do not pay
+    sched.spec_policy.record(1000, 995)  # had they been right, they would be asked
+    step(sched, worker)
+    assert len(calls) == 8
 
 
 def test_scheduler_feeds_decode_step_times_to_the_policy():
