@@ -11,7 +11,7 @@ import pytest
 from sched_utils import (
     FakeWorker, make_request, make_scheduler, reference_tokens, step,
 )
-from tidal.engine_core.config import SchedulerConfig
+from tidal.engine_core.config import EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from tidal.engine_core.spec_decode import (
     STEP_SAMPLES, AdaptivePolicy, CostTerms, NgramProposer, StepTimes, SuffixProposer,
     expected_tokens, parse_speculative_config,
@@ -50,10 +50,22 @@ def test_config_parses_vllm_json_and_names_the_bad_key():
                      ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
                      ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5,
                        "prompt_lookup_max": 2}, "prompt_lookup_min"),
-                     ({"model": "/some/draft", "num_speculative_tokens": 2}, "draft_model"),
+                     ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+                     ({"method": "ngram", "model": "/d", "num_speculative_tokens": 2}, "model"),
                      ("{not json", "JSON")]:
         with pytest.raises(ValueError, match=key):
             parse_speculative_config(bad)
+
+
+def test_a_model_key_alone_means_draft_model_and_pp_is_refused():
+    c = parse_speculative_config({"model": "/some/draft", "num_speculative_tokens": 2})
+    assert (c.method, c.model, c.drafts_in_worker) == ("draft_model", "/some/draft", True)
+    spec = SchedulerConfig(speculative_config={"method": "draft_model", "model": "/d",
+                                               "num_speculative_tokens": 2})
+    assert spec.draft_model == "/d"
+    with pytest.raises(ValueError, match="speculative_config.model.*pipeline_parallel_size"):
+        EngineConfig(ModelConfig("/m"), scheduler=spec,
+                     parallel=ParallelConfig(pipeline_parallel_size=2))
 
 
 def test_scheduler_config_takes_a_dict_or_json_and_refuses_bad_values():
