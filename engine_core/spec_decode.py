@@ -22,6 +22,10 @@ Proposers (pure Python, no model, no torch):
   followed it. The store is an index from n-gram to where it continues (n = 1 ..
   suffix_max_match), so a lookup is a few dict probes, not a scan.
 
+- `draft_model`: a smaller model with the target's vocabulary, run by the workers
+  (`workers/drafter.py`); here only `DraftModelProposer`, which always has the ceiling's
+  worth of drafts, so the plan carries how many (`CachedRequestData.num_model_drafts`).
+
 The adaptive policy (`AdaptivePolicy`, on unless `"adaptive": false`): every step it picks
 k_i in 0 .. min(num_speculative_tokens, draft length) for each request so that
 (expected tokens the step produces) / (predicted step time) is highest. A request whose

@@ -24,6 +24,9 @@ its last k + 1 rows: the logits there are the target's distributions after the l
 token and after each draft. `Sampler.verify` keeps the longest prefix of drafts the target
 accepts plus one token of its own (greedy: argmax; sampled: rejection sampling), every rank
 alike; the request's row gets those tokens and the result says how many (`num_tokens`).
+With a draft model (`drafter`, `workers/drafter.py`) the plan says only how many drafts
+(`num_model_drafts`): the drafter writes them into the batch in `prepare`, before the
+inputs are built, so everything after is the same.
 
 Pipeline parallelism: every stage applies the same plan to its own persistent batch and
 builds the same inputs; a stage after the first takes the previous stage's hidden states
