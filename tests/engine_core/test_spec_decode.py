@@ -286,6 +286,36 @@ def test_outputs_equal_plain_decoding_with_drafts_accepted_and_rejected(method):
     assert sched.block_pool.free_queue.num_free == 400 - 1  # every block back
 
 
+def test_draft_model_plans_carry_counts_and_outputs_equal_plain_decoding():
+    """draft_model: the plan says how many drafts (the worker makes them), never which;
+    outputs equal plain decoding with drafts accepted and rejected; the policy learns."""
+    target = copying_model(period=5, slip_every=7)
+    sched = make_scheduler(block_size=4, num_blocks=400, max_model_len=256,
+                           speculative_config={"model": "/draft", "num_speculative_tokens": 3})
+    worker = FakeWorker(4, model=target, draft_model=copying_model(period=5))
+    prompts = {f"r{i}": [10 + i, 20, 30 + i, 40, 50] for i in range(3)}
+    for req_id, prompt in prompts.items():
+        sched.add(make_request(req_id, prompt, max_tokens=30))
+    outputs: dict[str, list[int]] = {}
+    plans = []
+    while sched.has_unfinished_requests():
+        plan, outs = step(sched, worker)
+        sched.step_ran(plan, 0.001 * plan.total_num_scheduled_tokens)
+        plans.append(plan)
+        for client_outs in outs.values():
+            for o in client_outs:
+                outputs.setdefault(o.req_id, []).extend(unpack_token_ids(o.new_token_ids))
+    for req_id, prompt in prompts.items():
+        assert outputs[req_id] == reference_tokens(prompt, max_tokens=30, max_model_len=256,
+                                                   model=target)
+    cached = [c for p in plans for c in p.cached_requests]
+    assert any(c.num_model_drafts for c in cached) and not any(c.spec_token_ids for c in cached)
+    assert all(c.num_scheduled_tokens == 1 + c.num_model_drafts for c in cached)
+    stats = sched.stats()
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    assert any(rows > 1 for rows in sched.spec_policy.times.count)  # steps with drafts
+
+
 def test_drafts_count_against_the_budget_and_stop_inside_the_run_truncates():
     model = copying_model(period=2)
     sched = make_scheduler(block_size=4, max_num_batched_tokens=8, max_num_seqs=4,
