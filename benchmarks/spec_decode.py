@@ -6,6 +6,7 @@ a chat workload (outputs that do not). Every conversation of a run has its own p
 of earlier outputs holds no answer to a repeated question.
 
     python benchmarks/spec_decode.py [MODEL_FOLDER] [--streams 1 4 32] [--rounds 2]
+        [--draft-model FOLDER ...] [--configs off ...] [--workloads copy chat]
 
 Every engine is started once and kept; the measurements alternate between them within each
 round (off, ngram, ngram fixed, suffix, suffix fixed, then again), so a machine whose load
@@ -130,6 +131,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--workloads", nargs="+", default=["copy", "chat"],
+                        choices=["copy", "chat"])
+    parser.add_argument("--draft-model", action="append", default=[], metavar="FOLDER",
+                        help="add configs 'draft NAME' and 'draft NAME fixed' (method "
+                        "draft_model with this folder; repeatable)")
     parser.add_argument("--tasks", type=int, default=4,
                         help="prompts per workload at 1 stream (at N streams: N prompts)")
     args = parser.parse_args()
@@ -137,12 +143,17 @@ def main() -> None:
 
     model = args.model or default_model()
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    configs = {name: CONFIGS[name] for name in args.configs}
+    for folder in args.draft_model:
+        draft = {"method": "draft_model", "model": folder, "num_speculative_tokens": 4}
+        label = os.path.basename(os.path.normpath(folder))
+        configs[f"draft {label}"] = draft
+        configs[f"draft {label} fixed"] = dict(draft, adaptive=False)
     engines = {}
-    for name in args.configs:
-        spec = CONFIGS[name]
+    for name, spec in configs.items():
         engines[name] = LLM(model, kv_cache_memory="256MiB", max_model_len=1024,
                             speculative_config=None if spec is None else json.dumps(spec))
-    workloads = {"copy": COPY_TASKS, "chat": CHAT_TASKS}
+    workloads = {w: {"copy": COPY_TASKS, "chat": CHAT_TASKS}[w] for w in args.workloads}
     rates: dict[tuple, list[float]] = {}
     same: dict[tuple, list[int]] = {}
     steps: dict[tuple, list[float]] = {}
@@ -174,7 +185,8 @@ def main() -> None:
           f"{args.rounds} rounds; load average {os.getloadavg()[0]:.1f} on "
           f"{os.cpu_count()} CPUs")
     names = list(engines)
-    print(f"{'workload':9}{'streams':>8}  " + "".join(f"{n:>18}" for n in names))
+    width = max(18, *(len(n) + 2 for n in names))
+    print(f"{'workload':9}{'streams':>8}  " + "".join(f"{n:>{width}}" for n in names))
     for wname in workloads:
         for streams in args.streams:
             base = statistics.median(rates[(wname, streams, names[0])])
@@ -182,12 +194,12 @@ def main() -> None:
             for name in names:
                 r = statistics.median(rates[(wname, streams, name)])
                 cells.append(f"{r:8.1f} ({r / base:4.2f}x)")
-            print(f"{wname:9}{streams:>8}  " + "".join(f"{c:>18}" for c in cells))
+            print(f"{wname:9}{streams:>8}  " + "".join(f"{c:>{width}}" for c in cells))
     print("tokens per engine step (independent of the machine's load):")
     for wname in workloads:
         for streams in args.streams:
             cells = [f"{statistics.median(steps[(wname, streams, n)]):.2f}" for n in names]
-            print(f"{wname:9}{streams:>8}  " + "".join(f"{c:>18}" for c in cells))
+            print(f"{wname:9}{streams:>8}  " + "".join(f"{c:>{width}}" for c in cells))
     print("outputs identical to off's: " + ", ".join(
         f"{n} {sum(sum(v) for k, v in same.items() if k[2] == n)}/"
         f"{sum(len(v) * (k[1] if k[1] > 1 else args.tasks) for k, v in same.items() if k[2] == n)}"

@@ -269,7 +269,16 @@ class SchedulerConfig:
     "num_speculative_tokens": K, "prompt_lookup_min": N, "prompt_lookup_max": N}, plus
     tidal's "adaptive" (default true: each step picks every request's draft count, 0..K,
     from the step cost model and its acceptance; false: always K, as other engines) and
-    "suffix_max_match" / "suffix_cache_requests". None = off. See docs/speculative.md."""
+    "suffix_max_match" / "suffix_cache_requests"; or {"method": "draft_model", "model":
+    FOLDER, "num_speculative_tokens": K} (a "model" key alone means draft_model): a smaller
+    model with the target's vocabulary drafts in the workers. None = off. See
+    docs/speculative.md."""
+
+    @property
+    def draft_model(self) -> str | None:
+        """The draft model's folder when speculative_config's method is draft_model."""
+        spec = parse_speculative_config(self.speculative_config)
+        return spec.model if spec is not None else None
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, dict):  # LLM(speculative_config={...})
@@ -463,6 +472,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.model.max_model_len is not None:
             check_lengths(self, self.model.max_model_len)
+        _require(self.scheduler.draft_model is None or self.parallel.pipeline_parallel_size == 1,
+                 "speculative_config.model", "(method 'draft_model') needs "
+                 f"pipeline_parallel_size 1, got {self.parallel.pipeline_parallel_size}: the "
+                 "draft model runs whole in every worker (not built for pipeline stages)")
 
     def pipeline_depth(self, device: str) -> int:
         """Plans the engine core keeps in flight with workers on `device` ("cpu", "cuda"):
@@ -510,6 +523,7 @@ class EngineConfig:
             max_loras=self.lora.max_loras if self.lora.enable_lora else 0,
             max_lora_rank=self.lora.max_lora_rank,
             max_cpu_loras=self.lora.cpu_loras,
+            draft_model=self.scheduler.draft_model,
         )
 
 

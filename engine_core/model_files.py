@@ -88,6 +88,32 @@ def check_model_folder(config: EngineConfig) -> None:
     if isinstance(layers, int) and p.pipeline_parallel_size > layers:
         raise ValueError(f"pipeline_parallel_size ({p.pipeline_parallel_size}) exceeds the "
                          f"model's num_hidden_layers ({layers}): every stage needs a layer")
+    if config.scheduler.draft_model is not None:
+        check_draft_folder(config.scheduler.draft_model, text, tp)
+
+
+def check_draft_folder(folder: str, target: dict, tp: int) -> None:
+    """speculative_config.model (draft_model): a local folder with a config.json whose
+    vocabulary is the target's (`target`: the target's config.json text part) and whose
+    heads -tp can split (ValueError naming the key). The workers check again at load."""
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"speculative_config.model {folder!r} is not a model folder (no "
+                         "config.json there)")
+    with open(path, encoding="utf-8") as f:
+        hf = json.load(f)
+    draft = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
+    if draft.get("vocab_size") != target.get("vocab_size"):
+        raise ValueError(f"speculative_config.model {folder!r} has vocab_size "
+                         f"{draft.get('vocab_size')}; the draft model needs the target's "
+                         f"({target.get('vocab_size')})")
+    heads = draft.get("num_attention_heads")
+    kv_heads = draft.get("num_key_value_heads", heads)
+    if isinstance(heads, int) and heads % tp or (
+            isinstance(kv_heads, int) and kv_heads % tp and tp % kv_heads):
+        raise ValueError(f"speculative_config.model {folder!r}: tensor_parallel_size ({tp}) "
+                         f"must divide its num_attention_heads ({heads}) and divide or be a "
+                         f"multiple of its num_key_value_heads ({kv_heads})")
 
 
 def model_folder(model: str, stop_requested: Callable[[], bool] = lambda: False,

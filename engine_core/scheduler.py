@@ -34,7 +34,8 @@ Speculative decoding (`engine_core/spec_decode.py`): after the running and waiti
 each running request that decodes one token (its last token known, nothing in flight) may
 get k draft tokens from the proposer, k chosen by the adaptive policy within what is left of
 the token budget; they get KV slots (never by preemption: a request whose drafts do not fit
-gets none) and ride in the plan (`CachedRequestData.spec_token_ids`). `num_computed_tokens`
+gets none) and ride in the plan (`CachedRequestData.spec_token_ids`; with a draft model only
+their count, `num_model_drafts`: the workers make them at step time). `num_computed_tokens`
 advances over them at schedule time; `update()` sets it back to what was accepted (the
 rejected drafts' slots are overwritten next step; the blocks stay with the request, which
 needs them next step anyway). A request with drafts in flight is not scheduled again until
@@ -591,7 +592,9 @@ class Scheduler:
                     request.num_worker_tokens = num_tokens
                 if step.drafts:
                     draft = step.drafts.get(request.req_id)
-                    if draft is not None:
+                    if draft is not None and self.spec_config.drafts_in_worker:
+                        cached.num_model_drafts = len(draft)  # the workers make them
+                    elif draft is not None:
                         cached.spec_token_ids = pack_token_ids(draft)
                 cached_reqs.append(cached)
             else:
@@ -752,7 +755,8 @@ class Scheduler:
         if policy is None or plan.new_requests:
             return
         for cached in plan.cached_requests:  # 4 bytes a packed draft token
-            if cached.num_scheduled_tokens != 1 + len(cached.spec_token_ids) // 4:
+            drafts = len(cached.spec_token_ids) // 4 + cached.num_model_drafts
+            if cached.num_scheduled_tokens != 1 + drafts:
                 return
         policy.observe_step(plan.total_num_scheduled_tokens, seconds)
 

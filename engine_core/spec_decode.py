@@ -23,6 +23,10 @@ Proposers (pure Python, no model, no torch):
   followed it. The store is an index from n-gram to where it continues (n = 1 ..
   suffix_max_match), so a lookup is a few dict probes, not a scan.
 
+- `draft_model`: a smaller model with the target's vocabulary, run by the workers
+  (`workers/drafter.py`); here only `DraftModelProposer`, which always has the ceiling's
+  worth of drafts, so the plan carries how many (`CachedRequestData.num_model_drafts`).
+
 The adaptive policy (`AdaptivePolicy`, on unless `"adaptive": false`): every step it picks
 k_i in 0 .. min(num_speculative_tokens, draft length) for each request so that
 (expected tokens the step produces) / (predicted step time) is highest. A request whose
@@ -66,6 +70,15 @@ class SpeculativeConfig:
     """suffix: the longest suffix matched."""
     suffix_cache_requests: int = 256
     """suffix: earlier requests whose outputs the global store keeps (oldest dropped)."""
+    model: str | None = None
+    """draft_model: the draft model's local folder (a smaller model with the target's
+    vocabulary), run by every worker beside the target (`workers/drafter.py`)."""
+
+    @property
+    def drafts_in_worker(self) -> bool:
+        """Whether the workers make the drafts (draft_model): the plan then says how many
+        (`CachedRequestData.num_model_drafts`), not which."""
+        return self.method == "draft_model"
 
 
 def parse_speculative_config(value: str | dict | None) -> SpeculativeConfig | None:
@@ -89,10 +102,12 @@ def parse_speculative_config(value: str | dict | None) -> SpeculativeConfig | No
         method = "draft_model"
     if method not in METHODS:
         raise ValueError(f"speculative_config.method must be one of {METHODS}, got {method!r}")
+    model = value.get("model")
     if method == "draft_model":
-        raise ValueError("speculative_config.method 'draft_model' (a draft model) is not "
-                         "supported yet; use 'ngram' or 'suffix'")
-    if value.get("model") is not None:
+        if not isinstance(model, str) or not model:
+            raise ValueError(f"speculative_config.model must name the draft model's folder "
+                             f"for method 'draft_model', got {model!r}")
+    elif model is not None:
         raise ValueError(f"speculative_config.model is only for method 'draft_model', not "
                          f"{method!r}")
     k = value.get("num_speculative_tokens")
@@ -110,7 +125,7 @@ def parse_speculative_config(value: str | dict | None) -> SpeculativeConfig | No
     _int(max_match, "suffix_max_match", 1, 64)
     cached = value.get("suffix_cache_requests", 256)
     _int(cached, "suffix_cache_requests", 0, 1 << 20)
-    return SpeculativeConfig(method, k, lo, hi, adaptive, max_match, cached)
+    return SpeculativeConfig(method, k, lo, hi, adaptive, max_match, cached, model)
 
 
 def _int(value, key: str, lo: int, hi: int) -> None:
@@ -252,7 +267,28 @@ class SuffixProposer:
         self.own.pop(req_id, None)
 
 
+class DraftModelProposer:
+    """draft_model: the workers make the drafts at step time with the draft model
+    (`workers/drafter.py`), so here a request always "has" k drafts; the plan carries only
+    their count. The tokens returned are placeholders (never sent)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.k = config.num_speculative_tokens
+
+    def propose(self, req_id: str, tokens: list[int], k: int | None = None) -> list[int]:
+        k = self.k if k is None else k
+        return [0] * max(k, 0)
+
+    def finished(self, req_id: str, tokens: list[int], num_prompt: int) -> None:
+        """A request finished (nothing kept here)."""
+
+    def forget(self, req_id: str) -> None:
+        """A request left (nothing kept here)."""
+
+
 def make_proposer(config: SpeculativeConfig):
+    if config.method == "draft_model":
+        return DraftModelProposer(config)
     return NgramProposer(config) if config.method == "ngram" else SuffixProposer(config)
 
 

@@ -576,6 +576,7 @@ class WorkerConfig(msgspec.Struct, **_STRUCT):
     max_loras: int  # LoRAConfig: adapter slots per step (0: LoRA off)
     max_lora_rank: int  # the largest adapter rank the slots hold
     max_cpu_loras: int  # adapters each worker keeps read in host memory (LRU)
+    draft_model: str | None  # speculative draft_model: the draft's folder (workers/drafter.py)
 
     @property
     def worker_index(self) -> int:
@@ -634,6 +635,10 @@ class CachedRequestData(msgspec.Struct, **_STRUCT):
     """Speculative decoding: draft tokens (packed int32) after the request's known tokens,
     the last of `num_scheduled_tokens` (which counts them). The reporting worker verifies
     them and answers with 1 + accepted tokens; no rank keeps them past this step."""
+    num_model_drafts: int = 0
+    """Speculative decoding with a draft model: every rank makes this many drafts itself
+    with the draft model (`workers/drafter.py`) and puts them where `spec_token_ids` would
+    have put them; they too are the last of `num_scheduled_tokens`."""
 
 
 class GrammarToCompile(msgspec.Struct, **_STRUCT):

@@ -24,6 +24,9 @@ its last k + 1 rows: the logits there are the target's distributions after the l
 token and after each draft. `Sampler.verify` keeps the longest prefix of drafts the target
 accepts plus one token of its own (greedy: argmax; sampled: rejection sampling), every rank
 alike; the request's row gets those tokens and the result says how many (`num_tokens`).
+With a draft model (`drafter`, `workers/drafter.py`) the plan says only how many drafts
+(`num_model_drafts`): the drafter writes them into the batch in `prepare`, before the
+inputs are built, so everything after is the same.
 
 Pipeline parallelism: every stage applies the same plan to its own persistent batch and
 builds the same inputs; a stage after the first takes the previous stage's hidden states
@@ -156,6 +159,9 @@ class ModelRunner:
         """The model's LoRA slots (`workers/lora.py` LoRAModel) when the engine serves
         adapters, set by the worker after load."""
         self.graphs: DecodeGraphs | None = None
+        self.drafter = None
+        """Speculative decoding with a draft model (`workers/drafter.py` Drafter), set by
+        the worker after load: makes the drafts of `num_model_drafts` before each forward."""
         self.kv_commit: threading.Thread | None = None  # CPU: making the cache resident
         self.idle = threading.Event()
         """Set while no step runs (`set_idle`); the CPU cache is made resident only then."""
@@ -171,7 +177,8 @@ class ModelRunner:
         """Bytes one KV block takes on this rank, K and V over every layer of its stage (a
         quantized cache's scales included: `AttentionBackend.kv_bytes_per_token_head`)."""
         row = self.attention_backend.kv_bytes_per_token_head(self.head_dim, self.dtype)
-        return 2 * self.model.num_layers * self.block_size * self.num_kv_heads * row
+        target = 2 * self.model.num_layers * self.block_size * self.num_kv_heads * row
+        return target + (self.drafter.kv_block_bytes if self.drafter is not None else 0)
 
     def allocate_kv_cache(self, num_blocks: int) -> list[KVCache]:
         """K and V tensors per layer, [num_blocks, block_size, kv_heads, head_dim] (stored as
@@ -190,14 +197,21 @@ class ModelRunner:
         A quantized cache (`kv_cache_dtype` int8/fp8) is (K, V, K scales, V scales) per
         layer, the scales [num_blocks, block_size, kv_heads] float32, block 0's zeroed too.
         """
-        geometry = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim, self.dtype,
+        return self.allocate_kv_layers(num_blocks, self.model.num_layers, self.num_kv_heads,
+                                       self.head_dim)
+
+    def allocate_kv_layers(self, num_blocks: int, num_layers: int, num_kv_heads: int,
+                           head_dim: int) -> list[KVCache]:
+        """`allocate_kv_cache` for any layer count and head geometry (the draft model's
+        cache too: `workers/drafter.py`)."""
+        geometry = (num_blocks, self.block_size, num_kv_heads, head_dim, self.dtype,
                     self.device)
         backend = self.attention_backend
         caches = []
-        for _ in range(self.model.num_layers):
+        for _ in range(num_layers):
             layer = [backend.kv_cache(*geometry), backend.kv_cache(*geometry)]
             if backend.kv_dtype is not None:
-                layer += [backend.kv_scales(num_blocks, self.block_size, self.num_kv_heads,
+                layer += [backend.kv_scales(num_blocks, self.block_size, num_kv_heads,
                                             self.device) for _ in range(2)]
             for tensor in layer:
                 tensor[0].zero_()
@@ -212,8 +226,10 @@ class ModelRunner:
             raise ValueError(f"num_blocks must be at least 2 (block 0 is reserved), "
                              f"got {num_blocks}")
         self.kv_caches = self.allocate_kv_cache(num_blocks)
+        draft = (self.drafter.init_kv_cache(self.allocate_kv_layers, num_blocks)
+                 if self.drafter is not None else [])
         if self.device.type == "cpu":
-            self.kv_commit = commit_pages([t for pair in self.kv_caches for t in pair],
+            self.kv_commit = commit_pages([t for pair in self.kv_caches for t in pair] + draft,
                                           f"rank {self.config.worker_index}: KV cache",
                                           self.idle)
         if self.device.type == "cuda" and not self.config.enforce_eager and self.pp.size == 1:
@@ -374,6 +390,7 @@ class ModelRunner:
         if plan.lora_slots:
             self._lora().load(plan.lora_slots)
         req_ids, rows, num_scheduled, failed = [], [], [], []
+        num_new = 0  # the first num_new of rows joined with this plan
         for new in plan.new_requests:
             try:
                 rows.append(self._add_new(new))
@@ -384,6 +401,7 @@ class ModelRunner:
                 continue
             req_ids.append(new.req_id)
             num_scheduled.append(new.num_scheduled_tokens)
+            num_new += 1
         for cached in plan.cached_requests:
             if cached.req_id in self.refused:
                 continue
@@ -392,8 +410,14 @@ class ModelRunner:
             num_scheduled.append(cached.num_scheduled_tokens)
         if not req_ids:
             return None, failed
-        return self._build_inputs(req_ids, np.asarray(rows, np.int64),
-                                  np.asarray(num_scheduled, np.int64)), failed
+        rows, num_scheduled = np.asarray(rows, np.int64), np.asarray(num_scheduled, np.int64)
+        if self.batch.num_model_drafts[rows].any() and self.drafter is None:
+            raise ValueError("a plan asks for num_model_drafts from a worker without a draft "
+                             "model (speculative_config.model)")
+        if self.drafter is not None:  # its KV keeps up with every step; drafts if asked
+            self.drafter.draft(self.batch, rows, num_scheduled,
+                               np.arange(len(rows)) < num_new)
+        return self._build_inputs(req_ids, rows, num_scheduled), failed
 
     def _lora(self):
         if self.lora is None:

@@ -53,6 +53,9 @@ class PersistentBatch:
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.lora_id = np.zeros(max_num_reqs, dtype=np.int64)  # 0: the base model
         self.num_spec = np.zeros(max_num_reqs, dtype=np.int64)  # drafts this step
+        self.num_model_drafts = np.zeros(max_num_reqs, dtype=np.int64)
+        """Drafts the draft model must make for the row this step (`workers/drafter.py`);
+        num_spec becomes this once they are written."""
         self._init_sampling_arrays(max_num_reqs)
 
     def _init_sampling_arrays(self, n: int) -> None:
@@ -97,6 +100,7 @@ class PersistentBatch:
         self.output_start[row] = req.prompt_len - req.num_resumed_tokens
         self.num_computed[row] = req.num_computed_tokens
         self.num_spec[row] = 0
+        self.num_model_drafts[row] = 0
         self.lora_id[row] = req.lora_int_id
         self.num_blocks[row] = 0
         self._append_blocks(row, req.block_ids, req.req_id)
@@ -117,7 +121,21 @@ class PersistentBatch:
         if req.spec_token_ids:
             self._set_drafts(row, np.frombuffer(unpack_token_ids(req.spec_token_ids),
                                                 dtype=np.int32), req.req_id)
+        self.num_model_drafts[row] = 0
+        if req.num_model_drafts:
+            k = req.num_model_drafts
+            if k < 0 or req.spec_token_ids or k >= req.num_scheduled_tokens or \
+                    int(self.num_tokens[row]) + k > self.max_model_len:
+                raise ValueError(f"request {req.req_id!r}: num_model_drafts={k} must be "
+                                 f"positive, fewer than num_scheduled_tokens, within "
+                                 f"max_model_len and without spec_token_ids")
+            self.num_model_drafts[row] = k
         return row
+
+    def set_drafts(self, row: int, drafts: np.ndarray) -> None:
+        """The draft model's drafts for `row` (`workers/drafter.py`), as if they had come in
+        the plan."""
+        self._set_drafts(row, drafts, "?")
 
     def _set_drafts(self, row: int, drafts: np.ndarray, req_id: str) -> None:
         """Write this step's draft tokens after the row's known tokens (not counted in

@@ -21,6 +21,8 @@ from ..kernels.attention import select_attention_backend
 from ..kernels.cpu.ops import log_cpu_ops, select_cpu_ops
 from .attention import uniform_sliding_window
 from .distributed import destroy_distributed, init_distributed
+from .drafter import Drafter
+from .layers import kv_heads_per_rank
 from .loader import load_weights, read_config, resolve_model_path
 from .lora import LoRAModel
 from .model_runner import ModelRunner
@@ -96,6 +98,8 @@ class Worker:
             self.runner.lora = LoRAModel(model, self.config.max_loras,
                                          self.config.max_lora_rank, self.config.max_cpu_loras,
                                          self.dtype, self.device)
+        if self.config.draft_model is not None:
+            self.runner.drafter = self._load_drafter(backend, ops)
         warm_up_s = backend.warm_up(self.dtype)  # e.g. numba: compiled once, then disk-cached
         logger.debug("rank %d: %s attention backend warmed up in %.2f s", self.rank,
                      backend.name, warm_up_s)
@@ -107,6 +111,41 @@ class Worker:
                     "from %s in %.2f s", self.rank, self.args.architecture, self.dtype,
                     self.num_params / 1e6, stage, backend.name, self.model_path,
                     self.load_seconds)
+
+    def _load_drafter(self, backend, ops) -> Drafter:
+        """The draft model (speculative_config.model), built and loaded as the target (same
+        dtype, attention backend, tensor-parallel shards); ValueError naming the key when it
+        cannot draft for this target."""
+        key = f"speculative_config.model {self.config.draft_model!r}"
+        if self.pooling or self.pp.size > 1:
+            raise ValueError(f"{key}: a draft model needs a generating model and "
+                             "pipeline_parallel_size 1")
+        try:
+            path = resolve_model_path(self.config.draft_model)
+            args = parse_model_args(read_config(path))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{key}: {e}") from None
+        if args.vocab_size != self.args.vocab_size:
+            raise ValueError(f"{key} has vocab_size {args.vocab_size}; the draft model needs "
+                             f"the target's ({self.args.vocab_size})")
+        try:
+            args.check_max_model_len(self.config.max_model_len)
+        except ValueError as e:
+            raise ValueError(f"{key}: {e}") from None
+        with _default_dtype(self.dtype), torch.device(self.device):
+            model = build_model(args, self.tp, backend, self.config.max_model_len, self.pp)
+        load_weights(model, path)
+        model.eval()
+        if ops is not None:
+            model.use_cpu_ops(ops)
+        num_params = sum(p.numel() for p in model.parameters())
+        logger.info("rank %d: draft model %s (%.1fM parameters on this rank, %d layers) from "
+                    "%s", self.rank, args.architecture, num_params / 1e6, model.num_layers,
+                    path)
+        return Drafter(model, args, backend, self.config.block_size,
+                       kv_heads_per_rank(args.num_key_value_heads,
+                                         self.config.tensor_parallel_size),
+                       self.config.max_num_seqs, self.device, self.dtype)
 
     def determine_num_kv_blocks(self) -> int:
         """How many KV blocks fit on this rank (num_kv_blocks_override wins).

@@ -78,3 +78,48 @@ def test_greedy_identical_with_speculation_tp2_pp2(tiny_llama, prompts, referenc
         stats = llm.get_stats()
     assert [o.outputs[0].token_ids for o in outputs] == reference
     assert stats.spec_num_accepted_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tiny_model_factory) -> str:
+    """A smaller random Llama with the target's vocabulary (1 layer, half the width)."""
+    return tiny_model_factory("llama", seed=1, num_hidden_layers=1, hidden_size=32,
+                              num_attention_heads=2, num_key_value_heads=1,
+                              intermediate_size=64)
+
+
+@pytest.mark.timeout(300)
+def test_greedy_identical_with_a_draft_model_chunked_preempted_async(
+        tiny_llama, tiny_draft, prompts, reference):
+    """draft_model: a smaller model's drafts (rarely accepted by the random target) and the
+    target as its own draft (every draft accepted: the drafts do come from the draft model,
+    its KV cache kept in step through chunks, preemptions and rejections)."""
+    for draft, all_accepted in ((tiny_draft, False), (tiny_llama, True)):
+        spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 4,
+                "adaptive": False}
+        with LLM(tiny_llama, speculative_config=spec, num_gpu_blocks_override=12,
+                 max_model_len=96, max_num_batched_tokens=48, max_num_seqs=8,
+                 async_scheduling=True, startup_timeout=STARTUP_TIMEOUT_S) as llm:
+            outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+            stats = llm.get_stats()
+        got = [o.outputs[0].token_ids for o in outputs]
+        for i, (g, r) in enumerate(zip(got, reference)):
+            assert g == r, f"draft {draft}, prompt {i}: {g} != {r}"
+        assert stats.num_preemptions > 0
+        assert stats.spec_num_draft_tokens > 0
+        assert sum(stats.spec_accepted_per_pos) == stats.spec_num_accepted_tokens
+        if all_accepted:
+            assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+
+
+def test_draft_model_refusals_name_the_key(tiny_llama, tmp_path):
+    """A missing folder or another vocabulary is refused before any process starts."""
+    other = tmp_path / "other-vocab"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
+                                                   "vocab_size": 7}))
+    for folder, match in ((str(tmp_path / "missing"), "not a model folder"),
+                          (str(other), "vocab_size 7")):
+        spec = {"method": "draft_model", "model": folder, "num_speculative_tokens": 2}
+        with pytest.raises(ValueError, match=f"speculative_config.model .*{match}"):
+            LLM(tiny_llama, speculative_config=spec, startup_timeout=STARTUP_TIMEOUT_S)

@@ -109,9 +109,12 @@ class _WorkerRequest:
 class FakeWorker:
     """A worker with a persistent batch, a token-level fake KV cache and a fake model."""
 
-    def __init__(self, block_size: int, model=fake_model, pipelined: bool = False) -> None:
+    def __init__(self, block_size: int, model=fake_model, pipelined: bool = False,
+                 draft_model=None) -> None:
         self.block_size = block_size
         self.model = model
+        self.draft_model = draft_model
+        """Speculative draft_model: tokens -> next token, greedy, for `num_model_drafts`."""
         self.pipelined = pipelined
         """As the stages of a pipeline: sampled tokens are not appended here; they come back
         in the next plan's `new_token_ids`."""
@@ -174,6 +177,11 @@ class FakeWorker:
                 assert not cached.new_token_ids, "tokens sent to a worker that samples them"
             if cached.spec_token_ids:
                 drafts[cached.req_id] = unpack_token_ids(cached.spec_token_ids).tolist()
+            if cached.num_model_drafts:  # as workers/drafter.py: the draft's greedy run
+                seq = list(state.tokens)
+                for _ in range(cached.num_model_drafts):
+                    seq.append(self.draft_model(seq))
+                drafts[cached.req_id] = seq[len(state.tokens):]
             work.append((cached.req_id, state, cached.num_computed_tokens,
                          cached.num_scheduled_tokens))
         assert sum(w[3] for w in work) + num_skipped == plan.total_num_scheduled_tokens

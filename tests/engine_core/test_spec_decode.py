@@ -11,7 +11,7 @@ import pytest
 from sched_utils import (
     FakeWorker, make_request, make_scheduler, reference_tokens, step,
 )
-from tidal.engine_core.config import SchedulerConfig
+from tidal.engine_core.config import EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from tidal.engine_core.spec_decode import (
     STEP_SAMPLES, STEP_STALE, AdaptivePolicy, CostTerms, NgramProposer, StepTimes, SuffixProposer,
     expected_tokens, parse_speculative_config,
@@ -50,10 +50,22 @@ def test_config_parses_vllm_json_and_names_the_bad_key():
                      ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
                      ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5,
                        "prompt_lookup_max": 2}, "prompt_lookup_min"),
-                     ({"model": "/some/draft", "num_speculative_tokens": 2}, "draft_model"),
+                     ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+                     ({"method": "ngram", "model": "/d", "num_speculative_tokens": 2}, "model"),
                      ("{not json", "JSON")]:
         with pytest.raises(ValueError, match=key):
             parse_speculative_config(bad)
+
+
+def test_a_model_key_alone_means_draft_model_and_pp_is_refused():
+    c = parse_speculative_config({"model": "/some/draft", "num_speculative_tokens": 2})
+    assert (c.method, c.model, c.drafts_in_worker) == ("draft_model", "/some/draft", True)
+    spec = SchedulerConfig(speculative_config={"method": "draft_model", "model": "/d",
+                                               "num_speculative_tokens": 2})
+    assert spec.draft_model == "/d"
+    with pytest.raises(ValueError, match="speculative_config.model.*pipeline_parallel_size"):
+        EngineConfig(ModelConfig("/m"), scheduler=spec,
+                     parallel=ParallelConfig(pipeline_parallel_size=2))
 
 
 def test_scheduler_config_takes_a_dict_or_json_and_refuses_bad_values():
@@ -332,6 +344,36 @@ def test_outputs_equal_plain_decoding_with_drafts_accepted_and_rejected(method):
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
     assert any(c.spec_token_ids for p in plans for c in p.cached_requests)
     assert sched.block_pool.free_queue.num_free == 400 - 1  # every block back
+
+
+def test_draft_model_plans_carry_counts_and_outputs_equal_plain_decoding():
+    """draft_model: the plan says how many drafts (the worker makes them), never which;
+    outputs equal plain decoding with drafts accepted and rejected; the policy learns."""
+    target = copying_model(period=5, slip_every=7)
+    sched = make_scheduler(block_size=4, num_blocks=400, max_model_len=256,
+                           speculative_config={"model": "/draft", "num_speculative_tokens": 3})
+    worker = FakeWorker(4, model=target, draft_model=copying_model(period=5))
+    prompts = {f"r{i}": [10 + i, 20, 30 + i, 40, 50] for i in range(3)}
+    for req_id, prompt in prompts.items():
+        sched.add(make_request(req_id, prompt, max_tokens=30))
+    outputs: dict[str, list[int]] = {}
+    plans = []
+    while sched.has_unfinished_requests():
+        plan, outs = step(sched, worker)
+        sched.step_ran(plan, 0.001 * plan.total_num_scheduled_tokens)
+        plans.append(plan)
+        for client_outs in outs.values():
+            for o in client_outs:
+                outputs.setdefault(o.req_id, []).extend(unpack_token_ids(o.new_token_ids))
+    for req_id, prompt in prompts.items():
+        assert outputs[req_id] == reference_tokens(prompt, max_tokens=30, max_model_len=256,
+                                                   model=target)
+    cached = [c for p in plans for c in p.cached_requests]
+    assert any(c.num_model_drafts for c in cached) and not any(c.spec_token_ids for c in cached)
+    assert all(c.num_scheduled_tokens == 1 + c.num_model_drafts for c in cached)
+    stats = sched.stats()
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    assert any(rows > 1 for rows in sched.spec_policy.times.count)  # steps with drafts
 
 
 def test_drafts_count_against_the_budget_and_stop_inside_the_run_truncates():
