@@ -120,6 +120,9 @@ class WorkerProcess:
         while True:
             if not self.plan_sock.poll(IDLE_AFTER_MS):  # no plan for a while: idle until one
                 self.worker.set_idle(True)
+                # work deferred from load, one piece at a time while no plan waits
+                while self.worker.idle_chore() and not self.plan_sock.poll(0):
+                    pass
             raw = self.plan_sock.recv()
             self.worker.set_idle(False)
             msg = self.decoder.decode(raw)

@@ -69,6 +69,10 @@ class Worker:
         self.load_seconds = 0.0
         self.num_params = 0  # on this rank, counted at load (before any packing)
         self.weight_bytes = 0
+        self.deferred: list = []
+        """The CPU GEMMs whose oneDNN copy is made later (`SmallBatchGemm.prepare`): by
+        `idle_chore` while the process waits for plans, else at the first product that
+        needs it."""
 
     # -- start-up ------------------------------------------------------------------------
 
@@ -92,6 +96,9 @@ class Worker:
         if ops is not None:
             log_cpu_ops(ops, logger, f"rank {self.rank}: ", taken=model.use_cpu_ops(ops))
             ops.warm_up(self.dtype)  # numba's RMSNorm and rotary where they are called
+            self.deferred = [m.cpu_gemm for m in model.modules()
+                             if getattr(m, "cpu_gemm", None) is not None
+                             and not m.cpu_gemm.prepared]
         self.runner = ModelRunner(self.config, model, self.args, self.device, self.dtype,
                                   backend, self.pp)
         if self.config.max_loras:
@@ -219,6 +226,16 @@ class Worker:
                     num_blocks, self.config.block_size, time.perf_counter() - start)
 
     # -- steps ---------------------------------------------------------------------------
+
+    def idle_chore(self) -> bool:
+        """Do one piece of work deferred from load (one weight's oneDNN copy, a few ms);
+        whether any is left. The worker process calls it while no plan waits."""
+        while self.deferred:
+            gemm = self.deferred.pop()
+            if not gemm.prepared:
+                gemm.prepare()
+                break
+        return bool(self.deferred)
 
     def set_idle(self, idle: bool) -> None:
         """The process waits for its next plan (True) or has one to run (False)."""

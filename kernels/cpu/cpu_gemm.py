@@ -100,11 +100,11 @@ class SmallBatchGemm:
             self.panels is not None and self.panels.takes_any_rows))
         """Whether products above SMALL_BATCH_ROWS (prefill chunks) take oneDNN's copy too
         instead of `F.linear`: where MKL does not run its AVX-512 code (`mkl_runs_avx512`)."""
-        self.reordered = None if (self.panel_rows >= SMALL_BATCH_ROWS
-                                  and not self.large_rows_on_onednn) else (
-            torch.ops.mkldnn._reorder_linear_weight(weight.detach(), REORDER_ROWS))
-        """oneDNN's copy, for the small batches the panels do not take and, where
-        `large_rows_on_onednn`, the large ones (None where neither)."""
+        self.uses_onednn = not (self.panel_rows >= SMALL_BATCH_ROWS
+                                and not self.large_rows_on_onednn)
+        """Whether some products take oneDNN's copy (`reordered`): the small batches the
+        panels do not take and, where `large_rows_on_onednn`, the large ones."""
+        self._reordered: torch.Tensor | None = None
         self._panel_rows_direct = self.panel_rows if (
             self.panels is not None and self.panels.takes_any_rows) else min(
             self.panel_rows, SMALL_BATCH_ROWS)
@@ -112,6 +112,27 @@ class SmallBatchGemm:
         number where it runs on AMX. A decode step's contiguous [rows, in] input goes
         straight there, without the general path's reshapes (~3 us a call, a few hundred
         calls a step)."""
+
+    @property
+    def reordered(self) -> torch.Tensor | None:
+        """oneDNN's copy of the weight (None where no product takes it), made at its first
+        use or by `prepare` (a worker calls that while idle, `Worker.idle_chore`), not at
+        load: SmolLM2's 151 reorders took 0.37 s of its worker's start on the AVX2 EPYC,
+        and with a GGUF's blocks no product of up to 8 rows (a first decode step) needs
+        them."""
+        if self._reordered is None and self.uses_onednn:
+            self._reordered = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
+                                                                      REORDER_ROWS)
+        return self._reordered
+
+    @property
+    def prepared(self) -> bool:
+        """Whether nothing is left to make before a product of any size (`prepare`)."""
+        return self._reordered is not None or not self.uses_onednn
+
+    def prepare(self) -> None:
+        """Make oneDNN's copy now, where a product will need it."""
+        _ = self.reordered
 
     def bytes_read(self, rows: int) -> int:
         """Bytes of weight a product of `rows` rows streams (the weight as that path stores
@@ -183,7 +204,7 @@ class SmallBatchGemm:
         `large_rows_on_onednn`), else "linear" (`F.linear` on the original)."""
         if self._panels_take(rows):
             return "panels"
-        if self.reordered is not None and 0 < rows and (
+        if self.uses_onednn and 0 < rows and (
                 rows <= SMALL_BATCH_ROWS or self.large_rows_on_onednn):
             return "onednn"
         return "linear"

@@ -65,3 +65,19 @@ def test_prefill_sized_products_take_onednn_where_mkl_has_no_avx512_code(monkeyp
             x, gemm.reordered, None, "none", [], ""))
     assert torch.equal(gemm.add(x, other), out + other)
     assert torch.equal(gemm.mul(x, other), out * other)
+
+
+def test_onednn_copy_is_made_at_first_use_or_by_prepare():
+    """The reorder is not part of building the GEMM (a worker's start-up): the first product
+    that takes oneDNN makes it, or `prepare` beforehand; results as before."""
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(96, 40, generator=gen)
+    x = torch.randn(3, 40, generator=gen)
+    lazy, early = SmallBatchGemm(weight, panels=False), SmallBatchGemm(weight, panels=False)
+    assert lazy.uses_onednn and not lazy.prepared and lazy._reordered is None
+    early.prepare()
+    assert early.prepared and early._reordered is not None
+    out = lazy(x)
+    assert lazy.prepared
+    assert torch.equal(out, early(x))
+    torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-5)

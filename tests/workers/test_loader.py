@@ -137,3 +137,19 @@ def test_qwen2_window_switched_off_is_ignored(tiny_qwen2):
     worker = _load(tiny_qwen2)
     worker.num_kv_blocks = 10
     assert worker.ready_message().sliding_window == 0
+
+
+def test_onednn_copies_wait_for_idle_chores(tiny_llama):
+    """Loading leaves each weight's oneDNN copy to `idle_chore` (one a call, while the worker
+    process has no plan) or to the first product that needs it."""
+    worker = _load(tiny_llama)
+    gemms = [m.cpu_gemm for m in worker.runner.model.modules()
+             if getattr(m, "cpu_gemm", None) is not None]
+    if not any(g.uses_onednn for g in gemms):
+        pytest.skip("no weight takes oneDNN here (the panel kernel takes every product)")
+    assert worker.deferred and not any(g.prepared for g in worker.deferred)
+    left = len(worker.deferred)
+    while worker.idle_chore():
+        assert len(worker.deferred) < left
+        left = len(worker.deferred)
+    assert all(g.prepared for g in gemms)
