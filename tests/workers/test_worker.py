@@ -7,7 +7,7 @@ import pytest
 from tidal.ipc.messages import BatchPlan, CachedRequestData, SamplingParams
 from tidal.kernels.attention import cpu_attention
 from tidal.workers.layers import kv_heads_per_rank
-from tidal.workers.worker import DEFAULT_CPU_KV_CACHE_BYTES, Worker
+from tidal.workers.worker import DEFAULT_CPU_KV_CACHE_BYTES, Worker, default_cpu_kv_blocks
 from worker_test_utils import PlanScript, worker_config
 
 # tiny Llama: 2 layers × K and V × 16 tokens × 2 KV heads × head_dim 16 × 4 bytes (float32)
@@ -46,10 +46,27 @@ def test_int8_kv_cache_counts_the_smaller_rows(tiny_llama):
     assert tuple(k_scale.shape) == (blocks, 16, 2) and (k_scale[0] == 0).all()
 
 
-def test_cpu_kv_default_and_override(tiny_llama):
+def test_cpu_kv_default_and_override(tiny_llama, caplog):
+    """Without --kv-cache-memory the CPU cache holds max_num_seqs (16) requests of
+    max_model_len (256) tokens, 16 blocks each, plus the null block; the log says why."""
     worker = _loaded(tiny_llama, num_kv_blocks_override=None)
-    assert worker.determine_num_kv_blocks() == DEFAULT_CPU_KV_CACHE_BYTES // BLOCK_BYTES
+    with caplog.at_level("INFO", logger="tidal.workers.worker"):
+        assert worker.determine_num_kv_blocks() == 16 * 16 + 1
+    assert "room for 16 sequences x 256 tokens (--max-num-seqs x --max-model-len" in caplog.text
+    assert "maximum concurrency for 256-token requests: 16.00x" in caplog.text
     assert _loaded(tiny_llama, num_kv_blocks_override=7).determine_num_kv_blocks() == 7
+
+
+def test_cpu_kv_default_is_capped(tiny_llama, monkeypatch):
+    """A default that would pass DEFAULT_CPU_KV_CACHE_BYTES (4 GiB; 100 blocks here) stops
+    there; --kv-cache-memory is taken as given, above the cap too."""
+    import tidal.workers.worker as worker_module
+
+    assert default_cpu_kv_blocks(256, 1024, 16) == 256 * 64 + 1
+    monkeypatch.setattr(worker_module, "DEFAULT_CPU_KV_CACHE_BYTES", 100 * BLOCK_BYTES)
+    assert _loaded(tiny_llama, num_kv_blocks_override=None).determine_num_kv_blocks() == 100
+    worker = _loaded(tiny_llama, num_kv_blocks_override=None, kv_cache_memory=300 * BLOCK_BYTES)
+    assert worker.determine_num_kv_blocks() == 300
 
 
 def test_too_little_kv_memory_is_an_error(tiny_llama):
