@@ -168,3 +168,40 @@ def test_a_bad_new_request_fails_alone_and_the_worker_goes_on(tiny_llama):
     alone = PlanScript(first_block=40)
     alone.add("good", list(range(3, 20)))
     assert alone.run(worker)["good"] == tokens
+
+
+_WITHOUT_TRITON = r"""
+import sys
+sys.modules["triton"] = None  # `import triton` raises ModuleNotFoundError, as when not installed
+import msgspec, torch
+import tidal.engine_core.core, tidal.engine_core.daemon, tidal.frontend.llm
+from tidal.ipc.messages import WorkerConfig
+from tidal.kernels.attention import select_attention_backend
+from tidal.workers.worker import Worker
+
+for name in ("auto", "cpu", "numba", "torch", "reference"):
+    select_attention_backend(name, "cpu", torch.float32)
+worker = Worker(msgspec.json.decode(sys.argv[1].encode(), type=WorkerConfig))
+worker.load()
+worker.init_kv_cache(worker.determine_num_kv_blocks())
+for name, device in (("triton", "cpu"), ("auto", "cuda")):
+    try:
+        select_attention_backend(name, device, torch.float32)
+    except ValueError as e:
+        print(e)
+"""
+
+
+def test_cpu_runs_without_triton(tiny_llama):
+    """A CPU install leaves triton out (pyproject's `gpu` extra): the engine core, a CPU
+    worker and the CPU attention backends work without it, and the Triton backend, asked for
+    by name or by auto on CUDA, is a ValueError saying what to install."""
+    import subprocess
+    import sys
+
+    config = msgspec.json.encode(worker_config(tiny_llama)).decode()
+    out = subprocess.run([sys.executable, "-c", _WITHOUT_TRITON, config], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2 and all("pip install 'tidal[gpu]'" in line for line in lines), lines
