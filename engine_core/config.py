@@ -193,7 +193,9 @@ class CacheConfig:
     """Fraction of the GPU's memory this engine may use (weights + activations + KV cache)."""
     kv_cache_memory: int | None = None
     """Bytes of KV cache per rank (4GiB, 512MiB, 2GB, ...); set on CPU, or to bypass
-    gpu_memory_utilization on GPU. None means the worker's default (4 GiB on the CPU)."""
+    gpu_memory_utilization on GPU. None means the worker's default: on the CPU room for
+    max_num_seqs requests of max_model_len tokens, at most 4 GiB; on GPU
+    gpu_memory_utilization."""
     num_kv_blocks_override: int | None = None
     """Force this many KV blocks (tests, preemption experiments); None means measured."""
     kv_cache_dtype: str = "auto"

@@ -12,8 +12,8 @@ Engine flags are keyword arguments with the command-line names (`max_num_batched
 `LLM` runs an `AsyncLLM` on a private uvloop event loop in a background thread: one code path
 for detokenization, stop strings, n > 1, heartbeats and engine-death handling. `generate`
 (and `chat`, which renders conversations through the chat template first) submits the whole
-batch, shows a tqdm bar with the live output tokens/s, and returns the finished outputs in
-input order.
+batch, shows a tqdm bar with the live output tokens/s (on a terminal; into a log, one line
+at the end instead), and returns the finished outputs in input order.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import itertools
 import logging
+import sys
 import threading
 import time
 import weakref
@@ -427,15 +428,21 @@ def _normalize_params(params, num_prompts: int) -> list[SamplingParams]:
 
 
 class _Progress:
-    """A tqdm bar over requests with the live output tokens/s (no-op when disabled)."""
+    """A tqdm bar over requests with the live output tokens/s (no-op when disabled).
 
-    def __init__(self, total: int, enabled: bool):
+    Only on a terminal (or in a notebook): into a file or pipe each refresh would be a line
+    of the log, so there the bar is left out and `close` writes one summary line."""
+
+    def __init__(self, total: int, enabled: bool, stream=None):
         self._bar = None
-        if enabled and total:
+        self._stream = stream if stream is not None else sys.stderr
+        self._total, self._done = total, 0
+        self._summary = enabled and total > 0 and not _shows_a_bar(self._stream)
+        if enabled and total and not self._summary:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total, desc="Processed prompts", unit="req",
-                             dynamic_ncols=True)
+                             dynamic_ncols=True, file=self._stream)
         self._start_tokens = 0
         self._start_time = time.monotonic()
 
@@ -443,17 +450,37 @@ class _Progress:
         self._start_tokens, self._start_time = num_tokens, time.monotonic()
 
     def one_done(self, _task) -> None:
+        self._done += 1
         if self._bar is not None:
             self._bar.update(1)
+
+    def _rate(self, num_tokens: int) -> float:
+        elapsed = max(time.monotonic() - self._start_time, 1e-6)
+        return (num_tokens - self._start_tokens) / elapsed
 
     def refresh(self, num_tokens: int) -> None:
         if self._bar is None:
             return
-        elapsed = max(time.monotonic() - self._start_time, 1e-6)
-        rate = (num_tokens - self._start_tokens) / elapsed
-        self._bar.set_postfix_str(f"output: {rate:.1f} tok/s", refresh=True)
+        self._bar.set_postfix_str(f"output: {self._rate(num_tokens):.1f} tok/s", refresh=True)
 
     def close(self, num_tokens: int) -> None:
         if self._bar is not None:
             self.refresh(num_tokens)
             self._bar.close()
+        elif self._summary:
+            rate = (f", output: {self._rate(num_tokens):.1f} tok/s"
+                    if num_tokens > self._start_tokens else "")  # none for embeddings
+            self._stream.write(f"Processed prompts: {self._done}/{self._total} in "
+                               f"{time.monotonic() - self._start_time:.1f} s{rate}\n")
+            self._stream.flush()
+
+
+def _shows_a_bar(stream) -> bool:
+    """Whether a progress bar on `stream` is seen as one line redrawn: a terminal, or a
+    notebook (whose stderr is no tty, and where tqdm.auto draws a widget)."""
+    try:
+        if stream.isatty():
+            return True
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+    return "ipykernel" in sys.modules

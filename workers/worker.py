@@ -32,11 +32,20 @@ from .pooling import drop_lm_head, embedding_checkpoint_name, embedding_config
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
-"""KV cache per rank on CPU when `kv_cache_memory` is not given: 4 GiB (vLLM's default
-VLLM_CPU_KVCACHE_SPACE)."""
+"""The most KV cache per rank the CPU default takes when `kv_cache_memory` is not given:
+4 GiB (vLLM's default VLLM_CPU_KVCACHE_SPACE). Below it the default is what the model can
+use (`default_cpu_kv_blocks`)."""
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
+
+
+def default_cpu_kv_blocks(max_num_seqs: int, max_model_len: int, block_size: int) -> int:
+    """KV blocks the CPU default wants: every one of max_num_seqs requests at max_model_len
+    tokens (rounded up to whole blocks), plus the null block 0. Speculative drafts need no
+    more (the scheduler keeps a request's tokens and drafts within max_model_len) and a draft
+    model's K/V is part of each block's bytes (`ModelRunner.kv_block_bytes`)."""
+    return max_num_seqs * -(-max_model_len // block_size) + 1
 
 
 class Worker:
@@ -159,7 +168,8 @@ class Worker:
 
         CUDA: a profiling forward at max_num_batched_tokens; the blocks fill
         gpu_memory_utilization × device memory minus weights, peak activations and memory
-        outside torch. CPU: kv_cache_memory bytes (default 4 GiB) / bytes per block.
+        outside torch. CPU: kv_cache_memory bytes / bytes per block; without it, room for
+        max_num_seqs requests of max_model_len tokens, at most 4 GiB.
         """
         runner = self._runner()
         if self.config.num_kv_blocks_override is not None:
@@ -167,18 +177,36 @@ class Worker:
             logger.info("rank %d: num_kv_blocks_override=%d", self.rank, num_blocks)
         elif self.device.type == "cuda":
             num_blocks = self._profile_cuda_blocks(runner)
-        else:
-            budget = self.config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
+        elif self.config.kv_cache_memory is not None:
+            budget = self.config.kv_cache_memory
             num_blocks = budget // runner.kv_block_bytes
-            logger.info("rank %d: CPU KV cache %.2f GiB / %d bytes per block = %d blocks "
-                        "(%d tokens)", self.rank, budget / 2**30, runner.kv_block_bytes,
-                        num_blocks, num_blocks * self.config.block_size)
+            logger.info("rank %d: CPU KV cache %.2f GiB (--kv-cache-memory) / %d bytes per "
+                        "block = %d blocks (%d tokens)", self.rank, budget / 2**30,
+                        runner.kv_block_bytes, num_blocks, num_blocks * self.config.block_size)
+        else:
+            num_blocks = self._default_cpu_blocks(runner.kv_block_bytes)
         if num_blocks < 2:
             raise ValueError(f"only {num_blocks} KV blocks fit on rank {self.rank}; raise "
                              "kv_cache_memory / gpu_memory_utilization or lower max_num_seqs")
         self.num_kv_blocks = int(num_blocks)
         self._log_capacity()
         return self.num_kv_blocks
+
+    def _default_cpu_blocks(self, block_bytes: int) -> int:
+        """The CPU default without --kv-cache-memory: room for max_num_seqs requests of
+        max_model_len tokens, at most DEFAULT_CPU_KV_CACHE_BYTES."""
+        cfg = self.config
+        wanted = default_cpu_kv_blocks(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size)
+        cap = DEFAULT_CPU_KV_CACHE_BYTES // block_bytes
+        num_blocks = min(wanted, cap)
+        room = "room for" if wanted <= cap else "short of"
+        logger.info("rank %d: CPU KV cache %.2f GiB = %d blocks of %d bytes (%d tokens): %s "
+                    "%d sequences x %d tokens (--max-num-seqs x --max-model-len; the default "
+                    "is capped at %.0f GiB; --kv-cache-memory sets it)", self.rank,
+                    num_blocks * block_bytes / 2**30, num_blocks, block_bytes,
+                    num_blocks * cfg.block_size, room, cfg.max_num_seqs, cfg.max_model_len,
+                    DEFAULT_CPU_KV_CACHE_BYTES / 2**30)
+        return num_blocks
 
     def _log_capacity(self) -> None:
         max_len, bs = self.config.max_model_len, self.config.block_size

@@ -3,7 +3,8 @@
 `plot_serve`: four latency histograms (TTFT, TPOT, ITL, E2EL) above a timeline of the run:
 the server's running and waiting requests and the client's in-flight count (left axis) and the
 server's KV-cache usage in percent (right axis), as sampled from `/metrics`.
-`plot_sweep`: the throughput-latency curve of a `tidal bench sweep`.
+`plot_sweep`: the throughput-latency curves of a `tidal bench sweep` (TTFT, TPOT, E2EL, each on
+its own axis).
 """
 
 from __future__ import annotations
@@ -103,21 +104,38 @@ def _serve_title(summary: dict) -> str:
             f"{summary['output_throughput']:.1f} output tok/s")
 
 
-def plot_sweep(rows: list[dict], path: str) -> None:
-    """Write the throughput-latency curve of a sweep (one point per request rate) to `path`."""
-    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
+_SWEEP_PANELS = (
+    ("TTFT", ("mean_ttft_ms", "p99_ttft_ms")),
+    ("TPOT", ("mean_tpot_ms", "p99_tpot_ms")),
+    ("E2EL", ("mean_e2el_ms", "p99_e2el_ms")),
+)
+"""One panel (its own linear y axis) per latency: TPOT is tens of ms where E2EL is thousands,
+so on one axis TPOT's curve lay flat along the bottom."""
+
+
+def sweep_figure(rows: list[dict]):
+    """The throughput-latency figure of a sweep (one point per request rate): TTFT, TPOT and
+    E2EL side by side against output tokens/s, each on its own y axis."""
+    fig, axes = plt.subplots(1, len(_SWEEP_PANELS), figsize=(15, 5))
     x = [r["output_throughput"] for r in rows]
-    for ax, keys, title in ((axes[0], ("mean_ttft_ms", "p99_ttft_ms"), "TTFT"),
-                            (axes[1], ("mean_tpot_ms", "mean_e2el_ms"), "TPOT and E2EL")):
+    for ax, (title, keys) in zip(axes, _SWEEP_PANELS):
+        keys = [k for k in keys if any(k in r for r in rows)] or keys[:1]
         for key in keys:
             ax.plot(x, [r.get(key, 0.0) for r in rows], marker="o", label=key)
         for r, xi in zip(rows, x):
-            ax.annotate(f"{r['request_rate']} rps", (xi, r.get(keys[-1], 0.0)), fontsize=8,
+            ax.annotate(f"{r['request_rate']} rps", (xi, r.get(keys[0], 0.0)), fontsize=8,
                         textcoords="offset points", xytext=(4, 4))
         ax.set_xlabel("output tokens/s")
         ax.set_ylabel("ms")
+        ax.set_ylim(bottom=0)
         ax.set_title(f"{title} against throughput")
         ax.legend(fontsize=8)
     fig.tight_layout()
+    return fig
+
+
+def plot_sweep(rows: list[dict], path: str) -> None:
+    """Write `sweep_figure(rows)` to `path` (PNG)."""
+    fig = sweep_figure(rows)
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -24,7 +24,8 @@ and KV head (`kv_quant.py`): `write_kv` quantizes, `attend` dequantizes as it re
 
 Layouts of the tensors are in `kernels/attention/reference.py`; `meta` is an `AttentionMetadata`
 (`kernels/attention/metadata.py`). Backend modules are imported only when selected, so CPU-only use
-never imports triton.
+never imports triton, which only the `gpu` (and `test`) extra installs; asking for the triton
+backend without it is a ValueError saying `pip install 'tidal[gpu]'`.
 """
 
 from __future__ import annotations
@@ -212,8 +213,22 @@ def _backend(name: str, device_type: str, dtype: torch.dtype) -> AttentionBacken
         from .reference import ReferenceBackend
 
         return ReferenceBackend()
-    from .triton_attention import TritonBackend
+    return _triton_backend()
 
+
+TRITON_MISSING = ("attention_backend 'triton' (the default on CUDA) needs the triton package, "
+                  "which is not installed: pip install 'tidal[gpu]' (or pip install triton)")
+"""The error for a GPU path without triton: a CPU install leaves it out (about 1 GB), so
+nothing imports it before a Triton backend is asked for."""
+
+
+def _triton_backend() -> AttentionBackend:
+    try:
+        from .triton_attention import TritonBackend
+    except ModuleNotFoundError as e:
+        if (e.name or "").partition(".")[0] != "triton":
+            raise
+        raise ValueError(TRITON_MISSING) from None
     return TritonBackend()
 
 

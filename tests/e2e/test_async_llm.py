@@ -29,7 +29,7 @@ LONG = SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def daemon(tiny_llama):
-    # a CPU KV cache is made resident at start-up: keep it small (the default is 4 GiB)
+    # a CPU KV cache is made resident at start-up: keep it small (the default is up to 4 GiB)
     d = DaemonProcess(engine_config_from_kwargs(tiny_llama, kv_cache_memory="64MiB"), echo=False)
     yield d
     d.stop(timeout=20)

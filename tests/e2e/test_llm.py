@@ -40,7 +40,7 @@ from tidal.ipc.messages import SamplingParams
 MAX_TOKENS = 10
 FRONTEND_TIMEOUT_S = 3.0
 STARTUP_TIMEOUT_S = 120.0
-SMALL_KV = "64MiB"  # a CPU KV cache is made resident at start-up; the default is 4 GiB
+SMALL_KV = "64MiB"  # a CPU KV cache is made resident at start-up; the default is up to 4 GiB
 TIE_GAP = 1e-4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 

@@ -2,12 +2,13 @@
 as keyword arguments, the CLI dispatcher, and the launcher's failure report."""
 
 import asyncio
+import io
 
 import pytest
 
 from tidal.frontend.async_llm import AsyncLLM, RequestOutputCollector, merge_outputs
 from tidal.frontend.cli import build_parser
-from tidal.frontend.llm import engine_config_from_kwargs
+from tidal.frontend.llm import _Progress, engine_config_from_kwargs
 from tidal.frontend.outputs import CompletionOutput, RequestOutput
 from tidal.engine_core.config import EngineConfig, ModelConfig
 
@@ -123,3 +124,31 @@ def test_chat_template_rendering_and_its_errors(tiny_llama):
         render_chat(tok, conv)
     assert render_chat(tok, conv, chat_template="{{ messages[0]['content'] }}")[0] == \
         "Hello world"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _drive_progress(stream) -> str:
+    progress = _Progress(3, True, stream)
+    progress.start(0)
+    for tokens in (10, 20, 30):
+        progress.one_done(None)
+        progress.refresh(tokens)
+    progress.close(30)
+    return stream.getvalue()
+
+
+def test_generate_progress_is_a_bar_on_a_terminal_and_one_line_in_a_log():
+    """LLM.generate's progress: a terminal gets the tqdm bar redrawn in place; a file or
+    pipe (a log) gets no bar, only one line at the end."""
+    terminal = _drive_progress(_Terminal())
+    assert terminal.count("\r") >= 3 and "3/3" in terminal and "tok/s" in terminal
+    log = _drive_progress(io.StringIO())
+    assert "\r" not in log and log.count("\n") == 1, repr(log)
+    assert log.startswith("Processed prompts: 3/3 in ") and "output: " in log
+    quiet = io.StringIO()
+    _Progress(3, False, quiet).close(30)
+    assert quiet.getvalue() == ""

@@ -7,7 +7,7 @@ import pytest
 from tidal.ipc.messages import BatchPlan, CachedRequestData, SamplingParams
 from tidal.kernels.attention import cpu_attention
 from tidal.workers.layers import kv_heads_per_rank
-from tidal.workers.worker import DEFAULT_CPU_KV_CACHE_BYTES, Worker
+from tidal.workers.worker import DEFAULT_CPU_KV_CACHE_BYTES, Worker, default_cpu_kv_blocks
 from worker_test_utils import PlanScript, worker_config
 
 # tiny Llama: 2 layers × K and V × 16 tokens × 2 KV heads × head_dim 16 × 4 bytes (float32)
@@ -46,10 +46,27 @@ def test_int8_kv_cache_counts_the_smaller_rows(tiny_llama):
     assert tuple(k_scale.shape) == (blocks, 16, 2) and (k_scale[0] == 0).all()
 
 
-def test_cpu_kv_default_and_override(tiny_llama):
+def test_cpu_kv_default_and_override(tiny_llama, caplog):
+    """Without --kv-cache-memory the CPU cache holds max_num_seqs (16) requests of
+    max_model_len (256) tokens, 16 blocks each, plus the null block; the log says why."""
     worker = _loaded(tiny_llama, num_kv_blocks_override=None)
-    assert worker.determine_num_kv_blocks() == DEFAULT_CPU_KV_CACHE_BYTES // BLOCK_BYTES
+    with caplog.at_level("INFO", logger="tidal.workers.worker"):
+        assert worker.determine_num_kv_blocks() == 16 * 16 + 1
+    assert "room for 16 sequences x 256 tokens (--max-num-seqs x --max-model-len" in caplog.text
+    assert "maximum concurrency for 256-token requests: 16.00x" in caplog.text
     assert _loaded(tiny_llama, num_kv_blocks_override=7).determine_num_kv_blocks() == 7
+
+
+def test_cpu_kv_default_is_capped(tiny_llama, monkeypatch):
+    """A default that would pass DEFAULT_CPU_KV_CACHE_BYTES (4 GiB; 100 blocks here) stops
+    there; --kv-cache-memory is taken as given, above the cap too."""
+    import tidal.workers.worker as worker_module
+
+    assert default_cpu_kv_blocks(256, 1024, 16) == 256 * 64 + 1
+    monkeypatch.setattr(worker_module, "DEFAULT_CPU_KV_CACHE_BYTES", 100 * BLOCK_BYTES)
+    assert _loaded(tiny_llama, num_kv_blocks_override=None).determine_num_kv_blocks() == 100
+    worker = _loaded(tiny_llama, num_kv_blocks_override=None, kv_cache_memory=300 * BLOCK_BYTES)
+    assert worker.determine_num_kv_blocks() == 300
 
 
 def test_too_little_kv_memory_is_an_error(tiny_llama):
@@ -151,3 +168,40 @@ def test_a_bad_new_request_fails_alone_and_the_worker_goes_on(tiny_llama):
     alone = PlanScript(first_block=40)
     alone.add("good", list(range(3, 20)))
     assert alone.run(worker)["good"] == tokens
+
+
+_WITHOUT_TRITON = r"""
+import sys
+sys.modules["triton"] = None  # `import triton` raises ModuleNotFoundError, as when not installed
+import msgspec, torch
+import tidal.engine_core.core, tidal.engine_core.daemon, tidal.frontend.llm
+from tidal.ipc.messages import WorkerConfig
+from tidal.kernels.attention import select_attention_backend
+from tidal.workers.worker import Worker
+
+for name in ("auto", "cpu", "numba", "torch", "reference"):
+    select_attention_backend(name, "cpu", torch.float32)
+worker = Worker(msgspec.json.decode(sys.argv[1].encode(), type=WorkerConfig))
+worker.load()
+worker.init_kv_cache(worker.determine_num_kv_blocks())
+for name, device in (("triton", "cpu"), ("auto", "cuda")):
+    try:
+        select_attention_backend(name, device, torch.float32)
+    except ValueError as e:
+        print(e)
+"""
+
+
+def test_cpu_runs_without_triton(tiny_llama):
+    """A CPU install leaves triton out (pyproject's `gpu` extra): the engine core, a CPU
+    worker and the CPU attention backends work without it, and the Triton backend, asked for
+    by name or by auto on CUDA, is a ValueError saying what to install."""
+    import subprocess
+    import sys
+
+    config = msgspec.json.encode(worker_config(tiny_llama)).decode()
+    out = subprocess.run([sys.executable, "-c", _WITHOUT_TRITON, config], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2 and all("pip install 'tidal[gpu]'" in line for line in lines), lines

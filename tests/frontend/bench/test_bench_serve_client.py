@@ -131,3 +131,23 @@ def test_unreachable_server_times_out_cleanly():
     config = ServeConfig(base_url="http://127.0.0.1:9", ready_timeout_s=0.5, disable_tqdm=True)
     with pytest.raises(TimeoutError, match="not ready"):
         asyncio.run(run_serve_benchmark(_workload(1), config))
+
+
+def test_sweep_figure_gives_each_latency_its_own_axis():
+    """TPOT (tens of ms) and E2EL (thousands) on separate y axes, so neither lies flat."""
+    from tidal.frontend.bench.plot import sweep_figure
+
+    rows = [{"request_rate": rate, "output_throughput": 100.0 * i, "mean_ttft_ms": 50.0 * i,
+             "p99_ttft_ms": 90.0 * i, "mean_tpot_ms": 20.0 + i, "p99_tpot_ms": 30.0 + i,
+             "mean_e2el_ms": 2000.0 * i, "p99_e2el_ms": 3000.0 * i}
+            for i, rate in enumerate((1.0, 4.0, "inf"), start=1)]
+    fig = sweep_figure(rows)
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles == ["TTFT against throughput", "TPOT against throughput",
+                      "E2EL against throughput"]
+    tpot, e2el = fig.axes[1], fig.axes[2]
+    assert [line.get_label() for line in tpot.get_lines()] == ["mean_tpot_ms", "p99_tpot_ms"]
+    assert tpot.get_ylim()[1] < 50 and e2el.get_ylim()[1] > 9000
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
