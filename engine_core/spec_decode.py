@@ -31,8 +31,11 @@ The adaptive policy (`AdaptivePolicy`, on unless `"adaptive": false`): every ste
 k_i in 0 .. min(num_speculative_tokens, draft length) for each request so that
 (expected tokens the step produces) / (predicted step time) is highest. A request whose
 drafts are accepted with probability a (each position, its running estimate) yields
-1 + a + ... + a^k tokens for k drafts; the step time comes from the step cost model
-(`advice/step_cost.py`: a request with k drafts is a prefill chunk of k + 1 tokens). The
+1 + a + ... + a^k tokens for k drafts; a step of decodes is priced by the step times the
+engine core measured (`StepTimes`, per query-row count), a step with a prefill chunk, or any
+step before the first measurements, by the step cost model (`advice/step_cost.py`: a request
+with k drafts is a prefill chunk of k + 1 tokens). Before the proposer runs, `ask` prices
+each request's best case so that no one is asked where drafts cannot pay. The
 maximum of this ratio over the separable choices is found by Dinkelbach's iteration
 (fix the ratio r, let each request maximise E_i(k) - r * cost_i(k), recompute r; exact,
 converges in a few rounds). A lone request on a memory-bound machine thus gets every draft
@@ -63,8 +66,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     """ngram: the shortest and longest n-gram looked up."""
     adaptive: bool = True
-    """Pick each request's draft count every step from the step cost model and its
-    acceptance (False: always propose as many as the proposer has, up to the ceiling, as
+    """Pick each request's draft count every step from the measured step times (the step
+    cost model before them) and its acceptance (False: always propose as many as the proposer has, up to the ceiling, as
     vLLM, SGLang and llama.cpp do)."""
     suffix_max_match: int = 8
     """suffix: the longest suffix matched."""
