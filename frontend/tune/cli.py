@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 
@@ -63,8 +64,8 @@ def _profile_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("profile")
     g.add_argument("--duration", type=float, default=60.0,
                    help="seconds of measurement (default: 60)")
-    g.add_argument("--output", default=None, help="where to write the JSON (default: the "
-                   "cache folder, where tidal tune and --max-queue-delay look)")
+    g.add_argument("--output", default=None, help="also write the JSON here (it is always "
+                   "written to the cache folder, where tidal tune and --max-queue-delay look)")
     g.add_argument("--max-decode-reqs", type=int, default=None,
                    help="most decode requests in a measured step (default: --max-num-seqs)")
     g.add_argument("--max-prefill-tokens", type=int, default=None,
@@ -232,6 +233,7 @@ def profile(config: EngineConfig, duration_s: float = 60.0, seed: int = 0,
     (`serving_profile.py`); save it. The model, and where it was written."""
     from ...engine_core.advice.profile import profile_steps
 
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     model = profile_steps(config, duration_s, seed, max_decode_reqs, max_prefill_tokens)
     if serving:
         from .serving_profile import measure_serving_terms
@@ -245,9 +247,28 @@ def profile(config: EngineConfig, duration_s: float = 60.0, seed: int = 0,
             per_arrival_s=terms.per_arrival_s,
             per_arrival_prompt_token_s=terms.per_prompt_token_latency_s,
             info={**model.info, "serving": terms.info})
-    path = output or profile_path(config_profile_key(config))
-    model.save(path)
-    return model, path
+    # what else ran: a profile taken beside other work prices every step too high (46 ms a
+    # step instead of 3.6 in one such run), and `tidal tune` then found 0 of 45 settings
+    # meeting SLOs that a quiet machine meets
+    model = dataclasses.replace(model, info={**model.info, "load_average_before": load,
+                                             "cores": os.cpu_count()})
+    cached = profile_path(config_profile_key(config))
+    model.save(cached)  # always where `tidal tune` and --max-queue-delay look
+    if output and os.path.abspath(output) != os.path.abspath(cached):
+        model.save(output)
+    return model, output or cached
+
+
+def busy_warning(info: dict) -> str | None:
+    """A line saying the machine was busy when the profile started (its 1-minute load
+    average over half its cores), or None."""
+    load, cores = info.get("load_average_before"), info.get("cores") or 1
+    if load is None or load <= cores / 2:
+        return None
+    return (f"warning: the machine was busy when this profile started (load average "
+            f"{load:.1f} on {cores} cores): other processes' work inflates every measured "
+            "step cost, and `tidal tune` will predict slower steps than a quiet machine "
+            "runs; profile again when the machine is quiet")
 
 
 def run_profile(ns: argparse.Namespace) -> int:
@@ -271,7 +292,13 @@ def run_profile(ns: argparse.Namespace) -> int:
               f"{model.per_prompt_token_latency_s * 1e3:.4f} ms per prompt token to each "
               f"request's first token, + {model.per_arrival_s * 1e3:.1f} ms + the same per "
               "prompt token to the step a request arrives during")
-    print(f"step cost model written to {path}")
+    cached = profile_path(config_profile_key(config))
+    print(f"step cost model written to {path}" + (
+        "" if path == cached else f" and to {cached} (where tidal tune and --max-queue-delay "
+        "look)"))
+    warning = busy_warning(info)
+    if warning:
+        print(warning)
     return 0
 
 

@@ -95,3 +95,29 @@ def test_profile_measures_the_worker_then_a_served_engine(tiny_llama, tmp_path, 
     assert model.per_arrival_s >= 0.0
     printed = capsys.readouterr().out
     assert "served (through tidal serve)" in printed and out in printed
+
+
+def test_a_profile_is_always_cached_where_tune_looks_and_says_when_the_machine_was_busy(
+        tmp_path, monkeypatch, capsys):
+    """`tidal tune profile --output F` then `tidal tune` chain (the profile is cached where
+    tune looks as well as written to F), and the profile records the load it was taken
+    under, saying so when the machine was busy (issue 38 §6). The measurement itself is
+    faked: test_profile_measures_the_worker_then_a_served_engine runs it for real."""
+    import tidal.engine_core.advice.profile as profile_module
+
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(profile_module, "profile_steps", lambda *a, **k: StepCostModel(
+        0.005, 2e-5, 5e-4, 1e-7, info={"kv_block_bytes": 65536, "block_size": 16,
+                                       "num_kv_blocks": 4096, "num_shapes": 1,
+                                       "device": "cpu", "dtype": "float32", "threads": 2,
+                                       "attention_backend": "cpu"}))
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.5, 3.0, 2.0))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    output = str(tmp_path / "served.json")
+    assert tidal_main(["tune", "profile", "--no-serving", "--output", output]) == 0
+    out = capsys.readouterr().out
+    assert "step cost model written to " + output + " and to " in out
+    assert "the machine was busy when this profile started (load average 3.5 on 2 cores)" in out
+    assert json.load(open(output))["info"]["load_average_before"] == 3.5
+    assert tidal_main(["tune", "simulate", *WORKLOAD, "--request-rate", "5"]) == 0  # found
+    assert "Simulated Serving Result" in capsys.readouterr().out
