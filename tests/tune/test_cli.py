@@ -84,7 +84,10 @@ def test_profile_measures_the_worker_then_a_served_engine(tiny_llama, tmp_path, 
                      "--kv-cache-memory", "32MiB", "--max-num-seqs", "16"])
     assert rc == 0
     model = StepCostModel.load(out)
-    assert model.info["num_shapes"] >= 12 and model.intercept_s > 0
+    assert model.info["num_shapes"] >= 12
+    # a fit on a busy machine may put the whole fixed cost into the per-request term
+    # (intercept 0.0 once, in a fresh clone under load): what must hold is a priced step
+    assert model.intercept_s >= 0 and model.predict(0, 1, 16, 0) > 0
     serving = model.info["serving"]
     assert len(serving["latency_probes"]) == 12
     assert [row["batch"] for row in serving["decode_probes"]] == [1, 8]
