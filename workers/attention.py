@@ -86,3 +86,12 @@ def uniform_sliding_window(model: nn.Module) -> int | None:
     if len(windows) != 1:
         return None
     return windows.pop()
+
+
+def kv_block_bytes(backend: AttentionBackend, num_layers: int, block_size: int,
+                   num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one KV block of a model takes on this rank: K and V over its `num_layers`
+    layers (a quantized cache's scales included: `AttentionBackend.kv_bytes_per_token_head`).
+    The target's (`ModelRunner.kv_block_bytes`) and a draft model's (`Drafter`) alike."""
+    row = backend.kv_bytes_per_token_head(head_dim, dtype)
+    return 2 * num_layers * block_size * num_kv_heads * row

@@ -41,7 +41,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .attention import AttentionInputs, AttentionMetadata
+from .attention import AttentionInputs, AttentionMetadata, kv_block_bytes
 from .persistent_batch import PersistentBatch
 
 
@@ -62,8 +62,8 @@ class Drafter:
     @property
     def kv_block_bytes(self) -> int:
         """Bytes one KV block of the draft takes on this rank (K and V, every layer)."""
-        row = self.backend.kv_bytes_per_token_head(self.head_dim, self.dtype)
-        return 2 * self.model.num_layers * self.block_size * self.num_kv_heads * row
+        return kv_block_bytes(self.backend, self.model.num_layers, self.block_size,
+                              self.num_kv_heads, self.head_dim, self.dtype)
 
     def init_kv_cache(self, allocate, num_blocks: int) -> list:
         """Allocate the draft's cache with the target's `allocate(num_blocks, num_layers,

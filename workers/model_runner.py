@@ -56,7 +56,7 @@ from ..ipc.messages import (
     pack_token_ids,
 )
 from ..kernels.attention import AttentionBackend
-from .attention import AttentionInputs, AttentionMetadata, KVCache
+from .attention import AttentionInputs, AttentionMetadata, KVCache, kv_block_bytes
 from .cuda_graphs import DecodeGraphs
 from .distributed import PipelineParallel
 from .host_memory import commit_pages
@@ -174,10 +174,10 @@ class ModelRunner:
 
     @property
     def kv_block_bytes(self) -> int:
-        """Bytes one KV block takes on this rank, K and V over every layer of its stage (a
-        quantized cache's scales included: `AttentionBackend.kv_bytes_per_token_head`)."""
-        row = self.attention_backend.kv_bytes_per_token_head(self.head_dim, self.dtype)
-        target = 2 * self.model.num_layers * self.block_size * self.num_kv_heads * row
+        """Bytes one KV block takes on this rank, K and V over every layer of its stage, and
+        the draft model's where there is one (`workers/attention.py` kv_block_bytes)."""
+        target = kv_block_bytes(self.attention_backend, self.model.num_layers, self.block_size,
+                                self.num_kv_heads, self.head_dim, self.dtype)
         return target + (self.drafter.kv_block_bytes if self.drafter is not None else 0)
 
     def allocate_kv_cache(self, num_blocks: int) -> list[KVCache]:
