@@ -106,14 +106,17 @@ class WorkerProcess:
         CPU with cpu_wait_policy=auto and runs libgomp (workers/cpu_contention.py)."""
         from .cpu_contention import ContendedMode, CpuContention, OpenMPThrottle
 
-        threads = self.config.cpu_threads or os.cpu_count() or 1
+        import torch
+
+        on_cpu = self.worker.device.type == "cpu"
+        # the steps' threads as torch has them (the config's count, or OMP_NUM_THREADS)
+        threads = torch.get_num_threads() if on_cpu else (
+            self.config.cpu_threads or os.cpu_count() or 1)
         throttle = None
-        if self.config.cpu_wait_policy == "auto" and self.worker.device.type == "cpu":
+        if self.config.cpu_wait_policy == "auto" and on_cpu:
             omp = OpenMPThrottle(threads)
             if omp.available:
-                import torch
-
-                throttle = ContendedMode(torch.get_num_threads(), omp).engage
+                throttle = ContendedMode(threads, omp).engage
         return CpuContention(self.config.worker_index, threads, throttle=throttle)
 
     def _loop(self) -> None:
