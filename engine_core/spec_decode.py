@@ -67,8 +67,8 @@ class SpeculativeConfig:
     """ngram: the shortest and longest n-gram looked up."""
     adaptive: bool = True
     """Pick each request's draft count every step from the measured step times (the step
-    cost model before them) and its acceptance (False: always propose as many as the proposer has, up to the ceiling, as
-    vLLM, SGLang and llama.cpp do)."""
+    cost model before them) and its acceptance (False: always propose as many as the
+    proposer has, up to the ceiling, as vLLM, SGLang and llama.cpp do)."""
     suffix_max_match: int = 8
     """suffix: the longest suffix matched."""
     suffix_cache_requests: int = 256
