@@ -43,6 +43,13 @@ def reference(tiny_llama, prompts):
         return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
+def assert_same_tokens(outputs, reference, label: str = "") -> None:
+    """Each output's token ids equal the reference's, prompt by prompt."""
+    got = [o.outputs[0].token_ids for o in outputs]
+    for i, (g, r) in enumerate(zip(got, reference)):
+        assert g == r, f"{label}prompt {i}: {g} != {r}"
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_greedy_identical_with_speculation_chunked_preempted_async(tiny_llama, prompts,
@@ -55,9 +62,7 @@ def test_greedy_identical_with_speculation_chunked_preempted_async(tiny_llama, p
              async_scheduling=True, startup_timeout=STARTUP_TIMEOUT_S) as llm:
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         stats = llm.get_stats()
-    got = [o.outputs[0].token_ids for o in outputs]
-    for i, (g, r) in enumerate(zip(got, reference)):
-        assert g == r, f"prompt {i}: {g} != {r}"
+    assert_same_tokens(outputs, reference)
     assert stats.num_preemptions > 0
     assert stats.spec_num_drafts > 0
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
@@ -102,9 +107,7 @@ def test_greedy_identical_with_a_draft_model_chunked_preempted_async(
                  async_scheduling=True, startup_timeout=STARTUP_TIMEOUT_S) as llm:
             outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
             stats = llm.get_stats()
-        got = [o.outputs[0].token_ids for o in outputs]
-        for i, (g, r) in enumerate(zip(got, reference)):
-            assert g == r, f"draft {draft}, prompt {i}: {g} != {r}"
+        assert_same_tokens(outputs, reference, f"draft {draft}, ")
         assert stats.num_preemptions > 0
         assert stats.spec_num_draft_tokens > 0
         assert sum(stats.spec_accepted_per_pos) == stats.spec_num_accepted_tokens
