@@ -12,7 +12,11 @@ policy; combinations the engine refuses are skipped):
    the whole trace and drains after it, before the latencies show it;
 2. for a setting that meets it, the highest sustainable rate: the same trace arriving m times
    faster (the Gamma gaps scale exactly), m doubled until the SLO fails (at most
-   `MAX_MULTIPLIER`), then bisected until the bracket is within `RATE_PRECISION`.
+   `MAX_MULTIPLIER`), then bisected until the bracket is within `RATE_PRECISION`;
+3. when no setting meets it (a demanding SLO, or a cost model profiled on a slow machine),
+   the `BELOW_TOP` closest settings are searched downwards the same way (m halved until the
+   SLO holds, at least 1/`MAX_MULTIPLIER`), so the report can say what rate they do sustain
+   and the plot draws a curve rather than one point per setting.
 
 Settings are ranked by that rate, then by output throughput there. With a finite trace the
 queue in overload grows with the trace's length, so the rate found is for a burst of that
@@ -36,6 +40,9 @@ from .trace import Trace
 MAX_MULTIPLIER = 64.0
 RATE_PRECISION = 1.05
 """The bisection stops when the failing rate is within 5% of the sustainable one."""
+BELOW_TOP = 5
+"""How many of the closest settings are searched below the requested rate when none meets
+the SLO there (as many as the plot draws)."""
 _CURVE_KEYS = ("p99_ttft_ms", "p99_itl_ms", "p99_tpot_ms", "p99_e2el_ms", "output_throughput",
                "request_throughput", "num_preemptions", "max_num_waiting", "max_kv_cache_usage",
                "completed", "keeps_up")
@@ -134,7 +141,8 @@ class Evaluation:
     """The simulation at the requested rate."""
     meets: bool
     max_rate: float | None = None
-    """Highest sustainable rate (req/s); None when the SLO fails at the requested rate."""
+    """Highest sustainable rate (req/s). When the SLO fails at the requested rate it is None,
+    or below the requested rate after a downward search (step 3 of the module docstring)."""
     capped: bool = False
     """The SLO still held at MAX_MULTIPLIER times the requested rate."""
     curve: list[dict] = field(default_factory=list)
@@ -210,14 +218,35 @@ class _Runner:
         if hi is None:
             evaluation.capped = True
         else:
-            while hi / lo > RATE_PRECISION:
-                mid = math.sqrt(lo * hi)
-                summary, meets = self.point(evaluation.setting, mid)
-                self._note(evaluation, mid, summary, meets)
-                if meets:
-                    lo = mid
-                else:
-                    hi = mid
+            self._bisect(evaluation, lo, hi)
+            return
+        evaluation.max_rate = self.base_rate * lo
+        evaluation.curve.sort(key=lambda p: p["rate"])
+
+    def search_below(self, evaluation: Evaluation) -> Evaluation:
+        """The highest rate below the requested one at which a missing setting meets the SLO
+        (`max_rate` stays None when even 1/`MAX_MULTIPLIER` of it misses)."""
+        hi, m = 1.0, 0.5
+        while m >= 1 / MAX_MULTIPLIER:
+            summary, meets = self.point(evaluation.setting, m)
+            self._note(evaluation, m, summary, meets)
+            if meets:
+                self._bisect(evaluation, m, hi)
+                return evaluation
+            hi, m = m, m / 2
+        evaluation.curve.sort(key=lambda p: p["rate"])
+        return evaluation
+
+    def _bisect(self, evaluation: Evaluation, lo: float, hi: float) -> None:
+        """Narrow [lo, hi] (meets at lo, misses at hi) to `RATE_PRECISION`."""
+        while hi / lo > RATE_PRECISION:
+            mid = math.sqrt(lo * hi)
+            summary, meets = self.point(evaluation.setting, mid)
+            self._note(evaluation, mid, summary, meets)
+            if meets:
+                lo = mid
+            else:
+                hi = mid
         evaluation.max_rate = self.base_rate * lo
         evaluation.curve.sort(key=lambda p: p["rate"])
 
@@ -228,25 +257,37 @@ def search(base: EngineConfig, max_model_len: int, cost_model: StepCostModel, tr
     """Evaluate every setting; the best first (see the module docstring for the order)."""
     runner = _Runner(base, max_model_len, cost_model, trace, base_rate, slo)
     evaluations = []
-    if jobs > 1:
-        with ProcessPoolExecutor(jobs) as pool:
-            for i, evaluation in enumerate(pool.map(runner.evaluate, settings), 1):
-                evaluations.append(evaluation)
-                if progress:
-                    progress(i, len(settings))
-    else:
-        for i, setting in enumerate(settings, 1):
-            evaluations.append(runner.evaluate(setting))
+    with ProcessPoolExecutor(jobs) if jobs > 1 else _Inline() as pool:
+        for i, evaluation in enumerate(pool.map(runner.evaluate, settings), 1):
+            evaluations.append(evaluation)
             if progress:
                 progress(i, len(settings))
-    return rank(evaluations, slo)
+        evaluations = rank(evaluations, slo)
+        if evaluations and not any(e.meets for e in evaluations):
+            closest = list(pool.map(runner.search_below, evaluations[:BELOW_TOP]))
+            evaluations = rank(closest, slo) + evaluations[BELOW_TOP:]
+    return evaluations
+
+
+class _Inline:
+    """`ProcessPoolExecutor`'s `map` in this process (jobs=1)."""
+
+    def __enter__(self) -> "_Inline":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def map(self, fn, items):
+        return map(fn, items)
 
 
 def rank(evaluations: list[Evaluation], slo: SLO | None = None) -> list[Evaluation]:
     """Meeting the SLO first, by sustainable rate, then output throughput at that rate, then
     p99 TTFT at the requested rate, then the leaner setting (less KV memory, fewer
-    sequences, a smaller budget); the rest by how far they miss `slo` (`SLO.overshoot`),
-    then by p99 TTFT at the requested rate."""
+    sequences, a smaller budget); the rest by the rate they sustain below the requested one
+    (when searched), then by how far they miss `slo` (`SLO.overshoot`), then by p99 TTFT at
+    the requested rate."""
     def key(e: Evaluation):
         s = e.setting
         lean = (s.num_kv_blocks, s.max_num_seqs, s.max_num_batched_tokens,
@@ -256,7 +297,8 @@ def rank(evaluations: list[Evaluation], slo: SLO | None = None) -> list[Evaluati
             return (0, -e.max_rate, -round(at_max.get("output_throughput", 0.0), 6),
                     round(e.summary["p99_ttft_ms"], 6), *lean)
         miss = slo.overshoot(e.summary) if slo is not None else 0.0
-        return (1, miss, e.summary["p99_ttft_ms"], e.summary["p99_itl_ms"], *lean)
+        below = -(e.max_rate or 0.0)
+        return (1, below, miss, e.summary["p99_ttft_ms"], e.summary["p99_itl_ms"], *lean)
 
     return sorted(evaluations, key=key)
 
@@ -275,7 +317,17 @@ def format_table(evaluations: list[Evaluation], base_rate: float, slo: SLO,
         if best is not None:
             lines.append(f"Closest: {best.setting.flags()} (TTFT p99 "
                          f"{best.summary['p99_ttft_ms']:.0f} ms, ITL p99 "
-                         f"{best.summary['p99_itl_ms']:.0f} ms)")
+                         f"{best.summary['p99_itl_ms']:.0f} ms"
+                         f"{'' if best.summary.get('keeps_up', True) else ', falls behind'})")
+        below = [e for e in evaluations if e.max_rate]
+        if below:
+            lines += ["", f"At lower rates (the {len(below)} closest, searched below "
+                      f"{base_rate:g} req/s):"]
+            lines += [f"  {e.max_rate:.3g} req/s  {e.setting.flags()}" for e in below[:top]]
+        elif best is not None:
+            lines.append(f"None of the closest meets it even at {base_rate / MAX_MULTIPLIER:.3g}"
+                         " req/s: is the step cost model from a busy machine, or the SLO "
+                         "below one step?")
         return "\n".join(lines)
     header = (f"{'#':>2} {'max-num-seqs':>12} {'batched-tokens':>14} {'KV cache':>12} "
               f"{'chunked':>7} {'policy':>8} | {'TTFT p99':>9} {'ITL p99':>8} {'preempt':>7} "

@@ -2,7 +2,8 @@
 
 Top: p99 TTFT and p99 ITL against the request rate for the best settings (every rate the
 search simulated; an x where the setting misses the SLO or falls behind), with the SLO limits
-and the requested rate. Bottom: the best setting at its
+and the requested rate; when none meets the SLO there, the closest settings' curves run below
+the requested rate, down to the rate each sustains, and the panels say so. Bottom: the best setting at its
 highest sustainable rate over time: running and waiting requests, KV-cache usage.
 """
 
@@ -31,7 +32,9 @@ def plot_tune(evaluations: list[Evaluation], base_rate: float, slo: SLO, path: s
     `best_rate` (its highest sustainable rate)."""
     fig = plt.figure(figsize=(13, 9))
     grid = fig.add_gridspec(2, 2, height_ratios=[1.2, 1])
-    shown = [e for e in evaluations if e.meets][:top] or evaluations[:top]
+    meeting = [e for e in evaluations if e.meets]
+    shown = meeting[:top] or evaluations[:top]
+    rates = [p["rate"] for e in shown for p in e.curve] + [base_rate]
     for col, (key, limit, name) in enumerate((("p99_ttft_ms", slo.ttft_p99_s, "p99 TTFT"),
                                               ("p99_itl_ms", slo.itl_p99_s, "p99 ITL"))):
         ax = fig.add_subplot(grid[0, col])
@@ -45,6 +48,13 @@ def plot_tune(evaluations: list[Evaluation], base_rate: float, slo: SLO, path: s
             ax.axhline(limit * 1e3, color="tab:red", linestyle="--", label="SLO")
         ax.axvline(base_rate, color="gray", linestyle=":", label=f"requested {base_rate:g} req/s")
         ax.set_yscale("log")
+        if max(rates) / min(rates) > 8:
+            ax.set_xscale("log")
+        if not meeting:
+            ax.text(0.02, 0.98, f"no setting meets the SLO at {base_rate:g} req/s;\n"
+                    "curves: the closest settings at lower rates", transform=ax.transAxes,
+                    va="top", fontsize=8, color="tab:red",
+                    bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8})
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel(f"{name} (ms)")
         ax.set_title(f"{name} against request rate (simulated; x: misses the SLO or falls "

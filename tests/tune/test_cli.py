@@ -50,6 +50,24 @@ def test_search_prints_the_table_and_draws_the_plot(cost_file, tmp_path, capsys)
     assert len(settings) == 2 and all(s["max_rate"] >= 5 for s in settings if s["meets"])
 
 
+def test_when_no_setting_meets_the_slo_the_report_and_plot_show_the_rates_below(
+        cost_file, tmp_path, capsys):
+    """Asked for 500 req/s of 128-token prompts (a step takes at least 5 ms): nothing keeps
+    up; the report names the rates the closest settings sustain and the plot draws them."""
+    plot, result = str(tmp_path / "tune.png"), str(tmp_path / "tune.json")
+    rc = tidal_main(["tune", "--step-cost-model", cost_file, *WORKLOAD, "--request-rate", "500",
+                     "--slo-ttft-p99", "1s", "--slo-itl-p99", "200ms",
+                     "--max-num-seqs-grid", "8,32", "--max-num-batched-tokens-grid", "256",
+                     "--kv-cache-memory-grid", "64MiB", "--chunked-prefill-grid", "on",
+                     "--plot", plot, "--result-file", result])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "0 of 2 settings meet" in out and "searched below 500 req/s" in out
+    assert os.path.getsize(plot) > 10_000
+    settings = json.load(open(result))["settings"]
+    assert all(0 < s["max_rate"] < 500 and len(s["curve"]) > 3 for s in settings)
+
+
 def test_a_missing_profile_says_how_to_make_one(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
     rc = tidal_main(["tune", "simulate", *WORKLOAD])

@@ -63,6 +63,23 @@ def test_when_none_meets_the_closest_is_the_one_that_misses_by_the_least():
     assert "Closest: --max-num-seqs 32" in format_table(ranked, 4.0, slo)
 
 
+def test_when_none_meets_the_closest_are_searched_below_the_requested_rate():
+    """The setting of the first test that serves 10 req/s, asked for 15 (as a profile taken
+    on a busy machine makes every setting miss): the report says the rate it does sustain, and
+    its curve holds the rates below 15 that the search simulated, for the plot."""
+    settings = settings_grid([1], [64], [(1000, None)], [True], ["fcfs"], BASE, 256)
+    slo = SLO(ttft_p99_s=0.05, itl_p99_s=0.05)
+    (only,) = search(BASE, 256, StepCostModel(0.010), regular_trace(15.0), 15.0, slo, settings)
+    assert not only.meets
+    assert 10 / 1.05 / 1.05 <= only.max_rate <= 10 * 1.05
+    rates = [p["rate"] for p in only.curve]
+    assert rates == sorted(rates) and rates[0] < only.max_rate < rates[-1] == 15.0
+    assert any(p["meets"] for p in only.curve)
+    table = format_table([only], 15.0, slo)
+    assert "0 of 1 settings meet" in table
+    assert f"{only.max_rate:.3g} req/s  --max-num-seqs 1" in table
+
+
 def test_grid_skips_what_the_engine_refuses():
     """Chunked prefill off needs max_num_batched_tokens >= max_model_len (512 here); the
     budget must cover max_num_seqs; the KV cache must hold one max_model_len request."""
