@@ -6,8 +6,9 @@
  * PAIR_ROW_bf16). float32, bfloat16 and float16 weights are all widened to float32 before
  * any arithmetic, so a weight stored narrow gives the products of its float32 values.
  * Each thread takes a run of panel pairs (32 columns); for a pair it sweeps the rows in
- * blocks (12, 8, 4, 1 with AVX-512; 2, 1 with AVX2), every block holding its rows' 32 sums in
- * registers over the whole K loop, one broadcast row element times the pair's row per step.
+ * blocks (12, then the rest in one with AVX-512; 2, 1 with AVX2), every block holding its
+ * rows' 32 sums in registers over the whole K loop, one broadcast row element times the
+ * pair's row per step.
  *
  * Why not oneDNN: a decode step streams every weight from memory once, and oneDNN's kernel
  * pulls them at 5.5 GB/s a core at 32 rows (87-92 GFLOP/s a thread, against 131-140 when the
@@ -135,18 +136,31 @@ static void rows_##RB##_##T(const float *x, long K, const void *w0, const void *
  * weights: AVX-512's 32 zmm take 12 rows (24 sums, 2 weight vectors), AVX2's 16 ymm take 2
  * (8 sums, 4 weight vectors; 3 rows spill). */
 #if defined(__AVX512F__)
-#define ROW_BLOCKS(MAKE, T) MAKE(12, T) MAKE(8, T) MAKE(4, T) MAKE(1, T)
+/* Every size from 1 to 12, so that M <= 12 rows (a speculative verification step's) take one
+ * block: one pass over the pair with 2 M independent sums. In blocks of 12, 8, 4, 1 (until
+ * 2026-12-04) 2, 3, 5-7 rows took several passes, the 1-row ones each two chains of
+ * dependent multiply-adds. SmolLM2's 30 layers' projections in bfloat16 panels on the 2-vCPU
+ * Zen 4 EPYC, one thread, least of 20 interleaved rounds (load ~8), these blocks against
+ * those: 0.70 / 0.54 / 0.89 / 0.81 of the time at 2 / 3 / 5 / 6 rows, level at 1, 4, 8. */
+#define ROW_BLOCKS(MAKE, T) MAKE(12, T) MAKE(11, T) MAKE(10, T) MAKE(9, T) MAKE(8, T)          \
+    MAKE(7, T) MAKE(6, T) MAKE(5, T) MAKE(4, T) MAKE(3, T) MAKE(2, T) MAKE(1, T)
 #define DISPATCH(T, left, args)                                                              \
-    ((left) >= 12 ? (rows_12_##T args, 12) : (left) >= 8 ? (rows_8_##T args, 8)            \
-     : (left) >= 4 ? (rows_4_##T args, 4) : (rows_1_##T args, 1))
+    ((left) >= 12 ? (rows_12_##T args, 12) : (left) == 11 ? (rows_11_##T args, 11)         \
+     : (left) == 10 ? (rows_10_##T args, 10) : (left) == 9 ? (rows_9_##T args, 9)          \
+     : (left) == 8 ? (rows_8_##T args, 8) : (left) == 7 ? (rows_7_##T args, 7)             \
+     : (left) == 6 ? (rows_6_##T args, 6) : (left) == 5 ? (rows_5_##T args, 5)             \
+     : (left) == 4 ? (rows_4_##T args, 4) : (left) == 3 ? (rows_3_##T args, 3)             \
+     : (left) == 2 ? (rows_2_##T args, 2) : (rows_1_##T args, 1))
 #else
 #define ROW_BLOCKS(MAKE, T) MAKE(2, T) MAKE(1, T)
 #define DISPATCH(T, left, args) ((left) >= 2 ? (rows_2_##T args, 2) : (rows_1_##T args, 1))
 #endif
 
-/* One pair of panels (32 output columns) against all M rows, in row blocks of 12, 8, 4, 1.
- * A pair is 32 K `SIZE`-byte weights, 2 K cache lines for float32 and K for 16-bit types:
- * the first (and for float32 the second) row block prefetches K lines of the next pair. */
+/* One pair of panels (32 output columns) against all M rows, in row blocks of 12 rows, then
+ * one of the rest. A pair is 32 K `SIZE`-byte weights, 2 K cache lines for float32 and K for
+ * 16-bit types: the first (and for float32 the second) row block prefetches K lines of the
+ * next pair (so M <= 12 rows of a float32 pair prefetch half of the next: prefetching all
+ * of it from the one block was 1.13x slower at 1 row, SmolLM2's layers on the Zen 4 EPYC). */
 #define PAIR(T, SIZE)                                                                        \
 ROW_BLOCKS(ROW_BLOCK, T)                                                                     \
 static void pair_##T(const float *x, long M, long K, const void *w0, float *y, long N,     \
@@ -289,8 +303,9 @@ static void rows_h##RB##_##T(const float *x, long K, const unsigned char *w0, fl
     ((left) >= 5 ? (rows_h5_##T args, 5) : (left) == 4 ? (rows_h4_##T args, 4)              \
      : (left) == 3 ? (rows_h3_##T args, 3) : DISPATCH(T, left, args))
 #endif
-/* A pair of blocks against all M rows in row blocks (12, 8, 4, 1 with AVX-512; 5, 4, 3 of
- * half pairs, then 2, 1 with AVX2); the first row block prefetches the whole next pair. */
+/* A pair of blocks against all M rows in row blocks (12, then the rest in one with AVX-512;
+ * 5, 4, 3 of half pairs, then 2, 1 with AVX2); the first row block prefetches the whole next
+ * pair. */
 #define PAIR_Q(T)                                                                            \
 ROW_BLOCKS_Q(T)                                                                              \
 static void pair_##T(const float *x, long M, long K, const void *w0, float *y, long N,     \

@@ -40,6 +40,22 @@ def test_product_equals_f_linear_for_every_row_count(shape):
 
 
 @needs_kernel
+@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_rows_product_is_the_same_whatever_the_batchs_row_count(storage):
+    """Each row's sums run over k in order in whatever row block takes it, so a speculative
+    verification step's rows get a decode step's results bit for bit (greedy tokens equal
+    with speculation on and off)."""
+    torch.manual_seed(2)
+    weight = (torch.randn(96, 160) * 0.05).to(torch.bfloat16).to(torch.float32)
+    gemm = small_m_gemm.PanelGemm(weight, storage)
+    for rows in (*range(2, 15), 25):
+        x = torch.randn(rows, 160)
+        y = gemm(x)
+        for i in range(rows):
+            assert torch.equal(y[i:i + 1], gemm(x[i:i + 1].contiguous())), (rows, i)
+
+
+@needs_kernel
 def test_fused_add_and_mul_equal_the_separate_ops_bit_for_bit():
     torch.manual_seed(1)
     weight = torch.randn(128, 96)
@@ -170,7 +186,7 @@ def test_the_avx2_build_gives_the_avx512_builds_results_bit_for_bit(monkeypatch,
                            else small_m_gemm.q8_blocks(weight))
         cases.append((found, kind))
     for packed, kind in cases:
-        for rows in (1, 2, 3, 13):
+        for rows in (1, 2, 3, 5, 8, 12, 13):
             x, other = torch.randn(rows, 128), torch.randn(rows, 96)
             for op in (0, 1, 2):
                 ys = [torch.empty(rows, 96) for _ in range(2)]
