@@ -72,7 +72,7 @@ class Request:
         "num_worker_tokens",
         "first_output_sent", "error", "add_time", "queue_time", "prompt_logprob_parts",
         "next_prompt_logprob", "num_resumed_tokens", "first_token_time", "finish_time",
-        "lora", "pooling", "num_drafts_in_flight", "spec_drafted", "spec_accepted",
+        "lora", "pooling", "num_drafts_in_flight", "spec_tested", "spec_accepted",
     )
 
     def __init__(
@@ -161,9 +161,11 @@ class Request:
         """Speculative decoding: draft tokens scheduled in a step whose result has not come
         back (then `num_computed_tokens` counts them too, and the request is not scheduled
         again until it is back)."""
-        self.spec_drafted = 0
+        self.spec_tested = 0
         self.spec_accepted = 0
-        """Draft tokens it verified and the target accepted (its acceptance estimate)."""
+        """Draft positions its verifications tested (`spec_decode.verified_positions`: the
+        accepted ones and each first rejection) and those the target accepted (its
+        acceptance estimate)."""
         self.pooling = pooling
         """An embedding request's pooling (resolved by `check_pooling`): it finishes when its
         prompt is computed, with the vector the workers pooled (`SampledTokens.pooled`)."""

@@ -64,6 +64,7 @@ from .request import Request, RequestStatus
 from .request_queue import create_request_queue, priority_key
 from .spec_decode import (
     AdaptivePolicy, CostTerms, SpecStats, make_proposer, parse_speculative_config,
+    verified_positions,
 )
 from ..ipc.batch_view import BatchView, StepRecord
 from ..ipc.messages import (
@@ -344,7 +345,7 @@ class Scheduler:
             return
         rows = rows if decodes_only else None
         best_case = [(most, request.num_computed_tokens,
-                      policy.alpha(request.spec_accepted, request.spec_drafted))
+                      policy.alpha(request.spec_accepted, request.spec_tested))
                      for request, most in eligible]
         rest_tokens = sum(request.num_computed_tokens + num_new >= len(request.all_token_ids)
                           for request, num_new in rest)
@@ -763,7 +764,7 @@ class Scheduler:
     def _record_drafts(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """A request's drafts came back verified: its acceptance, the policy's, /metrics."""
         request.num_drafts_in_flight = 0
-        request.spec_drafted += num_drafts
+        request.spec_tested += verified_positions(num_drafts, num_accepted)
         request.spec_accepted += num_accepted
         self.spec_policy.record(num_drafts, num_accepted)
         self.spec_stats.record(num_drafts, num_accepted)

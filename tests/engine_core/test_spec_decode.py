@@ -14,7 +14,7 @@ from sched_utils import (
 from tidal.engine_core.config import EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from tidal.engine_core.spec_decode import (
     STEP_SAMPLES, STEP_STALE, AdaptivePolicy, CostTerms, NgramProposer, StepTimes, SuffixProposer,
-    expected_tokens, parse_speculative_config,
+    expected_tokens, parse_speculative_config, verified_positions,
 )
 from tidal.ipc.messages import unpack_token_ids
 
@@ -141,9 +141,24 @@ def test_policy_drafts_for_one_stream_and_holds_back_when_they_do_not_pay():
 def test_policy_acceptance_estimate_follows_evidence():
     policy = AdaptivePolicy(4, CostTerms())
     assert policy.alpha(0, 0) == pytest.approx(0.5)
-    policy.record(100, 90)
-    assert policy.alpha(0, 0) > 0.85
+    for _ in range(30):
+        policy.record(4, 3)  # 3 accepted of 4 tested positions a time
+    assert policy.alpha(0, 0) == pytest.approx(91 / 122)
     assert policy.alpha(0, 40) < 0.2  # its own record outweighs the prior
+
+
+def test_acceptance_counts_the_positions_verification_tested():
+    """A draft's positions after its first rejection were never tried: 4 drafts of which the
+    first is rejected are one failure, not four, so a per-position acceptance a is not
+    underestimated for long drafts (the yield 1 + a + .. + a^k assumes each position is
+    accepted with a given the ones before it were)."""
+    assert verified_positions(4, 0) == 1
+    assert verified_positions(4, 2) == 3
+    assert verified_positions(4, 4) == 4
+    policy = AdaptivePolicy(4, CostTerms())
+    for accepted in (0, 4) * 50:  # all or nothing: half the drafts entirely right
+        policy.record(4, accepted)
+    assert policy.prior() == pytest.approx(201 / 252)
 
 
 def epyc_step_ms(rows: int) -> float:
@@ -280,7 +295,8 @@ def test_scheduler_asks_no_proposer_for_chat_streams_once_steps_say_drafts_do_no
     for rows in (8, 16, 40):
         for _ in range(STEP_SAMPLES):
             sched.spec_policy.observe_step(rows, step_s(rows))
-    sched.spec_policy.record(100, 5)  # drafts have failed so far
+    for _ in range(100):
+        sched.spec_policy.record(4, 0)  # drafts have failed so far
     for _ in range(6):
         plan, _ = step(sched, worker)
         sched.step_ran(plan, step_s(plan.total_num_scheduled_tokens))
