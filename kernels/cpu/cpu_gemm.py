@@ -32,7 +32,8 @@ Results equal `F.linear`'s up to float32 rounding (a different summation order).
 On a CPU with AVX-512 and a C compiler, the panel kernel of `small_m_gemm.py` takes these
 batches instead of oneDNN (16-31% faster at 8-64 rows on the Xeon: it prefetches the weight
 stream that oneDNN's kernel waits on); with AVX2 it takes a de-quantized GGUF weight's 4/8-bit
-blocks at up to 8 rows; oneDNN stays the path everywhere else.
+blocks and other float weights' panels at up to 8 rows (`small_m_gemm.AVX2_PANEL_ROWS`);
+oneDNN stays the path everywhere else.
 
 `add` and `mul` fold the elementwise op that follows a projection in a decoder layer (the
 residual add after o_proj and down_proj, `silu(gate) * up` in the MLP) into the GEMM as a

@@ -318,10 +318,15 @@ def fuse(layers: list[DecoderLayerParts], shape: LayerShape) -> DecoderLayers | 
     over which no projection switches weights (a de-quantized GGUF's steps of up to the block
     rows read its 4/8-bit blocks, larger ones float panels; on the Zen 4 EPYC, SmolLM2 at 8
     and 32 requests: 34.7 -> 24.5 ms and 110.6 -> 87.8 ms against the layers' own calls on
-    blocks); None where no range has every layer's weights on the panel kernel."""
+    blocks) or leaves the panel kernel (with AVX2, float weights past AVX2_PANEL_ROWS); None
+    where no range has every layer's weights on the panel kernel."""
     if not layers:
         return None
-    switches = {gemm.block_rows for layer in layers for gemm in layer.gemms} - {0}
+    gemms = [gemm for layer in layers for gemm in layer.gemms]
+    # where a projection switches weights (blocks to panels) or leaves the panel kernel (an
+    # AVX2 build's float panels end at AVX2_PANEL_ROWS)
+    switches = ({gemm.block_rows for gemm in gemms}
+                | {gemm.panel_rows for gemm in gemms}) - {0}
     bounds = sorted({r for r in switches if r < SMALL_BATCH_ROWS} | {SMALL_BATCH_ROWS})
     fused, low = [], 0
     for high in bounds:  # no projection switches weights inside (low, high]

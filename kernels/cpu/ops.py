@@ -260,8 +260,8 @@ class _Libraries:
         rows = small_m_gemm.block_rows()
         if small_m_gemm.float_panels():
             return f"AVX-512: float panels, a GGUF's 4/8-bit blocks up to {rows} rows"
-        return (f"AVX2: a GGUF's 4/8-bit blocks up to {rows} rows, float32 weights on "
-                f"{self.gemm_fallback}")
+        return (f"AVX2: a GGUF's 4/8-bit blocks up to {rows} rows, float panels up to "
+                f"{small_m_gemm.AVX2_PANEL_ROWS}, {self.gemm_fallback} above")
 
     def panels_instead(self) -> str:
         return (f"small batches take {self.gemm_fallback}, a GGUF's weights read as float32 "

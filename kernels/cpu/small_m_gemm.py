@@ -20,7 +20,7 @@ The C source is built by `native.build_and_load` (the machine's C compiler, cach
 for AVX-512 or, failing that, AVX2 with FMA and F16C (the same arithmetic in 8-float vectors:
 bit-identical results, tested); a machine without a compiler or without AVX2 keeps oneDNN:
 `load()` returns None. With AVX2 only, the panels take a weight's blocks up to
-AVX2_BLOCK_ROWS rows and nothing else (`_reach`).
+AVX2_BLOCK_ROWS rows and float weights up to AVX2_PANEL_ROWS (`_reach`).
 """
 
 from __future__ import annotations
@@ -59,10 +59,19 @@ the blocks / AMX, 63.9 / 60.7 at 32, 80.9 / 76.3 at 40, 122.8 ms on float panels
 64)."""
 AVX2_BLOCK_ROWS = 8
 """With AVX2 only (16 ymm registers: row blocks of 2, not 12), the most rows that take the
-blocks; the float panels are not kept there and oneDNN takes every other small batch. The AVX2
-build run on the Xeon, SmolLM2's layers: blocks 4.9 / 19.3 / 36.0 ms at 1 / 8 / 16 rows against
-oneDNN's 21.3 / 28.0 / 31.4 (oneDNN with AVX-512 there; on an AVX2 CPU it runs at about half
-that rate, so 8 is the cautious bound until measured on one)."""
+blocks. The AVX2 build run on the Xeon, SmolLM2's layers: blocks 4.9 / 19.3 / 36.0 ms at 1 /
+8 / 16 rows against oneDNN's 21.3 / 28.0 / 31.4 (oneDNN with AVX-512 there; on an AVX2 CPU it
+runs at about half that rate, so 8 is the cautious bound until measured on one)."""
+AVX2_PANEL_ROWS = 8
+"""With AVX2 only, the most rows that take the float panels (bfloat16 where the weight is
+exactly that, `exact_storage_dtype`); oneDNN takes larger small batches. Until 2026-12-04
+AVX2 kept no float panels: measured on the Xeon against oneDNN's AVX-512 code (float32 panels
+16.5 / 27.0 / 39.0 ms at 1 / 8 / 16 rows, oneDNN 21.3 / 28.0 / 31.4), they lost beyond a few
+rows. Against oneDNN's AVX2 code (ONEDNN_MAX_CPU_ISA=AVX2 on the Zen 4 EPYC, the kernel built
+-march=haswell, SmolLM2's 30 layers, one thread, least of 12 interleaved rounds, load ~5):
+bfloat16 panels 21.3 / 21.7 / 32.9 / 29.9 / 30.8 ms at 1 / 2 / 3 / 5 / 8 rows, float32 panels
+40.0 / 42.7 / 51.6 / 65.8 / 59.1, oneDNN 76.4 / 79.3 / 92.5 / 98.0 / 102.0. 8 rows: a
+verification step's (1 request and 4 drafts: 5) and 2-4 requests' with drafts."""
 
 def build() -> native.Build:
     """The compiled kernel (built the first time on this machine), or why it cannot run here."""
@@ -145,8 +154,9 @@ def pack_panels(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> tor
 
 
 def float_panels() -> bool:
-    """Whether this machine's build keeps float panels: AVX-512 (16-float vectors); an AVX2
-    build takes a GGUF's 4/8-bit blocks only."""
+    """Whether this machine's build takes every small batch on float panels: AVX-512
+    (16-float vectors); an AVX2 build takes a GGUF's 4/8-bit blocks and float panels up to a
+    few rows (`_reach`)."""
     return load().tidal_panel_gemm_vector_floats() >= 16
 
 
@@ -161,8 +171,8 @@ def block_rows() -> int:
 
 def _reach() -> tuple[int, int]:
     """(most rows the blocks take, most rows the float panels take) with this machine's build:
-    AVX-512 (`block_rows()`, any), AVX2 (AVX2_BLOCK_ROWS, 0: no float panels)."""
-    return block_rows(), (1 << 62 if float_panels() else 0)
+    AVX-512 (`block_rows()`, any), AVX2 (AVX2_BLOCK_ROWS, AVX2_PANEL_ROWS)."""
+    return block_rows(), (1 << 62 if float_panels() else AVX2_PANEL_ROWS)
 
 
 class PanelGemm:
@@ -201,12 +211,14 @@ class PanelGemm:
         self._block_rows = block_rows if self.blocks is not None else 0
         if self.amx is not None:
             self._block_rows, panel_rows = min(block_rows, AMX_BLOCK_ROWS), 0
-        keep_panels = storage is not None or panel_rows > 0
+        if storage is not None:
+            panel_rows = 1 << 62  # asked for: they take any rows
+        keep_panels = panel_rows > self._block_rows
         self.panels = pack_panels(weight, storage or exact_storage_dtype(weight)) if keep_panels else None
-        """Float panels (None on an AVX2 build unless `storage` is given)."""
+        """Float panels (None where the blocks or AMX take every row count they would)."""
         self._weight_type = _WEIGHT_TYPES[self.panels.dtype] if keep_panels else 0
         self.max_rows = (1 << 62 if self.amx is not None else
-                         max(self._block_rows, (panel_rows or 1 << 62) if keep_panels else 0))
+                         max(self._block_rows, panel_rows if keep_panels else 0))
         """The most rows a call takes (0: none, the weight is no use to this build)."""
         self._kernel = load().tidal_panel_gemm
 

@@ -197,12 +197,19 @@ def test_the_avx2_build_gives_the_avx512_builds_results_bit_for_bit(monkeypatch,
 
 
 @needs_kernel
-def test_with_avx2_only_the_blocks_take_a_few_rows_and_onednn_the_rest(monkeypatch):
-    monkeypatch.setattr(small_m_gemm, "_reach", lambda: (small_m_gemm.AVX2_BLOCK_ROWS, 0))
+def test_with_avx2_only_the_blocks_and_float_panels_take_a_few_rows_and_onednn_the_rest(
+        monkeypatch):
+    monkeypatch.setattr(small_m_gemm, "_reach", lambda: (small_m_gemm.AVX2_BLOCK_ROWS,
+                                                         small_m_gemm.AVX2_PANEL_ROWS))
     if not small_batch_gemm_available(torch.randn(64, 32)):
         pytest.skip("torch built without oneDNN")
-    plain = SmallBatchGemm(torch.randn(96, 128))
-    assert plain.panels is None and plain.reordered is not None  # nothing for the panels
+    plain_weight = torch.randn(96, 128)
+    plain = SmallBatchGemm(plain_weight)
+    assert plain.panel_rows == small_m_gemm.AVX2_PANEL_ROWS and plain.reordered is not None
+    assert plain.kernel_weights(small_m_gemm.AVX2_PANEL_ROWS + 1) is None  # oneDNN's
+    for rows in (1, 5, small_m_gemm.AVX2_PANEL_ROWS, small_m_gemm.AVX2_PANEL_ROWS + 1):
+        x = torch.randn(rows, 128)
+        torch.testing.assert_close(plain(x), F.linear(x, plain_weight), rtol=1e-5, atol=1e-5)
     weight = q4_weight()
     gemm = SmallBatchGemm(weight)
     assert gemm.panel_rows == small_m_gemm.AVX2_BLOCK_ROWS and gemm.panels.panels is None

@@ -39,8 +39,9 @@ def test_silu_equals_torch_to_float32_rounding():
 
 
 def float_panels_here() -> bool:
-    """Whether this build keeps float32 weights as panels (AVX-512): the fused call needs
-    them; an AVX2 build keeps oneDNN for float32 and the layers run from Python."""
+    """Whether this build keeps float32 weights as panels for every small batch (AVX-512):
+    these tests' steps need them; an AVX2 build's float panels take steps of up to
+    AVX2_PANEL_ROWS rows only, and oneDNN larger ones (the layers then run from Python)."""
     library = small_m_gemm.load()
     return library is not None and library.tidal_panel_gemm_vector_floats() >= 16
 
