@@ -161,61 +161,8 @@ static void rows_##RB##_##T(const float *x, long K, const void *w0, const void *
  * 16-bit types: the first (and for float32 the second) row block prefetches K lines of the
  * next pair (so M <= 12 rows of a float32 pair prefetch half of the next: prefetching all
  * of it from the one block was 1.13x slower at 1 row, SmolLM2's layers on the Zen 4 EPYC). */
-#if defined(__AVX512F__)
-#define ROW_BLOCKS_F(T) ROW_BLOCKS(ROW_BLOCK, T)
-#define DISPATCH_F(T, left, args) DISPATCH(T, left, args)
-#else
-/* Half h of row k of a pair (0: columns 0-15, 1: 16-31) as two vectors b[0..2): one panel of
- * a float32 or float16 pair; of a bfloat16 pair, the low (h 0) or high halves of its 64
- * bytes (PAIR_ROW_bf16). */
-#define HALF_f32(w0, w1, k, h, b)                                                            \
-    const float *f = (const float *)((h) ? (w1) : (w0)) + 16 * (k);                          \
-    vec b[2] = {VLOAD(f), VLOAD(f + 8)}
-#define HALF_f16(w0, w1, k, h, b)                                                            \
-    vec b[2] = {HALVES8((h) ? (w1) : (w0), k, 0), HALVES8((h) ? (w1) : (w0), k, 1)}
-#define HALF_bf16(w0, w1, k, h, b)                                                           \
-    const __m256i *both = (const __m256i *)((const unsigned short *)(w0) + 32 * (k));      \
-    __m256i lo = _mm256_loadu_si256(both), hi = _mm256_loadu_si256(both + 1);               \
-    __m256i top = _mm256_set1_epi32((int)0xFFFF0000u);                                       \
-    vec b[2] = {_mm256_castsi256_ps((h) ? _mm256_and_si256(lo, top) : _mm256_slli_epi32(lo, 16)), \
-                _mm256_castsi256_ps((h) ? _mm256_and_si256(hi, top) : _mm256_slli_epi32(hi, 16))}
-/* AVX2, 3 to 6 rows of float panels: each half of the pair in turn (16 columns), RB rows'
- * 2 RB sums in registers (6 rows: 12 sums, 2 weights and a broadcast in 16 ymm), so the rows
- * take 2 passes over the pair where blocks of 2 and 1 took one per block. Each sum still
- * runs over k in order with fused multiply-adds from zero: results are those of the 2- and
- * 1-row blocks bit for bit. The first half prefetches the block's lines of the next pair. */
-#define ROW_BLOCK_FH(RB, T)                                                                  \
-static void rows_h##RB##_##T(const float *x, long K, const void *w0, const void *w1,       \
-                             float *y, long N, const float *other, int op,                 \
-                             const char *prefetch) {                                       \
-    for (int h = 0; h < 2; h++) {                                                            \
-        vec a[RB][2];                                                                        \
-        for (int i = 0; i < RB; i++) a[i][0] = a[i][1] = VZERO();                           \
-        for (long k = 0; k < K; k++) {                                                       \
-            HALF_##T(w0, w1, k, h, b);                                                       \
-            if (prefetch && h == 0) __builtin_prefetch(prefetch + 64 * k, 0, 2);             \
-            for (int i = 0; i < RB; i++) {                                                   \
-                vec xi = VSET1(x[i * K + k]);                                                \
-                a[i][0] = VFMA(xi, b[0], a[i][0]);                                           \
-                a[i][1] = VFMA(xi, b[1], a[i][1]);                                           \
-            }                                                                                \
-        }                                                                                    \
-        for (int i = 0; i < RB; i++)                                                         \
-            for (int j = 0; j < 2; j++)                                                      \
-                finish(y + i * N + 16 * h + VL * j,                                          \
-                       other ? other + i * N + 16 * h + VL * j : 0, op, a[i][j]);            \
-    }                                                                                        \
-}
-#define ROW_BLOCKS_F(T) ROW_BLOCKS(ROW_BLOCK, T) ROW_BLOCK_FH(6, T) ROW_BLOCK_FH(5, T)       \
-    ROW_BLOCK_FH(4, T) ROW_BLOCK_FH(3, T)
-#define DISPATCH_F(T, left, args)                                                            \
-    ((left) >= 6 ? (rows_h6_##T args, 6) : (left) == 5 ? (rows_h5_##T args, 5)              \
-     : (left) == 4 ? (rows_h4_##T args, 4) : (left) == 3 ? (rows_h3_##T args, 3)            \
-     : DISPATCH(T, left, args))
-#endif
-
 #define PAIR(T, SIZE)                                                                        \
-ROW_BLOCKS_F(T)                                                                              \
+ROW_BLOCKS(ROW_BLOCK, T)                                                                     \
 static void pair_##T(const float *x, long M, long K, const void *w0, float *y, long N,     \
                      const float *other, int op, const void *next) {                        \
     const void *w1 = (const char *)w0 + (size_t)16 * K * SIZE;                              \
@@ -228,7 +175,7 @@ static void pair_##T(const float *x, long M, long K, const void *w0, float *y, l
         const float *o = other ? other + m * N : 0;                                          \
         const float *xm = x + m * K;                                                         \
         float *ym = y + m * N;                                                               \
-        m += DISPATCH_F(T, left, (xm, K, w0, w1, ym, N, o, op, pf));                        \
+        m += DISPATCH(T, left, (xm, K, w0, w1, ym, N, o, op, pf));                          \
         block++;                                                                             \
     }                                                                                        \
 }

@@ -68,10 +68,14 @@ exactly that, `exact_storage_dtype`); oneDNN takes larger small batches. Until 2
 AVX2 kept no float panels: measured on the Xeon against oneDNN's AVX-512 code (float32 panels
 16.5 / 27.0 / 39.0 ms at 1 / 8 / 16 rows, oneDNN 21.3 / 28.0 / 31.4), they lost beyond a few
 rows. Against oneDNN's AVX2 code (ONEDNN_MAX_CPU_ISA=AVX2 on the Zen 4 EPYC, the kernel built
--march=haswell, SmolLM2's 30 layers, one thread, least of 12 interleaved rounds, load ~5):
-bfloat16 panels 21.3 / 21.7 / 32.9 / 29.9 / 30.8 ms at 1 / 2 / 3 / 5 / 8 rows, float32 panels
-40.0 / 42.7 / 51.6 / 65.8 / 59.1, oneDNN 76.4 / 79.3 / 92.5 / 98.0 / 102.0. 8 rows: a
-verification step's (1 request and 4 drafts: 5) and 2-4 requests' with drafts."""
+-march=haswell, SmolLM2's shapes in 30 layers, one thread, least of 12 interleaved rounds,
+load ~5, 2026-12-04): bfloat16 panels 22.5 / 21.0 / 32.6 / 37.8 / 36.1 ms at 1 / 2 / 3 / 5 / 8
+rows, oneDNN 76.4 / 79.3 / 92.5 / 98.0 / 102.0; the real SmolLM2's float32 panels (its Q4_1
+weights are not bfloat16-exact; `benchmarks/panel_gemm_ab.py --march haswell --storage
+float32 --onednn`, load ~6) 17.9 / 24.8 / 24.1 / 44.1 least, 36.6 / 54.3 / 47.7 / 60.1
+median at 1 / 3 / 5 / 8 rows, oneDNN 54.7 / 39.6 / 62.6 / 46.4 least, 60.6 / 71.9 / 80.0 /
+86.6 median. 8 rows: a verification step's (1 request and 4 drafts: 5) and 2-4 requests'
+with drafts. Not yet measured on an AVX2 CPU."""
 
 def build() -> native.Build:
     """The compiled kernel (built the first time on this machine), or why it cannot run here."""
