@@ -269,10 +269,10 @@ static inline __attribute__((always_inline)) void next_rows(
  * (DV multiply-adds each, one row after the other) and one vsum_tile for all VL of them,
  * where one vsum a position spent more shuffles than multiply-adds; each head re-reads the
  * tile's rows from L1. Weighted sum: each head adds the tile's rows into its DV accumulators
- * in position order. Every sum is added in the order of the row-at-a-time kernel this
- * replaced (the same float32 results, bit for bit), which also kept all heads' accumulators
- * live at once: 24 vectors for SmolLM2's 3 heads of 64 in AVX2, more than its 16
- * registers. */
+ * in position order. Every sum is added in the order of the row-at-a-time item below (the
+ * same float32 results, bit for bit), which keeps all heads' accumulators live at once: 24
+ * vectors for SmolLM2's 3 heads of 64 in AVX2, more than its 16 registers. AVX2 builds take
+ * these tiles for float32 and int8 caches, AVX-512 builds for int8 only (see ROW_ITEM). */
 #define ITEM(DV)                                                                            \
 static void item_##DV(const float *q, const void *kc, const void *vc, const float *ks,      \
                       const float *vs, const int *table, int lo, int seq_len, layout_t at,  \
@@ -362,18 +362,83 @@ typedef void (*item_fn)(const float *, const void *, const void *, const float *
                         const float *, const int *, int, int, layout_t, long, layout_t, long,
                         int, float, float, float *, float *);
 
-static item_fn item_for(int head_dim) {
+/* AVX-512 builds' float32 items: one position at a time, all heads' accumulators live (the
+ * group's DV x group vectors fit in 32 registers), one vsum a score. Measured against the
+ * tiles above on the 2-vCPU AMD EPYC (Zen 4), SmolLM2's geometry, 8 x 4096 positions from
+ * memory in 2 MB pages (benchmarks/decode_attention_ab.py, OMP_NUM_THREADS=1, CPU time,
+ * 2026-12-04): the tiles took 1.04-1.22x this item's time in six runs, where in AVX2 builds
+ * they took 0.93-0.96x (12 KV heads: 0.93x) and read from cache 0.76x. So AVX-512 builds keep
+ * this item for float32 caches, and use the tiles for int8 (the widening once a tile). */
+#if VL == 16
+#define ROW_ITEM(DV)                                                                            \
+static void row_item_##DV(const float *q, const void *kc, const void *vc, const float *ks,  \
+                          const float *vs, const int *table, int lo, int seq_len,           \
+                          layout_t at, long head, layout_t sat, long shead, int group,      \
+                          float scale, float cap, float *out, float *scores) {              \
+    (void)ks; (void)vs; (void)sat; (void)shead;                                             \
+    vec qv[MAX_GROUP][DV], acc[MAX_GROUP][DV];                                              \
+    float top[MAX_GROUP], inverse[MAX_GROUP];                                               \
+    int n = seq_len - lo;                                                                   \
+    for (int g = 0; g < group; g++) {                                                       \
+        top[g] = -INFINITY;                                                                 \
+        for (int c = 0; c < DV; c++) {                                                      \
+            qv[g][c] = V(mul_ps)(V(loadu_ps)(q + g * VL * DV + VL * c),                     \
+                                     V(set1_ps)(scale));                                    \
+            acc[g][c] = V(setzero_ps)();                                                    \
+        }                                                                                   \
+    }                                                                                       \
+    walk_t kw = walk_from(kc, table, at, head, lo, seq_len, 4);                             \
+    walk_t ka = walk_from(kc, table, at, head, lo + PREFETCH, seq_len, 4);                  \
+    for (int p = 0; p < n; p++, walk_next(&kw)) {                                           \
+        prefetch_walk(&ka, 4 * VL * DV);                                                    \
+        const float *k = (const float *)kw.row;                                             \
+        vec kv[DV];                                                                         \
+        for (int c = 0; c < DV; c++) kv[c] = V(loadu_ps)(k + VL * c);                       \
+        for (int g = 0; g < group; g++) {                                                   \
+            vec s = V(mul_ps)(qv[g][0], kv[0]);                                             \
+            for (int c = 1; c < DV; c++) s = V(fmadd_ps)(qv[g][c], kv[c], s);               \
+            float score = vsum(s);                                                          \
+            if (cap > 0.0f) score = cap * tanhf(score / cap);                               \
+            scores[g * n + p] = score;                                                      \
+            top[g] = score > top[g] ? score : top[g];                                       \
+        }                                                                                   \
+    }                                                                                       \
+    for (int g = 0; g < group; g++)                                                         \
+        inverse[g] = softmax_row(scores + g * n, n, top[g]);                                \
+    walk_t vw = walk_from(vc, table, at, head, lo, seq_len, 4);                             \
+    walk_t va = walk_from(vc, table, at, head, lo + PREFETCH, seq_len, 4);                  \
+    for (int p = 0; p < n; p++, walk_next(&vw)) {                                           \
+        prefetch_walk(&va, 4 * VL * DV);                                                    \
+        const float *v = (const float *)vw.row;                                             \
+        vec vv[DV];                                                                         \
+        for (int c = 0; c < DV; c++) vv[c] = V(loadu_ps)(v + VL * c);                       \
+        for (int g = 0; g < group; g++) {                                                   \
+            vec w = V(set1_ps)(scores[g * n + p]);                                          \
+            for (int c = 0; c < DV; c++) acc[g][c] = V(fmadd_ps)(w, vv[c], acc[g][c]);      \
+        }                                                                                   \
+    }                                                                                       \
+    for (int g = 0; g < group; g++)                                                         \
+        for (int c = 0; c < DV; c++)                                                        \
+            V(storeu_ps)(out + g * VL * DV + VL * c,                                        \
+                             V(mul_ps)(acc[g][c], V(set1_ps)(inverse[g])));                 \
+}
+ROW_ITEM(1) ROW_ITEM(2) ROW_ITEM(3) ROW_ITEM(4) ROW_ITEM(5) ROW_ITEM(6) ROW_ITEM(7) ROW_ITEM(8)
+ROW_ITEM(16)
+#endif
+
+/* The item for a head size (0: none), over float32 caches or (`quantized`) int8 ones. */
+static item_fn item_for(int head_dim, int quantized) {
     switch (head_dim / VL * (head_dim % VL == 0)) {
 #if VL == 16
-    case 1: return item_1; case 2: return item_2; case 3: return item_3; case 4: return item_4;
-    case 5: return item_5; case 6: return item_6; case 7: return item_7; case 8: return item_8;
-    case 16: return item_16;
+#define CASE(DV) case DV: return quantized ? item_##DV : row_item_##DV;
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(16)
+#undef CASE
 #else
     case 2: return item_2; case 4: return item_4; case 6: return item_6; case 8: return item_8;
     case 10: return item_10; case 12: return item_12; case 14: return item_14;
     case 16: return item_16; case 32: return item_32;
 #endif
-    default: return 0;
+    default: (void)quantized; return 0;
     }
 }
 
@@ -507,7 +572,7 @@ int tidal_decode_attention_available(void) { return TIDAL_DECODE_ATTENTION; }
 /* 1 where tidal_decode_attention takes this head size (16..128 in steps of 16, or 256). */
 int tidal_decode_attention_head_dim_ok(int head_dim) {
 #if TIDAL_DECODE_ATTENTION
-    return item_for(head_dim) != 0;
+    return item_for(head_dim, 0) != 0;
 #else
     (void)head_dim;
     return 0;
@@ -534,7 +599,7 @@ static int decode_rows(const float *q, const void *key_cache, const void *value_
                        int num_heads, int num_kv_heads, int head_dim, layout_t at,
                        long head_stride, layout_t sat, long scale_head, float scale,
                        int window, float soft_cap, float *out) {
-    item_fn item = item_for(head_dim);
+    item_fn item = item_for(head_dim, ks != 0);
     if (!item) return -1;
     int group = num_heads / num_kv_heads;
     int parts = (group + MAX_GROUP - 1) / MAX_GROUP; /* items per KV head */
