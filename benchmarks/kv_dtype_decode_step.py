@@ -12,10 +12,11 @@ machine's drift hits both alike; the median of each, and int8's over float32's.
 
 Which kernels run (`attention_backend auto`, float32 compute): float32 decodes in the `cpu`
 backend's C row kernel (kernels/attention/decode_attention.c) inside the fused decoder layers;
-int8 in its int8 row kernel (`tidal_decode_attention_int8`: int8 rows widened and scaled in
-registers), without the fused layers (they read float32 caches only). `--with-numba` adds a
-third worker, int8 through the `numba` backend (numba's kernel, which the cpu backend used for
-int8 before the C one), to the same alternation.
+int8 in its int8 row kernel (`tidal_decode_attention_int8`: int8 rows widened to float a tile
+of positions at a time) and written by `tidal_write_kv_int8`, without the fused layers (they
+read float32 caches only). `--with-numba` adds a third worker, int8 through the `numba`
+backend (numba's kernel, which the cpu backend used for int8 before the C one), to the same
+alternation.
 """
 
 from __future__ import annotations

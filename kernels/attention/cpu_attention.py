@@ -13,9 +13,10 @@ AVX-512 builds: ROW_CHUNK_TOKENS) or, in AVX2 builds, the torch backend's SDPA p
 (AVX2_ROW_CHUNK_TOKENS).
 
 An int8 cache (`kv_cache_dtype=int8`) keeps the numba backend's plan and prefill path; its
-decodes go to the C int8 row kernel (`tidal_decode_attention_int8`: rows widened and scaled
-in registers), which took SmolLM2's whole decode step at 8 x 4096 positions from 1.41x
-float32's (numba's int8 kernel) to 1.08x (docs/kv-cache-dtype.md). What the C kernels do not
+decodes go to the C int8 row kernel (`tidal_decode_attention_int8`: rows widened to float a
+tile of positions at a time) and its K/V writes to `tidal_write_kv_int8`, which took
+SmolLM2's whole decode step at 8 x 4096 positions from 1.36x float32's (numba's int8 kernel)
+to 0.84x, same run (docs/kv-cache-dtype.md). What the C kernels do not
 take goes to the numba kernel unchanged: float64, head sizes other than 16..128 in steps of
 16 and 256. Results differ from the reference by float32 rounding only.
 """
@@ -203,11 +204,11 @@ class CpuBackend(NumbaBackend):
     def _attend_int8_decodes(self, query, key_cache, value_cache, kv_scales, decode,
                              scale: float, out: torch.Tensor, window: int | None,
                              soft_cap: float | None) -> None:
-        """numba's decode rows (`plan.decode`) through `tidal_decode_attention_int8`: the
-        int8 rows widened and scaled in registers, one pass over a quarter of float32's
-        bytes. Compute-bound on the 2-vCPU AMD EPYC (AVX2), as the float32 kernel is there:
-        the widening costs about what the smaller reads save (SmolLM2's whole decode step,
-        8 x 4096 positions: 1.08x float32's, numba's int8 kernel 1.41x; docs/kv-cache-dtype.md)."""
+        """numba's decode rows (`plan.decode`) through `tidal_decode_attention_int8`: one
+        pass over a quarter of float32's bytes, each tile of rows widened to float once.
+        Bound by arithmetic on the 2-vCPU AMD EPYC, where float32 is mostly bound by memory:
+        one thread, 8 x 4096 positions, 0.75x float32's CPU time a layer; SmolLM2's whole
+        decode step 0.72-0.99x float32's at 2048-4096 positions (docs/kv-cache-dtype.md)."""
         q = query.detach().contiguous()
         direct = out.is_contiguous() and out.dtype == torch.float32
         result = out if direct else torch.empty_like(q)
