@@ -32,7 +32,7 @@ import torch
 
 from ..cpu import native
 from .metadata import AttentionMetadata
-from .numba_attention import NumbaAttentionPlan, NumbaBackend
+from .numba_attention import NumbaAttentionPlan, NumbaBackend, NumbaDecode
 from .torch_attention import PrefillChunk, split_requests
 
 SOURCE = Path(__file__).with_name("decode_attention.c")
@@ -153,12 +153,16 @@ class CpuBackend(NumbaBackend):
     name = "cpu"
 
     def warm_up(self, dtype: torch.dtype) -> float:
-        """Build or load the C kernel, and the numba kernel where it takes this model's caches
-        (not float32, or quantized); a head size the C kernel refuses loads numba's at the
-        first step instead (its disk cache: a few tenths of a second, once)."""
+        """Build or load the C kernels, and the numba kernel where they do not take this
+        model's caches (not float32, or quantized other than int8); a head size the C kernels
+        refuse loads numba's at the first step instead (its disk cache: a few tenths of a
+        second, once). An int8 cache's decodes are the C int8 kernel's: warming numba's up
+        for them took 4.2-7.6 s of an int8 worker's start on the loaded 2-vCPU EPYC (import
+        and three cached kernels, 2026-12-04), for a kernel it then never ran."""
         start = time.perf_counter()
         library = load()
-        if library is None or dtype != torch.float32 or self.kv_dtype is not None:
+        if (library is None or dtype != torch.float32
+                or self.kv_dtype not in (None, torch.int8)):
             return super().warm_up(dtype) + (time.perf_counter() - start)
         return time.perf_counter() - start
 
@@ -283,6 +287,9 @@ class CpuBackend(NumbaBackend):
                 head_dim: int, dtype: torch.dtype) -> CpuAttentionPlan | NumbaAttentionPlan:
         library = load()
         if not self._takes(dtype, head_dim):
+            if (library is not None and dtype == torch.float32 and self.kv_dtype == torch.int8
+                    and library.tidal_decode_attention_head_dim_ok(head_dim)):
+                return self._int8_plan(meta)
             return super().prepare(meta, block_size, num_kv_heads, head_dim, dtype)
         decodes, chunks = split_requests(meta)
         blocked_kernel = library.tidal_prefill_attention_available()
@@ -309,6 +316,23 @@ class CpuBackend(NumbaBackend):
             requests=np.array(requests, dtype=np.int64)[order],
             token_rows=np.array(token_rows, dtype=np.int64)[order],
             lens=lens_array[order]), blocked, sdpa)
+
+    @staticmethod
+    def _int8_plan(meta: AttentionMetadata) -> NumbaAttentionPlan:
+        """numba's plan for an int8 cache whose decodes the C int8 kernel takes: the decodes
+        longest first (its threads take items dynamically) where numba's `prepare` orders
+        them for numba's static schedule, which imports numba to ask its thread count (a
+        worker that never runs numba's kernel then never imports it)."""
+        decodes, prefills = split_requests(meta)
+        if not decodes:
+            return NumbaAttentionPlan(None, prefills)
+        seq_lens = np.ascontiguousarray(meta.seq_lens.numpy())
+        requests = np.array([request for request, _ in decodes], dtype=np.int64)
+        token_rows = np.array([row for _, row in decodes], dtype=np.int64)
+        order = np.argsort(-seq_lens[requests], kind="stable")
+        return NumbaAttentionPlan(NumbaDecode(
+            block_tables=np.ascontiguousarray(meta.block_tables.numpy()), seq_lens=seq_lens,
+            requests=requests[order], token_rows=token_rows[order]), prefills)
 
     def _attend_decodes(self, query, key_cache, value_cache,
                         plan: CpuAttentionPlan | NumbaAttentionPlan, scale: float,

@@ -141,6 +141,35 @@ def test_write_quantizes_each_token_and_head(name, kv_cache_dtype):
     assert (scales[1].view(-1, 2)[[i for i in range(16) if i not in (5, 14)]] == -1).all()
 
 
+def test_cpu_backend_int8_worker_never_imports_numba():
+    """Warm-up, write, plan and a decode of an int8 cache on the cpu backend, in a fresh
+    process: numba is never imported (its import and kernel loads took an int8 worker's
+    start 4-8 s on the shared 2-vCPU VM, for a kernel the C one replaces)."""
+    if not cpu_attention.available():
+        pytest.skip("no C compiler or no AVX on this machine")
+    import subprocess
+    import sys
+    script = """
+import sys, torch
+from tidal.kernels.attention import select_attention_backend
+from tidal.kernels.attention.metadata import AttentionMetadata
+backend = select_attention_backend("cpu", "cpu", torch.float32, "int8")
+backend.warm_up(torch.float32)
+caches = [backend.kv_cache(4, 16, 3, 64, torch.float32, torch.device("cpu")) for _ in range(2)]
+scales = [backend.kv_scales(4, 16, 3, torch.device("cpu")) for _ in range(2)]
+backend.write_kv(torch.randn(20, 3, 64), torch.randn(20, 3, 64), *caches,
+                 torch.arange(16, 36), scales)
+meta = AttentionMetadata(torch.tensor([35]), torch.tensor([[1, 2, 0, 0]], dtype=torch.int32),
+                         torch.tensor([0, 1], dtype=torch.int32),
+                         torch.tensor([20], dtype=torch.int32))
+plan = backend.prepare(meta, 16, 3, 64, torch.float32)
+out = backend.attend(torch.randn(1, 9, 64), *caches, meta, plan, 0.125, kv_scales=scales)
+assert torch.isfinite(out).all()
+assert "numba" not in sys.modules, "numba was imported"
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
+
+
 def test_cpu_backend_writes_int8_in_c_as_kv_quant_does(monkeypatch):
     """The cpu backend's int8 write (`tidal_write_kv_int8`, not torch's ops, which are made to
     fail here) stores what kv_quant.write_kv_quantized does, bit for bit: rows of any
