@@ -39,10 +39,14 @@ The `cpu_wait_policy=auto` rule (`CpuContention.step`):
 
 With `spin` or `passive`, or where the process has no libgomp, the rank only warns, over
 `WINDOW_S` windows.
+
+The start is judged too (`LoadThreads`, `cpu_wait_policy=auto`): a rank whose import of torch
+waited for a CPU more than `LOAD_DROP_SHARE` of the time loads its model on one thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import logging
@@ -198,6 +202,68 @@ def set_step_threads(threads: int) -> None:
             numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         except Exception:  # noqa: BLE001 - numba without a threading layer: nothing to set
             pass
+
+
+LOAD_DROP_SHARE = 0.5
+"""Share of its start a rank's thread spent waiting for a CPU above which it loads on one
+thread (`LoadThreads`). Higher than the steps' `DROP_SHARE`: a start shares the cores with
+tidal's own frontend and engine core starting beside it (about 0.6 s of a frontend's CPU
+time overlaps a worker's ~1.5 s import of torch on 2 cores: a share near 0.2 on an otherwise
+idle machine, estimated, not measured here), while beside other sessions' benchmarks (load
+average ~5 on 2 vCPUs, 2026-12-04) the demo model's starts waited 0.67-0.78."""
+
+
+class LoadThreads:
+    """Whether a rank loads its model on one thread: where its start so far (one thread
+    importing torch and tidal) waited for a CPU more than `LOAD_DROP_SHARE` of the time.
+    Loading is a few thousand short parallel regions (a copy per weight,
+    the panel kernel's block search and packing), and beside busy neighbours each waits at
+    its barrier for a partner the scheduler has parked; on one thread nothing waits. The load
+    computes the same bytes on any number of threads (copies, packing, exact checks).
+
+    SmolLM2-135M's load on the 2-vCPU EPYC beside other sessions' benchmarks (load average
+    5-7, 2026-12-04): 6.5 s of a worker's 10.3 s under cProfile, of which copying the weights
+    2.1 s, the block search 2.0 s and packing panels 1.8 s, where one thread does the search
+    in 0.2 s.
+
+        threads = LoadThreads()      # at the process's start
+        ...                          # import torch
+        with threads.loading():      # one thread if the start was contended
+            worker.load()
+    """
+
+    def __init__(self, read_wait: Callable[[], float | None] = runqueue_wait_s,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.read_wait, self.clock = read_wait, clock
+        self.started, self.wait_at_start = clock(), read_wait()
+        self.share: float | None = None  # the start's run-queue wait share, once judged
+
+    def contended(self) -> bool:
+        """Whether the start so far waited for a CPU more than `LOAD_DROP_SHARE` of its
+        time."""
+        wait, elapsed = self.read_wait(), self.clock() - self.started
+        if wait is None or self.wait_at_start is None or elapsed <= 0:
+            return False
+        self.share = max(0.0, wait - self.wait_at_start) / elapsed
+        return self.share > LOAD_DROP_SHARE
+
+    @contextlib.contextmanager
+    def loading(self, set_threads: Callable[[int], None] | None = None):
+        """Run the body on one thread if `contended()`, and restore torch's count after."""
+        import torch
+
+        threads = torch.get_num_threads()
+        if threads <= 1 or not self.contended():
+            yield
+            return
+        set_threads = set_threads or set_step_threads
+        logger.info("loading on 1 thread of %d: the start waited for a CPU %.0f%% of its time "
+                    "(other processes take these cores)", threads, 100 * self.share)
+        set_threads(1)
+        try:
+            yield
+        finally:
+            set_threads(threads)
 
 
 def _loaded_libgomp() -> ctypes.CDLL | None:
