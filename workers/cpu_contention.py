@@ -238,6 +238,11 @@ class LoadThreads:
         self.started, self.wait_at_start = clock(), read_wait()
         self.share: float | None = None  # the start's run-queue wait share, once judged
 
+    @property
+    def was_contended(self) -> bool:
+        """What the last `contended()` found (False before it looked)."""
+        return self.share is not None and self.share > LOAD_DROP_SHARE
+
     def contended(self) -> bool:
         """Whether the start so far waited for a CPU more than `LOAD_DROP_SHARE` of its
         time."""
@@ -245,7 +250,7 @@ class LoadThreads:
         if wait is None or self.wait_at_start is None or elapsed <= 0:
             return False
         self.share = max(0.0, wait - self.wait_at_start) / elapsed
-        return self.share > LOAD_DROP_SHARE
+        return self.was_contended
 
     @contextlib.contextmanager
     def loading(self, set_threads: Callable[[int], None] | None = None):
@@ -330,6 +335,15 @@ class CpuContention:
         if self.throttle is not None:
             self._adapt(share, now)
 
+    def start_throttled(self, share: float) -> None:
+        """The rank's start waited for a CPU `share` of its time (`LoadThreads`): throttle
+        before the first step rather than after its first window (the first steps are the
+        first token's), and look for free cores as after any throttle."""
+        if self.throttle is None or self.throttled:
+            return
+        self.last_share = share
+        self._change(True, self.clock(), of="its start")
+
     def _adapt(self, share: float, now: float) -> None:
         if share > DROP_SHARE and not self.throttled:
             if self.probing:  # the cores were taken as soon as it tried: wait longer next time
@@ -355,16 +369,16 @@ class CpuContention:
         self.since = now
         self.idle_at = self.read_idle()
 
-    def _change(self, throttled: bool, now: float) -> None:
+    def _change(self, throttled: bool, now: float, of: str = "step time") -> None:
         self.throttled = throttled
         self._watch(now)
         threads = self.throttle(throttled)
         if threads is not None:
             self.threads = threads
-        logger.info("rank %d: %s (run-queue wait %.0f%% of step time)", self.rank,
+        logger.info("rank %d: %s (run-queue wait %.0f%% of %s)", self.rank,
                     f"steps on {self.threads} thread(s), idle ones sleeping at once" if throttled
                     else f"steps on {self.threads} thread(s), idle ones spinning again",
-                    100 * (self.last_share or 0.0))
+                    100 * (self.last_share or 0.0), of)
 
     def _warn(self, share: float, now: float) -> None:
         if self.warned_at is not None and now - self.warned_at <= REPEAT_S:

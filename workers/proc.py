@@ -131,7 +131,10 @@ class WorkerProcess:
             omp = OpenMPThrottle(threads)
             if omp.available:
                 throttle = ContendedMode(threads, omp).engage
-        return CpuContention(self.config.worker_index, threads, throttle=throttle)
+        monitor = CpuContention(self.config.worker_index, threads, throttle=throttle)
+        if self.load_threads is not None and self.load_threads.was_contended:
+            monitor.start_throttled(self.load_threads.share)  # the first steps too
+        return monitor
 
     def _loop(self) -> None:
         while True:

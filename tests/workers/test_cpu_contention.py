@@ -83,6 +83,21 @@ def test_the_load_gets_its_threads_back_when_it_fails(monkeypatch):
     assert calls == [1, 2]
 
 
+def test_a_rank_whose_start_was_contended_takes_its_first_steps_throttled(caplog):
+    """The first steps are the first token's: they run on half the threads, sleeping, from
+    the start, and the rank looks for free cores as after any throttle."""
+    engaged = []
+    monitor = CpuContention(rank=0, threads=2, read_wait=lambda: 0.0,
+                            throttle=lambda on: engaged.append(on) or (1 if on else 2),
+                            read_idle=lambda: 0.0)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        monitor.start_throttled(0.7)
+        monitor.start_throttled(0.7)  # once
+    assert engaged == [True] and monitor.throttled and monitor.threads == 1
+    assert "steps on 1 thread(s), idle ones sleeping at once (run-queue wait 70% of its start)" in caplog.text
+    CpuContention(rank=0, threads=2, read_wait=lambda: 0.0).start_throttled(0.7)  # no throttle
+
+
 def test_a_start_without_schedstat_loads_as_before():
     assert not _load_threads(waits=[None, None], clock=[0.0, 1.0]).contended()
 
