@@ -2,7 +2,7 @@
 in-process `Worker`s (no daemon, no sockets), one per cache dtype, steps alternating.
 
     python benchmarks/kv_dtype_decode_step.py [--model DIR] [--batch 8]
-        [--contexts 512 2048 4096] [--steps 7] [--threads 2]
+        [--contexts 512 2048 4096] [--steps 7] [--threads 2] [--with-numba]
 
 For each context: --batch requests that already hold `context` cached positions (the plan
 says they are cached, as a prefix-cache hit would: no prefill is run, the cache's contents do
@@ -10,10 +10,13 @@ not change the work), then --steps decode steps of one token per request (inputs
 LM head, greedy sampling), float32 and int8 alternating step by step so that a shared
 machine's drift hits both alike; the median of each, and int8's over float32's.
 
-Which kernels run (`--attention-backend auto`, float32 compute): float32 decodes in the `cpu`
+Which kernels run (`attention_backend auto`, float32 compute): float32 decodes in the `cpu`
 backend's C row kernel (kernels/attention/decode_attention.c) inside the fused decoder layers;
-int8 decodes in numba's kernel (the C kernel reads float32 caches only), which dequantizes
-int8 rows in its loops, and without the fused layers.
+int8 in its int8 row kernel (`tidal_decode_attention_int8`: int8 rows widened to float a tile
+of positions at a time) and written by `tidal_write_kv_int8`, without the fused layers (they
+read float32 caches only). `--with-numba` adds a third worker, int8 through the `numba`
+backend (numba's kernel, which the cpu backend used for int8 before the C one), to the same
+alternation.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ DEFAULT_MODEL = os.path.expanduser("~/.cache/tidal-peers/models/smollm2-135m-ins
 class DecodeBench:
     """One Worker with a `kv_cache_dtype` cache, holding --batch requests at a context."""
 
-    def __init__(self, model: str, kv_cache_dtype: str, args):
+    def __init__(self, model: str, kv_cache_dtype: str, args, attention_backend: str = "auto"):
         self.args = args
         self.max_len = max(args.contexts) + args.steps + 1
         self.per_request = -(-self.max_len // BLOCK_SIZE)
@@ -56,10 +59,17 @@ class DecodeBench:
             CacheConfig(block_size=BLOCK_SIZE, kv_cache_dtype=kv_cache_dtype,
                         num_kv_blocks_override=1 + args.batch * self.per_request),
             SchedulerConfig(max_num_seqs=args.batch, max_num_batched_tokens=args.batch),
-            ParallelConfig(device="cpu", attention_backend="auto"))
+            ParallelConfig(device="cpu", attention_backend=attention_backend))
         self.worker = Worker(config.worker_config(0, self.max_len, ""))
         self.worker.load()
         self.worker.init_kv_cache(self.worker.determine_num_kv_blocks())
+        # every page of the cache resident (2 MB pages where the kernel has them) before any
+        # step is timed, as in a worker that has been idle once: otherwise the commit thread
+        # runs beside the steps (a third thread on two cores) and steps read never-touched
+        # pages, all one shared zero page, until it has been past them
+        commit = getattr(self.worker.runner, "kv_commit", None)
+        if commit is not None:
+            commit.join()
         self.backend = self.worker.runner.attention_backend.name
         self.step_id = 0
         self.req_ids: list[str] = []
@@ -102,14 +112,20 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 4096])
     ap.add_argument("--steps", type=int, default=7, help="decode steps timed, each dtype")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--with-numba", action="store_true",
+                    help="a third worker: int8 through the numba backend's kernel")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     keep_freed_memory()  # as the worker process does
     benches = {kv: DecodeBench(a.model, kv, a) for kv in ("auto", "int8")}
+    if a.with_numba:
+        benches["int8 numba"] = DecodeBench(a.model, "int8", a, "numba")
     print(f"decode step of SmolLM2-135M, batch {a.batch}, float32 compute, {a.threads} threads; "
-          f"median of {a.steps} steps each, float32 and int8 alternating")
-    print("| context | float32 KV ms (backend) | int8 KV ms (backend) | int8 / float32 |")
-    print("| --- | --- | --- | --- |")
+          f"median of {a.steps} steps each, {', '.join(benches)} alternating")
+    numba_columns = (" int8 KV, numba backend ms | its / float32 |" if a.with_numba else "")
+    print("| context | float32 KV ms (backend) | int8 KV ms (backend) | int8 / float32 |"
+          + numba_columns)
+    print("| --- " * (4 + 2 * a.with_numba) + "|")
     for context in a.contexts:
         times: dict[str, list[float]] = {kv: [] for kv in benches}
         for bench in benches.values():
@@ -120,8 +136,9 @@ def main(argv=None) -> int:
                 times[kv].append(bench.decode_step())
         ms = {kv: statistics.median(t) * 1e3 for kv, t in times.items()}
         print(f"| {context} | {ms['auto']:.1f} ({benches['auto'].backend}) | "
-              f"{ms['int8']:.1f} ({benches['int8'].backend}) | {ms['int8'] / ms['auto']:.2f}x |",
-              flush=True)
+              f"{ms['int8']:.1f} ({benches['int8'].backend}) | {ms['int8'] / ms['auto']:.2f}x |"
+              + (f" {ms['int8 numba']:.1f} | {ms['int8 numba'] / ms['auto']:.2f}x |"
+                 if a.with_numba else ""), flush=True)
     for bench in benches.values():
         bench.worker.shutdown()
     return 0

@@ -39,10 +39,14 @@ The `cpu_wait_policy=auto` rule (`CpuContention.step`):
 
 With `spin` or `passive`, or where the process has no libgomp, the rank only warns, over
 `WINDOW_S` windows.
+
+The start is judged too (`LoadThreads`, `cpu_wait_policy=auto`): a rank whose import of torch
+waited for a CPU more than `LOAD_DROP_SHARE` of the time loads its model on one thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import logging
@@ -200,6 +204,73 @@ def set_step_threads(threads: int) -> None:
             pass
 
 
+LOAD_DROP_SHARE = 0.5
+"""Share of its start a rank's thread spent waiting for a CPU above which it loads on one
+thread (`LoadThreads`). Higher than the steps' `DROP_SHARE`: a start shares the cores with
+tidal's own frontend and engine core starting beside it (about 0.6 s of a frontend's CPU
+time overlaps a worker's ~1.5 s import of torch on 2 cores: a share near 0.2 on an otherwise
+idle machine, estimated, not measured here), while beside other sessions' benchmarks (load
+average ~5 on 2 vCPUs, 2026-12-04) the demo model's starts waited 0.67-0.78."""
+
+
+class LoadThreads:
+    """Whether a rank loads its model on one thread: where its start so far (one thread
+    importing torch and tidal) waited for a CPU more than `LOAD_DROP_SHARE` of the time.
+    Loading is a few thousand short parallel regions (a copy per weight,
+    the panel kernel's block search and packing), and beside busy neighbours each waits at
+    its barrier for a partner the scheduler has parked; on one thread nothing waits. The load
+    computes the same bytes on any number of threads (copies, packing, exact checks).
+
+    SmolLM2-135M's load on the 2-vCPU EPYC beside other sessions' benchmarks (load average
+    5-7, 2026-12-04): 6.5 s of a worker's 10.3 s under cProfile, of which copying the weights
+    2.1 s, the block search 2.0 s and packing panels 1.8 s, where one thread does the search
+    in 0.2 s.
+
+        threads = LoadThreads()      # at the process's start
+        ...                          # import torch
+        with threads.loading():      # one thread if the start was contended
+            worker.load()
+    """
+
+    def __init__(self, read_wait: Callable[[], float | None] = runqueue_wait_s,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.read_wait, self.clock = read_wait, clock
+        self.started, self.wait_at_start = clock(), read_wait()
+        self.share: float | None = None  # the start's run-queue wait share, once judged
+
+    @property
+    def was_contended(self) -> bool:
+        """What the last `contended()` found (False before it looked)."""
+        return self.share is not None and self.share > LOAD_DROP_SHARE
+
+    def contended(self) -> bool:
+        """Whether the start so far waited for a CPU more than `LOAD_DROP_SHARE` of its
+        time."""
+        wait, elapsed = self.read_wait(), self.clock() - self.started
+        if wait is None or self.wait_at_start is None or elapsed <= 0:
+            return False
+        self.share = max(0.0, wait - self.wait_at_start) / elapsed
+        return self.was_contended
+
+    @contextlib.contextmanager
+    def loading(self, set_threads: Callable[[int], None] | None = None):
+        """Run the body on one thread if `contended()`, and restore torch's count after."""
+        import torch
+
+        threads = torch.get_num_threads()
+        if threads <= 1 or not self.contended():
+            yield
+            return
+        set_threads = set_threads or set_step_threads
+        logger.info("loading on 1 thread of %d: the start waited for a CPU %.0f%% of its time "
+                    "(other processes take these cores)", threads, 100 * self.share)
+        set_threads(1)
+        try:
+            yield
+        finally:
+            set_threads(threads)
+
+
 def _loaded_libgomp() -> ctypes.CDLL | None:
     """The libgomp this process has loaded (torch's), from /proc/self/maps; None if none."""
     try:
@@ -264,6 +335,15 @@ class CpuContention:
         if self.throttle is not None:
             self._adapt(share, now)
 
+    def start_throttled(self, share: float) -> None:
+        """The rank's start waited for a CPU `share` of its time (`LoadThreads`): throttle
+        before the first step rather than after its first window (the first steps are the
+        first token's), and look for free cores as after any throttle."""
+        if self.throttle is None or self.throttled:
+            return
+        self.last_share = share
+        self._change(True, self.clock(), of="its start")
+
     def _adapt(self, share: float, now: float) -> None:
         if share > DROP_SHARE and not self.throttled:
             if self.probing:  # the cores were taken as soon as it tried: wait longer next time
@@ -289,16 +369,16 @@ class CpuContention:
         self.since = now
         self.idle_at = self.read_idle()
 
-    def _change(self, throttled: bool, now: float) -> None:
+    def _change(self, throttled: bool, now: float, of: str = "step time") -> None:
         self.throttled = throttled
         self._watch(now)
         threads = self.throttle(throttled)
         if threads is not None:
             self.threads = threads
-        logger.info("rank %d: %s (run-queue wait %.0f%% of step time)", self.rank,
+        logger.info("rank %d: %s (run-queue wait %.0f%% of %s)", self.rank,
                     f"steps on {self.threads} thread(s), idle ones sleeping at once" if throttled
                     else f"steps on {self.threads} thread(s), idle ones spinning again",
-                    100 * (self.last_share or 0.0))
+                    100 * (self.last_share or 0.0), of)
 
     def _warn(self, share: float, now: float) -> None:
         if self.warned_at is not None and now - self.warned_at <= REPEAT_S:

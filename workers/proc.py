@@ -21,6 +21,7 @@ core decides, then sends Shutdown).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -60,8 +61,12 @@ step on, and a saturated offline run of the 7M model took 10% longer (5.70-6.36 
 class WorkerProcess:
     """Sockets, handshake and step loop of one rank; `run()` returns the exit code."""
 
-    def __init__(self, config: WorkerConfig, plan_address: str, result_address: str) -> None:
+    def __init__(self, config: WorkerConfig, plan_address: str, result_address: str,
+                 load_threads=None) -> None:
+        """`load_threads`: a `cpu_contention.LoadThreads` made when the process started
+        (None: load on torch's threads)."""
         self.config = config
+        self.load_threads = load_threads
         self.ctx = zmq.Context()
         # Over TCP to another machine (the Ray executor) the core's sockets are CURVE servers.
         keys = worker_keys_from_env(os.environ)
@@ -79,8 +84,9 @@ class WorkerProcess:
 
             keep_freed_memory()  # before any step's temporaries (host_memory.py says why)
             self.worker = Worker(self.config)
-            self.worker.load()
-            self.worker.determine_num_kv_blocks()
+            with self._loading():
+                self.worker.load()
+                self.worker.determine_num_kv_blocks()
             self.result_sock.send(encode(self.worker.ready_message()))
             self.ready = True
             self.contention = self._contention()
@@ -100,6 +106,14 @@ class WorkerProcess:
         finally:
             self._close()
 
+    def _loading(self):
+        """One thread for the load where the start was contended, on the CPU with
+        cpu_wait_policy=auto (`cpu_contention.LoadThreads`); else nothing changes."""
+        if (self.load_threads is None or self.worker.device.type != "cpu"
+                or self.config.cpu_wait_policy != "auto"):
+            return contextlib.nullcontext()
+        return self.load_threads.loading()
+
     def _contention(self):
         """The rank's CpuContention: while other processes take the cores it halves the
         steps' threads and throttles libgomp's spinning, only where the rank computes on the
@@ -117,7 +131,10 @@ class WorkerProcess:
             omp = OpenMPThrottle(threads)
             if omp.available:
                 throttle = ContendedMode(threads, omp).engage
-        return CpuContention(self.config.worker_index, threads, throttle=throttle)
+        monitor = CpuContention(self.config.worker_index, threads, throttle=throttle)
+        if self.load_threads is not None and self.load_threads.was_contended:
+            monitor.start_throttled(self.load_threads.share)  # the first steps too
+        return monitor
 
     def _loop(self) -> None:
         while True:
@@ -183,19 +200,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="read end of the engine core's lifeline pipe")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
+    from .cpu_contention import LoadThreads, apply_wait_policy
+
+    load_threads = LoadThreads()  # the start's run-queue wait, from here (torch not loaded)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     watch_parent(args.lifeline_fd, grace_s=0, what="worker")
     config = decode_worker_config(args.config)
     _skip_numba_blas_probe()
-    from .cpu_contention import apply_wait_policy
-
     apply_wait_policy(config.cpu_wait_policy, os.environ)  # before torch loads libgomp
     if config.cpu_cores:  # before torch starts its thread pools: they inherit the mask
         os.sched_setaffinity(0, config.cpu_cores)
     logging.basicConfig(
         level=args.log_level.upper(),
         format=f"%(asctime)s %(levelname)s [tidal worker {config.worker_index}] %(name)s: %(message)s")
-    proc = WorkerProcess(config, args.plan_address, args.result_address)
+    proc = WorkerProcess(config, args.plan_address, args.result_address, load_threads)
     return proc.run()
 
 

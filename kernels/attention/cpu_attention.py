@@ -12,10 +12,13 @@ step). Longer prefill chunks go through the blocked kernel (`tidal_prefill_atten
 AVX-512 builds: ROW_CHUNK_TOKENS) or, in AVX2 builds, the torch backend's SDPA path
 (AVX2_ROW_CHUNK_TOKENS).
 
-What the C kernels do not take goes to the numba kernel unchanged: float64, head sizes other
-than 16..128 in steps of 16 and 256, and an int8 cache (`kv_cache_dtype=int8`: the C kernels
-read float32 caches only; the numba kernel dequantizes int8 rows in its loops). Results differ from the reference by float32 rounding
-only.
+An int8 cache (`kv_cache_dtype=int8`) keeps the numba backend's plan and prefill path; its
+decodes go to the C int8 row kernel (`tidal_decode_attention_int8`: rows widened to float a
+tile of positions at a time) and its K/V writes to `tidal_write_kv_int8`, which took
+SmolLM2's whole decode step at 8 x 4096 positions from 1.36x float32's (numba's int8 kernel)
+to 0.84x, same run (docs/kv-cache-dtype.md). What the C kernels do not
+take goes to the numba kernel unchanged: float64, head sizes other than 16..128 in steps of
+16 and 256. Results differ from the reference by float32 rounding only.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import torch
 
 from ..cpu import native
 from .metadata import AttentionMetadata
-from .numba_attention import NumbaAttentionPlan, NumbaBackend
+from .numba_attention import NumbaAttentionPlan, NumbaBackend, NumbaDecode
 from .torch_attention import PrefillChunk, split_requests
 
 SOURCE = Path(__file__).with_name("decode_attention.c")
@@ -64,8 +67,19 @@ def _declare(library: ctypes.CDLL) -> None:
     library.tidal_prefill_attention_window.restype = ctypes.c_int
     library.tidal_prefill_attention_available.restype = ctypes.c_int
     library.tidal_decode_attention_head_dim_ok.argtypes = [i]
+    # over an int8 cache: the int8 K and V caches, then their float32 scales, ..., the scales'
+    # strides (block, position, KV head) after the caches'
+    library.tidal_decode_attention_int8.argtypes = [p, p, p, p, p, p, n, p, p, p, n, i, i, i,
+                                                    i, n, n, n, n, n, n, ctypes.c_float, i,
+                                                    ctypes.c_float, p]
+    library.tidal_decode_attention_int8.restype = ctypes.c_int
     library.tidal_write_kv.argtypes = [p, p, n, n, n, n, p, p, p, n, i, i, i, n, n, n, n]
     library.tidal_write_kv.restype = ctypes.c_long
+    # the same into an int8 cache: after the caches their scales, and after the caches'
+    # strides the scales' (block, position, KV head)
+    library.tidal_write_kv_int8.argtypes = [p, p, n, n, n, n, p, p, p, p, p, n, i, i, i, n, n,
+                                            n, n, n, n, n]
+    library.tidal_write_kv_int8.restype = ctypes.c_long
 
 
 def available() -> bool:
@@ -139,12 +153,16 @@ class CpuBackend(NumbaBackend):
     name = "cpu"
 
     def warm_up(self, dtype: torch.dtype) -> float:
-        """Build or load the C kernel, and the numba kernel where it takes this model's caches
-        (not float32, or quantized); a head size the C kernel refuses loads numba's at the
-        first step instead (its disk cache: a few tenths of a second, once)."""
+        """Build or load the C kernels, and the numba kernel where they do not take this
+        model's caches (not float32, or quantized other than int8); a head size the C kernels
+        refuse loads numba's at the first step instead (its disk cache: a few tenths of a
+        second, once). An int8 cache's decodes are the C int8 kernel's: warming numba's up
+        for them took 4.2-7.6 s of an int8 worker's start on the loaded 2-vCPU EPYC (import
+        and three cached kernels, 2026-12-04), for a kernel it then never ran."""
         start = time.perf_counter()
         library = load()
-        if library is None or dtype != torch.float32 or self.kv_dtype is not None:
+        if (library is None or dtype != torch.float32
+                or self.kv_dtype not in (None, torch.int8)):
             return super().warm_up(dtype) + (time.perf_counter() - start)
         return time.perf_counter() - start
 
@@ -173,35 +191,105 @@ class CpuBackend(NumbaBackend):
         return (library is not None and dtype == torch.float32 and self.kv_dtype is None
                 and bool(library.tidal_decode_attention_head_dim_ok(head_dim)))
 
+    @staticmethod
+    def _takes_int8(query, key_cache, value_cache, kv_scales) -> bool:
+        """Whether the C int8 row kernel takes these decodes: float32 queries over an int8
+        cache (K and V alike, head_dim contiguous) with float32 scales, a head size it
+        takes. The rest (fp8 is refused at start-up) stays with numba's kernel."""
+        library = load()
+        return (library is not None and kv_scales is not None
+                and query.dtype == torch.float32
+                and key_cache.dtype == value_cache.dtype == torch.int8
+                and key_cache.stride() == value_cache.stride() and key_cache.stride(3) == 1
+                and kv_scales[0].dtype == kv_scales[1].dtype == torch.float32
+                and kv_scales[0].stride() == kv_scales[1].stride()
+                and bool(library.tidal_decode_attention_head_dim_ok(query.shape[2])))
+
+    def _attend_int8_decodes(self, query, key_cache, value_cache, kv_scales, decode,
+                             scale: float, out: torch.Tensor, window: int | None,
+                             soft_cap: float | None) -> None:
+        """numba's decode rows (`plan.decode`) through `tidal_decode_attention_int8`: one
+        pass over a quarter of float32's bytes, each tile of rows widened to float once.
+        Bound by arithmetic on the 2-vCPU AMD EPYC, where float32 is mostly bound by memory:
+        one thread, 8 x 4096 positions, 0.75x float32's CPU time a layer; SmolLM2's whole
+        decode step 0.72-0.99x float32's at 2048-4096 positions (docs/kv-cache-dtype.md)."""
+        q = query.detach().contiguous()
+        direct = out.is_contiguous() and out.dtype == torch.float32
+        result = out if direct else torch.empty_like(q)
+        key, value = key_cache.detach(), value_cache.detach()
+        k_scale, v_scale = (s.detach() for s in kv_scales)
+        tables = decode.block_tables
+        lens = np.ascontiguousarray(decode.seq_lens[decode.requests], dtype=np.int32)
+        requests = np.ascontiguousarray(decode.requests, dtype=np.int64)
+        rows = np.ascontiguousarray(decode.token_rows, dtype=np.int64)
+        status = load().tidal_decode_attention_int8(
+            q.data_ptr(), key.data_ptr(), value.data_ptr(), k_scale.data_ptr(),
+            v_scale.data_ptr(), tables.ctypes.data, tables.shape[1], lens.ctypes.data,
+            requests.ctypes.data, rows.ctypes.data, len(rows), q.shape[1], key.shape[2],
+            q.shape[2], key.shape[1], *key.stride()[:3], *k_scale.stride()[:3], scale,
+            window or 0, soft_cap or 0.0, result.data_ptr())
+        if status != 0:
+            raise MemoryError(f"int8 decode attention kernel failed (status {status})")
+        if not direct:
+            index = torch.from_numpy(rows)
+            out[index] = result[index].to(out.dtype)
+
     def write_kv(self, key, value, key_cache, value_cache, slot_mapping,
                  kv_scales=None) -> None:
         """float32 K/V into float32 caches by `tidal_write_kv` (row copies through both
         tensors' strides: indexing a head-major cache from torch took 25 us a layer at 32
-        tokens, 0.41 ms at 2048, against 16 us / 0.22 ms for a plain cache's index_copy_);
-        anything else as the torch backend."""
+        tokens, 0.41 ms at 2048, against 16 us / 0.22 ms for a plain cache's index_copy_), into
+        int8 caches by `tidal_write_kv_int8` (kv_quant.quantize's arithmetic, bit for bit, in
+        one call where torch's took ten); anything else as the torch backend."""
         library = load()
-        tensors = (key, value, key_cache, value_cache)
-        if (library is None or kv_scales is not None
-                or any(t.dtype != torch.float32 for t in tensors)
-                or key.stride(2) != 1 or value.stride(2) != 1 or key_cache.stride(3) != 1
-                or key_cache.stride() != value_cache.stride()
-                or key.shape[1:] != key_cache.shape[2:] or value.shape != key.shape
-                or slot_mapping.shape != key.shape[:1]):
+        quantized = kv_scales is not None and key_cache.dtype == torch.int8
+        if (library is None or not self._c_writes(key, value, key_cache, value_cache,
+                                                  slot_mapping, kv_scales, quantized)):
             super().write_kv(key, value, key_cache, value_cache, slot_mapping, kv_scales)
             return
         slots = slot_mapping.to(torch.int64).contiguous()
-        bad = library.tidal_write_kv(
-            key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1), value.stride(0),
-            value.stride(1), key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr(),
-            key.shape[0], key.shape[1], key.shape[2], key_cache.shape[1],
-            key_cache.shape[0] * key_cache.shape[1], *key_cache.stride()[:3])
+        rows = (key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1), value.stride(0),
+                value.stride(1))
+        geometry = (key.shape[0], key.shape[1], key.shape[2], key_cache.shape[1],
+                    key_cache.shape[0] * key_cache.shape[1], *key_cache.stride()[:3])
+        if quantized:
+            bad = library.tidal_write_kv_int8(
+                *rows, key_cache.data_ptr(), value_cache.data_ptr(), kv_scales[0].data_ptr(),
+                kv_scales[1].data_ptr(), slots.data_ptr(), *geometry,
+                *kv_scales[0].stride())
+        else:
+            bad = library.tidal_write_kv(*rows, key_cache.data_ptr(), value_cache.data_ptr(),
+                                         slots.data_ptr(), *geometry)
         if bad >= 0:
             raise slot_past_cache(slots, bad, key_cache.shape[0] * key_cache.shape[1])
+
+    @staticmethod
+    def _c_writes(key, value, key_cache, value_cache, slot_mapping, kv_scales,
+                  quantized: bool) -> bool:
+        """Whether `tidal_write_kv` (float32 caches, no scales) or `tidal_write_kv_int8`
+        (`quantized`: int8 caches, float32 scales of one layout) takes this write: float32
+        K/V rows with head_dim contiguous, K and V caches of one layout."""
+        cache_dtype = torch.int8 if quantized else torch.float32
+        if quantized and (kv_scales[0].dtype != torch.float32
+                          or kv_scales[1].dtype != torch.float32
+                          or kv_scales[0].stride() != kv_scales[1].stride()
+                          or kv_scales[0].shape != key_cache.shape[:3]):
+            return False
+        return ((kv_scales is None or quantized)
+                and key.dtype == value.dtype == torch.float32
+                and key_cache.dtype == value_cache.dtype == cache_dtype
+                and key.stride(2) == 1 and value.stride(2) == 1 and key_cache.stride(3) == 1
+                and key_cache.stride() == value_cache.stride()
+                and key.shape[1:] == key_cache.shape[2:] and value.shape == key.shape
+                and slot_mapping.shape == key.shape[:1])
 
     def prepare(self, meta: AttentionMetadata, block_size: int, num_kv_heads: int,
                 head_dim: int, dtype: torch.dtype) -> CpuAttentionPlan | NumbaAttentionPlan:
         library = load()
         if not self._takes(dtype, head_dim):
+            if (library is not None and dtype == torch.float32 and self.kv_dtype == torch.int8
+                    and library.tidal_decode_attention_head_dim_ok(head_dim)):
+                return self._int8_plan(meta)
             return super().prepare(meta, block_size, num_kv_heads, head_dim, dtype)
         decodes, chunks = split_requests(meta)
         blocked_kernel = library.tidal_prefill_attention_available()
@@ -229,6 +317,23 @@ class CpuBackend(NumbaBackend):
             token_rows=np.array(token_rows, dtype=np.int64)[order],
             lens=lens_array[order]), blocked, sdpa)
 
+    @staticmethod
+    def _int8_plan(meta: AttentionMetadata) -> NumbaAttentionPlan:
+        """numba's plan for an int8 cache whose decodes the C int8 kernel takes: the decodes
+        longest first (its threads take items dynamically) where numba's `prepare` orders
+        them for numba's static schedule, which imports numba to ask its thread count (a
+        worker that never runs numba's kernel then never imports it)."""
+        decodes, prefills = split_requests(meta)
+        if not decodes:
+            return NumbaAttentionPlan(None, prefills)
+        seq_lens = np.ascontiguousarray(meta.seq_lens.numpy())
+        requests = np.array([request for request, _ in decodes], dtype=np.int64)
+        token_rows = np.array([row for _, row in decodes], dtype=np.int64)
+        order = np.argsort(-seq_lens[requests], kind="stable")
+        return NumbaAttentionPlan(NumbaDecode(
+            block_tables=np.ascontiguousarray(meta.block_tables.numpy()), seq_lens=seq_lens,
+            requests=requests[order], token_rows=token_rows[order]), prefills)
+
     def _attend_decodes(self, query, key_cache, value_cache,
                         plan: CpuAttentionPlan | NumbaAttentionPlan, scale: float,
                         out: torch.Tensor, window: int | None = None,
@@ -237,6 +342,11 @@ class CpuBackend(NumbaBackend):
         each longer prefill chunk through the blocked kernel; within `window` (each row over
         its own window, the blocks before it unread) and soft-capped at `soft_cap`."""
         if isinstance(plan, NumbaAttentionPlan):
+            if plan.decode is not None and self._takes_int8(query, key_cache, value_cache,
+                                                            kv_scales):
+                self._attend_int8_decodes(query, key_cache, value_cache, kv_scales,
+                                          plan.decode, scale, out, window, soft_cap)
+                return
             super()._attend_decodes(query, key_cache, value_cache, plan, scale, out, window,
                                     soft_cap, kv_scales)
             return

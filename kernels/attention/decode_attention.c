@@ -6,7 +6,10 @@
  * Layouts: q and out [T, H, D]; key and value caches [num_blocks, block_size, KVH, D] in any
  * order of the first three (strides in floats: block, position, KV head; D contiguous; K and
  * V alike): the cpu backend stores them head-major, [num_blocks, KVH, block_size, D]; block
- * tables [S, max_blocks] int32. Head h reads KV head h / (H / KVH).
+ * tables [S, max_blocks] int32. Head h reads KV head h / (H / KVH). An int8 cache
+ * (tidal_decode_attention_int8, kv_quant.py) has the same layout in bytes, with a float32
+ * scale per (position, KV head) beside it; rows are widened to float a tile at a time and the
+ * arithmetic is then the float32 kernel's.
  *
  * Work item = (query row, KV head, up to MAX_GROUP of the query heads that share it), taken by
  * the threads dynamically (lengths vary). An item makes two passes over its KV head's rows:
@@ -42,6 +45,9 @@
 #define TIDAL_DECODE_ATTENTION 1
 #define MAX_GROUP 8
 #define PREFETCH 32
+#ifndef PREFETCH_I8
+#define PREFETCH_I8 32
+#endif
 
 /* VL floats a vector: a zmm with AVX-512, a ymm with AVX2; only these differ between them. */
 #if defined(__AVX512F__)
@@ -111,13 +117,19 @@ static inline const float *row_at(const float *cache, const int *table, int p, l
  * row while p < seq_len; past it no table entry is read and `row` points into block 0. The
  * prefetching walk runs PREFETCH positions ahead of the reading one, and its prefetches go
  * into L2 (prefetcht1), see the top of this file. */
-typedef struct { const float *cache; const int *table; layout_t at; long head; int p, i, seq_len;
-                 const float *row; } walk_t;
+typedef struct { const char *cache; const int *table; layout_t at; long head; int p, i, seq_len;
+                 const char *row; } walk_t;
 
-static inline walk_t walk_from(const float *cache, const int *table, layout_t at, long head,
-                               int p, int seq_len) {
-    walk_t w = {cache, table, at, head, p, p % at.bs, seq_len, cache + head};
-    if (p < seq_len) w.row = row_at(cache, table, p, at, head);
+/* A walk of a cache of `size`-byte elements (float32 rows, int8 rows, float32 scales): `at`
+ * and `head` in elements, as everywhere else; the walk keeps them in bytes. */
+static inline walk_t walk_from(const void *cache, const int *table, layout_t at, long head,
+                               int p, int seq_len, int size) {
+    layout_t bytes = {at.bs, at.block * size, at.pos * size};
+    walk_t w = {cache, table, bytes, head * size, p, p % at.bs, seq_len,
+                (const char *)cache + head * size};
+    if (p < seq_len)
+        w.row = w.cache + (long)table[p / at.bs] * bytes.block + (long)(p % at.bs) * bytes.pos
+                + w.head;
     return w;
 }
 
@@ -137,7 +149,7 @@ static inline __attribute__((always_inline)) void walk_next(walk_t *w) {
  * Forced inline: GCC kept such a helper a call in the item functions, 0.82 -> 1.07 ms a layer. */
 static inline __attribute__((always_inline)) void prefetch_walk(walk_t *w, int bytes) {
     if (w->p < w->seq_len)
-        for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char *)w->row + l, _MM_HINT_T1);
+        for (int l = 0; l < bytes; l += 64) _mm_prefetch(w->row + l, _MM_HINT_T1);
     walk_next(w);
 }
 
@@ -163,14 +175,207 @@ static float softmax_row(float *row, int len, float top) {
     return 1.0f / vsum(sum);
 }
 
+/* Lane j = the sum of s[j]'s lanes, for the VL vectors s[0..VL), added in vsum's order (the
+ * halves first, then quarters, ..., then neighbours; float addition is commutative, so each
+ * lane is bit for bit vsum(s[j])), in a tree of shuffles that serves VL vectors at once: a
+ * tile of VL scores costs about what 3 of vsum's reductions do. */
+#if VL == 16
+/* [a's lanes i + (i + 8), i < 8 | b's]: quarters of 4 lanes */
+static inline vec fold_halves(vec a, vec b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+}
+/* quarters 0 + 1 and 2 + 3 of a, then of b */
+static inline vec fold_quarters(vec a, vec b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+#else
+/* [a's lanes i + (i + 4), i < 4 | b's] */
+static inline vec fold_halves(vec a, vec b) {
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20),
+                         _mm256_permute2f128_ps(a, b, 0x31));
+}
+#endif
+/* within each 4-lane quarter: [a0 + a2, a1 + a3, b0 + b2, b1 + b3] */
+static inline vec fold_pairs(vec a, vec b) {
+    return V(add_ps)(V(shuffle_ps)(a, b, 0x44), V(shuffle_ps)(a, b, 0xEE));
+}
+/* within each quarter: [a0 + a1, a2 + a3, b0 + b1, b2 + b3] */
+static inline vec fold_neighbours(vec a, vec b) {
+    return V(add_ps)(V(shuffle_ps)(a, b, 0x88), V(shuffle_ps)(a, b, 0xDD));
+}
+
+static inline __attribute__((always_inline)) vec vsum_tile(const vec *s) {
+#if VL == 16
+    /* lane 4k + e comes from quarter k of the e-th vector the last folds combine: pair the
+     * inputs so that it is s[4k + e] */
+    vec y0 = fold_quarters(fold_halves(s[0], s[4]), fold_halves(s[8], s[12]));
+    vec y1 = fold_quarters(fold_halves(s[1], s[5]), fold_halves(s[9], s[13]));
+    vec y2 = fold_quarters(fold_halves(s[2], s[6]), fold_halves(s[10], s[14]));
+    vec y3 = fold_quarters(fold_halves(s[3], s[7]), fold_halves(s[11], s[15]));
+    return fold_neighbours(fold_pairs(y0, y1), fold_pairs(y2, y3));
+#else
+    return fold_neighbours(fold_pairs(fold_halves(s[0], s[4]), fold_halves(s[1], s[5])),
+                           fold_pairs(fold_halves(s[2], s[6]), fold_halves(s[3], s[7])));
+#endif
+}
+
+/* VL int8 values widened to float (int8 -> int32 -> float: exact). */
+#if VL == 16
+static inline vec load_i8(const signed char *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#else
+static inline vec load_i8(const signed char *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#endif
+
+/* The next m <= VL rows of a walk (`bytes` each), PREFETCH ahead through `ahead`, as float
+ * rows: rows[j] the cache's own (float32), or (int8: `scales` walks their scales) each
+ * widened into wide[j] (D floats) with its scale in row_scale[j]. Rows past m repeat row 0
+ * (scale 0), so a tile's arithmetic always runs VL wide; what they give is never stored. */
+static inline __attribute__((always_inline)) void next_rows(
+        const float **rows, float *wide, float *row_scale, walk_t *w, walk_t *ahead,
+        walk_t *scales, walk_t *scales_ahead, int m, int D) {
+    for (int j = 0; j < m; j++, walk_next(w)) {
+        prefetch_walk(ahead, scales ? D : 4 * D);
+        if (scales) prefetch_walk(scales_ahead, 4);
+        if (!scales) {
+            rows[j] = (const float *)w->row;
+            continue;
+        }
+        for (int c = 0; c < D; c += VL)
+            V(storeu_ps)(wide + j * D + c, load_i8((const signed char *)w->row + c));
+        rows[j] = wide + j * D;
+        row_scale[j] = *(const float *)scales->row;
+        walk_next(scales);
+    }
+    for (int j = m; j < VL; j++) {
+        rows[j] = rows[0];
+        row_scale[j] = 0.0f;
+    }
+}
+
 /* One work item for head size D = VL DV: `group` query heads q [group, D] sharing KV head
  * offset `head`, over positions [lo, seq_len) (lo > 0 under a sliding window: the blocks
  * before it are never read); writes out [group, D]. Scores above 0 in `cap` are soft-capped,
- * cap tanh(s / cap). scores: group x (seq_len - lo) floats of scratch. */
+ * cap tanh(s / cap). scores: group x (seq_len - lo) floats of scratch.
+ *
+ * float32 caches (ks 0), or int8 ones (kv_quant.py) with their scales ks and vs (layout
+ * `sat`, KV head offset `shead`): a row is widened to float once (int8 -> float: exact) and a
+ * score is k_scale * (q . k), a V row's weight e * v_scale, as numba_decode.py's kernel does.
+ *
+ * Both passes go a tile of VL positions at a time. Scores: for each head, VL dot products
+ * (DV multiply-adds each, one row after the other) and one vsum_tile for all VL of them,
+ * where one vsum a position spent more shuffles than multiply-adds; each head re-reads the
+ * tile's rows from L1. Weighted sum: each head adds the tile's rows into its DV accumulators
+ * in position order. Every sum is added in the order of the row-at-a-time item below (the
+ * same float32 results, bit for bit), which keeps all heads' accumulators live at once: 24
+ * vectors for SmolLM2's 3 heads of 64 in AVX2, more than its 16 registers. AVX2 builds take
+ * these tiles for float32 and int8 caches, AVX-512 builds for int8 only (see ROW_ITEM). */
 #define ITEM(DV)                                                                            \
-static void item_##DV(const float *q, const float *kc, const float *vc, const int *table,   \
-                      int lo, int seq_len, layout_t at, long head, int group,               \
-                      float scale, float cap, float *out, float *scores) {                  \
+static void item_##DV(const float *q, const void *kc, const void *vc, const float *ks,      \
+                      const float *vs, const int *table, int lo, int seq_len, layout_t at,  \
+                      long head, layout_t sat, long shead, int group, float scale,          \
+                      float cap, float *out, float *scores) {                               \
+    enum { D = VL * (DV) };                                                                 \
+    vec qv[MAX_GROUP][DV], acc[MAX_GROUP][DV], tops[MAX_GROUP];                             \
+    float inverse[MAX_GROUP], wide[VL * D] __attribute__((aligned(64))), row_scale[VL];     \
+    const float *rows[VL];                                                                  \
+    int n = seq_len - lo, size = ks ? 1 : 4, ahead = ks ? PREFETCH_I8 : PREFETCH;           \
+    for (int g = 0; g < group; g++) {                                                       \
+        tops[g] = V(set1_ps)(-INFINITY);                                                    \
+        for (int c = 0; c < DV; c++) {                                                      \
+            qv[g][c] = V(mul_ps)(V(loadu_ps)(q + g * D + VL * c), V(set1_ps)(scale));       \
+            acc[g][c] = V(setzero_ps)();                                                    \
+        }                                                                                   \
+    }                                                                                       \
+    walk_t kw = walk_from(kc, table, at, head, lo, seq_len, size);                          \
+    walk_t ka = walk_from(kc, table, at, head, lo + ahead, seq_len, size);                  \
+    walk_t sw = walk_from(ks ? ks : q, table, sat, shead, lo, seq_len, 4);                  \
+    walk_t sa = walk_from(ks ? ks : q, table, sat, shead, lo + ahead, seq_len, 4);          \
+    for (int p = 0; p < n; p += VL) {                                                       \
+        int m = n - p < VL ? n - p : VL;                                                    \
+        next_rows(rows, wide, row_scale, &kw, &ka, ks ? &sw : 0, &sa, m, D);                \
+        for (int g = 0; g < group; g++) {                                                   \
+            vec s[VL];                                                                      \
+            for (int j = 0; j < VL; j++) {                                                  \
+                s[j] = V(mul_ps)(qv[g][0], V(loadu_ps)(rows[j]));                           \
+                for (int c = 1; c < DV; c++)                                                \
+                    s[j] = V(fmadd_ps)(qv[g][c], V(loadu_ps)(rows[j] + VL * c), s[j]);      \
+            }                                                                               \
+            vec t = vsum_tile(s);                                                           \
+            if (ks) t = V(mul_ps)(V(loadu_ps)(row_scale), t);                               \
+            if (m == VL && !(cap > 0.0f)) {                                                 \
+                V(storeu_ps)(scores + g * n + p, t);                                        \
+                tops[g] = V(max_ps)(tops[g], t);                                            \
+                continue;                                                                   \
+            }                                                                               \
+            float lanes[VL];                                                                \
+            V(storeu_ps)(lanes, t);                                                         \
+            for (int j = 0; j < m; j++) {                                                   \
+                float score = cap > 0.0f ? cap * tanhf(lanes[j] / cap) : lanes[j];          \
+                scores[g * n + p + j] = score;                                              \
+                lanes[j] = score;                                                           \
+            }                                                                               \
+            for (int j = m; j < VL; j++) lanes[j] = -INFINITY;                              \
+            tops[g] = V(max_ps)(tops[g], V(loadu_ps)(lanes));                               \
+        }                                                                                   \
+    }                                                                                       \
+    for (int g = 0; g < group; g++) {                                                       \
+        float lanes[VL], top = -INFINITY;                                                   \
+        V(storeu_ps)(lanes, tops[g]);                                                       \
+        for (int j = 0; j < VL; j++) top = lanes[j] > top ? lanes[j] : top;                 \
+        inverse[g] = softmax_row(scores + g * n, n, top);                                   \
+    }                                                                                       \
+    walk_t vw = walk_from(vc, table, at, head, lo, seq_len, size);                          \
+    walk_t va = walk_from(vc, table, at, head, lo + ahead, seq_len, size);                  \
+    sw = walk_from(vs ? vs : q, table, sat, shead, lo, seq_len, 4);                         \
+    sa = walk_from(vs ? vs : q, table, sat, shead, lo + ahead, seq_len, 4);                 \
+    for (int p = 0; p < n; p += VL) {                                                       \
+        int m = n - p < VL ? n - p : VL;                                                    \
+        next_rows(rows, wide, row_scale, &vw, &va, vs ? &sw : 0, &sa, m, D);                \
+        for (int g = 0; g < group; g++) {                                                   \
+            vec a[DV];                                                                      \
+            const float *e = scores + g * n + p;                                            \
+            for (int c = 0; c < DV; c++) a[c] = acc[g][c];                                  \
+            for (int j = 0; j < m; j++) {                                                   \
+                vec w = V(set1_ps)(vs ? e[j] * row_scale[j] : e[j]);                        \
+                for (int c = 0; c < DV; c++)                                                \
+                    a[c] = V(fmadd_ps)(w, V(loadu_ps)(rows[j] + VL * c), a[c]);             \
+            }                                                                               \
+            for (int c = 0; c < DV; c++) acc[g][c] = a[c];                                  \
+        }                                                                                   \
+    }                                                                                       \
+    for (int g = 0; g < group; g++)                                                         \
+        for (int c = 0; c < DV; c++)                                                        \
+            V(storeu_ps)(out + g * D + VL * c, V(mul_ps)(acc[g][c], V(set1_ps)(inverse[g]))); \
+}
+/* Head sizes 16..128 in steps of 16, and 256. */
+#if VL == 16
+ITEM(1) ITEM(2) ITEM(3) ITEM(4) ITEM(5) ITEM(6) ITEM(7) ITEM(8) ITEM(16)
+#else
+ITEM(2) ITEM(4) ITEM(6) ITEM(8) ITEM(10) ITEM(12) ITEM(14) ITEM(16) ITEM(32)
+#endif
+
+typedef void (*item_fn)(const float *, const void *, const void *, const float *,
+                        const float *, const int *, int, int, layout_t, long, layout_t, long,
+                        int, float, float, float *, float *);
+
+/* AVX-512 builds' float32 items: one position at a time, all heads' accumulators live (the
+ * group's DV x group vectors fit in 32 registers), one vsum a score. Measured against the
+ * tiles above on the 2-vCPU AMD EPYC (Zen 4), SmolLM2's geometry, 8 x 4096 positions from
+ * memory in 2 MB pages (benchmarks/decode_attention_ab.py, OMP_NUM_THREADS=1, CPU time,
+ * 2026-12-04): the tiles took 1.04-1.22x this item's time in six runs, where in AVX2 builds
+ * they took 0.93-0.96x (12 KV heads: 0.93x) and read from cache 0.76x. So AVX-512 builds keep
+ * this item for float32 caches, and use the tiles for int8 (the widening once a tile). */
+#if VL == 16
+#define ROW_ITEM(DV)                                                                            \
+static void row_item_##DV(const float *q, const void *kc, const void *vc, const float *ks,  \
+                          const float *vs, const int *table, int lo, int seq_len,           \
+                          layout_t at, long head, layout_t sat, long shead, int group,      \
+                          float scale, float cap, float *out, float *scores) {              \
+    (void)ks; (void)vs; (void)sat; (void)shead;                                             \
     vec qv[MAX_GROUP][DV], acc[MAX_GROUP][DV];                                              \
     float top[MAX_GROUP], inverse[MAX_GROUP];                                               \
     int n = seq_len - lo;                                                                   \
@@ -182,11 +387,11 @@ static void item_##DV(const float *q, const float *kc, const float *vc, const in
             acc[g][c] = V(setzero_ps)();                                                    \
         }                                                                                   \
     }                                                                                       \
-    walk_t kw = walk_from(kc, table, at, head, lo, seq_len);                                \
-    walk_t ka = walk_from(kc, table, at, head, lo + PREFETCH, seq_len);                     \
+    walk_t kw = walk_from(kc, table, at, head, lo, seq_len, 4);                             \
+    walk_t ka = walk_from(kc, table, at, head, lo + PREFETCH, seq_len, 4);                  \
     for (int p = 0; p < n; p++, walk_next(&kw)) {                                           \
         prefetch_walk(&ka, 4 * VL * DV);                                                    \
-        const float *k = kw.row;                                                            \
+        const float *k = (const float *)kw.row;                                             \
         vec kv[DV];                                                                         \
         for (int c = 0; c < DV; c++) kv[c] = V(loadu_ps)(k + VL * c);                       \
         for (int g = 0; g < group; g++) {                                                   \
@@ -200,11 +405,11 @@ static void item_##DV(const float *q, const float *kc, const float *vc, const in
     }                                                                                       \
     for (int g = 0; g < group; g++)                                                         \
         inverse[g] = softmax_row(scores + g * n, n, top[g]);                                \
-    walk_t vw = walk_from(vc, table, at, head, lo, seq_len);                                \
-    walk_t va = walk_from(vc, table, at, head, lo + PREFETCH, seq_len);                     \
+    walk_t vw = walk_from(vc, table, at, head, lo, seq_len, 4);                             \
+    walk_t va = walk_from(vc, table, at, head, lo + PREFETCH, seq_len, 4);                  \
     for (int p = 0; p < n; p++, walk_next(&vw)) {                                           \
         prefetch_walk(&va, 4 * VL * DV);                                                    \
-        const float *v = vw.row;                                                            \
+        const float *v = (const float *)vw.row;                                             \
         vec vv[DV];                                                                         \
         for (int c = 0; c < DV; c++) vv[c] = V(loadu_ps)(v + VL * c);                       \
         for (int g = 0; g < group; g++) {                                                   \
@@ -217,28 +422,23 @@ static void item_##DV(const float *q, const float *kc, const float *vc, const in
             V(storeu_ps)(out + g * VL * DV + VL * c,                                        \
                              V(mul_ps)(acc[g][c], V(set1_ps)(inverse[g])));                 \
 }
-/* Head sizes 16..128 in steps of 16, and 256. */
-#if VL == 16
-ITEM(1) ITEM(2) ITEM(3) ITEM(4) ITEM(5) ITEM(6) ITEM(7) ITEM(8) ITEM(16)
-#else
-ITEM(2) ITEM(4) ITEM(6) ITEM(8) ITEM(10) ITEM(12) ITEM(14) ITEM(16) ITEM(32)
+ROW_ITEM(1) ROW_ITEM(2) ROW_ITEM(3) ROW_ITEM(4) ROW_ITEM(5) ROW_ITEM(6) ROW_ITEM(7) ROW_ITEM(8)
+ROW_ITEM(16)
 #endif
 
-typedef void (*item_fn)(const float *, const float *, const float *, const int *, int, int,
-                        layout_t, long, int, float, float, float *, float *);
-
-static item_fn item_for(int head_dim) {
+/* The item for a head size (0: none), over float32 caches or (`quantized`) int8 ones. */
+static item_fn item_for(int head_dim, int quantized) {
     switch (head_dim / VL * (head_dim % VL == 0)) {
 #if VL == 16
-    case 1: return item_1; case 2: return item_2; case 3: return item_3; case 4: return item_4;
-    case 5: return item_5; case 6: return item_6; case 7: return item_7; case 8: return item_8;
-    case 16: return item_16;
+#define CASE(DV) case DV: return quantized ? item_##DV : row_item_##DV;
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(16)
+#undef CASE
 #else
     case 2: return item_2; case 4: return item_4; case 6: return item_6; case 8: return item_8;
     case 10: return item_10; case 12: return item_12; case 14: return item_14;
     case 16: return item_16; case 32: return item_32;
 #endif
-    default: return 0;
+    default: (void)quantized; return 0;
     }
 }
 
@@ -323,11 +523,11 @@ static void prefill_##DV(const float *const *qs, float *const *outs, const int *
     vec acc[QV][DV];                                                                        \
     for (int v = 0; v < QV; v++)                                                            \
         for (int c = 0; c < DV; c++) acc[v][c] = V(setzero_ps)();                           \
-    walk_t vw = walk_from(vc, table, at, head, low, len);                                   \
-    walk_t va = walk_from(vc, table, at, head, low + PREFETCH, len);                        \
+    walk_t vw = walk_from(vc, table, at, head, low, len, 4);                                \
+    walk_t va = walk_from(vc, table, at, head, low + PREFETCH, len, 4);                     \
     for (int p = low; p < len; p++, walk_next(&vw)) {                                       \
         prefetch_walk(&va, 4 * D);                                                          \
-        const float *vr = vw.row;                                                           \
+        const float *vr = (const float *)vw.row;                                            \
         vec vv[DV];                                                                         \
         for (int c = 0; c < DV; c++) vv[c] = V(loadu_ps)(vr + VL * c);                      \
         for (int v = 0; v < QV; v++) {                                                      \
@@ -372,7 +572,7 @@ int tidal_decode_attention_available(void) { return TIDAL_DECODE_ATTENTION; }
 /* 1 where tidal_decode_attention takes this head size (16..128 in steps of 16, or 256). */
 int tidal_decode_attention_head_dim_ok(int head_dim) {
 #if TIDAL_DECODE_ATTENTION
-    return item_for(head_dim) != 0;
+    return item_for(head_dim, 0) != 0;
 #else
     (void)head_dim;
     return 0;
@@ -390,25 +590,20 @@ int tidal_decode_attention_head_dim_ok(int head_dim) {
  * so they stay split. */
 #define ROWS_PARALLEL_WORK 4096
 
-/* Attend query row rows[i] over the first lens[i] >= 1 positions of request requests[i] (a
- * row of tables), i < n, of those only the last `window` when window > 0 (the rows'
- * sliding window: blocks before it are never read), scores soft-capped at soft_cap when it is
- * above 0; writes those rows of out. Returns 0, or -1 for a head size it does not take (out
- * untouched) or -2 when scratch could not be allocated. */
-int tidal_decode_attention_window(const float *q, const float *key_cache,
-                                  const float *value_cache, const int *tables, long max_blocks,
-                                  const int *lens, const long *requests, const long *rows,
-                                  long n, int num_heads, int num_kv_heads, int head_dim,
-                                  int block_size, long block_stride, long pos_stride,
-                                  long head_stride, float scale, int window, float soft_cap,
-                                  float *out) {
 #if TIDAL_DECODE_ATTENTION
-    item_fn item = item_for(head_dim);
+/* The work items of tidal_decode_attention_window and _int8 (ks and vs 0: float32 caches),
+ * split between the threads. */
+static int decode_rows(const float *q, const void *key_cache, const void *value_cache,
+                       const float *ks, const float *vs, const int *tables, long max_blocks,
+                       const int *lens, const long *requests, const long *rows, long n,
+                       int num_heads, int num_kv_heads, int head_dim, layout_t at,
+                       long head_stride, layout_t sat, long scale_head, float scale,
+                       int window, float soft_cap, float *out) {
+    item_fn item = item_for(head_dim, ks != 0);
     if (!item) return -1;
     int group = num_heads / num_kv_heads;
     int parts = (group + MAX_GROUP - 1) / MAX_GROUP; /* items per KV head */
     long items = n * num_kv_heads * parts;
-    layout_t at = {block_size, block_stride, pos_stride};
     int failed = 0;
     long work = 0; /* (key position, head) pairs: the rows' arithmetic */
     for (long r = 0; r < n; r++) work += (long)lens[r] * num_heads;
@@ -431,17 +626,66 @@ int tidal_decode_attention_window(const float *q, const float *key_cache,
                 scores = malloc(capacity * sizeof(float));
                 if (!scores) { capacity = 0; failed = 1; continue; }
             }
-            item(q + (row * num_heads + first) * head_dim, key_cache, value_cache,
-                 tables + request * max_blocks, lo, seq_len, at, kv_head * head_stride, heads,
-                 scale, soft_cap, out + (row * num_heads + first) * head_dim, scores);
+            item(q + (row * num_heads + first) * head_dim, key_cache, value_cache, ks, vs,
+                 tables + request * max_blocks, lo, seq_len, at, kv_head * head_stride, sat,
+                 kv_head * scale_head, heads, scale, soft_cap,
+                 out + (row * num_heads + first) * head_dim, scores);
         }
         free(scores);
     }
     return failed ? -2 : 0;
+}
+#endif
+
+/* Attend query row rows[i] over the first lens[i] >= 1 positions of request requests[i] (a
+ * row of tables), i < n, of those only the last `window` when window > 0 (the rows'
+ * sliding window: blocks before it are never read), scores soft-capped at soft_cap when it is
+ * above 0; writes those rows of out. Returns 0, or -1 for a head size it does not take (out
+ * untouched) or -2 when scratch could not be allocated. */
+int tidal_decode_attention_window(const float *q, const float *key_cache,
+                                  const float *value_cache, const int *tables, long max_blocks,
+                                  const int *lens, const long *requests, const long *rows,
+                                  long n, int num_heads, int num_kv_heads, int head_dim,
+                                  int block_size, long block_stride, long pos_stride,
+                                  long head_stride, float scale, int window, float soft_cap,
+                                  float *out) {
+#if TIDAL_DECODE_ATTENTION
+    layout_t at = {block_size, block_stride, pos_stride};
+    return decode_rows(q, key_cache, value_cache, 0, 0, tables, max_blocks, lens, requests,
+                       rows, n, num_heads, num_kv_heads, head_dim, at, head_stride, at, 0,
+                       scale, window, soft_cap, out);
 #else
     (void)q; (void)key_cache; (void)value_cache; (void)tables; (void)max_blocks;
     (void)lens; (void)requests; (void)rows; (void)n; (void)num_heads; (void)num_kv_heads;
     (void)head_dim; (void)block_size; (void)block_stride; (void)pos_stride; (void)head_stride;
+    (void)scale; (void)window; (void)soft_cap; (void)out;
+    return -1;
+#endif
+}
+
+/* tidal_decode_attention_window over an int8 cache (kv_cache_dtype int8, kv_quant.py):
+ * key_cache / value_cache int8 rows (strides in elements, as the float32 caches'), key_scales /
+ * value_scales their float32 scales, one per (position, KV head) (strides scale_block,
+ * scale_pos, scale_head in floats). Returns as tidal_decode_attention_window does. */
+int tidal_decode_attention_int8(const float *q, const signed char *key_cache,
+                                const signed char *value_cache, const float *key_scales,
+                                const float *value_scales, const int *tables, long max_blocks,
+                                const int *lens, const long *requests, const long *rows, long n,
+                                int num_heads, int num_kv_heads, int head_dim, int block_size,
+                                long block_stride, long pos_stride, long head_stride,
+                                long scale_block, long scale_pos, long scale_head, float scale,
+                                int window, float soft_cap, float *out) {
+#if TIDAL_DECODE_ATTENTION
+    layout_t at = {block_size, block_stride, pos_stride};
+    layout_t sat = {block_size, scale_block, scale_pos};
+    return decode_rows(q, key_cache, value_cache, key_scales, value_scales, tables, max_blocks,
+                       lens, requests, rows, n, num_heads, num_kv_heads, head_dim, at,
+                       head_stride, sat, scale_head, scale, window, soft_cap, out);
+#else
+    (void)q; (void)key_cache; (void)value_cache; (void)key_scales; (void)value_scales;
+    (void)tables; (void)max_blocks; (void)lens; (void)requests; (void)rows; (void)n;
+    (void)num_heads; (void)num_kv_heads; (void)head_dim; (void)block_size; (void)block_stride;
+    (void)pos_stride; (void)head_stride; (void)scale_block; (void)scale_pos; (void)scale_head;
     (void)scale; (void)window; (void)soft_cap; (void)out;
     return -1;
 #endif
@@ -579,6 +823,50 @@ long tidal_write_kv(const float *key, const float *value, long key_token, long k
             const float *vs = value + t * value_token + h * value_head;
             for (int d = 0; d < head_dim; d++) k[d] = ks[d];
             for (int d = 0; d < head_dim; d++) v[d] = vs[d];
+        }
+    }
+    return -1;
+}
+
+/* tidal_write_kv into an int8 cache (kv_quant.py): each (token, KV head) row of head_dim floats
+ * x stored as round(x / s) (to nearest, ties to even; within [-127, 127]) with its scale s =
+ * max|x| / 127 in the scale tensors (strides scale_block, scale_pos, scale_head in floats), an
+ * all-zero row as zeros with scale 0: bit for bit kv_quant.quantize's float32 arithmetic
+ * (x * (1 / s), the reciprocal rounded first). Where torch's ops took 10 calls a layer (abs,
+ * amax, the reciprocal, round, clamp, cast, two scatters, for K and again for V), this is one.
+ * Returns as tidal_write_kv does. */
+static inline void quantize_row(const float *x, int head_dim, signed char *q, float *scale) {
+    float top = 0.0f;
+    for (int d = 0; d < head_dim; d++) top = fabsf(x[d]) > top ? fabsf(x[d]) : top;
+    float s = top / 127.0f, inverse = s > 0.0f ? 1.0f / s : 0.0f;
+    for (int d = 0; d < head_dim; d++) {
+        float r = nearbyintf(x[d] * inverse);
+        q[d] = (signed char)(r < -127.0f ? -127.0f : r > 127.0f ? 127.0f : r);
+    }
+    *scale = s;
+}
+
+long tidal_write_kv_int8(const float *key, const float *value, long key_token, long key_head,
+                         long value_token, long value_head, signed char *key_cache,
+                         signed char *value_cache, float *key_scales, float *value_scales,
+                         const long *slots, long n, int num_kv_heads, int head_dim,
+                         int block_size, long num_slots, long block_stride, long pos_stride,
+                         long head_stride, long scale_block, long scale_pos, long scale_head) {
+    for (long t = 0; t < n; t++)
+        if (slots[t] >= num_slots) return t;
+    #pragma omp parallel for schedule(static) if (n >= WRITE_KV_PARALLEL)
+    for (long t = 0; t < n; t++) {
+        long slot = slots[t];
+        if (slot < 0) continue;
+        long block = slot / block_size, offset = slot % block_size;
+        long at = block * block_stride + offset * pos_stride;
+        long scale_at = block * scale_block + offset * scale_pos;
+        for (int h = 0; h < num_kv_heads; h++) {
+            quantize_row(key + t * key_token + h * key_head, head_dim,
+                         key_cache + at + h * head_stride, key_scales + scale_at + h * scale_head);
+            quantize_row(value + t * value_token + h * value_head, head_dim,
+                         value_cache + at + h * head_stride,
+                         value_scales + scale_at + h * scale_head);
         }
     }
     return -1;

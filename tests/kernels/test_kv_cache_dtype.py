@@ -2,7 +2,8 @@
 CPU attention backend that reads one equals the reference over the same quantized cache (the
 dequantization is the only new arithmetic: float32 tolerances), and that reference stays within
 the stated quantization tolerance of attention over the float cache it was quantized from.
-Cache slots nobody may read hold NaN scales, so a kernel that reads them fails. The write
+Cache slots nobody may read hold NaN scales, so a kernel that reads them fails. The cpu
+backend decodes int8 in its C row kernel (`tidal_decode_attention_int8`). The write
 quantizes per token and KV head; `select_attention_backend` refuses a backend that cannot read
 the cache's dtype, naming `kv_cache_dtype`."""
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from kernel_cases import TOLERANCE, make_case, poisoned_like, windowed
-from tidal.kernels.attention import cpu_attention, select_attention_backend
+from tidal.kernels.attention import cpu_attention, numba_attention, select_attention_backend
 from tidal.kernels.attention.kv_quant import QMAX, dequantize, quantize, storage_dtype
 from tidal.kernels.attention.metadata import AttentionMetadata
 from tidal.kernels.attention.reference import paged_attention_ref
@@ -76,9 +77,11 @@ def test_quantized_cache_reads_equal_reference(name, kv_cache_dtype, q_lens, seq
     assert torch.isnan(out[owned.stop:]).all(), "wrote rows no request owns"
 
 
-@pytest.mark.parametrize("name", ["numba", "torch"])
+@pytest.mark.parametrize("name", ["numba", "torch", "cpu"])
 def test_quantized_cache_window_and_cap(name):
     """Sliding window (blocks before it name the null block: NaN) and soft cap, int8."""
+    if name == "cpu" and not cpu_attention.available():
+        pytest.skip("no C compiler or no AVX on this machine")
     backend = select_attention_backend(name, "cpu", torch.float32, "int8")
     case = windowed(make_case([1, 6, 1], [40, 30, 17], 4, 2, 64, 8), 9)
     caches, (k_read, v_read) = quantized_case(case, torch.int8)
@@ -86,6 +89,26 @@ def test_quantized_cache_window_and_cap(name):
     expected = paged_attention_ref(case.query, k_read, v_read, case.block_tables,
                                    case.query_start_loc, case.seq_lens, case.scale,
                                    sliding_window=9, soft_cap=5.0)
+    owned = case.owned_rows()
+    torch.testing.assert_close(out[owned], expected[owned], atol=2e-5, rtol=2e-5)
+
+
+def test_cpu_backend_decodes_int8_in_its_c_kernel(monkeypatch):
+    """The cpu backend's int8 decodes go to `tidal_decode_attention_int8`, not numba's kernel
+    (which is made to fail here), and equal the reference over the dequantized cache."""
+    if not cpu_attention.available():
+        pytest.skip("no C compiler or no AVX on this machine")
+
+    def numba_kernel(*args, **kwargs):
+        raise AssertionError("an int8 decode went to numba's kernel")
+
+    monkeypatch.setattr(numba_attention, "paged_decode_numba", numba_kernel)
+    backend = select_attention_backend("cpu", "cpu", torch.float32, "int8")
+    case = make_case([1, 1, 1], [1, 31, 70], 9, 3, 64, 16)  # SmolLM2's heads, group 3
+    caches, (k_read, v_read) = quantized_case(case, torch.int8)
+    out = attend(backend, case, caches)
+    expected = paged_attention_ref(case.query, k_read, v_read, case.block_tables,
+                                   case.query_start_loc, case.seq_lens, case.scale)
     owned = case.owned_rows()
     torch.testing.assert_close(out[owned], expected[owned], atol=2e-5, rtol=2e-5)
 
@@ -116,6 +139,68 @@ def test_write_quantizes_each_token_and_head(name, kv_cache_dtype):
     assert key_cache[1, 1].float().abs().amax() == QMAX[dtype]
     assert (scales[0][3, 2] == 0).all() and (key_cache[3, 2].float() == 0).all()  # zero row
     assert (scales[1].view(-1, 2)[[i for i in range(16) if i not in (5, 14)]] == -1).all()
+
+
+def test_cpu_backend_int8_worker_never_imports_numba():
+    """Warm-up, write, plan and a decode of an int8 cache on the cpu backend, in a fresh
+    process: numba is never imported (its import and kernel loads took an int8 worker's
+    start 4-8 s on the shared 2-vCPU VM, for a kernel the C one replaces)."""
+    if not cpu_attention.available():
+        pytest.skip("no C compiler or no AVX on this machine")
+    import subprocess
+    import sys
+    script = """
+import sys, torch
+from tidal.kernels.attention import select_attention_backend
+from tidal.kernels.attention.metadata import AttentionMetadata
+backend = select_attention_backend("cpu", "cpu", torch.float32, "int8")
+backend.warm_up(torch.float32)
+caches = [backend.kv_cache(4, 16, 3, 64, torch.float32, torch.device("cpu")) for _ in range(2)]
+scales = [backend.kv_scales(4, 16, 3, torch.device("cpu")) for _ in range(2)]
+backend.write_kv(torch.randn(20, 3, 64), torch.randn(20, 3, 64), *caches,
+                 torch.arange(16, 36), scales)
+meta = AttentionMetadata(torch.tensor([35]), torch.tensor([[1, 2, 0, 0]], dtype=torch.int32),
+                         torch.tensor([0, 1], dtype=torch.int32),
+                         torch.tensor([20], dtype=torch.int32))
+plan = backend.prepare(meta, 16, 3, 64, torch.float32)
+out = backend.attend(torch.randn(1, 9, 64), *caches, meta, plan, 0.125, kv_scales=scales)
+assert torch.isfinite(out).all()
+assert "numba" not in sys.modules, "numba was imported"
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
+
+
+def test_cpu_backend_writes_int8_in_c_as_kv_quant_does(monkeypatch):
+    """The cpu backend's int8 write (`tidal_write_kv_int8`, not torch's ops, which are made to
+    fail here) stores what kv_quant.write_kv_quantized does, bit for bit: rows of any
+    magnitude, exact ties (x / s at k + 0.5 rounds to even), an all-zero row, slot -1."""
+    if not cpu_attention.available():
+        pytest.skip("no C compiler or no AVX on this machine")
+    from tidal.kernels.attention import kv_quant, torch_attention
+    backend = select_attention_backend("cpu", "cpu", torch.float32, "int8")
+    g = torch.Generator().manual_seed(0)
+    key = torch.randn(37, 3, 64, generator=g) * 10 ** torch.randn(37, 3, 1, generator=g)
+    value = torch.randn(37, 3, 64, generator=g)
+    key[3, 1] = 0
+    key[5, 0, :8] = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, 127, -127, 3.5])  # s = 1
+    slots = torch.randperm(20 * 16, generator=g)[:37]
+    slots[2] = -1
+    stored = []
+    for write in ("c", "torch"):
+        caches = [backend.kv_cache(20, 16, 3, 64, torch.float32, torch.device("cpu"))
+                  for _ in range(2)]
+        for cache in caches:
+            cache.view(torch.uint8).zero_()
+        scales = [backend.kv_scales(20, 16, 3, torch.device("cpu")).fill_(-1) for _ in range(2)]
+        if write == "c":
+            with monkeypatch.context() as patch:
+                patch.setattr(torch_attention, "write_kv_quantized", None)  # a call fails
+                backend.write_kv(key, value, *caches, slots, scales)
+        else:
+            kv_quant.write_kv_quantized(key, value, *caches, scales, slots)
+        stored.append(caches + scales)
+    for c_written, torch_written in zip(*stored):
+        assert torch.equal(c_written, torch_written)
 
 
 def test_kv_cache_dtype_refusals_name_the_flag():

@@ -17,6 +17,7 @@ from tidal.workers.cpu_contention import (
     WINDOW_S,
     ContendedMode,
     CpuContention,
+    LoadThreads,
     apply_wait_policy,
     runqueue_wait_s,
 )
@@ -45,6 +46,60 @@ def test_it_warns_once_when_threads_wait_for_cpus(caplog):
     assert "steps are slowed by other processes on these cores" in record.getMessage()
     assert "waited for a CPU 90% of their step time" in record.getMessage()
     assert "--cpu-wait-policy auto" in record.getMessage()
+
+
+def _load_threads(waits, clock):
+    waits, clock = iter(waits), iter(clock)
+    return LoadThreads(read_wait=lambda: next(waits), clock=lambda: next(clock))
+
+
+@pytest.mark.parametrize("waited, one_thread", [(0.2, False), (0.6, True)])
+def test_a_rank_whose_start_waited_for_cpus_loads_on_one_thread(waited, one_thread, caplog,
+                                                                monkeypatch):
+    """Its start (importing torch, one thread) waited `waited` of 1 s: past LOAD_DROP_SHARE the
+    load of a 2-thread rank runs on one thread and gets its 2 back after; below it nothing
+    changes."""
+    import torch
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    threads = _load_threads(waits=[5.0, 5.0 + waited], clock=[10.0, 11.0])
+    calls, during = [], []
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        with threads.loading(set_threads=calls.append):
+            during.append(calls[:])
+    assert during == ([[1]] if one_thread else [[]])
+    assert calls == ([1, 2] if one_thread else [])
+    assert ("loading on 1 thread of 2" in caplog.text) is one_thread
+
+
+def test_the_load_gets_its_threads_back_when_it_fails(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    calls = []
+    with pytest.raises(ValueError):
+        with _load_threads(waits=[0.0, 0.9], clock=[0.0, 1.0]).loading(calls.append):
+            raise ValueError("a bad checkpoint")
+    assert calls == [1, 2]
+
+
+def test_a_rank_whose_start_was_contended_takes_its_first_steps_throttled(caplog):
+    """The first steps are the first token's: they run on half the threads, sleeping, from
+    the start, and the rank looks for free cores as after any throttle."""
+    engaged = []
+    monitor = CpuContention(rank=0, threads=2, read_wait=lambda: 0.0,
+                            throttle=lambda on: engaged.append(on) or (1 if on else 2),
+                            read_idle=lambda: 0.0)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        monitor.start_throttled(0.7)
+        monitor.start_throttled(0.7)  # once
+    assert engaged == [True] and monitor.throttled and monitor.threads == 1
+    assert "steps on 1 thread(s), idle ones sleeping at once (run-queue wait 70% of its start)" in caplog.text
+    CpuContention(rank=0, threads=2, read_wait=lambda: 0.0).start_throttled(0.7)  # no throttle
+
+
+def test_a_start_without_schedstat_loads_as_before():
+    assert not _load_threads(waits=[None, None], clock=[0.0, 1.0]).contended()
 
 
 def test_nothing_where_linux_keeps_no_schedstat():
