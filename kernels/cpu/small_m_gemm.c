@@ -421,9 +421,11 @@ typedef void (*pair_fn)(const float *, long, long, const void *, float *, long,
  * xp[r K + k RB + i] = x[r + i, k]. A block's K steps then read RB consecutive floats
  * instead of one float from each of RB rows K floats apart (12 streams at 12 rows, 147 KB
  * of x at K = 3072, past L1). The sums are the same, in the same order: bit-identical.
- * Measured on the 2-vCPU Zen 4 EPYC, one thread, the 125M Llama's four layer shapes in 12
- * layers (2026-12-04, 7 interleaved rounds, load ~5): 12 rows 85.4 -> 79.5 ms, 16 rows
- * 95.2 -> 84.6, 24 rows 138.1 -> 131.4, 32 rows 183.6 -> 169.9, 64 rows 253 -> 181. */
+ * Measured on the 2-vCPU Zen 4 EPYC, one thread (a contended worker's, cpu_contention.py),
+ * the 125M Llama's four layer shapes in 12 layers, 15 interleaved rounds, load 6-8
+ * (2026-12-04; least / median ms, row-major x -> packed): 16 rows 48.8 / 97.1 -> 45.5 /
+ * 95.0, 24 rows 61.7 / 131.9 -> 57.0 / 123.1, 32 rows 87.5 / 172.1 -> 78.4 / 163.0; 8 rows
+ * (one block) level. Two threads were too noisy on the shared machine to tell. */
 static void pack_row_blocks(const float *x, long rows, long K, float *xp) {
     for (long r = 0; r < rows;) {
         int rb = row_block(rows - r);
