@@ -21,7 +21,6 @@
  */
 #include <math.h>
 #include <stddef.h>
-#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
@@ -103,18 +102,12 @@ static inline void finish(float *y, const float *other, int op, vec acc) {
 }
 
 /* RB rows' sums over k of x[i, k] * b[j] (the row of the pair ROW(k) defines), held in
- * registers over the whole loop, then finished into y. X_AT(i, k) reads x[i, k]: from rows
- * K apart (ACCUMULATE: the 4/8-bit blocks) or from a row block packed k-major
- * (ACCUMULATE_PACKED: the float panels, see pack_row_blocks). */
+ * registers over the whole loop, then finished into y. */
 #define ACCUMULATE(RB, x, K, k0, kn, ROW, a)                                                 \
-    ACCUMULATE_X(RB, (x)[i * (K) + k], k0, kn, a, ROW)
-#define ACCUMULATE_PACKED(RB, x, K, ROW, a) ACCUMULATE_X(RB, (x)[k * RB + i], 0, K, a, ROW)
-/* ROW last, as the variadic part: an expanded row holds commas */
-#define ACCUMULATE_X(RB, X_AT, k0, kn, a, ...)                                               \
     for (long k = (k0); k < (kn); k++) {                                                     \
-        __VA_ARGS__;                                                                         \
+        ROW;                                                                                 \
         for (int i = 0; i < RB; i++) {                                                       \
-            vec xi = VSET1(X_AT);                                                            \
+            vec xi = VSET1((x)[i * (K) + k]);                                                \
             for (int j = 0; j < NV; j++) a[i][j] = VFMA(xi, b[j], a[i][j]);                 \
         }                                                                                    \
     }
@@ -123,9 +116,8 @@ static inline void finish(float *y, const float *other, int op, vec acc) {
         for (int j = 0; j < NV; j++)                                                         \
             finish((y) + i * (N) + VL * j, (other) ? (other) + i * (N) + VL * j : 0, op, a[i][j]);
 
-/* RB rows of x, packed k-major ([K][RB]: pack_row_blocks), against panels w0, w1 (K x 16
- * each, of type T); `prefetch` (or NULL): K cache lines (64 bytes apart) of the next pair to
- * bring into L2 meanwhile. */
+/* RB rows of x against panels w0, w1 (K x 16 each, of type T); `prefetch` (or NULL): K cache
+ * lines (64 bytes apart) of the next pair to bring into L2 meanwhile. */
 #define ROW_BLOCK(RB, T)                                                                     \
 static void rows_##RB##_##T(const float *x, long K, const void *w0, const void *w1,        \
                             float *y, long N, const float *other, int op,                  \
@@ -133,23 +125,21 @@ static void rows_##RB##_##T(const float *x, long K, const void *w0, const void *
     vec a[RB][NV];                                                                           \
     (void)w1; /* a bfloat16 pair reads both panels from w0 */                                \
     for (int i = 0; i < RB; i++) for (int j = 0; j < NV; j++) a[i][j] = VZERO();            \
-    ACCUMULATE_PACKED(RB, x, K, PAIR_ROW_##T(w0, w1, k, b);                                  \
-                      if (prefetch) __builtin_prefetch(prefetch + 64 * k, 0, 2), a)          \
+    ACCUMULATE(RB, x, K, 0, K, PAIR_ROW_##T(w0, w1, k, b);                                   \
+               if (prefetch) __builtin_prefetch(prefetch + 64 * k, 0, 2), a)                 \
     FINISH(RB, a, y, N, other, op)                                                           \
 }
 
 /* The row-block functions of one type, and a call of the largest that fits `left` rows
- * (returns the rows it took: row_block(left), which pack_row_blocks follows). A block holds its rows' sums in registers beside the row of
+ * (returns the rows it took). A block holds its rows' sums in registers beside the row of
  * weights: AVX-512's 32 zmm take 12 rows (24 sums, 2 weight vectors), AVX2's 16 ymm take 2
  * (8 sums, 4 weight vectors; 3 rows spill). */
 #if defined(__AVX512F__)
-static inline int row_block(long left) { return left >= 12 ? 12 : left >= 8 ? 8 : left >= 4 ? 4 : 1; }
 #define ROW_BLOCKS(MAKE, T) MAKE(12, T) MAKE(8, T) MAKE(4, T) MAKE(1, T)
 #define DISPATCH(T, left, args)                                                              \
     ((left) >= 12 ? (rows_12_##T args, 12) : (left) >= 8 ? (rows_8_##T args, 8)            \
      : (left) >= 4 ? (rows_4_##T args, 4) : (rows_1_##T args, 1))
 #else
-static inline int row_block(long left) { return left >= 2 ? 2 : 1; }
 #define ROW_BLOCKS(MAKE, T) MAKE(2, T) MAKE(1, T)
 #define DISPATCH(T, left, args) ((left) >= 2 ? (rows_2_##T args, 2) : (rows_1_##T args, 1))
 #endif
@@ -415,41 +405,6 @@ int tidal_find_blocks(const float *w, long N, long K, int kind, unsigned char *o
 
 typedef void (*pair_fn)(const float *, long, long, const void *, float *, long,
                         const float *, int, const void *);
-
-/* rows x [rows, K] (row-major) -> xp, each row block that DISPATCH takes (row_block: 12, 8,
- * 4, 1 rows with AVX-512) stored k-major at the block's own offset: block rows r..r+RB-1 as
- * xp[r K + k RB + i] = x[r + i, k]. A block's K steps then read RB consecutive floats
- * instead of one float from each of RB rows K floats apart (12 streams at 12 rows, 147 KB
- * of x at K = 3072, past L1). The sums are the same, in the same order: bit-identical.
- * Measured on the 2-vCPU Zen 4 EPYC, one thread (a contended worker's, cpu_contention.py),
- * the 125M Llama's four layer shapes in 12 layers, 15 interleaved rounds, load 6-8
- * (2026-12-04; least / median ms, row-major x -> packed): 16 rows 48.8 / 97.1 -> 45.5 /
- * 95.0, 24 rows 61.7 / 131.9 -> 57.0 / 123.1, 32 rows 87.5 / 172.1 -> 78.4 / 163.0; 8 rows
- * (one block) level. Two threads were too noisy on the shared machine to tell. */
-static void pack_row_blocks(const float *x, long rows, long K, float *xp) {
-    for (long r = 0; r < rows;) {
-        int rb = row_block(rows - r);
-        const float *src = x + r * K;
-        float *dst = xp + r * K;
-        for (long k = 0; k < K; k++)
-            for (int i = 0; i < rb; i++) dst[k * rb + i] = src[i * K + k];
-        r += rb;
-    }
-}
-
-/* The calling thread's buffer for a packed chunk of x: grows, never shrinks (a prefill
- * chunk's ROW_CHUNK x K floats at most: 3 MB at K = 3072). NULL where it cannot grow. */
-static float *packed_x(size_t floats) {
-    static __thread float *buffer;
-    static __thread size_t capacity;
-    if (floats > capacity) {
-        float *grown = (float *)realloc(buffer, floats * sizeof(float));
-        if (!grown) return 0;
-        buffer = grown;
-        capacity = floats;
-    }
-    return buffer;
-}
 #else
 #define TIDAL_PANEL_GEMM 0
 #endif
@@ -480,26 +435,11 @@ void tidal_panel_gemm(const float *x, long M, long K, const void *wp, int wtype,
                       : wtype == 4 ? (size_t)K / 32 * Q8_BLOCK_BYTES
                       : (size_t)32 * K * (wtype == 0 ? 4 : 2);
     long pairs = N / 32;
-    /* float panels read x packed by row block (pack_row_blocks), 4/8-bit blocks as it is */
-    int pack = wtype <= 2 && row_block(M) > 1;
-    float *xp = pack ? packed_x((size_t)(M < ROW_CHUNK ? M : ROW_CHUNK) * K) : 0;
-    if (pack && !xp) {
-        /* no memory for the packed copy: one row at a time reads x as it is */
-        for (long m = 0; m < M; m++)
-            tidal_panel_gemm(x + m * K, 1, K, wp, wtype, N, y + m * N,
-                             other ? other + m * N : 0, op);
-        return;
-    }
     #pragma omp parallel
     for (long m = 0; m < M; m += ROW_CHUNK) {
         long rows = M - m < ROW_CHUNK ? M - m : ROW_CHUNK;
         const float *xm = x + m * K, *om = other ? other + m * N : 0;
         float *ym = y + m * N;
-        if (xp) {
-            #pragma omp single
-            pack_row_blocks(xm, rows, K, xp);
-            xm = xp;  /* the single's barrier: packed before any pair reads it */
-        }
         #pragma omp for schedule(static)
         for (long p = 0; p < pairs; p++) {
             const char *w0 = (const char *)wp + p * pair_bytes;

@@ -56,8 +56,8 @@ def test_fused_add_and_mul_equal_the_separate_ops_bit_for_bit():
 @needs_kernel
 @pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16])
 def test_a_rows_product_does_not_depend_on_the_rows_beside_it(storage):
-    """Row blocks read x packed k-major (`pack_row_blocks`) and a long input goes in chunks of
-    ROW_CHUNK rows: each row's sums still run over k in the same order, so a row of a batch
+    """Rows go in blocks (12, 8, 4, 1 with AVX-512) and a long input in chunks of ROW_CHUNK
+    rows: each row's sums run over k in the same order whatever its block, so a row of a batch
     equals that row alone, bit for bit, at every block tail and across a chunk edge."""
     torch.manual_seed(2)
     weight = torch.randn(64, 96).to(storage).float()
