@@ -1,6 +1,7 @@
 """The panel GEMM (`kernels/cpu/small_m_gemm.py`): the product equals F.linear's to float32
-rounding for every row count up to 128 (its row blocks and their tails), the fused add and
-mul equal the separate ops bit for bit, weights stored narrower (bfloat16, float16, GGUF 4/8-bit
+rounding for every row count up to 128 (its row blocks and their tails), a row's product does
+not depend on the rows beside it (bit for bit), the fused add and mul equal the separate ops
+bit for bit, weights stored narrower (bfloat16, float16, GGUF 4/8-bit
 blocks) give the float32 products bit for bit, the AVX2 build equals the AVX-512 one bit for
 bit, and a machine where it cannot be built keeps oneDNN."""
 
@@ -66,6 +67,24 @@ def test_fused_add_and_mul_equal_the_separate_ops_bit_for_bit():
         assert torch.equal(gemm(x, other, "add"), y + other)
         assert torch.equal(gemm(x, other, "mul"), y * other)
 
+
+
+@needs_kernel
+@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16])
+def test_a_rows_product_does_not_depend_on_the_rows_beside_it(storage):
+    """Rows go in blocks (12, 8, 4, 1 with AVX-512) and a long input in chunks of ROW_CHUNK
+    rows: each row's sums run over k in the same order whatever its block, so a row of a batch
+    equals that row alone, bit for bit, at every block tail and across a chunk edge."""
+    torch.manual_seed(2)
+    weight = torch.randn(64, 96).to(storage).float()
+    gemm = small_m_gemm.PanelGemm(weight, storage)
+    if gemm.max_rows < 300:
+        pytest.skip("this build's float panels take no batches (AVX2)")
+    x, other = torch.randn(300, 96), torch.randn(300, 64)
+    alone = torch.cat([gemm(x[i:i + 1]) for i in range(300)])
+    for rows in (2, 3, 4, 5, 8, 11, 12, 13, 20, 29, 256, 257, 300):
+        assert torch.equal(gemm(x[:rows]), alone[:rows]), rows
+        assert torch.equal(gemm(x[:rows], other[:rows], "add"), alone[:rows] + other[:rows])
 
 @needs_avx512
 @pytest.mark.parametrize("mkl_avx512", [True, False], ids=["intel", "elsewhere"])
