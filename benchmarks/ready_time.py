@@ -1,6 +1,6 @@
 """Ready time (issue 36 item 4): seconds from the command to the first token, warm page cache.
 
-    python benchmarks/ready_time.py [MODEL ...] [--runs 5]
+    python benchmarks/ready_time.py [MODEL ...] [--runs 5] [--bytecode]
 
 For each model (default: the bundled demo model, and SmolLM2-135M-Instruct's GGUF from the
 tests' cache, ~/.cache/tidal-test, when it is there) runs `--runs` fresh processes of
@@ -40,11 +40,11 @@ def default_models() -> list[str]:
     return [""] + smollm2[:1]
 
 
-def ready_s(model: str) -> float:
+def ready_s(model: str, env: dict | None = None) -> float:
     """Seconds from starting the process to its FIRST-TOKEN line."""
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-c", CHILD, model], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+                            stderr=subprocess.DEVNULL, text=True, env=env)
     for line in proc.stdout:
         if line.startswith("FIRST-TOKEN"):
             seconds = time.perf_counter() - start
@@ -57,11 +57,23 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("models", nargs="*", help="models (default: demo, SmolLM2 if cached)")
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--bytecode", action="store_true",
+                    help="let the runs write and read bytecode caches (__pycache__) where this "
+                         "shell forbids them (PYTHONDONTWRITEBYTECODE, set in some containers "
+                         "and CI images, not by Python's defaults): each of tidal's three "
+                         "processes then compiles its sources once, in the warm-up run, as a "
+                         "user's first start does, instead of at every start")
     a = ap.parse_args(argv)
-    print(f"load average before: {' '.join(open('/proc/loadavg').read().split()[:3])}")
+    env = None
+    if a.bytecode:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    bytecode = "off (PYTHONDONTWRITEBYTECODE)" if (env or os.environ).get(
+        "PYTHONDONTWRITEBYTECODE") else "on"
+    print(f"load average before: {' '.join(open('/proc/loadavg').read().split()[:3])}; "
+          f"bytecode caches {bytecode}")
     for model in a.models or default_models():
-        ready_s(model)  # warm the page cache and compile caches
-        runs = [ready_s(model) for _ in range(a.runs)]
+        ready_s(model, env)  # warm the page cache and compile caches
+        runs = [ready_s(model, env) for _ in range(a.runs)]
         print(f"{os.path.basename(model) or 'demo model'}: median {statistics.median(runs):.2f} s "
               f"(runs {', '.join(f'{r:.2f}' for r in runs)})", flush=True)
     return 0
