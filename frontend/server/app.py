@@ -93,9 +93,11 @@ class ServerSettings:
     the request says otherwise (serving.py `compact_json`); default compact."""
     attach_in_background: bool = False
     """Serve at once and attach to the engine core meanwhile (503 "loading" until then);
-    False: the lifespan waits for the engine (tests with a fake engine)."""
+    False: the lifespan waits for the engine, so uvicorn accepts no connection before it
+    (`tidal serve`'s servers but the first; tests with a fake engine)."""
     on_attach_failed: Callable[[BaseException], None] | None = None
-    """Called when a background attach fails (`tidal serve`: the server process ends)."""
+    """Called when the attach fails (`tidal serve`: the server process ends); None: the
+    failure is raised (from the lifespan when it waits for the engine)."""
     tool_settings: Any = None
     """--enable-auto-tool-choice / --tool-call-parser (`tools.ToolSettings`); None: neither."""
     chat_template: str | None = None
@@ -254,11 +256,11 @@ def build_app(engine_factory: Callable[[], Awaitable[Any]],
 async def _attach(app: FastAPI, engine_factory, settings: ServerSettings,
                   tasks: list[asyncio.Task]) -> None:
     """Attach to the engine core, then serve (`app.state.serving` set, background tasks
-    appended to `tasks`). In the background, a failure goes to `settings.on_attach_failed`."""
+    appended to `tasks`). A failure goes to `settings.on_attach_failed` where there is one."""
     try:
         engine = await engine_factory()
     except Exception as exc:
-        if not settings.attach_in_background or settings.on_attach_failed is None:
+        if settings.on_attach_failed is None:
             raise
         settings.on_attach_failed(exc)
         return

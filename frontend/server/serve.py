@@ -265,6 +265,10 @@ def serve_one(index: int, spec: ServerSpec, sock: socket.socket, slots) -> int:
         failed.append(exc)
         server.should_exit = True
 
+    # Only server 0 serves while the engine loads (503 "loading", /health 503): the others
+    # accept connections on the shared socket once attached. Were they all to accept at once,
+    # a request could reach one still attaching after another's /health said 200 (a 503 in
+    # the suite beside two busy loops, with --api-server-count 2).
     settings = ServerSettings(served_model_names=spec.served_model_names,
                               api_key=spec.api_key, admission_slots=slots, server_index=index,
                               record_trace=spec.record_trace,
@@ -275,7 +279,8 @@ def serve_one(index: int, spec: ServerSpec, sock: socket.socket, slots) -> int:
                               lora_modules=spec.lora_modules or [],
                               runtime_lora_loads=spec.api_server_count == 1,
                               ui=spec.ui,
-                              attach_in_background=True, on_attach_failed=attach_failed,
+                              attach_in_background=index == 0,
+                              on_attach_failed=attach_failed,
                               json_any_whitespace=spec.json_any_whitespace)
     app = build_app(lambda: _attach_engine(spec), settings)
     http = timed_http_protocol(spec.timeout_request_header, spec.timeout_request_body)

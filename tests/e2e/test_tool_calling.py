@@ -3,8 +3,11 @@
 
 One server for the module: a tiny random Qwen3 with a Qwen-style tools template
 (`tiny_models.HERMES_TOOLS_TEMPLATE`, given with --chat-template), --tool-call-parser hermes,
---enable-auto-tool-choice, and a KV cache of 96 usable blocks (1,536 tokens) that a batch of these
-~900-token prompts overflows, so requests are preempted mid-call and resumed. Random weights
+--enable-auto-tool-choice, and a KV cache of 69 usable blocks (1,104 tokens) that a batch of these
+~900-token prompts overflows, so requests are preempted mid-call and resumed: they share their
+~880 tokens of tool definitions (prefix caching), and four running at once overflow the rest.
+(With 96 blocks it took about seven at once, which requests arriving a little apart on a busy
+machine did not reach: no preemption in a fresh clone beside two busy loops.) Random weights
 never write a call on their own; "required" and named choices are forced by the grammar, and
 every call that comes back must parse and validate against its function's schema
 (jsonschema). "auto" is tested for what it must do here (plain content, no crash); the
@@ -48,8 +51,8 @@ def server(tiny_model_factory, tmp_path_factory):
     model = tiny_model_factory("qwen3", max_position_embeddings=2048)
     template = tmp_path_factory.mktemp("tools") / "hermes.jinja"
     template.write_text(HERMES_TOOLS_TEMPLATE)
-    srv = LiveServer([model, "--served-model-name", NAME, "--max-model-len", "1536",
-                      "--num-gpu-blocks-override", "97", "--max-num-batched-tokens", "2048",
+    srv = LiveServer([model, "--served-model-name", NAME, "--max-model-len", "1088",
+                      "--num-gpu-blocks-override", "70", "--max-num-batched-tokens", "2048",
                       "--tool-call-parser", "hermes", "--enable-auto-tool-choice",
                       "--chat-template", str(template)]).start()
     yield srv
