@@ -19,7 +19,8 @@ Processes:
       └── HTTP server 0..N-1 (spawned)  uvicorn on uvloop, each with its own AsyncLLM attached
                                          to the daemon, all accepting on the one listening
                                          socket the supervisor bound (the kernel hands each
-                                         new connection to one of them)
+                                         new connection to one of them): server 0 from the
+                                         start (503 while loading), the others once attached
 
 With N > 1 the supervisor also makes the shared admission counters (admission.py) and the
 Prometheus multiprocess directory (metrics.py), set in the environment before any server
