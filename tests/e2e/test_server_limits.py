@@ -154,20 +154,22 @@ def _declared_body_reply(port: int, length: int) -> bytes:
 
 def test_max_queue_delay_refuses_what_the_real_core_prices_over_the_limit(tiny_llama,
                                                                            tmp_path):
-    """`--max-queue-delay 1` with a step cost model pricing 20 ms a prompt token (and 5 ms
+    """`--max-queue-delay 3` with a step cost model pricing 20 ms a prompt token (and 5 ms
     of intake per arriving request) on a real engine core: a short prompt is served; one of
-    ~90 tokens is priced ~1.8 s and answered 503 with Retry-After at once (once
+    ~240 tokens is priced ~4.8 s and answered 503 with Retry-After at once (once
     the core's first estimate has reached the HTTP process); short prompts are served after
-    it, so the core's step and arrival accounting ran without a fault."""
+    it, so the core's step and arrival accounting ran without a fault. (The core prices steps
+    at the pace the engine really ran: with a 1 s limit, a short prompt was refused in a fresh
+    clone beside two busy loops; 3 s leaves it ~45x.)"""
     from tidal.engine_core.advice.step_cost import StepCostModel
 
     cost = tmp_path / "cost.json"
     StepCostModel(0.001, per_prefill_token_s=0.020, per_arrival_s=0.005).save(str(cost))
     srv = LiveServer([tiny_llama, *ENGINE_FLAGS, "--max-model-len", "256",
-                      "--max-queue-delay", "1", "--step-cost-model", str(cost)]).start()
+                      "--max-queue-delay", "3", "--step-cost-model", str(cost)]).start()
     try:
         short = {"prompt": "Hello", "max_tokens": 4}
-        long = {"prompt": "word " * 30, "max_tokens": 1}  # ~90 tokens here
+        long = {"prompt": "word " * 80, "max_tokens": 1}  # ~240 tokens here
 
         def refused() -> bool:
             assert httpx.post(srv.base_url + "/v1/completions", json=short,
@@ -178,7 +180,7 @@ def test_max_queue_delay_refuses_what_the_real_core_prices_over_the_limit(tiny_l
 
         deadline = time.monotonic() + 20
         while not refused():
-            assert time.monotonic() < deadline, "the ~2 s prompt was never refused"
+            assert time.monotonic() < deadline, "the ~4.8 s prompt was never refused"
         assert httpx.post(srv.base_url + "/v1/completions", json=short,
                           timeout=60).status_code == 200
         assert 'reason="max_queue_delay"}' in httpx.get(srv.base_url + "/metrics").text
