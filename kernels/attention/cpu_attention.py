@@ -32,7 +32,7 @@ import torch
 
 from ..cpu import native
 from .metadata import AttentionMetadata
-from .numba_attention import NumbaAttentionPlan, NumbaBackend, NumbaDecode
+from .numba_attention import NumbaAttentionPlan, NumbaBackend, decode_plan
 from .torch_attention import PrefillChunk, split_requests
 
 SOURCE = Path(__file__).with_name("decode_attention.c")
@@ -323,16 +323,7 @@ class CpuBackend(NumbaBackend):
         longest first (its threads take items dynamically) where numba's `prepare` orders
         them for numba's static schedule, which imports numba to ask its thread count (a
         worker that never runs numba's kernel then never imports it)."""
-        decodes, prefills = split_requests(meta)
-        if not decodes:
-            return NumbaAttentionPlan(None, prefills)
-        seq_lens = np.ascontiguousarray(meta.seq_lens.numpy())
-        requests = np.array([request for request, _ in decodes], dtype=np.int64)
-        token_rows = np.array([row for _, row in decodes], dtype=np.int64)
-        order = np.argsort(-seq_lens[requests], kind="stable")
-        return NumbaAttentionPlan(NumbaDecode(
-            block_tables=np.ascontiguousarray(meta.block_tables.numpy()), seq_lens=seq_lens,
-            requests=requests[order], token_rows=token_rows[order]), prefills)
+        return decode_plan(meta, lambda lens: np.argsort(-lens, kind="stable"))
 
     def _attend_decodes(self, query, key_cache, value_cache,
                         plan: CpuAttentionPlan | NumbaAttentionPlan, scale: float,

@@ -42,6 +42,7 @@ import functools
 import importlib.util
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -90,6 +91,22 @@ class NumbaAttentionPlan:
     """The requests with more than one new token, in batch order (the torch path's SDPA)."""
 
 
+def decode_plan(meta: AttentionMetadata,
+                order: Callable[[np.ndarray], np.ndarray]) -> NumbaAttentionPlan:
+    """The decode requests as numpy arrays for a decode kernel, in the order `order` gives
+    for their sequence lengths (a permutation), and the prefill chunks."""
+    decodes, prefills = split_requests(meta)
+    if not decodes:
+        return NumbaAttentionPlan(None, prefills)
+    seq_lens = np.ascontiguousarray(meta.seq_lens.numpy())
+    requests = np.array([request for request, _ in decodes], dtype=np.int64)
+    token_rows = np.array([row for _, row in decodes], dtype=np.int64)
+    permutation = order(seq_lens[requests])
+    return NumbaAttentionPlan(NumbaDecode(
+        block_tables=np.ascontiguousarray(meta.block_tables.numpy()), seq_lens=seq_lens,
+        requests=requests[permutation], token_rows=token_rows[permutation]), prefills)
+
+
 class NumbaBackend(TorchBackend):
     """`attention_backend=numba`: decodes through the compiled kernel, prefills through the
     torch backend's SDPA path. CPU tensors of float32 or float64 only (checked by
@@ -124,16 +141,8 @@ class NumbaBackend(TorchBackend):
     def prepare(self, meta: AttentionMetadata, block_size: int, num_kv_heads: int,
                 head_dim: int, dtype: torch.dtype) -> NumbaAttentionPlan:
         """The decode requests as numpy arrays for the kernel, and the prefill chunks."""
-        decodes, prefills = split_requests(meta)
-        if not decodes:
-            return NumbaAttentionPlan(None, prefills)
-        seq_lens = np.ascontiguousarray(meta.seq_lens.numpy())
-        requests = np.array([request for request, _ in decodes], dtype=np.int64)
-        token_rows = np.array([row for _, row in decodes], dtype=np.int64)
-        order = balanced_order(seq_lens[requests], kernels().numba.get_num_threads())
-        return NumbaAttentionPlan(NumbaDecode(
-            block_tables=np.ascontiguousarray(meta.block_tables.numpy()), seq_lens=seq_lens,
-            requests=requests[order], token_rows=token_rows[order]), prefills)
+        return decode_plan(meta, lambda lens: balanced_order(
+            lens, kernels().numba.get_num_threads()))
 
     def attend(self, query, key_cache, value_cache, meta, plan: NumbaAttentionPlan, scale,
                out=None, *, sliding_window=None, soft_cap=None,
