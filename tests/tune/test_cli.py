@@ -34,14 +34,20 @@ def test_simulate_prints_the_bench_report(cost_file, tmp_path, capsys):
     assert summary["completed"] == 40 and summary["total_output_tokens"] == 40 * 16
 
 
-def test_search_prints_the_table_and_draws_the_plot(cost_file, tmp_path, capsys):
+def search(cost_file: str, tmp_path, rate: str, capsys) -> tuple[int, str, str, str]:
+    """`tidal tune` over two settings at `rate` req/s with a plot and a result file: (exit
+    status, stdout, plot path, result path)."""
     plot, result = str(tmp_path / "tune.png"), str(tmp_path / "tune.json")
-    rc = tidal_main(["tune", "--step-cost-model", cost_file, *WORKLOAD, "--request-rate", "5",
+    rc = tidal_main(["tune", "--step-cost-model", cost_file, *WORKLOAD, "--request-rate", rate,
                      "--slo-ttft-p99", "1s", "--slo-itl-p99", "200ms",
                      "--max-num-seqs-grid", "8,32", "--max-num-batched-tokens-grid", "256",
                      "--kv-cache-memory-grid", "64MiB", "--chunked-prefill-grid", "on",
                      "--plot", plot, "--result-file", result])
-    out = capsys.readouterr().out
+    return rc, capsys.readouterr().out, plot, result
+
+
+def test_search_prints_the_table_and_draws_the_plot(cost_file, tmp_path, capsys):
+    rc, out, plot, result = search(cost_file, tmp_path, "5", capsys)
     assert rc == 0, out
     assert "settings meet TTFT p99 <= 1s and ITL p99 <= 200ms at 5 req/s" in out
     assert "Best: tidal serve MODEL --max-num-seqs" in out
@@ -54,13 +60,7 @@ def test_when_no_setting_meets_the_slo_the_report_and_plot_show_the_rates_below(
         cost_file, tmp_path, capsys):
     """Asked for 500 req/s of 128-token prompts (a step takes at least 5 ms): nothing keeps
     up; the report names the rates the closest settings sustain and the plot draws them."""
-    plot, result = str(tmp_path / "tune.png"), str(tmp_path / "tune.json")
-    rc = tidal_main(["tune", "--step-cost-model", cost_file, *WORKLOAD, "--request-rate", "500",
-                     "--slo-ttft-p99", "1s", "--slo-itl-p99", "200ms",
-                     "--max-num-seqs-grid", "8,32", "--max-num-batched-tokens-grid", "256",
-                     "--kv-cache-memory-grid", "64MiB", "--chunked-prefill-grid", "on",
-                     "--plot", plot, "--result-file", result])
-    out = capsys.readouterr().out
+    rc, out, plot, result = search(cost_file, tmp_path, "500", capsys)
     assert rc == 0, out
     assert "0 of 2 settings meet" in out and "searched below 500 req/s" in out
     assert os.path.getsize(plot) > 10_000
