@@ -26,7 +26,7 @@ from .layers import kv_heads_per_rank
 from .loader import load_weights, read_config, resolve_model_path
 from .lora import LoRAModel
 from .model_runner import ModelRunner
-from .models import build_model, parse_model_args
+from .models import CausalLM, ModelConfig, build_model, parse_model_args
 from .pooling import drop_lm_head, embedding_checkpoint_name, embedding_config
 
 logger = logging.getLogger(__name__)
@@ -92,14 +92,8 @@ class Worker:
         ops = select_cpu_ops(self.config.cpu_kernels) if self.device.type == "cpu" else None
         backend = select_attention_backend(self.config.attention_backend, self.device.type,
                                            self.dtype, self.config.kv_cache_dtype)
-        with _default_dtype(self.dtype), torch.device(self.device):
-            model = build_model(self.args, self.tp, backend, self.config.max_model_len,
-                                self.pp)
-        if self.pooling:
-            drop_lm_head(model)
-        load_weights(model, self.model_path,
-                     rename=embedding_checkpoint_name if self.pooling else None)
-        model.eval()
+        model = self._build_and_load(self.args, self.model_path, backend,
+                                     pooling=self.pooling)
         self.num_params = sum(p.numel() for p in model.parameters())
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         if ops is not None:
@@ -128,10 +122,41 @@ class Worker:
                     self.num_params / 1e6, stage, backend.name, self.model_path,
                     self.load_seconds)
 
+    def _build_and_load(self, args: ModelConfig, path: str, backend, *,
+                        pooling: bool = False) -> CausalLM:
+        """`args`'s model built on this rank's device in the compute dtype (this rank's
+        tensor-parallel shard of this stage's layers), its weights loaded from `path`, in
+        eval mode; a pooling model without its LM head. The target and the draft model both
+        load this way."""
+        with _default_dtype(self.dtype), torch.device(self.device):
+            model = build_model(args, self.tp, backend, self.config.max_model_len, self.pp)
+        if pooling:
+            drop_lm_head(model)
+        load_weights(model, path, rename=embedding_checkpoint_name if pooling else None)
+        model.eval()
+        return model
+
     def _load_drafter(self, backend, ops) -> Drafter:
         """The draft model (speculative_config.model), built and loaded as the target (same
         dtype, attention backend, tensor-parallel shards); ValueError naming the key when it
         cannot draft for this target."""
+        path, args = self._draft_model_args()
+        model = self._build_and_load(args, path, backend)
+        if ops is not None:
+            model.use_cpu_ops(ops)
+        num_params = sum(p.numel() for p in model.parameters())
+        logger.info("rank %d: draft model %s (%.1fM parameters on this rank, %d layers) from "
+                    "%s", self.rank, args.architecture, num_params / 1e6, model.num_layers,
+                    path)
+        return Drafter(model, args, backend, self.config.block_size,
+                       kv_heads_per_rank(args.num_key_value_heads,
+                                         self.config.tensor_parallel_size),
+                       self.config.max_num_seqs, self.device, self.dtype)
+
+    def _draft_model_args(self) -> tuple[str, ModelConfig]:
+        """The draft model's folder and args; ValueError naming speculative_config.model
+        when it cannot draft for this target (a pooling or pipeline-parallel target, another
+        vocabulary, a shorter context than max_model_len, no such model)."""
         key = f"speculative_config.model {self.config.draft_model!r}"
         if self.pooling or self.pp.size > 1:
             raise ValueError(f"{key}: a draft model needs a generating model and "
@@ -148,20 +173,7 @@ class Worker:
             args.check_max_model_len(self.config.max_model_len)
         except ValueError as e:
             raise ValueError(f"{key}: {e}") from None
-        with _default_dtype(self.dtype), torch.device(self.device):
-            model = build_model(args, self.tp, backend, self.config.max_model_len, self.pp)
-        load_weights(model, path)
-        model.eval()
-        if ops is not None:
-            model.use_cpu_ops(ops)
-        num_params = sum(p.numel() for p in model.parameters())
-        logger.info("rank %d: draft model %s (%.1fM parameters on this rank, %d layers) from "
-                    "%s", self.rank, args.architecture, num_params / 1e6, model.num_layers,
-                    path)
-        return Drafter(model, args, backend, self.config.block_size,
-                       kv_heads_per_rank(args.num_key_value_heads,
-                                         self.config.tensor_parallel_size),
-                       self.config.max_num_seqs, self.device, self.dtype)
+        return path, args
 
     def determine_num_kv_blocks(self) -> int:
         """How many KV blocks fit on this rank (num_kv_blocks_override wins).
