@@ -119,8 +119,8 @@ class PersistentBatch:
                                                    dtype=np.int32), req.req_id)
         self.num_spec[row] = 0
         if req.spec_token_ids:
-            self._set_drafts(row, np.frombuffer(unpack_token_ids(req.spec_token_ids),
-                                                dtype=np.int32), req.req_id)
+            self.set_drafts(row, np.frombuffer(unpack_token_ids(req.spec_token_ids),
+                                               dtype=np.int32))
         self.num_model_drafts[row] = 0
         if req.num_model_drafts:
             k = req.num_model_drafts
@@ -133,22 +133,23 @@ class PersistentBatch:
         return row
 
     def set_drafts(self, row: int, drafts: np.ndarray) -> None:
-        """The draft model's drafts for `row` (`workers/drafter.py`), as if they had come in
-        the plan."""
-        self._set_drafts(row, drafts, "?")
-
-    def _set_drafts(self, row: int, drafts: np.ndarray, req_id: str) -> None:
         """Write this step's draft tokens after the row's known tokens (not counted in
-        num_tokens: the verified ones are appended by `append_sampled`)."""
+        num_tokens: the verified ones are appended by `append_sampled`). They come in the
+        plan (`update`) or from the draft model (`workers/drafter.py`)."""
         start = int(self.num_tokens[row])
         end = start + len(drafts)
         if end > self.max_model_len:
-            raise ValueError(f"request {req_id!r}: {len(drafts)} draft tokens after "
-                             f"{start} would pass max_model_len ({self.max_model_len})")
+            raise ValueError(f"request {self._req_id(row)!r}: {len(drafts)} draft tokens "
+                             f"after {start} would pass max_model_len ({self.max_model_len})")
         if len(drafts) and (int(drafts.min()) < 0 or int(drafts.max()) >= self.vocab_size):
-            raise ValueError(f"request {req_id!r}: draft token ids outside the vocabulary")
+            raise ValueError(f"request {self._req_id(row)!r}: draft token ids outside the "
+                             "vocabulary")
         self.token_ids[row, start:end] = drafts
         self.num_spec[row] = len(drafts)
+
+    def _req_id(self, row: int) -> str:
+        """The id of the request in `row`, for error messages (a scan of the held rows)."""
+        return next(req_id for req_id, r in self.req_id_to_row.items() if r == row)
 
     def _append_tokens(self, row: int, token_ids: np.ndarray, req_id: str) -> None:
         start = int(self.num_tokens[row])
