@@ -326,7 +326,7 @@ class Scheduler:
         proposer, policy = self.proposer, self.spec_policy
         terms = policy.terms
         ceiling = self.spec_config.num_speculative_tokens
-        base_cost, base_tokens = terms.intercept, 0.0
+        base_cost = terms.intercept
         eligible, rest = [], []  # (request, most drafts), (request, num_new)
         rows, decodes_only = 0, True
         for request, num_new, _, admitted in step.scheduled.values():
@@ -362,15 +362,14 @@ class Scheduler:
                 proposals.append((request, draft))
             else:
                 rest.append((request, 1))
+                rest_tokens += 1  # a decode of its last token: it yields one
         if asked:
             policy.observe_proposer(time.perf_counter() - started, asked)
         if not candidates:
             return
         for request, num_new in rest:
-            computed = request.num_computed_tokens
-            base_cost += terms.entry(computed, num_new)
-            base_tokens += computed + num_new >= len(request.all_token_ids)
-        counts = policy.choose(candidates, base_cost, base_tokens, step.budget, rows)
+            base_cost += terms.entry(request.num_computed_tokens, num_new)
+        counts = policy.choose(candidates, base_cost, rest_tokens, step.budget, rows)
         kv = self.kv_cache_manager
         for (request, draft), k in zip(proposals, counts):
             if k <= 0:
