@@ -19,7 +19,7 @@ sys.path.insert(0, "tests/engine_core")
 from sched_utils import make_request, make_scheduler  # noqa: E402
 
 from tidal.engine_core.batch_view import BatchViewObserver  # noqa: E402
-from tidal.ipc.messages import BatchPlan, CachedRequestData, NewRequestData  # noqa: E402
+from tidal.ipc.worker_messages import BatchPlan, CachedRequestData, NewRequestData
 
 
 def plan(step_id: int, n: int) -> BatchPlan:

@@ -28,8 +28,8 @@ import torch
 
 from tidal.engine_core.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
                                      SchedulerConfig)
-from tidal.ipc.messages import (BatchPlan, CachedRequestData, NewRequestData, SamplingParams,
-                                pack_token_ids)
+from tidal.ipc.messages import SamplingParams, pack_token_ids
+from tidal.ipc.worker_messages import BatchPlan, CachedRequestData, NewRequestData
 from tidal.workers.worker import Worker
 
 BATCH_SIZES = (1, 16, 64)

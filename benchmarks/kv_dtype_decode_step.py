@@ -38,8 +38,8 @@ import torch  # noqa: E402
 
 from tidal.engine_core.config import (CacheConfig, EngineConfig, ModelConfig,  # noqa: E402
                                      ParallelConfig, SchedulerConfig)
-from tidal.ipc.messages import (BatchPlan, CachedRequestData, NewRequestData,  # noqa: E402
-                                SamplingParams, pack_token_ids)
+from tidal.ipc.messages import SamplingParams, pack_token_ids
+from tidal.ipc.worker_messages import BatchPlan, CachedRequestData, NewRequestData
 from tidal.workers.host_memory import keep_freed_memory  # noqa: E402
 from tidal.workers.worker import Worker  # noqa: E402
 

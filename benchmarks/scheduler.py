@@ -22,7 +22,8 @@ import time
 from tidal.engine_core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tidal.engine_core.request import Request
 from tidal.engine_core.scheduler import Scheduler
-from tidal.ipc.messages import BatchPlan, SampledTokens, SamplingParams, pack_token_ids
+from tidal.ipc.messages import SamplingParams, pack_token_ids
+from tidal.ipc.worker_messages import BatchPlan, SampledTokens
 
 
 _clock = time.process_time  # CPU time of this process: robust to other load on the machine

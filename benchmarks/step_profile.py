@@ -39,8 +39,8 @@ import torch  # noqa: E402
 
 from tidal.engine_core.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
                                      SchedulerConfig)
-from tidal.ipc.messages import (BatchPlan, CachedRequestData, NewRequestData, SamplingParams,
-                                pack_token_ids)
+from tidal.ipc.messages import SamplingParams, pack_token_ids
+from tidal.ipc.worker_messages import BatchPlan, CachedRequestData, NewRequestData
 from tidal.workers.host_memory import keep_freed_memory
 from tidal.workers.layers import GemmLayer
 from tidal.workers.worker import Worker

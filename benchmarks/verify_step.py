@@ -50,9 +50,8 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from tidal.ipc.messages import (
-        BatchPlan, CachedRequestData, NewRequestData, SamplingParams, pack_token_ids,
-    )
+    from tidal.ipc.messages import SamplingParams, pack_token_ids
+    from tidal.ipc.worker_messages import BatchPlan, CachedRequestData, NewRequestData
 
     torch.set_num_threads(args.threads)
     if args.parts:

@@ -14,7 +14,7 @@ from collections import deque
 from typing import Callable
 
 from ..ipc.batch_view import MAX_STEPS_PER_VIEW, BatchView, StepRecord, StepRequest
-from ..ipc.messages import BatchPlan
+from ..ipc.worker_messages import BatchPlan
 from .core import EngineObserver
 from .scheduler import Scheduler
 

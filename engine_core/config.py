@@ -21,7 +21,7 @@ import msgspec
 
 from .cpu_threads import parse_cpu_affinity, worker_threads
 from .spec_decode import parse_speculative_config
-from ..ipc.messages import WorkerConfig
+from ..ipc.worker_messages import WorkerConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 SCHEDULING_POLICIES = ("fcfs", "priority")

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 from .request import Request
 from .scheduler import Outputs, Scheduler
-from ..ipc.messages import BatchPlan, SampledTokens, SchedulerStats
+from ..ipc.frontend_messages import SchedulerStats
+from ..ipc.worker_messages import BatchPlan, SampledTokens
 
 if TYPE_CHECKING:
     import zmq

@@ -63,7 +63,7 @@ from .scheduler import Scheduler
 from ..ipc.lifeline import watch_parent
 from .stop_signals import StopSignals
 from .supervisor import Supervisor
-from ..ipc.messages import AddRequest, EngineCoreOutput, EngineDead, EngineInfo
+from ..ipc.frontend_messages import AddRequest, EngineCoreOutput, EngineDead, EngineInfo
 from ..ipc.transport import (
     DEFAULT_FRONTEND_TIMEOUT_S,
     default_engine_address,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .block_pool import NONE_HASH, hash_request_blocks
-from ..ipc.messages import SchedulerStats
+from ..ipc.frontend_messages import SchedulerStats
 
 WAITING_WEIGHT = 4
 """Score of a waiting request, in running requests."""

@@ -4,16 +4,16 @@
     frontends ──(the frontend protocol, unchanged)──► router ──► engine core 0 ──► workers
                                                              └─► engine core 1 ──► workers
 
-Design. To every frontend the router is an engine core: it binds `--listen`, answers Hello
-with an `EngineInfo` (core 0's, KV blocks and sequence slots summed over the cores), and
-speaks exactly the messages of `ipc/messages.py`, so `tidal serve`, `--api-server-count`,
-`LLM`, `AsyncLLM` and their healing work unchanged, and one router places the requests of all
-of them, with one memory of which core holds which prefix. To each core the router is one
-frontend (a DEALER per core, client id `router-<pid>-<core>`) that heartbeats. Each core is a
-private daemon of the router's (`launcher.DaemonProcess`: own process group, lifeline) with
-its own workers and KV pool, on a private address. vLLM puts the choice in every frontend's
-client and has a coordinator process gather the load; here one process does both, which
-costs one hop (outputs are decoded and re-encoded here, a few microseconds per step) and
+Design. To every frontend the router is an engine core: it binds `--listen`, answers Hello with
+an `EngineInfo` (core 0's, KV blocks and sequence slots summed over the cores), and speaks
+exactly the frontend's messages (`ipc/frontend_messages.py`), so `tidal serve`,
+`--api-server-count`, `LLM`, `AsyncLLM` and their healing work unchanged, and one router places
+the requests of all of them, with one memory of which core holds which prefix. To each core the
+router is one frontend (a DEALER per core, client id `router-<pid>-<core>`) that heartbeats.
+Each core is a private daemon of the router's (`launcher.DaemonProcess`: own process group,
+lifeline) with its own workers and KV pool, on a private address. vLLM puts the choice in every
+frontend's client and has a coordinator process gather the load; here one process does both,
+which costs one hop (outputs are decoded and re-encoded here, a few microseconds per step) and
 buys a single prefix memory and frontends that know nothing of DP.
 
 A request. `AddRequest` → `dp_placement.Placement` picks a live core (least load, prefix
@@ -67,9 +67,7 @@ from .model_files import model_folder
 from .restart_budget import RESTART_WINDOW_S
 from .stop_signals import StopSignals
 from .supervisor import Supervisor
-from ..ipc.heartbeat import HeartbeatClock
-from ..ipc.lifeline import watch_parent
-from ..ipc.messages import (
+from ..ipc.frontend_messages import (
     Abort,
     AddRequest,
     Detached,
@@ -82,9 +80,10 @@ from ..ipc.messages import (
     Hello,
     SchedulerStats,
     StatsQuery,
-    pack_token_ids,
-    unpack_token_ids,
 )
+from ..ipc.heartbeat import HeartbeatClock
+from ..ipc.lifeline import watch_parent
+from ..ipc.messages import pack_token_ids, unpack_token_ids
 from ..ipc.resume import lost_finish, resume_params
 from ..ipc.transport import (
     DEFAULT_FRONTEND_TIMEOUT_S,

@@ -39,14 +39,6 @@ import zmq
 from .config import EngineConfig
 from .cpu_threads import worker_env
 from ..ipc.lifeline import lifeline_fd
-from ..ipc.messages import (
-    BatchPlan,
-    InitKVCache,
-    SampledTokens,
-    Shutdown,
-    WorkerFailed,
-    WorkerReady,
-)
 from ..ipc.transport import (
     PLAN_SEND_TIMEOUT_MS,
     WorkerToCoreDecoder,
@@ -57,6 +49,14 @@ from ..ipc.transport import (
     ipc_path,
     plan_socket,
     results_socket,
+)
+from ..ipc.worker_messages import (
+    BatchPlan,
+    InitKVCache,
+    SampledTokens,
+    Shutdown,
+    WorkerFailed,
+    WorkerReady,
 )
 
 logger = logging.getLogger(__name__)

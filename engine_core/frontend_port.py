@@ -46,7 +46,7 @@ from typing import Callable, Protocol
 
 import zmq
 
-from ..ipc.messages import (
+from ..ipc.frontend_messages import (
     Abort,
     AddRequest,
     Detached,

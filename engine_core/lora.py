@@ -23,7 +23,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from ..ipc.messages import LoRARequest, LoRASlot
+from ..ipc.messages import LoRARequest
+from ..ipc.worker_messages import LoRASlot
 
 
 class LoRASlots:

@@ -9,7 +9,7 @@ import logging
 import time
 from typing import Callable
 
-from ..ipc.messages import SchedulerStats
+from ..ipc.frontend_messages import SchedulerStats
 
 LOG_INTERVAL_S = 10.0
 """Seconds between two progress lines while the engine is busy."""

@@ -57,7 +57,6 @@ from .config import EngineConfig
 from .cpu_threads import worker_env
 from .executor import MultiprocExecutor, WorkerError
 from ..ipc.lifeline import lifeline_fd
-from ..ipc.messages import Shutdown
 from ..ipc.transport import (
     WORKER_KEYS_ENV,
     bind_curve_tcp,
@@ -68,6 +67,7 @@ from ..ipc.transport import (
     new_keys,
     worker_keys_env,
 )
+from ..ipc.worker_messages import Shutdown
 
 logger = logging.getLogger(__name__)
 

@@ -15,17 +15,16 @@ from __future__ import annotations
 import enum
 import math
 
+from ..ipc.frontend_messages import AddRequest, FinishReason
+from ..ipc.grammar import check_structured_outputs
 from ..ipc.messages import (
     INT32_MAX,
-    AddRequest,
-    FinishReason,
     LoRARequest,
     PromptLogprobs,
     SamplingParams,
     check_priority,
     unpack_token_ids,
 )
-from ..ipc.grammar import check_structured_outputs
 from ..ipc.pooling import PoolerInfo, PoolingParams
 
 

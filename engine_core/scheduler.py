@@ -67,11 +67,22 @@ from .spec_decode import (
     verified_positions,
 )
 from ..ipc.batch_view import BatchView, StepRecord
+from ..ipc.frontend_messages import EngineCoreOutput, FinishReason, SchedulerStats
 from ..ipc.messages import (
-    BatchPlan, CachedRequestData, EngineCoreOutput, FinishReason, GrammarToCompile,
-    NewRequestData, PooledOutput,
-    PromptLogprobs, RequestFailure, SampledTokens, SchedulerStats, drop_prompt_positions,
-    join_prompt_logprobs, pack_token_ids, unpack_token_ids,
+    PromptLogprobs,
+    drop_prompt_positions,
+    join_prompt_logprobs,
+    pack_token_ids,
+    unpack_token_ids,
+)
+from ..ipc.pooling import PooledOutput
+from ..ipc.worker_messages import (
+    BatchPlan,
+    CachedRequestData,
+    GrammarToCompile,
+    NewRequestData,
+    RequestFailure,
+    SampledTokens,
 )
 
 logger = logging.getLogger("tidal.engine_core.scheduler")

@@ -58,20 +58,17 @@ from .engine_client import (
 from .output_processor import OutputProcessor
 from .outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
 from .structured_output import GrammarChecker
-from ..ipc.messages import (
+from ..ipc.frontend_messages import (
     Abort,
     Detached,
     EngineDead,
     EngineInfo,
     EngineOutputs,
-    LoRARequest,
-    SamplingParams,
     SchedulerStats,
     StatsQuery,
-    check_priority,
-    is_valid_unicode,
 )
 from ..ipc.lora import read_adapter_config
+from ..ipc.messages import LoRARequest, SamplingParams, check_priority, is_valid_unicode
 from ..ipc.pooling import PoolingParams
 from ..ipc.transport import new_private_address
 

@@ -38,16 +38,9 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from ..ipc.frontend_messages import Detached, EngineDead, EngineInfo, Goodbye, Heartbeat, Hello
 from ..ipc.heartbeat import HeartbeatClock
-from ..ipc.messages import (
-    Detached,
-    EngineDead,
-    EngineInfo,
-    Goodbye,
-    Heartbeat,
-    Hello,
-    is_valid_unicode,
-)
+from ..ipc.messages import is_valid_unicode
 from ..ipc.transport import (
     DEFAULT_FRONTEND_TIMEOUT_S,
     HEARTBEAT_INTERVAL_S,

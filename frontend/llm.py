@@ -43,7 +43,8 @@ from .chat_template import (
 from .outputs import EmbeddingRequestOutput, RequestOutput
 from .tools import parse_tools, template_messages
 from .tools.options import load_chat_template
-from ..ipc.messages import LoRARequest, SamplingParams, SchedulerStats, check_priority
+from ..ipc.frontend_messages import SchedulerStats
+from ..ipc.messages import LoRARequest, SamplingParams, check_priority
 from ..ipc.pooling import PoolingParams
 
 logger = logging.getLogger(__name__)

@@ -43,10 +43,8 @@ from .outputs import (
     CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestMetrics,
     RequestOutput,
 )
+from ..ipc.frontend_messages import AddRequest, EngineCoreOutput, FinishReason
 from ..ipc.messages import (
-    AddRequest,
-    EngineCoreOutput,
-    FinishReason,
     LoRARequest,
     PromptLogprobs,
     SamplingParams,

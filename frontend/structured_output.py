@@ -24,10 +24,11 @@ import threading
 import time
 from typing import Any
 
+from ..ipc.frontend_messages import EngineInfo
 from ..ipc.grammar import (
     CompileTimer, check_structured_outputs, compile_threads, make_compiler, timeout_error,
 )
-from ..ipc.messages import EngineInfo, SamplingParams, StructuredOutputsParams
+from ..ipc.messages import SamplingParams, StructuredOutputsParams
 
 POLL_S = 0.05
 """How often a check looks at its compile's CPU time."""

@@ -1,4 +1,5 @@
-"""Encoding, sockets and addresses for the three conversations in `tidal.ipc.messages`.
+"""Encoding, sockets and addresses for the conversations of `ipc/frontend_messages.py` and
+`ipc/worker_messages.py` (the overview: `ipc/messages.py`).
 
 Socket map (who binds, who connects, what travels):
 
@@ -18,7 +19,7 @@ logged at warning level (rate limited) and dropped, and the decoder keeps workin
 
 Public API, for the engine core, the workers and the frontends:
 
-    encode(msg) -> bytes                            any Struct of messages.py
+    encode(msg) -> bytes                            any message Struct of ipc/
     FrontendDecoder()   .decode(frame) -> FrontendMessage | None      (engine core side)
                         .undecodable_request(frame) -> (req_id, why) | None  (to refuse it)
     CoreToFrontendDecoder() .decode(frame) -> CoreToFrontend | None   (frontend side)
@@ -67,14 +68,8 @@ from urllib.parse import urlsplit
 import msgspec
 import zmq
 
-from .messages import (
-    AddRequest,
-    CoreToFrontend,
-    CoreToWorker,
-    FrontendMessage,
-    WorkerConfig,
-    WorkerToCore,
-)
+from .frontend_messages import AddRequest, CoreToFrontend, FrontendMessage
+from .worker_messages import CoreToWorker, WorkerConfig, WorkerToCore
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +94,7 @@ _ENCODER = msgspec.msgpack.Encoder()
 
 
 def encode(msg: msgspec.Struct) -> bytes:
-    """One message (any Struct of `tidal.ipc.messages`) to one msgpack frame."""
+    """One message (any message Struct of ipc/) to one msgpack frame."""
     return _ENCODER.encode(msg)
 
 

@@ -56,7 +56,8 @@ import torch
 from torch import nn
 
 from ..ipc.lora import WEIGHTS_FILE, read_adapter_config
-from ..ipc.messages import LoRARequest, LoRASlot
+from ..ipc.messages import LoRARequest
+from ..ipc.worker_messages import LoRASlot
 
 logger = logging.getLogger(__name__)
 

@@ -46,15 +46,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..ipc.messages import (
-    BatchPlan,
-    NewRequestData,
-    PromptLogprobs,
-    RequestFailure,
-    TokenLogprobs,
-    WorkerConfig,
-    pack_token_ids,
-)
+from ..ipc.messages import PromptLogprobs, TokenLogprobs, pack_token_ids
+from ..ipc.worker_messages import BatchPlan, NewRequestData, RequestFailure, WorkerConfig
 from ..kernels.attention import AttentionBackend
 from .attention import AttentionInputs, AttentionMetadata, KVCache, kv_block_bytes
 from .cuda_graphs import DecodeGraphs

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ipc.messages import INT32_MAX, CachedRequestData, NewRequestData, unpack_token_ids
+from ..ipc.messages import INT32_MAX, unpack_token_ids
+from ..ipc.worker_messages import CachedRequestData, NewRequestData
 
 
 class BadRequestData(ValueError):

@@ -32,20 +32,20 @@ import traceback
 import zmq
 
 from ..ipc.lifeline import watch_parent
-from ..ipc.messages import (
-    BatchPlan,
-    InitKVCache,
-    SampledTokens,
-    Shutdown,
-    WorkerConfig,
-    WorkerFailed,
-)
 from ..ipc.transport import (
     CoreToWorkerDecoder,
     connect_worker_sockets,
     decode_worker_config,
     encode,
     worker_keys_from_env,
+)
+from ..ipc.worker_messages import (
+    BatchPlan,
+    InitKVCache,
+    SampledTokens,
+    Shutdown,
+    WorkerConfig,
+    WorkerFailed,
 )
 
 logger = logging.getLogger(__name__)

@@ -38,10 +38,9 @@ from collections import Counter
 
 import numpy as np
 
-from ..ipc.messages import (
-    BatchPlan, CachedRequestData, NewRequestData, SamplingParams, pack_token_ids,
-)
+from ..ipc.messages import SamplingParams, pack_token_ids
 from ..ipc.transport import decode_worker_config
+from ..ipc.worker_messages import BatchPlan, CachedRequestData, NewRequestData
 
 REPEATS = 2
 """Measured steps per visit of a shape."""

@@ -44,7 +44,8 @@ import numpy as np
 import torch
 
 from ..ipc.grammar import CompileTimer, compile_threads, make_compiler, timeout_error
-from ..ipc.messages import GrammarToCompile, RequestFailure, StructuredOutputsParams
+from ..ipc.messages import StructuredOutputsParams
+from ..ipc.worker_messages import GrammarToCompile, RequestFailure
 from .persistent_batch import BadRequestData
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from ..ipc.messages import BatchPlan, SampledTokens, WorkerConfig, WorkerReady, pack_token_ids
+from ..ipc.messages import pack_token_ids
+from ..ipc.worker_messages import BatchPlan, SampledTokens, WorkerConfig, WorkerReady
 from ..kernels.attention import select_attention_backend
 from ..kernels.cpu.ops import log_cpu_ops, select_cpu_ops
 from .attention import uniform_sliding_window

@@ -22,7 +22,8 @@ from ..scheduler import Scheduler
 from .preemption_advice import PreemptionAdvisor
 from .queue_estimate import QueueDelayEstimator
 from .step_cost import StepCostModel, find_profile, required_profile
-from ...ipc.messages import BatchPlan, SchedulerStats
+from ...ipc.frontend_messages import SchedulerStats
+from ...ipc.worker_messages import BatchPlan
 
 
 def observers_for(config: EngineConfig, logger: logging.Logger) -> list[EngineObserver]:

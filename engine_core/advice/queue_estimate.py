@@ -80,7 +80,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from .step_cost import StepCostModel
-from ...ipc.messages import BatchPlan
+from ...ipc.worker_messages import BatchPlan
 
 SLOWDOWN_WINDOW = 8
 """How many of the last steps `slowdown()` takes its median from."""

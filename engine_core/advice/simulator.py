@@ -44,7 +44,8 @@ from ..scheduler import Scheduler
 from .latency import DEFAULT_PERCENTILES, latency_stats
 from .step_cost import StepCostModel
 from .trace import Trace
-from ...ipc.messages import BatchPlan, SampledTokens, SamplingParams, pack_token_ids
+from ...ipc.messages import SamplingParams, pack_token_ids
+from ...ipc.worker_messages import BatchPlan, SampledTokens
 
 _TOKEN = pack_token_ids([1])
 """The token every simulated step samples."""

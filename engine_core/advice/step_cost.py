@@ -37,8 +37,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ..config import EngineConfig
 from ..cpu_threads import parse_cpu_affinity, worker_threads
-from ...ipc.messages import BatchPlan
 from ...ipc.paths import cache_dir
+from ...ipc.worker_messages import BatchPlan
 
 FEATURES = ("prefill_tokens", "decode_reqs", "decode_context_tokens", "prefill_attention_pairs")
 """The features of a step, in coefficient order (after the intercept)."""

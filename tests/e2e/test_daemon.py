@@ -25,10 +25,9 @@ import msgspec
 import pytest
 import zmq
 
-from tidal.ipc.messages import (
+from tidal.ipc.frontend_messages import (
     Abort,
     AddRequest,
-    BatchPlan,
     Detached,
     EngineDead,
     EngineInfo,
@@ -36,11 +35,9 @@ from tidal.ipc.messages import (
     FinishReason,
     Heartbeat,
     Hello,
-    SamplingParams,
     StatsQuery,
-    pack_token_ids,
-    unpack_token_ids,
 )
+from tidal.ipc.messages import SamplingParams, pack_token_ids, unpack_token_ids
 from tidal.ipc.transport import (
     CoreToFrontendDecoder,
     connect_frontend_socket,
@@ -50,6 +47,7 @@ from tidal.ipc.transport import (
     new_private_address,
     write_key_file,
 )
+from tidal.ipc.worker_messages import BatchPlan
 
 MAX_TOKENS = 12
 PROMPT_LENS = [3, 7, 12, 17, 25, 33, 40, 5]

@@ -37,7 +37,8 @@ from test_daemon import Client, Daemon, _alive  # noqa: E402
 from test_llm import assert_greedy_equal, hf_greedy, wait_until  # noqa: E402
 from tidal.engine_core.ray_executor import ACTOR_NAMESPACE  # noqa: E402
 from tidal.frontend.llm import LLM  # noqa: E402
-from tidal.ipc.messages import EngineDead, FinishReason, SamplingParams  # noqa: E402
+from tidal.ipc.frontend_messages import EngineDead, FinishReason
+from tidal.ipc.messages import SamplingParams
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -20,7 +20,7 @@ import pytest
 import zmq
 
 from test_daemon import Client, Daemon, _alive
-from tidal.ipc.messages import EngineDead, FinishReason
+from tidal.ipc.frontend_messages import EngineDead, FinishReason
 
 MAX_TOKENS = 80  # long enough that a fault lands mid-stream on the tiny model
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import deque
 
 from sched_utils import FakeWorker
-from tidal.ipc.messages import BatchPlan, SampledTokens
+from tidal.ipc.worker_messages import BatchPlan, SampledTokens
 
 
 class FakeExecutor:

@@ -20,9 +20,13 @@ from tidal.engine_core.config import (
 from tidal.engine_core.request import Request
 from tidal.engine_core.scheduler import Scheduler
 from tidal.ipc.messages import (
-    BatchPlan, PromptLogprobs, RequestFailure, SampledTokens, SamplingParams,
-    StructuredOutputsParams, pack_token_ids, unpack_token_ids,
+    PromptLogprobs,
+    SamplingParams,
+    StructuredOutputsParams,
+    pack_token_ids,
+    unpack_token_ids,
 )
+from tidal.ipc.worker_messages import BatchPlan, RequestFailure, SampledTokens
 
 VOCAB = 1000
 

@@ -5,13 +5,8 @@ import pytest
 from sched_utils import FakeWorker, make_request, make_scheduler
 
 from tidal.engine_core.request import Request, check_request
-from tidal.ipc.messages import (
-    AddRequest,
-    FinishReason,
-    SamplingParams,
-    StructuredOutputsParams,
-    pack_token_ids,
-)
+from tidal.ipc.frontend_messages import AddRequest, FinishReason
+from tidal.ipc.messages import SamplingParams, StructuredOutputsParams, pack_token_ids
 
 VOCAB = 512
 

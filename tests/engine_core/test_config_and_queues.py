@@ -17,7 +17,8 @@ from tidal.engine_core.config import (
 )
 from tidal.engine_core.request import Request, RequestStatus
 from tidal.engine_core.request_queue import create_request_queue
-from tidal.ipc.messages import AddRequest, FinishReason, SamplingParams, pack_token_ids
+from tidal.ipc.frontend_messages import AddRequest, FinishReason
+from tidal.ipc.messages import SamplingParams, pack_token_ids
 
 
 def test_defaults_are_vllms():

@@ -13,14 +13,8 @@ from tidal.engine_core.dp_cores import core_config, core_env, core_gpu_sets, vis
 from tidal.engine_core.dp_placement import PREFIX_SLACK, WAITING_WEIGHT, Placement, merge_stats
 from tidal.engine_core.dp_router import lost_output, resume_request
 from tidal.frontend.server.metrics import ServerMetrics
-from tidal.ipc.messages import (
-    AddRequest,
-    FinishReason,
-    SamplingParams,
-    SchedulerStats,
-    pack_token_ids,
-    unpack_token_ids,
-)
+from tidal.ipc.frontend_messages import AddRequest, FinishReason, SchedulerStats
+from tidal.ipc.messages import SamplingParams, pack_token_ids, unpack_token_ids
 
 BLOCK = 4
 

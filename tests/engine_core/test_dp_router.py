@@ -9,7 +9,7 @@ import pytest
 from tidal.engine_core.config import EngineConfig, ModelConfig, ParallelConfig
 from tidal.engine_core.dp_router import MAX_CORE_RESTARTS, Router, _Core
 from tidal.engine_core.supervisor import Supervisor
-from tidal.ipc.messages import (
+from tidal.ipc.frontend_messages import (
     Abort,
     AddRequest,
     EngineCoreOutput,
@@ -18,12 +18,10 @@ from tidal.ipc.messages import (
     FinishReason,
     Goodbye,
     Hello,
-    SamplingParams,
     SchedulerStats,
     StatsQuery,
-    pack_token_ids,
-    unpack_token_ids,
 )
+from tidal.ipc.messages import SamplingParams, pack_token_ids, unpack_token_ids
 from tidal.ipc.transport import CoreToFrontendDecoder, FrontendDecoder, encode
 
 

@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from tidal.engine_core.frontend_port import FrontendPort
-from tidal.ipc.messages import (
+from tidal.ipc.frontend_messages import (
     Abort,
     AddRequest,
     Detached,
@@ -24,11 +24,10 @@ from tidal.ipc.messages import (
     Goodbye,
     Heartbeat,
     Hello,
-    SamplingParams,
     SchedulerStats,
     StatsQuery,
-    pack_token_ids,
 )
+from tidal.ipc.messages import SamplingParams, pack_token_ids
 from tidal.ipc.transport import (
     CoreToFrontendDecoder,
     connect_frontend_socket,

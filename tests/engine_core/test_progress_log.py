@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from tidal.engine_core.progress_log import ProgressLog
-from tidal.ipc.messages import SchedulerStats
+from tidal.ipc.frontend_messages import SchedulerStats
 
 LOGGER = logging.getLogger("test.progress")
 

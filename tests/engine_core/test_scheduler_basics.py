@@ -12,7 +12,9 @@ from sched_utils import (
 )
 
 from tidal.engine_core.request import RequestStatus
-from tidal.ipc.messages import FinishReason, SampledTokens, TokenLogprobs, pack_token_ids
+from tidal.ipc.frontend_messages import FinishReason
+from tidal.ipc.messages import TokenLogprobs, pack_token_ids
+from tidal.ipc.worker_messages import SampledTokens
 
 
 @pytest.fixture(autouse=True)

@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 
 from tidal.engine_core.request import Request, check_pooling
-from tidal.ipc.messages import FinishReason, SampledTokens, SamplingParams
+from tidal.ipc.frontend_messages import FinishReason
+from tidal.ipc.messages import SamplingParams
 from tidal.ipc.pooling import PooledOutput, PoolerInfo, PoolingParams
+from tidal.ipc.worker_messages import SampledTokens
 
 from sched_utils import make_scheduler
 

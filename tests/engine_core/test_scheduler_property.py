@@ -22,7 +22,8 @@ from sched_utils import (
     unpack_prompt_logprobs,
 )
 
-from tidal.ipc.messages import FinishReason, unpack_token_ids
+from tidal.ipc.frontend_messages import FinishReason
+from tidal.ipc.messages import unpack_token_ids
 
 VOCAB = 40
 EOS = 0

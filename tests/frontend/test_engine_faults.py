@@ -14,7 +14,7 @@ import zmq
 import zmq.asyncio
 
 from tidal.frontend.async_llm import AsyncLLM, EngineUnavailable, run
-from tidal.ipc.messages import (
+from tidal.ipc.frontend_messages import (
     Abort,
     AddRequest,
     Detached,
@@ -24,10 +24,8 @@ from tidal.ipc.messages import (
     FinishReason,
     Heartbeat,
     Hello,
-    SamplingParams,
-    pack_token_ids,
-    unpack_token_ids,
 )
+from tidal.ipc.messages import SamplingParams, pack_token_ids, unpack_token_ids
 from tidal.ipc.transport import FrontendDecoder, encode, new_private_address
 
 LONG = SamplingParams(temperature=0.0, max_tokens=100)

@@ -9,9 +9,8 @@ import pytest
 from tidal.frontend.detokenizer import IncrementalDetokenizer
 from tidal.frontend.engine_client import encode_prompt, read_eos_token_ids
 from tidal.frontend.output_processor import OutputProcessor, find_stop_string
+from tidal.ipc.frontend_messages import EngineCoreOutput as EngineOut, FinishReason
 from tidal.ipc.messages import (
-    EngineCoreOutput as EngineOut,
-    FinishReason,
     PromptLogprobs,
     SamplingParams,
     TokenLogprobs,

@@ -7,15 +7,15 @@ core is finished here with the reason the core would have given."""
 import pytest
 
 from tidal.frontend.output_processor import OutputProcessor
-from tidal.ipc.resume import lost_finish, resume_params
+from tidal.ipc.frontend_messages import FinishReason
+from tidal.ipc.frontend_messages import EngineCoreOutput as EngineOut
 from tidal.ipc.messages import (
-    FinishReason,
     SamplingParams,
     StructuredOutputsParams,
     pack_token_ids,
     unpack_token_ids,
 )
-from tidal.ipc.messages import EngineCoreOutput as EngineOut
+from tidal.ipc.resume import lost_finish, resume_params
 
 MAX_LEN = 256
 PROMPT = [5, 6, 7]

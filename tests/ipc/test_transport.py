@@ -12,11 +12,9 @@ import pytest
 import zmq
 
 from tidal.engine_core.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
-from tidal.ipc.messages import (
+from tidal.ipc.frontend_messages import (
     Abort,
     AddRequest,
-    BatchPlan,
-    CachedRequestData,
     Detached,
     EngineCoreOutput,
     EngineDead,
@@ -25,19 +23,10 @@ from tidal.ipc.messages import (
     FinishReason,
     Heartbeat,
     Hello,
-    InitKVCache,
-    NewRequestData,
-    RequestFailure,
-    SampledTokens,
-    SamplingParams,
     SchedulerStats,
-    Shutdown,
     StatsQuery,
-    WorkerFailed,
-    WorkerReady,
-    pack_token_ids,
-    unpack_token_ids,
 )
+from tidal.ipc.messages import SamplingParams, pack_token_ids, unpack_token_ids
 from tidal.ipc.transport import (
     WORKER_KEYS_ENV,
     CoreToFrontendDecoder,
@@ -67,6 +56,17 @@ from tidal.ipc.transport import (
     worker_keys_env,
     worker_keys_from_env,
     write_key_file,
+)
+from tidal.ipc.worker_messages import (
+    BatchPlan,
+    CachedRequestData,
+    InitKVCache,
+    NewRequestData,
+    RequestFailure,
+    SampledTokens,
+    Shutdown,
+    WorkerFailed,
+    WorkerReady,
 )
 
 FRONTEND_MSGS = [

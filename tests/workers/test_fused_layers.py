@@ -153,7 +153,8 @@ def test_a_quantized_models_few_row_steps_read_its_blocks_and_larger_ones_float_
 def verification_logits(worker, prompts, drafts):
     """Logits of a step where each request has a few query rows: its next token and its
     drafts (speculative decoding's verification), after its prompt's own step."""
-    from tidal.ipc.messages import BatchPlan, CachedRequestData, NewRequestData, pack_token_ids
+    from tidal.ipc.messages import pack_token_ids
+    from tidal.ipc.worker_messages import BatchPlan, CachedRequestData, NewRequestData
 
     sampling = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     blocks = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(len(prompts))]

@@ -11,7 +11,9 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from tidal.frontend.structured_output import GrammarChecker
-from tidal.ipc.messages import EngineInfo, GrammarToCompile, SamplingParams, StructuredOutputsParams
+from tidal.ipc.frontend_messages import EngineInfo
+from tidal.ipc.messages import SamplingParams, StructuredOutputsParams
+from tidal.ipc.worker_messages import GrammarToCompile
 from tidal.workers.structured_output import GrammarError, StructuredOutputs
 
 SLOW = StructuredOutputsParams(json={  # seconds to compile (a 1000-way object)

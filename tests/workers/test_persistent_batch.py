@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tidal.ipc.messages import CachedRequestData, NewRequestData, SamplingParams, pack_token_ids
+from tidal.ipc.messages import SamplingParams, pack_token_ids
+from tidal.ipc.worker_messages import CachedRequestData, NewRequestData
 from tidal.workers.persistent_batch import PersistentBatch
 
 MAX_MODEL_LEN = 8

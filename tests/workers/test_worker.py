@@ -4,7 +4,8 @@ worker must refuse."""
 import msgspec
 import pytest
 
-from tidal.ipc.messages import BatchPlan, CachedRequestData, SamplingParams
+from tidal.ipc.messages import SamplingParams
+from tidal.ipc.worker_messages import BatchPlan, CachedRequestData
 from tidal.kernels.attention import cpu_attention
 from tidal.workers.layers import kv_heads_per_rank
 from tidal.workers.worker import DEFAULT_CPU_KV_CACHE_BYTES, Worker, default_cpu_kv_blocks
@@ -175,7 +176,7 @@ import sys
 sys.modules["triton"] = None  # `import triton` raises ModuleNotFoundError, as when not installed
 import msgspec, torch
 import tidal.engine_core.core, tidal.engine_core.daemon, tidal.frontend.llm
-from tidal.ipc.messages import WorkerConfig
+from tidal.ipc.worker_messages import WorkerConfig
 from tidal.kernels.attention import select_attention_backend
 from tidal.workers.worker import Worker
 

@@ -21,7 +21,8 @@ import pytest
 from tidal.engine_core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tidal.engine_core.request import Request
 from tidal.engine_core.scheduler import Scheduler
-from tidal.ipc.messages import SampledTokens, SamplingParams
+from tidal.ipc.messages import SamplingParams
+from tidal.ipc.worker_messages import SampledTokens
 from tidal.workers.worker import Worker
 
 from worker_test_utils import worker_config

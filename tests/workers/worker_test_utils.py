@@ -13,15 +13,8 @@ from tidal.engine_core.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from tidal.ipc.messages import (
-    BatchPlan,
-    CachedRequestData,
-    NewRequestData,
-    SamplingParams,
-    WorkerConfig,
-    pack_token_ids,
-    unpack_token_ids,
-)
+from tidal.ipc.messages import SamplingParams, pack_token_ids, unpack_token_ids
+from tidal.ipc.worker_messages import BatchPlan, CachedRequestData, NewRequestData, WorkerConfig
 
 
 def worker_config(model: str, rank: int = 0, dist_init_method: str = "",

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 from tidal.frontend.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tidal.frontend.structured_output import GrammarChecker
-from tidal.ipc.messages import EngineInfo, SchedulerStats
+from tidal.ipc.frontend_messages import EngineInfo, SchedulerStats
 
 
 class FakeEngine:

@@ -11,7 +11,7 @@ from http_fake_engine import FakeEngine
 from tidal.frontend.server.admission import AdmissionController, make_shared_slots
 from tidal.frontend.server.app import ServerSettings, build_app
 from tidal.frontend.server.errors import QUEUE_FULL_MESSAGE, RETRY_AFTER_S, APIError
-from tidal.ipc.messages import SchedulerStats
+from tidal.ipc.frontend_messages import SchedulerStats
 
 
 def test_controller_counts_and_releases():
@@ -267,7 +267,7 @@ def test_non_streaming_disconnect_aborts_and_releases(slow_engine):
 
 
 def _estimate(delay=0.0, per_token=0.0, per_request=0.0):
-    from tidal.ipc.messages import SchedulerStats
+    from tidal.ipc.frontend_messages import SchedulerStats
 
     return SchedulerStats(est_queue_delay_s=delay, est_s_per_prompt_token=per_token,
                           est_s_per_queued_request=per_request)

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 from prometheus_client.parser import text_string_to_metric_families
 
 from tidal.frontend.server.metrics import ServerMetrics
-from tidal.ipc.messages import SchedulerStats
+from tidal.ipc.frontend_messages import SchedulerStats
 
 VLLM_DASHBOARD = [  # the series vLLM's Grafana dashboard queries (old and new names)
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",

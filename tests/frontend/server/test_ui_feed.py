@@ -10,7 +10,7 @@ from tidal.frontend.server import ui
 from tidal.frontend.server.errors import APIError
 from tidal.frontend.server.metrics import RecentLatencies
 from tidal.ipc.batch_view import BatchView, StepRecord
-from tidal.ipc.messages import SchedulerStats
+from tidal.ipc.frontend_messages import SchedulerStats
 
 
 class Engine:
