@@ -2,7 +2,8 @@
 inputs (token ids, positions, slot mapping, attention metadata) with numpy, has the attention
 backend prepare its plan for them (once per step, shared by every layer), runs the model
 (eagerly, or by replaying a captured CUDA graph for decode batches), computes logits only
-at sampling positions and samples.
+at sampling positions and samples (the sampler's inputs from the batch's rows, and its
+logprobs back per row: `workers/sampler_rows.py`).
 
 Flat batch layout of one step (plan order: new requests, then cached ones):
 
@@ -46,7 +47,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..ipc.messages import PromptLogprobs, TokenLogprobs, pack_token_ids
+from ..ipc.messages import PromptLogprobs, TokenLogprobs
 from ..ipc.worker_messages import BatchPlan, NewRequestData, RequestFailure, WorkerConfig
 from ..kernels.attention import AttentionBackend
 from .attention import AttentionInputs, AttentionMetadata, KVCache, kv_block_bytes
@@ -57,7 +58,8 @@ from .layers import kv_heads_per_rank
 from .models import CausalLM, ModelConfig
 from .persistent_batch import BadRequestData, PersistentBatch
 from .pooling import PoolingRequests
-from .sampler import Sampler, SamplerOutput, SamplingBatch, token_logprobs
+from .sampler import Sampler, token_logprobs
+from .sampler_rows import SamplerRows, dummy_sampling, to_device
 from .structured_output import POLL_WAIT, StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -145,6 +147,7 @@ class ModelRunner:
                                             config.grammar_compile_timeout,
                                             config.grammar_cache_bytes)
         """Grammar matchers of the requests with structured_outputs (see its module)."""
+        self.sampler_rows = SamplerRows(self.batch, self.structured, args.vocab_size, device)
         self.kv_caches: list[KVCache] = []
         self.pooling = PoolingRequests(args.hidden_size) if config.runner == "pooling" else None
         """An embedding model's requests (`workers/pooling.py`): pooled, never sampled."""
@@ -272,15 +275,15 @@ class ModelRunner:
                 [inputs.logits_indices, inputs.spec.draft_hidden_rows])])
             return self._verify(inputs, both[:n], both[n:], failed, prompt_logprobs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        out = self.sampler(logits, self.sampling_batch(inputs.sample_rows,
-                                                       inputs.sample_req_ids))
+        out = self.sampler(logits, self.sampler_rows.sampling_batch(inputs.sample_rows,
+                                                                    inputs.sample_req_ids))
         token_ids = out.token_ids.cpu().numpy()
         if self.pp.size == 1:  # else the tokens come back in the next plan
             self.batch.append_sampled(inputs.sample_rows, token_ids)
         if len(self.structured):
             self.structured.accept(inputs.sample_req_ids, token_ids)
         return StepResult(inputs.sample_req_ids, token_ids.astype(np.int32),
-                          self._pack_logprobs(out, inputs.sample_rows), failed,
+                          self.sampler_rows.pack_logprobs(out, inputs.sample_rows), failed,
                           prompt_logprobs)
 
     def _verify(self, inputs: StepInputs, logits: torch.Tensor, draft_logits: torch.Tensor,
@@ -299,11 +302,11 @@ class ModelRunner:
         if len(plain):
             plain_ids = [req_ids[i] for i in plain]
             out = self.sampler(logits[torch.from_numpy(plain).to(logits.device)],
-                               self.sampling_batch(rows[plain], plain_ids))
+                               self.sampler_rows.sampling_batch(rows[plain], plain_ids))
             plain_tokens = out.token_ids.cpu().numpy().astype(np.int32)
             for i, token in zip(plain, plain_tokens):
                 per_row[i] = np.asarray([token], np.int32)
-            packed = self._pack_logprobs(out, rows[plain])
+            packed = self.sampler_rows.pack_logprobs(out, rows[plain])
             if packed is not None:
                 logprobs = [None] * n
                 for i, lp in zip(plain, packed):
@@ -321,7 +324,7 @@ class ModelRunner:
         spec_rows = rows[spec.sample_index]
         row_of = np.repeat(spec_rows, k + 1)
         step_of = np.concatenate([np.arange(ki + 1) for ki in k])
-        batch = self.sampling_batch(row_of)
+        batch = self.sampler_rows.sampling_batch(row_of)
         batch.positions = batch.positions + self._to_device(step_of, torch.int64)
         accepted = self.sampler.verify(combined[torch.from_numpy(order).to(combined.device)],
                                        batch, spec.draft_ids, k)
@@ -547,83 +550,7 @@ class ModelRunner:
         return AttentionInputs(meta, plan)
 
     def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        tensor = torch.from_numpy(np.asarray(array)).to(dtype)
-        if self.device.type == "cuda":
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor
-
-    # -- sampling ------------------------------------------------------------------------
-
-    def sampling_batch(self, rows: np.ndarray,
-                       req_ids: list[str] | None = None) -> SamplingBatch:
-        """Per-row sampling tensors for the rows that sample this step (`req_ids`, theirs,
-        for the grammar masks of constrained requests)."""
-        b, dev = self.batch, self._to_device
-        out_lens = b.num_tokens[rows] - b.prompt_len[rows]
-        batch = SamplingBatch(
-            temperature=dev(b.temperature[rows], torch.float32),
-            top_k=dev(b.top_k[rows], torch.int64),
-            top_p=dev(b.top_p[rows], torch.float32),
-            min_p=dev(b.min_p[rows], torch.float32),
-            seeds=dev(b.seed[rows], torch.int64),
-            seeded=dev(b.seeded[rows], torch.bool),
-            positions=dev(b.num_tokens[rows], torch.int64),
-            host_flags=dict(
-                all_greedy=bool((b.temperature[rows] == 0).all()),
-                min_p=bool((b.min_p[rows] > 0).any()),
-                top_k_top_p=bool((b.top_k[rows] > 0).any() or (b.top_p[rows] < 1).any()),
-                seeded=bool(b.seeded[rows].any())),
-        )
-        if _any_penalty(b, rows):
-            batch.presence_penalty = dev(b.presence_penalty[rows], torch.float32)
-            batch.frequency_penalty = dev(b.frequency_penalty[rows], torch.float32)
-            batch.repetition_penalty = dev(b.repetition_penalty[rows], torch.float32)
-            # a resubmitted request's resumed prompt tail counts as output, as it did on
-            # the core that generated it
-            starts = b.output_start[rows]
-            batch.output_token_ids = dev(_gather_tokens(b, rows, starts, b.num_tokens[rows] - starts),
-                                         torch.int64)
-            batch.prompt_token_ids = dev(_gather_tokens(b, rows, np.zeros_like(rows), starts),
-                                         torch.int64)
-        self._add_min_tokens(batch, rows, out_lens)
-        if req_ids is not None and len(self.structured):
-            masks = self.structured.bitmask(req_ids)
-            if masks is not None:
-                batch.grammar_bitmask, batch.grammar_rows = masks
-        wanted = b.num_logprobs[rows]
-        if (wanted >= 0).any():
-            batch.num_logprobs = int(wanted.max())
-        return batch
-
-    def _add_min_tokens(self, batch: SamplingBatch, rows: np.ndarray,
-                        out_lens: np.ndarray) -> None:
-        active = np.nonzero(out_lens < self.batch.min_tokens[rows])[0]
-        pairs = [(i, self.batch.stop_ids[rows[i]]) for i in active]  # only rows under min
-        pairs = [(i, ids) for i, ids in pairs if len(ids)]
-        if not pairs:
-            return
-        row_idx = np.concatenate([np.full(len(ids), i) for i, ids in pairs])
-        tok_idx = np.concatenate([ids for _, ids in pairs])
-        keep = tok_idx < self.args.vocab_size
-        batch.min_tokens_rows = self._to_device(row_idx[keep], torch.int64)
-        batch.min_tokens_ids = self._to_device(tok_idx[keep], torch.int64)
-
-    def _pack_logprobs(self, out: SamplerOutput,
-                       rows: np.ndarray) -> list[TokenLogprobs | None] | None:
-        if out.logprobs is None:
-            return None
-        ids = out.logprob_token_ids.cpu().numpy()
-        lps = out.logprobs.to(torch.float32).cpu().numpy()
-        ranks = out.sampled_ranks.cpu().numpy()
-        result: list[TokenLogprobs | None] = []
-        for i, k in enumerate(self.batch.num_logprobs[rows]):
-            if k < 0:
-                result.append(None)
-                continue
-            result.append(TokenLogprobs(token_ids=pack_token_ids(ids[i, :k + 1]),
-                                        logprobs=lps[i, :k + 1].astype("<f4").tobytes(),
-                                        sampled_rank=int(ranks[i])))
-        return result
+        return to_device(array, dtype, self.device)
 
     def _prompt_logprobs(self, hidden: torch.Tensor,
                          plan: PromptLogprobRows) -> list[PromptLogprobs]:
@@ -688,7 +615,7 @@ class ModelRunner:
             return
         rows = min(num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden[-rows:])
-        self.sampler(logits, _dummy_sampling(rows, self.device))
+        self.sampler(logits, dummy_sampling(rows, self.device))
         del kv_caches, hidden, logits
 
 
@@ -706,28 +633,3 @@ def _check_schedule(req_ids, rows, num_scheduled, seq_lens, batch: PersistentBat
         i = int(short[0])
         raise ValueError(f"request {req_ids[i]!r}: {int(seq_lens[i])} tokens need more than "
                          f"its {int(batch.num_blocks[rows[i]])} KV blocks")
-
-
-def _any_penalty(b: PersistentBatch, rows: np.ndarray) -> bool:
-    return bool((b.presence_penalty[rows] != 0).any() or (b.frequency_penalty[rows] != 0).any()
-                or (b.repetition_penalty[rows] != 1).any())
-
-
-def _gather_tokens(b: PersistentBatch, rows: np.ndarray, starts: np.ndarray,
-                   lens: np.ndarray) -> np.ndarray:
-    """[N, max(lens)] token ids token_ids[row, start:start+len], padded with -1."""
-    width = max(1, int(lens.max()) if len(lens) else 1)
-    offsets = np.arange(width)
-    index = np.minimum(starts[:, None] + offsets[None, :], b.max_model_len - 1)
-    tokens = b.token_ids[rows[:, None], index]
-    return np.where(offsets[None, :] < lens[:, None], tokens, -1)
-
-
-def _dummy_sampling(num_rows: int, device: torch.device) -> SamplingBatch:
-    """Random sampling with top-k and top-p: the sampler's most memory-hungry path."""
-    full = lambda value, dtype: torch.full((num_rows,), value, dtype=dtype, device=device)
-    return SamplingBatch(
-        temperature=full(1.0, torch.float32), top_k=full(50, torch.int64),
-        top_p=full(0.9, torch.float32), min_p=full(0.0, torch.float32),
-        seeds=full(0, torch.int64), seeded=full(False, torch.bool),
-        positions=full(0, torch.int64), num_logprobs=5)
