@@ -53,14 +53,15 @@ import struct
 import time
 from typing import Iterable
 
-import msgspec
-
 from .block_pool import BlockPool
 from .config import EngineConfig, check_lengths
 from .kv_cache_manager import KVCacheManager
 from .lora import LoRASlots, adapters_in_use
 from .preemption_log import PreemptionLog
 from .request import Request, RequestStatus
+from .request_outputs import (
+    add_prompt_logprobs, check_stop, mark_first_output, take_prompt_logprobs,
+)
 from .request_queue import create_request_queue, priority_key
 from .spec_decode import (
     AdaptivePolicy, CostTerms, SpecStats, make_proposer, parse_speculative_config,
@@ -68,13 +69,7 @@ from .spec_decode import (
 )
 from ..ipc.batch_view import BatchView, StepRecord
 from ..ipc.frontend_messages import EngineCoreOutput, FinishReason, SchedulerStats
-from ..ipc.messages import (
-    PromptLogprobs,
-    drop_prompt_positions,
-    join_prompt_logprobs,
-    pack_token_ids,
-    unpack_token_ids,
-)
+from ..ipc.messages import pack_token_ids, unpack_token_ids
 from ..ipc.pooling import PooledOutput
 from ..ipc.worker_messages import (
     BatchPlan,
@@ -283,7 +278,7 @@ class Scheduler:
             request.error = error
             finished.append(request)
             out = EngineCoreOutput(req_id, b"", status.finish_reason, error=error)
-            self._mark_first_output(request, out)
+            mark_first_output(request, out)
             outputs.setdefault(request.client_id, []).append(out)
         if finished:
             self.running = [r for r in self.running if r.status == _RUNNING]
@@ -658,7 +653,7 @@ class Scheduler:
         token_ids = unpack_token_ids(sampled.token_ids)
         logprobs = sampled.logprobs
         if sampled.prompt_logprobs:
-            self._add_prompt_logprobs(sampled.prompt_logprobs, step_id)
+            add_prompt_logprobs(self.requests, sampled.prompt_logprobs, step_id)
         if sampled.pooled:
             self._finish_pooled(sampled.pooled, step_id, outputs)
         if sampled.num_tokens or self.proposer is not None:
@@ -685,7 +680,7 @@ class Scheduler:
             if (num_output >= request.max_tokens or len(request.all_token_ids) >= max_model_len
                     or (num_output > request.min_tokens and (
                         token == request.eos_token_id or token in request.stop_token_ids))):
-                status = self._check_stop(request, token)
+                status = check_stop(request, token, self.max_model_len)
                 out.finish_reason = status.finish_reason
                 out.stop_reason = request.stop_reason
                 self._finish(request, status)
@@ -702,11 +697,11 @@ class Scheduler:
 
     def _first_output(self, request: Request, out: EngineCoreOutput) -> None:
         """`out` is the request's first output: its first-token time, the queue time and
-        cache hit it reports (`_mark_first_output`), and its prompt logprobs, all at once."""
+        cache hit it reports (`mark_first_output`), and its prompt logprobs, all at once."""
         request.first_token_time = self.clock()
-        self._mark_first_output(request, out)
+        mark_first_output(request, out)
         if request.prompt_logprob_parts is not None:
-            out.prompt_logprobs = _take_prompt_logprobs(request)
+            out.prompt_logprobs = take_prompt_logprobs(request)
 
     def _update_multi(self, sampled: SampledTokens, step_id: int, token_ids,
                       outputs: Outputs) -> None:
@@ -737,7 +732,7 @@ class Scheduler:
                 request.output_token_ids.append(token)
                 request.all_token_ids.append(token)
                 appended += 1
-                status = self._check_stop(request, token)
+                status = check_stop(request, token, self.max_model_len)
                 if status is not None:
                     break
             num_appended += appended
@@ -793,36 +788,12 @@ class Scheduler:
             request.num_output_placeholders -= 1
             request.first_token_time = self.clock()
             out = EngineCoreOutput(item.req_id, b"", FinishReason.STOP, pooled=item.data)
-            self._mark_first_output(request, out)
+            mark_first_output(request, out)
             self._finish(request, RequestStatus.FINISHED_STOPPED)
             outputs.setdefault(request.client_id, []).append(out)
             num_finished += 1
         if num_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]
-
-    def _add_prompt_logprobs(self, parts: list[PromptLogprobs], step_id: int) -> None:
-        """Keep each request's prompt logprobs in position order until its first output.
-        A request recomputing its prompt after a preemption sends positions again: those
-        already here are dropped (results of steps planned before it was preempted are
-        dropped whole, as its tokens are)."""
-        requests = self.requests
-        for part in parts:
-            request = requests.get(part.req_id)
-            if (request is None or step_id < request.discard_before_step
-                    or request.prompt_logprob_parts is None):
-                continue
-            known = request.next_prompt_logprob - part.start
-            if known < 0:
-                logger.error("request %r: prompt logprobs from position %d arrived while %d "
-                             "was expected; dropped", part.req_id, part.start,
-                             request.next_prompt_logprob)
-                continue
-            if known >= part.num_positions:
-                continue
-            if known:
-                part = drop_prompt_positions(part, known)
-            request.prompt_logprob_parts.append(part)
-            request.next_prompt_logprob = part.start + part.num_positions
 
     def _fail_refused(self, failures: list[RequestFailure], outputs: Outputs) -> None:
         """Requests whose data a worker refused (the engine core's checks let them through):
@@ -834,27 +805,6 @@ class Scheduler:
                 for out in client_outputs:
                     out.refused = True
                 outputs.setdefault(client_id, []).extend(client_outputs)
-
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        """EOS (unless ignore_eos) or a stop token, once more than min_tokens tokens exist;
-        then max_tokens or the context length."""
-        num_output = len(request.output_token_ids)
-        if num_output > request.min_tokens:
-            if token == request.eos_token_id:
-                return RequestStatus.FINISHED_STOPPED
-            if token in request.stop_token_ids:
-                request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if num_output >= request.max_tokens or len(request.all_token_ids) >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
-    @staticmethod
-    def _mark_first_output(request: Request, out: EngineCoreOutput) -> None:
-        if not request.first_output_sent:
-            request.first_output_sent = True
-            out.num_cached_tokens = request.num_cached_tokens
-            out.queue_time = request.queue_time
 
     # -- introspection ------------------------------------------------------------------------
 
@@ -972,19 +922,6 @@ def _can_speculate(request: Request) -> bool:
             and sp.presence_penalty == 0.0 and sp.frequency_penalty == 0.0
             and sp.repetition_penalty == 1.0
             and len(request.output_token_ids) >= request.min_tokens)
-
-
-def _take_prompt_logprobs(request: Request) -> PromptLogprobs:
-    """The request's prompt logprobs in one piece (empty for a one-token prompt); from now on
-    it wants none, so a resume after a preemption neither recomputes them nor skips the
-    prefix cache."""
-    parts = request.prompt_logprob_parts
-    request.prompt_logprob_parts = None
-    num_logprobs = request.sampling.prompt_logprobs
-    request.sampling = msgspec.structs.replace(request.sampling, prompt_logprobs=None)
-    if not parts:
-        return PromptLogprobs(request.req_id, 1, num_logprobs, b"", b"", b"")
-    return join_prompt_logprobs(parts)
 
 
 def _check_running(request: Request, kv: KVCacheManager, block_size: int) -> None:
