@@ -834,7 +834,9 @@ long tidal_write_kv(const float *key, const float *value, long key_token, long k
  * all-zero row as zeros with scale 0: bit for bit kv_quant.quantize's float32 arithmetic
  * (x * (1 / s), the reciprocal rounded first). Where torch's ops took 10 calls a layer (abs,
  * amax, the reciprocal, round, clamp, cast, two scatters, for K and again for V), this is one.
- * Returns as tidal_write_kv does. */
+ * Returns as tidal_write_kv does. Its loop is tidal_write_kv's written out again on purpose:
+ * sharing it would take a macro with statement arguments or a per-row callback that the
+ * OpenMP-outlined loop need not inline; only the slot check could be a plain function. */
 static inline void quantize_row(const float *x, int head_dim, signed char *q, float *scale) {
     float top = 0.0f;
     for (int d = 0; d < head_dim; d++) top = fabsf(x[d]) > top ? fabsf(x[d]) : top;
