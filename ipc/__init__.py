@@ -1,5 +1,6 @@
-"""Everything that crosses a process boundary: message types, their encoding, sockets."""
+"""Everything that crosses a process boundary: message types (`messages`,
+`frontend_messages`, `worker_messages`), their encoding and sockets (`transport`).
 
-from .frontend_messages import *  # noqa: F401,F403
-from .messages import *  # noqa: F401,F403
-from .worker_messages import *  # noqa: F401,F403
+Nothing is re-exported here: each side imports the module of the boundary it speaks, and
+`import tidal.ipc.paths` (all that `kernels/` may take) stays free of msgspec and the
+message modules."""
