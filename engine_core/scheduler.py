@@ -344,9 +344,8 @@ class Scheduler:
         if not eligible:
             return
         rows = rows if decodes_only else None
-        best_case = [(most, request.num_computed_tokens,
-                      policy.alpha(request.spec_accepted, request.spec_tested))
-                     for request, most in eligible]
+        best = policy.best_probs(ceiling)  # the best-paying kind of draft's acceptances
+        best_case = [(most, request.num_computed_tokens, best) for request, most in eligible]
         rest_tokens = sum(request.num_computed_tokens + num_new >= len(request.all_token_ids)
                           for request, num_new in rest)
         ask = policy.ask(best_case, rest_tokens, step.budget, rows)
@@ -358,8 +357,9 @@ class Scheduler:
                 asked += 1
                 draft = proposer.propose(request.req_id, request.all_token_ids, most)
             if draft:
-                candidates.append((len(draft), entry[1], entry[2]))
-                proposals.append((request, draft))
+                candidates.append((len(draft), entry[1],
+                                   policy.draft_probs(proposer.match, len(draft))))
+                proposals.append((request, draft, proposer.match))
             else:
                 rest.append((request, 1))
         if asked:
@@ -372,7 +372,7 @@ class Scheduler:
             base_tokens += computed + num_new >= len(request.all_token_ids)
         counts = policy.choose(candidates, base_cost, base_tokens, step.budget, rows)
         kv = self.kv_cache_manager
-        for (request, draft), k in zip(proposals, counts):
+        for (request, draft, match), k in zip(proposals, counts):
             if k <= 0:
                 continue
             extra = kv.allocate_slots(request, 1 + k, publish=False)
@@ -384,6 +384,7 @@ class Scheduler:
             step.budget -= k
             step.drafts[req_id] = draft[:k]
             request.num_drafts_in_flight = k
+            request.draft_match = match
 
     def _long_prefill_cap(self) -> int:
         """Per-request chunk cap this step (0 = none); off while only one request exists."""
@@ -766,7 +767,7 @@ class Scheduler:
         request.num_drafts_in_flight = 0
         request.spec_tested += verified_positions(num_drafts, num_accepted)
         request.spec_accepted += num_accepted
-        self.spec_policy.record(num_drafts, num_accepted)
+        self.spec_policy.record(num_drafts, num_accepted, request.draft_match)
         self.spec_stats.record(num_drafts, num_accepted)
 
     def _finish_pooled(self, pooled: list[PooledOutput], step_id: int,
