@@ -293,6 +293,17 @@ def test_measured_policy_drafts_only_when_tokens_per_second_go_up():
                        0.0, 0.0, 100, rows=4)[0] == 0
 
 
+def test_measured_policy_prices_fewer_drafts_at_most_what_more_cost():
+    """A step of more rows does not cost less: where 3 and 4 rows were measured dearer
+    than 5 (noise), a proposal of two drafts is priced at 5 rows' time and verified whole
+    (at 3 rows' 17.9 ms the second would not pay: 2.44 tokens in 17.9 ms against 1.8 in
+    12.7)."""
+    times = {1: 7.5, 3: 17.9, 4: 16.9, 5: 15.5}
+    policy = measured_policy(list(times), step_ms=times.get)
+    assert policy.choose([(2, 100, 0.8)], 0.0, 0.0, 100, rows=1) == [2]
+    assert policy.choose([(4, 100, 0.8)], 0.0, 0.0, 100, rows=1) == [4]
+
+
 def test_measured_policy_drafts_nothing_for_a_gain_within_the_noise():
     """Drafts that promise under MIN_GAIN more tokens per second than none are not made:
     one stream whose step of 2 rows costs 1.6x one of 1 row breaks even at acceptance
