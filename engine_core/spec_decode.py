@@ -29,10 +29,11 @@ Proposers (pure Python, no model, no torch):
 
 The adaptive policy (`AdaptivePolicy`, on unless `"adaptive": false`): every step it picks
 k_i in 0 .. min(num_speculative_tokens, draft length) for each request so that
-(expected tokens the step produces) / (predicted step time) is highest. A request whose
-drafts are accepted with probability a (each position, its running estimate) yields
-1 + a + ... + a^k tokens for k drafts (a estimated over the positions verification tested:
-`verified_positions`); a step of decodes is priced by the step times the
+(expected tokens the step produces) / (predicted step time) is highest. A proposal of k
+drafts whose positions are accepted with p1, p2, .. (each given the ones before it were,
+learned per length of the match the proposer drafted from: `AcceptanceTable`, over the
+positions verification tested: `verified_positions`) yields 1 + p1 + p1 p2 + .. + p1..pk
+tokens; a step of decodes is priced by the step times the
 engine core measured (`StepTimes`, per query-row count), a step with a prefill chunk, or any
 step before the first measurements, by the step cost model (`advice/step_cost.py`: a request
 with k drafts is a prefill chunk of k + 1 tokens). Before the proposer runs, `ask` prices
@@ -688,9 +689,10 @@ class AdaptivePolicy:
         step, the arithmetic grows with every row, and the kernels change with the row
         count: on the AVX2 EPYC a step of 5 rows costs ~2.5x one of 1, and past 8 rows the
         fused layers stop; docs/speculative.md), so the choice is over D, the drafts in
-        all: the best D drafts are the D largest marginal yields a^j (each request's fall
-        with j, so taking the largest keeps every request's drafts a prefix), and D is the
-        one whose (tokens) / (time of rows + D rows) is highest, ties to fewer drafts, and
+        all: the best D drafts are the D largest marginal yields (`run_gains`: each
+        request's fall with j, so taking the largest keeps every request's drafts a
+        prefix), and D is the one whose (tokens) / (time of rows + D rows: `_step_costs`)
+        is highest, ties to fewer drafts, and
         none unless that beats the step without drafts by `MIN_GAIN`. `per_request_s` is
         added to a drafting step's time for every request with drafts in it (the
         proposer's, when it is still to run: `ask`)."""
