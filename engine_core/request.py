@@ -72,7 +72,7 @@ class Request:
         "num_worker_tokens",
         "first_output_sent", "error", "add_time", "queue_time", "prompt_logprob_parts",
         "next_prompt_logprob", "num_resumed_tokens", "first_token_time", "finish_time",
-        "lora", "pooling", "num_drafts_in_flight", "draft_match", "spec_tested", "spec_accepted",
+        "lora", "pooling", "num_drafts_in_flight", "draft_match",
     )
 
     def __init__(
@@ -164,11 +164,6 @@ class Request:
         self.draft_match = 0
         """The length of the match those drafts were proposed from (`proposer.match`): the
         policy learns acceptance per match length."""
-        self.spec_tested = 0
-        self.spec_accepted = 0
-        """Draft positions its verifications tested (`spec_decode.verified_positions`: the
-        accepted ones and each first rejection) and those the target accepted (its
-        acceptance estimate)."""
         self.pooling = pooling
         """An embedding request's pooling (resolved by `check_pooling`): it finishes when its
         prompt is computed, with the vector the workers pooled (`SampledTokens.pooled`)."""

@@ -64,7 +64,6 @@ from .request import Request, RequestStatus
 from .request_queue import create_request_queue, priority_key
 from .spec_decode import (
     AdaptivePolicy, CostTerms, SpecStats, make_proposer, parse_speculative_config,
-    verified_positions,
 )
 from ..ipc.batch_view import BatchView, StepRecord
 from ..ipc.messages import (
@@ -763,10 +762,8 @@ class Scheduler:
         policy.observe_step(plan.total_num_scheduled_tokens, seconds)
 
     def _record_drafts(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        """A request's drafts came back verified: its acceptance, the policy's, /metrics."""
+        """A request's drafts came back verified: the policy's acceptances, /metrics."""
         request.num_drafts_in_flight = 0
-        request.spec_tested += verified_positions(num_drafts, num_accepted)
-        request.spec_accepted += num_accepted
         self.spec_policy.record(num_drafts, num_accepted, request.draft_match)
         self.spec_stats.record(num_drafts, num_accepted)
 

@@ -460,7 +460,8 @@ PROPOSE_SMOOTHING = 0.1
 """Weight of the newest step in the proposer's running mean time per request asked."""
 
 PRIOR_WEIGHT = 4.0
-"""Draft positions' worth of weight the global acceptance has in a request's estimate."""
+"""Positions' worth of weight an `AcceptanceTable` estimate gives what it leans on (the
+position before it, or the pooled acceptance)."""
 
 
 def verified_positions(num_drafts: int, num_accepted: int) -> int:
@@ -574,11 +575,6 @@ class AdaptivePolicy:
     def prior(self) -> float:
         """The global acceptance per draft position (0.5 before any evidence)."""
         return (self.accepted + 1.0) / (self.tested + 2.0)
-
-    def alpha(self, accepted: int, tested: int) -> float:
-        """A request's acceptance estimate from its own counts of accepted and tested
-        positions (`verified_positions`), shrunk toward the prior."""
-        return (accepted + PRIOR_WEIGHT * self.prior()) / (tested + PRIOR_WEIGHT)
 
     def use_cost_model(self, model) -> None:
         """Price steps with a measured `StepCostModel` (advice/observers.py gives it)."""

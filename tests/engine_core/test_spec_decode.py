@@ -143,15 +143,6 @@ def test_policy_drafts_for_one_stream_and_holds_back_when_they_do_not_pay():
     assert fixed.choose([(4, 100, 0.0)] * 3, 1.0, 0.0, 100) == [4, 4, 4]
 
 
-def test_policy_acceptance_estimate_follows_evidence():
-    policy = AdaptivePolicy(4, CostTerms())
-    assert policy.alpha(0, 0) == pytest.approx(0.5)
-    for _ in range(30):
-        policy.record(4, 3)  # 3 accepted of 4 tested positions a time
-    assert policy.alpha(0, 0) == pytest.approx(91 / 122)
-    assert policy.alpha(0, 40) < 0.2  # its own record outweighs the prior
-
-
 def test_acceptance_counts_the_positions_verification_tested():
     """A draft's positions after its first rejection were never tried: 4 drafts of which the
     first is rejected are one failure, not four, so a per-position acceptance a is not
