@@ -71,7 +71,7 @@ class Request:
         "num_worker_tokens",
         "first_output_sent", "error", "add_time", "queue_time", "prompt_logprob_parts",
         "next_prompt_logprob", "num_resumed_tokens", "first_token_time", "finish_time",
-        "lora", "pooling", "num_drafts_in_flight", "spec_tested", "spec_accepted",
+        "lora", "pooling", "num_drafts_in_flight", "draft_match",
     )
 
     def __init__(
@@ -160,11 +160,9 @@ class Request:
         """Speculative decoding: draft tokens scheduled in a step whose result has not come
         back (then `num_computed_tokens` counts them too, and the request is not scheduled
         again until it is back)."""
-        self.spec_tested = 0
-        self.spec_accepted = 0
-        """Draft positions its verifications tested (`spec_decode.verified_positions`: the
-        accepted ones and each first rejection) and those the target accepted (its
-        acceptance estimate)."""
+        self.draft_match = 0
+        """The length of the match those drafts were proposed from (`proposer.match`): the
+        policy learns acceptance per match length."""
         self.pooling = pooling
         """An embedding request's pooling (resolved by `check_pooling`): it finishes when its
         prompt is computed, with the vector the workers pooled (`SampledTokens.pooled`)."""

@@ -65,7 +65,6 @@ from .request_outputs import (
 from .request_queue import create_request_queue, priority_key
 from .spec_decode import (
     AdaptivePolicy, CostTerms, SpecStats, make_proposer, parse_speculative_config,
-    verified_positions,
 )
 from ..ipc.batch_view import BatchView, StepRecord
 from ..ipc.frontend_messages import EngineCoreOutput, FinishReason, SchedulerStats
@@ -350,9 +349,8 @@ class Scheduler:
         if not eligible:
             return
         rows = rows if decodes_only else None
-        best_case = [(most, request.num_computed_tokens,
-                      policy.alpha(request.spec_accepted, request.spec_tested))
-                     for request, most in eligible]
+        best = policy.best_probs(ceiling)  # the best-paying kind of draft's acceptances
+        best_case = [(most, request.num_computed_tokens, best) for request, most in eligible]
         rest_tokens = sum(request.num_computed_tokens + num_new >= len(request.all_token_ids)
                           for request, num_new in rest)
         ask = policy.ask(best_case, rest_tokens, step.budget, rows)
@@ -364,8 +362,9 @@ class Scheduler:
                 asked += 1
                 draft = proposer.propose(request.req_id, request.all_token_ids, most)
             if draft:
-                candidates.append((len(draft), entry[1], entry[2]))
-                proposals.append((request, draft))
+                candidates.append((len(draft), entry[1],
+                                   policy.draft_probs(proposer.match, len(draft))))
+                proposals.append((request, draft, proposer.match))
             else:
                 rest.append((request, 1))
                 rest_tokens += 1  # a decode of its last token: it yields one
@@ -377,7 +376,7 @@ class Scheduler:
             base_cost += terms.entry(request.num_computed_tokens, num_new)
         counts = policy.choose(candidates, base_cost, rest_tokens, step.budget, rows)
         kv = self.kv_cache_manager
-        for (request, draft), k in zip(proposals, counts):
+        for (request, draft, match), k in zip(proposals, counts):
             if k <= 0:
                 continue
             extra = kv.allocate_slots(request, 1 + k, publish=False)
@@ -389,6 +388,7 @@ class Scheduler:
             step.budget -= k
             step.drafts[req_id] = draft[:k]
             request.num_drafts_in_flight = k
+            request.draft_match = match
 
     def _long_prefill_cap(self) -> int:
         """Per-request chunk cap this step (0 = none); off while only one request exists."""
@@ -767,11 +767,9 @@ class Scheduler:
         policy.observe_step(plan.total_num_scheduled_tokens, seconds)
 
     def _record_drafts(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        """A request's drafts came back verified: its acceptance, the policy's, /metrics."""
+        """A request's drafts came back verified: the policy's acceptances, /metrics."""
         request.num_drafts_in_flight = 0
-        request.spec_tested += verified_positions(num_drafts, num_accepted)
-        request.spec_accepted += num_accepted
-        self.spec_policy.record(num_drafts, num_accepted)
+        self.spec_policy.record(num_drafts, num_accepted, request.draft_match)
         self.spec_stats.record(num_drafts, num_accepted)
 
     def _finish_pooled(self, pooled: list[PooledOutput], step_id: int,

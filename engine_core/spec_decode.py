@@ -29,10 +29,11 @@ Proposers (pure Python, no model, no torch):
 
 The adaptive policy (`AdaptivePolicy`, on unless `"adaptive": false`): every step it picks
 k_i in 0 .. min(num_speculative_tokens, draft length) for each request so that
-(expected tokens the step produces) / (predicted step time) is highest. A request whose
-drafts are accepted with probability a (each position, its running estimate) yields
-1 + a + ... + a^k tokens for k drafts (a estimated over the positions verification tested:
-`verified_positions`); a step of decodes is priced by the step times the
+(expected tokens the step produces) / (predicted step time) is highest. A proposal of k
+drafts whose positions are accepted with p1, p2, .. (each given the ones before it were,
+learned per length of the match the proposer drafted from: `AcceptanceTable`, over the
+positions verification tested: `verified_positions`) yields 1 + p1 + p1 p2 + .. + p1..pk
+tokens; a step of decodes is priced by the step times the
 engine core measured (`StepTimes`, per query-row count), a step with a prefill chunk, or any
 step before the first measurements, by the step cost model (`advice/step_cost.py`: a request
 with k drafts is a prefill chunk of k + 1 tokens). Before the proposer runs, `ask` prices
@@ -153,12 +154,16 @@ class NgramProposer:
         self.k = config.num_speculative_tokens
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
         self.own: dict[str, _NgramIndex] = {}
+        self.match = 0
+        """The length of the n-gram whose continuation the last `propose` returned (0:
+        none): the policy's acceptance estimates are kept per match length."""
 
     def propose(self, req_id: str, tokens: list[int], k: int | None = None) -> list[int]:
         """Up to k (default: the ceiling) draft tokens to follow `tokens`; [] for none. The
         longest match (at most prompt_lookup_max) wins, the latest among equals."""
         k = self.k if k is None else k
         n_tokens = len(tokens)
+        self.match = 0
         if n_tokens < 2 or k <= 0:
             return []
         index = _own_index(self.own, req_id, self.max_n, tokens)
@@ -170,6 +175,7 @@ class NgramProposer:
         for n in range(min(self.max_n, n_tokens - 1), self.min_n - 1, -1):
             at = where.get(tuple(tokens[n_tokens - n:]))
             if at is not None:
+                self.match = n
                 return tokens[at:at + k]
         return []
 
@@ -229,9 +235,13 @@ class SuffixProposer:
         self.earlier: OrderedDict[str, _NgramIndex] = OrderedDict()
         self.store: dict[tuple, tuple[_NgramIndex, int]] = {}
         """n-gram -> (the latest earlier request's index holding it, the position after)."""
+        self.match = 0
+        """The length of the suffix whose continuation the last `propose` returned (0:
+        none): the policy's acceptance estimates are kept per match length."""
 
     def propose(self, req_id: str, tokens: list[int], k: int | None = None) -> list[int]:
         k = self.k if k is None else k
+        self.match = 0
         index = _own_index(self.own, req_id, self.max_n, tokens)
         # index every token but the last: the suffix ending at the last is the query
         if len(index.tokens) < len(tokens) - 1:
@@ -240,10 +250,12 @@ class SuffixProposer:
             suffix = tuple(tokens[len(tokens) - n:])
             at = index.where.get(suffix)  # the index holds a prefix of `tokens`
             if at is not None:
+                self.match = n
                 return tokens[at:at + k]
             found = self.store.get(suffix)
             if found is not None:
                 other, at = found
+                self.match = n
                 return other.tokens[at:at + k]
         return []
 
@@ -278,6 +290,8 @@ class DraftModelProposer:
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.k = config.num_speculative_tokens
+        self.match = 0
+        """Always 0: every draft model's draft is one kind (one row of acceptances)."""
 
     def propose(self, req_id: str, tokens: list[int], k: int | None = None) -> list[int]:
         k = self.k if k is None else k
@@ -403,6 +417,11 @@ class StepTimes:
         extrapolate downward, where a prior scaled from a slower step would overprice)."""
         return bool(self._trusted) and self._trusted[0] <= rows
 
+    def least_above(self, rows: int) -> float:
+        """The least time of a trusted row count above `rows` (inf if none)."""
+        mean = self.mean
+        return min((mean[r] for r in self._trusted if r > rows), default=float("inf"))
+
     def estimate(self, rows: int, prior) -> float:
         """Seconds of a decode step of `rows` rows; `prior(rows)` a cost in any unit. Needs
         a trusted row count."""
@@ -414,10 +433,17 @@ class StepTimes:
         if below is not None and above is not None:
             t = (rows - below) / (above - below)
             return self.mean[below] + t * (self.mean[above] - self.mean[below])
-        if below is not None and len(trusted) >= 2:  # past the last: its two last's slope
+        if below is not None and len(trusted) >= 2:  # past the last: the steeper slope of
+            # the last two's and the first and last's. The last two are often a few rows
+            # apart and their slope noise: on 32 copying streams (SmolLM2, Zen 4 EPYC) 29
+            # and 32 rows at 62.7 and 67.0 ms said 1.4 ms a row, the rows from 1 to 32 1.9,
+            # and steps of ~100 rows cost ~1.8 a row; drafting priced at 1.4 ran at 0.54x
             low, high = trusted[-2], trusted[-1]
-            slope = max(0.0, (self.mean[high] - self.mean[low]) / (high - low))
-            return self.mean[high] + slope * (rows - high)
+            first = trusted[0]
+            mean = self.mean
+            slope = max(0.0, (mean[high] - mean[low]) / (high - low),
+                        (mean[high] - mean[first]) / (high - first))
+            return mean[high] + slope * (rows - high)
         near = below if below is not None else above
         return self.mean[near] * prior(rows) / prior(near)
 
@@ -434,7 +460,8 @@ PROPOSE_SMOOTHING = 0.1
 """Weight of the newest step in the proposer's running mean time per request asked."""
 
 PRIOR_WEIGHT = 4.0
-"""Draft positions' worth of weight the global acceptance has in a request's estimate."""
+"""Positions' worth of weight an `AcceptanceTable` estimate gives what it leans on (the
+position before it, or the pooled acceptance)."""
 
 
 def verified_positions(num_drafts: int, num_accepted: int) -> int:
@@ -454,6 +481,77 @@ def expected_tokens(alpha: float, k: int) -> float:
     return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+def run_gains(accept, cap: int) -> list[float]:
+    """The chance that each of a request's first `cap` drafts is accepted (so each draft's
+    expected tokens): `accept` is one acceptance a for every position (a, a^2, ..) or each
+    position's acceptance given the ones before it were accepted (their running products;
+    the last repeats past its end). Never rising with the position, so the best D drafts of
+    a step are each request's first ones."""
+    if isinstance(accept, (int, float)):
+        return [accept ** j for j in range(1, cap + 1)]
+    gains, run, p = [], 1.0, 0.5
+    for j in range(cap):
+        p = accept[j] if j < len(accept) else p
+        run *= p
+        gains.append(run)
+    return gains
+
+
+class AcceptanceTable:
+    """Each draft position's acceptance given the positions before it were accepted, by the
+    length of the match the proposer drafted from (`proposer.match`), learned from every
+    verification (`record`, over the positions it tested: `verified_positions`).
+
+    Why not one running a per request with a^j: a copy run, once its first drafts are
+    right, goes on; its later positions are accepted far more often than its first. On
+    SmolLM2's copy workload (suffix, 24 prompts' greedy outputs, drafts of 16 verified
+    whole) the first position is accepted 29% of the time after a 1-token match, 52% after
+    2, 77% after 3 and 86% after 8, and a position after an accepted one 80-100% whatever
+    the match; the geometric a^j prices a long draft's tail at a fraction of what it
+    yields, and one a prices a 1-token match like an 8-token one.
+
+    A position with little evidence leans on the one before it in the same row (`weight`
+    positions' worth of it), and a row's first position on `prior` (the engine's pooled
+    acceptance), so a position never verified is priced like its predecessor: longer
+    drafts get tried where the earlier positions hold, and learned from."""
+
+    def __init__(self, weight: float) -> None:
+        self.weight = weight
+        self.accepted: dict[tuple[int, int], int] = {}
+        self.tested: dict[tuple[int, int], int] = {}
+        """(match length, draft position from 0) -> positions accepted / tested."""
+
+    def record(self, match: int, num_drafts: int, num_accepted: int) -> None:
+        accepted, tested = self.accepted, self.tested
+        for j in range(verified_positions(num_drafts, num_accepted)):
+            key = (match, j)
+            tested[key] = tested.get(key, 0) + 1
+            if j < num_accepted:
+                accepted[key] = accepted.get(key, 0) + 1
+
+    def best(self, k: int, prior: float) -> list[float]:
+        """The acceptances of the row (match length) whose first `k` drafts promise the
+        most tokens: what a request's drafts are worth at best, before the proposer says
+        which row they come from (`AdaptivePolicy.ask`); the prior's row if none is known."""
+        best, best_tokens = None, -1.0
+        for match in {m for m, _ in self.tested}:
+            probs = self.probs(match, k, prior)
+            tokens = sum(run_gains(probs, k))
+            if tokens > best_tokens:
+                best, best_tokens = probs, tokens
+        return best if best is not None else self.probs(-1, k, prior)
+
+    def probs(self, match: int, k: int, prior: float) -> list[float]:
+        """The first `k` positions' acceptances for drafts from a match of `match` tokens."""
+        accepted, tested, weight = self.accepted, self.tested, self.weight
+        out, p = [], prior
+        for j in range(k):
+            key = (match, j)
+            p = (accepted.get(key, 0) + weight * p) / (tested.get(key, 0) + weight)
+            out.append(p)
+        return out
+
+
 class AdaptivePolicy:
     """Chooses draft counts per request and step (see the module docstring)."""
 
@@ -465,6 +563,9 @@ class AdaptivePolicy:
         self.tested = 0
         """Positions accepted / tested (`verified_positions`) over every request (the prior's
         evidence)."""
+        self.table = AcceptanceTable(PRIOR_WEIGHT)
+        """Per-position acceptance by match length: what a proposal's drafts are worth
+        (`draft_probs`)."""
         self.times = StepTimes()
         """Measured decode step times by query rows (fed by the engine core's loop)."""
         self.propose_s = 0.0
@@ -475,19 +576,28 @@ class AdaptivePolicy:
         """The global acceptance per draft position (0.5 before any evidence)."""
         return (self.accepted + 1.0) / (self.tested + 2.0)
 
-    def alpha(self, accepted: int, tested: int) -> float:
-        """A request's acceptance estimate from its own counts of accepted and tested
-        positions (`verified_positions`), shrunk toward the prior."""
-        return (accepted + PRIOR_WEIGHT * self.prior()) / (tested + PRIOR_WEIGHT)
-
     def use_cost_model(self, model) -> None:
         """Price steps with a measured `StepCostModel` (advice/observers.py gives it)."""
         self.terms = CostTerms.from_model(model)
 
-    def record(self, num_drafts: int, num_accepted: int) -> None:
-        """One request's verified drafts: `num_accepted` of `num_drafts` kept."""
+    def draft_probs(self, match: int, k: int) -> list[float]:
+        """Each of k drafts' acceptance given the ones before it were accepted, for drafts
+        the proposer found after a match of `match` tokens (`AcceptanceTable`)."""
+        return self.table.probs(match, k, self.prior())
+
+    def best_probs(self, k: int) -> list[float]:
+        """The acceptances of the best-paying kind of draft (`AcceptanceTable.best`): a
+        request's best case before the proposer runs."""
+        return self.table.best(k, self.prior())
+
+    def record(self, num_drafts: int, num_accepted: int, match: int | None = None) -> None:
+        """One request's verified drafts: `num_accepted` of `num_drafts` kept; `match` the
+        length of the match they were drafted from (None: not known, the pooled counts
+        only)."""
         self.tested += verified_positions(num_drafts, num_accepted)
         self.accepted += num_accepted
+        if match is not None:
+            self.table.record(match, num_drafts, num_accepted)
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """A decode step of `rows` query rows (decodes and their drafts, no prefill chunk)
@@ -501,13 +611,15 @@ class AdaptivePolicy:
 
     def ask(self, candidates: list[tuple[int, int, float]], base_tokens: float, budget: int,
             rows: int | None) -> list[bool]:
-        """Which of `candidates` [(most drafts it may get, num_computed, alpha)] the
+        """Which of `candidates` [(most drafts it may get, num_computed, acceptance)] the
         proposer is asked for drafts this step, before it runs (its time is engine-core time
         on the step's path). Each is asked as if it found all its drafts: where even that
         best case does not pass `MIN_GAIN` with the measured step times and the proposer's
-        time for those asked, no one is asked, and a request whose drafts keep failing (its
-        first draft not among the best case's) is not asked either. Before any step is
-        measured, and with `"adaptive": false`, every candidate is asked."""
+        time for those asked, no one is asked, and a candidate whose acceptance is too low
+        (its first draft not among the best case's) is not asked either, unless another
+        with the same acceptance is (equal best cases are asked alike, not just as many as
+        the best case drafts for). Before any step is measured, and with `"adaptive":
+        false`, every candidate is asked."""
         if not self.adaptive or not self.times.count:
             return [True] * len(candidates)
         if rows is None:
@@ -515,12 +627,14 @@ class AdaptivePolicy:
         caps = [min(n, self.ceiling) for n, _, _ in candidates]
         ks = self._choose_measured(candidates, caps, base_tokens, budget, rows,
                                    self.propose_s)
-        return [k > 0 for k in ks]
+        paying = {_hashable(accept) for (_, _, accept), k in zip(candidates, ks) if k > 0}
+        return [_hashable(accept) in paying for _, _, accept in candidates]
 
     def choose(self, candidates: list[tuple[int, int, float]], base_cost: float,
                base_tokens: float, budget: int, rows: int | None = None) -> list[int]:
-        """Draft counts for `candidates` [(drafts available, num_computed, alpha)], each a
-        decode of the step; `base_cost` the rest of the step's cost (intercept included),
+        """Draft counts for `candidates` [(drafts available, num_computed, acceptance)], each
+        a decode of the step (acceptance: one a for every position, or each position's given
+        the ones before: `run_gains`); `base_cost` the rest of the step's cost (intercept included),
         `base_tokens` the tokens the rest yields; at most `budget` drafts in all. `rows`:
         the step's query rows before drafts where every entry is a decode (None where it
         has a prefill chunk): such a step is priced by the measured `StepTimes` once they
@@ -541,8 +655,11 @@ class AdaptivePolicy:
         terms = self.terms
         # cost and yield of each option k = 0 .. cap, per candidate
         options = []
-        for (_, computed, alpha), cap in zip(candidates, caps):
-            options.append([(expected_tokens(alpha, k), terms.verify_entry(computed, k))
+        for (_, computed, accept), cap in zip(candidates, caps):
+            tokens = [1.0]
+            for gain in run_gains(accept, cap):
+                tokens.append(tokens[-1] + gain)
+            options.append([(tokens[k], terms.verify_entry(computed, k))
                             for k in range(cap + 1)])
         ks = [0] * len(candidates)
         ratio = self._ratio(options, ks, base_cost, base_tokens)
@@ -568,9 +685,10 @@ class AdaptivePolicy:
         step, the arithmetic grows with every row, and the kernels change with the row
         count: on the AVX2 EPYC a step of 5 rows costs ~2.5x one of 1, and past 8 rows the
         fused layers stop; docs/speculative.md), so the choice is over D, the drafts in
-        all: the best D drafts are the D largest marginal yields a^j (each request's fall
-        with j, so taking the largest keeps every request's drafts a prefix), and D is the
-        one whose (tokens) / (time of rows + D rows) is highest, ties to fewer drafts, and
+        all: the best D drafts are the D largest marginal yields (`run_gains`: each
+        request's fall with j, so taking the largest keeps every request's drafts a
+        prefix), and D is the one whose (tokens) / (time of rows + D rows: `_step_costs`)
+        is highest, ties to fewer drafts, and
         none unless that beats the step without drafts by `MIN_GAIN`. `per_request_s` is
         added to a drafting step's time for every request with drafts in it (the
         proposer's, when it is still to run: `ask`)."""
@@ -579,19 +697,20 @@ class AdaptivePolicy:
             return None  # nothing measured yet (no engine loop feeds it): the cost terms
         if not times.known_at_or_below(rows):
             return [0] * len(candidates)  # measure the step without drafts first
-        gains = sorted(((alpha ** j, j, i) for i, ((_, _, alpha), cap)
-                        in enumerate(zip(candidates, caps)) for j in range(1, cap + 1)),
+        gains = sorted(((gain, j, i) for i, ((_, _, accept), cap)
+                        in enumerate(zip(candidates, caps))
+                        for j, gain in enumerate(run_gains(accept, cap), start=1)),
                        key=lambda g: (-g[0], g[1]))
         gains = gains[:max(0, budget)]
-        prior = self.terms.step_time
+        seconds = _step_costs(times, rows, len(gains), self.terms.step_time)
         tokens = base_tokens + len(candidates)
-        best_d, best = 0, tokens / times.estimate(rows, prior)
+        best_d, best = 0, tokens / seconds[0]
         no_drafts = best
         drafting = 0  # requests with drafts among the first d
         for d, (gain, j, _) in enumerate(gains, start=1):
             tokens += gain
             drafting += j == 1
-            rate = tokens / (times.estimate(rows + d, prior) + per_request_s * drafting)
+            rate = tokens / (seconds[d] + per_request_s * drafting)
             if rate > best * (1 + 1e-9):
                 best_d, best = d, rate
         if best < no_drafts * (1 + MIN_GAIN):
@@ -606,6 +725,23 @@ class AdaptivePolicy:
         tokens = base_tokens + sum(opt[k][0] for opt, k in zip(options, ks))
         cost = base_cost + sum(opt[k][1] for opt, k in zip(options, ks))
         return tokens / cost if cost > 0 else 0.0
+
+
+def _step_costs(times: StepTimes, rows: int, most: int, prior) -> list[float]:
+    """Seconds of the step with 0 .. `most` drafts on its `rows` rows, each at most what
+    any more drafts cost and never under none: a step of more rows does not cost less, so
+    a row count measured dearer than a larger one is noise (SmolLM2 on the loaded Zen 4
+    EPYC, medians after a copying stream's 300 steps: 3 rows 17.9 ms, 4 rows 16.9, 5 rows
+    15.5, so 2 or 3 drafts were never verified, and so never measured again, until those
+    times went stale)."""
+    seconds = [times.estimate(rows + d, prior) for d in range(most + 1)]
+    for d in range(1, most + 1):
+        seconds[d] = max(seconds[0], min(seconds[d], times.least_above(rows + d)))
+    return seconds
+
+
+def _hashable(accept):
+    return accept if isinstance(accept, (int, float)) else tuple(accept)
 
 
 def _fit_budget(ks: list[int], budget: int) -> list[int]:

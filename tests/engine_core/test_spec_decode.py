@@ -13,8 +13,9 @@ from sched_utils import (
 )
 from tidal.engine_core.config import EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from tidal.engine_core.spec_decode import (
-    STEP_SAMPLES, STEP_STALE, AdaptivePolicy, CostTerms, NgramProposer, StepTimes, SuffixProposer,
-    expected_tokens, parse_speculative_config, verified_positions,
+    STEP_SAMPLES, STEP_STALE, AcceptanceTable, AdaptivePolicy, CostTerms, NgramProposer,
+    StepTimes, SuffixProposer, expected_tokens, parse_speculative_config, run_gains,
+    verified_positions,
 )
 from tidal.ipc.messages import unpack_token_ids
 
@@ -85,7 +86,9 @@ def test_ngram_proposes_what_followed_the_longest_latest_match():
     # "6 7" occurs at 1 and 5; "5 6 7"/"9 6 7"/"2 6 7" do not recur: the latest "6 7" wins
     assert p.propose("a", tokens) == [1, 2, 6, 7]
     assert p.propose("a", tokens, k=2) == [1, 2]
+    assert p.match == 2  # the length of the n-gram the draft followed
     assert p.propose("a", [1, 2, 3]) == []  # nothing recurs
+    assert p.match == 0
     strict = NgramProposer(parse_speculative_config({**NGRAM, "prompt_lookup_min": 3}))
     assert strict.propose("a", tokens) == []  # only 2 tokens match
 
@@ -94,9 +97,11 @@ def test_suffix_matches_own_tokens_then_earlier_requests_outputs():
     p = SuffixProposer(parse_speculative_config({"method": "suffix",
                                                  "num_speculative_tokens": 3}))
     assert p.propose("a", [1, 2, 3, 4, 1, 2]) == [3, 4, 1]
+    assert p.match == 2
     assert p.propose("b", [9, 8, 40, 41]) == []
     p.finished("a", [1, 2, 3, 4, 1, 2, 40, 41, 42, 43], num_prompt=4)
     assert p.propose("b", [9, 8, 40, 41]) == [42, 43]  # from a's output
+    assert p.match == 2
     assert "a" not in p.own
 
 
@@ -138,15 +143,6 @@ def test_policy_drafts_for_one_stream_and_holds_back_when_they_do_not_pay():
     assert fixed.choose([(4, 100, 0.0)] * 3, 1.0, 0.0, 100) == [4, 4, 4]
 
 
-def test_policy_acceptance_estimate_follows_evidence():
-    policy = AdaptivePolicy(4, CostTerms())
-    assert policy.alpha(0, 0) == pytest.approx(0.5)
-    for _ in range(30):
-        policy.record(4, 3)  # 3 accepted of 4 tested positions a time
-    assert policy.alpha(0, 0) == pytest.approx(91 / 122)
-    assert policy.alpha(0, 40) < 0.2  # its own record outweighs the prior
-
-
 def test_acceptance_counts_the_positions_verification_tested():
     """A draft's positions after its first rejection were never tried: 4 drafts of which the
     first is rejected are one failure, not four, so a per-position acceptance a is not
@@ -159,6 +155,61 @@ def test_acceptance_counts_the_positions_verification_tested():
     for accepted in (0, 4) * 50:  # all or nothing: half the drafts entirely right
         policy.record(4, accepted)
     assert policy.prior() == pytest.approx(201 / 252)
+
+
+def test_run_gains_are_each_draft_s_chance_of_being_accepted():
+    """One acceptance a for every position gives a, a^2, ..; per-position acceptances
+    (each given the ones before were accepted) give their running products, the last one
+    repeating past the list's end."""
+    assert run_gains(0.5, 3) == pytest.approx([0.5, 0.25, 0.125])
+    assert run_gains([0.5, 1.0, 0.8], 4) == pytest.approx([0.5, 0.5, 0.4, 0.32])
+    assert run_gains([0.9], 0) == []
+
+
+def test_acceptance_table_learns_each_position_by_the_match_it_was_drafted_from():
+    """Drafts after a long match are right from the first position and go on; drafts after
+    a 1-token match mostly fail at once, but once one is right the next is likely right too
+    (a copy run has started): the table keeps each (match length, position) apart, counted
+    over the positions verification tested, and a position with no evidence is priced like
+    the one before it in the same row."""
+    table = AcceptanceTable(weight=4.0)
+    for _ in range(40):
+        table.record(8, 4, 4)  # long match: all four accepted
+        table.record(1, 4, 0)  # 1-token match: the first rejected (one position tested)
+    for _ in range(10):
+        table.record(1, 4, 4)
+    long, short = table.probs(8, 4, prior=0.5), table.probs(1, 4, prior=0.5)
+    assert long[0] > 0.9 and long[3] > 0.9
+    assert short[0] < 0.3 and short[1] > 0.7  # after a right first draft, the run goes on
+    assert table.probs(8, 6, prior=0.5)[5] == pytest.approx(long[3])  # never tested: as before
+    assert table.probs(3, 2, prior=0.5) == pytest.approx([0.5, 0.5])  # no evidence: the prior
+    assert table.best(4, prior=0.5) == pytest.approx(long)
+
+
+def test_measured_policy_prices_drafts_by_the_match_they_follow():
+    """With the EPYC's step times one stream verifies four drafts that follow an 8-token
+    match known to be copied, and none after a 1-token match known to fail, in the same
+    engine; the best case (`ask`) is the best-paying match's, so requests are still asked
+    for drafts while most of its matches are short ones that fail (one running acceptance
+    stopped asking for good: 1.03 tokens a step on the copy workload)."""
+    policy = measured_policy([1, 5])
+    for _ in range(20):
+        policy.record(4, 4, match=8)
+    for _ in range(200):
+        policy.record(4, 0, match=1)
+    assert policy.prior() < 0.5  # the pooled acceptance is low
+    assert policy.choose([(4, 100, policy.draft_probs(8, 4))], 0.0, 0.0, 100, rows=1) == [4]
+    assert policy.choose([(4, 100, policy.draft_probs(1, 4))], 0.0, 0.0, 100, rows=1) == [0]
+    assert policy.ask([(4, 100, policy.best_probs(4))], 0.0, 100, rows=1) == [True]
+    assert policy.ask([(4, 100, policy.prior())], 0.0, 100, rows=1) == [False]
+
+
+def test_policy_asks_requests_with_the_same_best_case_alike():
+    """The best case of one draft's worth (rows 3 cost 1.2x rows 2, rows 4 twice) drafts
+    for one of two equal requests; both are asked, since either may find the draft."""
+    policy = measured_policy([2, 3, 4], step_ms=lambda rows: {2: 10.0, 3: 12.0}.get(rows, 20.0))
+    assert policy.choose([(4, 100, 0.9)] * 2, 0.0, 0.0, 100, rows=2) == [1, 0]
+    assert policy.ask([(4, 100, 0.9)] * 2, 0.0, 100, rows=2) == [True, True]
 
 
 def epyc_step_ms(rows: int) -> float:
@@ -231,6 +282,17 @@ def test_measured_policy_drafts_only_when_tokens_per_second_go_up():
     # the chosen drafts are the highest-acceptance requests' first positions
     assert four.choose([(4, 100, 0.2), (4, 100, 0.9), (4, 100, 0.2), (4, 100, 0.2)],
                        0.0, 0.0, 100, rows=4)[0] == 0
+
+
+def test_measured_policy_prices_fewer_drafts_at_most_what_more_cost():
+    """A step of more rows does not cost less: where 3 and 4 rows were measured dearer
+    than 5 (noise), a proposal of two drafts is priced at 5 rows' time and verified whole
+    (at 3 rows' 17.9 ms the second would not pay: 2.44 tokens in 17.9 ms against 1.8 in
+    12.7)."""
+    times = {1: 7.5, 3: 17.9, 4: 16.9, 5: 15.5}
+    policy = measured_policy(list(times), step_ms=times.get)
+    assert policy.choose([(2, 100, 0.8)], 0.0, 0.0, 100, rows=1) == [2]
+    assert policy.choose([(4, 100, 0.8)], 0.0, 0.0, 100, rows=1) == [4]
 
 
 def test_measured_policy_drafts_nothing_for_a_gain_within_the_noise():
