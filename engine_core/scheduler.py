@@ -30,7 +30,7 @@ token is in flight is therefore not scheduled again until it is back (another re
 the next plan); its new tokens then travel in the plan (`CachedRequestData.new_token_ids`).
 Prefill chunks of one request may still follow each other: every stage runs plans in order.
 
-Speculative decoding (`engine_core/spec_decode.py`): after the running and waiting passes,
+Speculative decoding (`engine_core/drafting.py`, `spec_decode.py`): after the running and waiting passes,
 each running request that decodes one token (its last token known, nothing in flight) may
 get k draft tokens from the proposer, k chosen by the adaptive policy within what is left of
 the token budget; they get KV slots (never by preemption: a request whose drafts do not fit
@@ -63,9 +63,8 @@ from .request_outputs import (
     add_prompt_logprobs, check_stop, mark_first_output, take_prompt_logprobs,
 )
 from .request_queue import create_request_queue, priority_key
-from .spec_decode import (
-    AdaptivePolicy, CostTerms, SpecStats, make_proposer, parse_speculative_config,
-)
+from .drafting import Drafting
+from .spec_decode import parse_speculative_config
 from ..ipc.batch_view import BatchView, StepRecord
 from ..ipc.frontend_messages import EngineCoreOutput, FinishReason, SchedulerStats
 from ..ipc.messages import pack_token_ids, unpack_token_ids
@@ -149,22 +148,10 @@ class Scheduler:
         self._num_added = 0
         self.clock = time.monotonic
         self.preemption_log = PreemptionLog(logger, config, num_kv_blocks)
-        self._init_speculation(config)
-        self._init_counters()
-
-    def _init_speculation(self, config: EngineConfig) -> None:
-        """The proposer, the adaptive policy and the counters; all None when it is off. The
-        policy prices steps with `CostTerms`' defaults until the advisory wing gives it the
-        measured step cost model (`advice/observers.py` SpeculationCostObserver)."""
         spec = parse_speculative_config(config.scheduler.speculative_config)
-        self.spec_config = spec
-        self.proposer = self.spec_policy = self.spec_stats = None
-        if spec is None:
-            return
-        self.proposer = make_proposer(spec)
-        self.spec_policy = AdaptivePolicy(spec.num_speculative_tokens, CostTerms(),
-                                          spec.adaptive)
-        self.spec_stats = SpecStats(spec.num_speculative_tokens)
+        self.drafting = None if spec is None else Drafting(spec, max_model_len)
+        """Speculative decoding's proposer, policy and counters (None: off)."""
+        self._init_counters()
 
     def _init_counters(self) -> None:
         self.num_preemptions = 0
@@ -292,12 +279,8 @@ class Scheduler:
         self.num_finished += 1
         self.kv_cache_manager.free(request)
         self.awaiting_grammar.pop(request.req_id, None)
-        if self.proposer is not None:
-            if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
-                self.proposer.finished(request.req_id, request.all_token_ids,
-                                       request.num_prompt_tokens)
-            else:
-                self.proposer.forget(request.req_id)
+        if self.drafting is not None:
+            self.drafting.finished(request, status)
         if request.in_worker or request.grammar_sent:
             self._finished_req_ids.append(request.req_id)
             request.in_worker = request.grammar_sent = False
@@ -319,76 +302,9 @@ class Scheduler:
         self._schedule_running(step)
         if step.num_preempted == 0:
             self._schedule_waiting(step)
-        if self.proposer is not None and step.budget > 0:
-            self._add_drafts(step)
+        if self.drafting is not None and step.budget > 0:
+            self.drafting.add_drafts(step, self.kv_cache_manager)
         return self._build_plan(step)
-
-    def _add_drafts(self, step: _Step) -> None:
-        """Speculative decoding: drafts for the step's one-token decodes, as many per request
-        as the policy picks within the budget left (see the module docstring). The proposer
-        runs only for the requests the policy asks (`AdaptivePolicy.ask`: none where even
-        every draft found and accepted at its running rate would not pay)."""
-        proposer, policy = self.proposer, self.spec_policy
-        terms = policy.terms
-        ceiling = self.spec_config.num_speculative_tokens
-        base_cost = terms.intercept
-        eligible, rest = [], []  # (request, most drafts), (request, num_new)
-        rows, decodes_only = 0, True
-        for request, num_new, _, admitted in step.scheduled.values():
-            rows += num_new
-            decodes_only = decodes_only and num_new == 1
-            num_tokens = len(request.all_token_ids)
-            if (num_new == 1 and not admitted and request.num_computed_tokens == num_tokens - 1
-                    and not request.num_output_placeholders and _can_speculate(request)):
-                room = min(request.max_tokens - len(request.output_token_ids),
-                           self.max_model_len - num_tokens) - 1
-                if room > 0:
-                    eligible.append((request, min(room, ceiling)))
-                    continue
-            rest.append((request, num_new))
-        if not eligible:
-            return
-        rows = rows if decodes_only else None
-        best = policy.best_probs(ceiling)  # the best-paying kind of draft's acceptances
-        best_case = [(most, request.num_computed_tokens, best) for request, most in eligible]
-        rest_tokens = sum(request.num_computed_tokens + num_new >= len(request.all_token_ids)
-                          for request, num_new in rest)
-        ask = policy.ask(best_case, rest_tokens, step.budget, rows)
-        candidates, proposals = [], []
-        started, asked = time.perf_counter(), 0
-        for (request, most), entry, asking in zip(eligible, best_case, ask):
-            draft = []
-            if asking:
-                asked += 1
-                draft = proposer.propose(request.req_id, request.all_token_ids, most)
-            if draft:
-                candidates.append((len(draft), entry[1],
-                                   policy.draft_probs(proposer.match, len(draft))))
-                proposals.append((request, draft, proposer.match))
-            else:
-                rest.append((request, 1))
-                rest_tokens += 1  # a decode of its last token: it yields one
-        if asked:
-            policy.observe_proposer(time.perf_counter() - started, asked)
-        if not candidates:
-            return
-        for request, num_new in rest:
-            base_cost += terms.entry(request.num_computed_tokens, num_new)
-        counts = policy.choose(candidates, base_cost, rest_tokens, step.budget, rows)
-        kv = self.kv_cache_manager
-        for (request, draft, match), k in zip(proposals, counts):
-            if k <= 0:
-                continue
-            extra = kv.allocate_slots(request, 1 + k, publish=False)
-            if extra is None:
-                continue  # no free blocks for its drafts: it decodes one token
-            req_id = request.req_id
-            _, _, block_ids, _ = step.scheduled[req_id]
-            step.scheduled[req_id] = (request, 1 + k, block_ids + extra, False)
-            step.budget -= k
-            step.drafts[req_id] = draft[:k]
-            request.num_drafts_in_flight = k
-            request.draft_match = match
 
     def _long_prefill_cap(self) -> int:
         """Per-request chunk cap this step (0 = none); off while only one request exists."""
@@ -407,14 +323,15 @@ class Scheduler:
         windowed = kv.sliding_window is not None
         scheduled = step.scheduled
         budget = step.budget
-        speculating = self.proposer is not None
+        drafting = self.drafting
         for request in list(self.running):
             if budget <= 0:
                 break
             if request.status != _RUNNING:  # preempted earlier in this pass
                 continue
             placeholders = request.num_output_placeholders
-            if placeholders and (self.pipelined or speculating and _can_speculate(request)):
+            if placeholders and (self.pipelined or drafting is not None
+                                 and drafting.may_draft(request)):
                 # its token is still in the pipeline (the first stage lacks it), or it may
                 # draft (drafts follow its last token; how many come back is not known)
                 continue
@@ -598,7 +515,7 @@ class Scheduler:
                     request.num_worker_tokens = num_tokens
                 if step.drafts:
                     draft = step.drafts.get(request.req_id)
-                    if draft is not None and self.spec_config.drafts_in_worker:
+                    if draft is not None and self.drafting.drafts_in_worker:
                         cached.num_model_drafts = len(draft)  # the workers make them
                     elif draft is not None:
                         cached.spec_token_ids = pack_token_ids(draft)
@@ -656,7 +573,7 @@ class Scheduler:
             add_prompt_logprobs(self.requests, sampled.prompt_logprobs, step_id)
         if sampled.pooled:
             self._finish_pooled(sampled.pooled, step_id, outputs)
-        if sampled.num_tokens or self.proposer is not None:
+        if sampled.num_tokens or self.drafting is not None:
             self._update_multi(sampled, step_id, token_ids, outputs)
             return outputs
         num_finished = num_accepted = 0
@@ -725,7 +642,7 @@ class Scheduler:
             request.num_output_placeholders -= 1
             num_drafts = request.num_drafts_in_flight
             if num_drafts:
-                self._record_drafts(request, num_drafts, count - 1)
+                self.drafting.record(request, num_drafts, count - 1)
             status = None
             appended = 0
             for token in tokens:
@@ -754,23 +671,18 @@ class Scheduler:
             self.running = [r for r in self.running if r.status == _RUNNING]
 
     def step_ran(self, plan: BatchPlan, seconds: float) -> None:
-        """`plan` took `seconds` at the workers (the engine core's measure). With
-        speculation, a step of decodes and their drafts only (no prefill chunk) teaches the
-        adaptive policy what a step of that many query rows costs here."""
-        policy = self.spec_policy
-        if policy is None or plan.new_requests:
-            return
-        for cached in plan.cached_requests:  # 4 bytes a packed draft token
-            drafts = len(cached.spec_token_ids) // 4 + cached.num_model_drafts
-            if cached.num_scheduled_tokens != 1 + drafts:
-                return
-        policy.observe_step(plan.total_num_scheduled_tokens, seconds)
+        """`plan` took `seconds` at the workers (the engine core's measure): speculation's
+        policy learns what steps cost here (`Drafting.step_ran`)."""
+        if self.drafting is not None:
+            self.drafting.step_ran(plan, seconds)
 
-    def _record_drafts(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        """A request's drafts came back verified: the policy's acceptances, /metrics."""
-        request.num_drafts_in_flight = 0
-        self.spec_policy.record(num_drafts, num_accepted, request.draft_match)
-        self.spec_stats.record(num_drafts, num_accepted)
+    def use_step_cost_model(self, model) -> bool:
+        """The advisory wing's measured step cost model (`tidal tune profile`), for
+        speculation's pricing of steps not yet measured; False (unused) without speculation."""
+        if self.drafting is None:
+            return False
+        self.drafting.policy.use_cost_model(model)
+        return True
 
     def _finish_pooled(self, pooled: list[PooledOutput], step_id: int,
                        outputs: Outputs) -> None:
@@ -823,17 +735,8 @@ class Scheduler:
             preempted_prefix_cache_hits=self.preempted_prefix_cache_hits,
             queued_prompt_tokens=sum(r.num_prompt_tokens for r in self.requests.values()
                                      if not r.output_token_ids),
-            **self._spec_counters(),
+            **(self.drafting.counters() if self.drafting is not None else {}),
         )
-
-    def _spec_counters(self) -> dict:
-        stats = self.spec_stats
-        if stats is None:
-            return {}
-        return dict(spec_num_drafts=stats.num_drafts,
-                    spec_num_draft_tokens=stats.num_draft_tokens,
-                    spec_num_accepted_tokens=stats.num_accepted_tokens,
-                    spec_accepted_per_pos=list(stats.accepted_per_pos))
 
     def batch_view(self, steps: list[StepRecord], skipped: int,
                    warnings: list[str]) -> BatchView:
@@ -907,19 +810,6 @@ class Scheduler:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), request
             assert request.num_computed_tokens == 0 and request.num_output_placeholders == 0
             assert not request.in_worker, f"{request} waits but the workers hold it"
-
-
-def _can_speculate(request: Request) -> bool:
-    """Whether drafts may be verified for this request: the worker's verification applies
-    temperature, top-k, top-p and min-p only, so requests needing more (logprobs, penalties,
-    a grammar, min_tokens still masking EOS) decode one token a step, as do pooling requests
-    and LoRA requests (not verified with drafts yet)."""
-    sp = request.sampling
-    return (request.pooling is None and request.lora is None and sp.logprobs is None
-            and sp.structured_outputs is None
-            and sp.presence_penalty == 0.0 and sp.frequency_penalty == 0.0
-            and sp.repetition_penalty == 1.0
-            and len(request.output_token_ids) >= request.min_tokens)
 
 
 def _check_running(request: Request, kv: KVCacheManager, block_size: int) -> None:

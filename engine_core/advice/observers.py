@@ -80,8 +80,7 @@ class SpeculationCostObserver(EngineObserver):
         self.logger = logger
 
     def attach(self, scheduler: Scheduler) -> None:
-        if scheduler.spec_policy is not None:
-            scheduler.spec_policy.use_cost_model(self.model)
+        if scheduler.use_step_cost_model(self.model):
             self.logger.info("speculative decoding: drafts priced by the step cost model (%s)",
                              self.model.formula())
 

@@ -347,8 +347,8 @@ def test_policy_asks_the_proposer_only_where_the_best_case_pays():
 def test_scheduler_asks_no_proposer_for_chat_streams_once_steps_say_drafts_do_not_pay():
     sched = make_scheduler(block_size=4, speculative_config=NGRAM)
     calls = []
-    propose = sched.proposer.propose
-    sched.proposer.propose = lambda *a, **kw: calls.append(a[0]) or propose(*a, **kw)
+    propose = sched.drafting.proposer.propose
+    sched.drafting.proposer.propose = lambda *a, **kw: calls.append(a[0]) or propose(*a, **kw)
     for i in range(8):
         sched.add(make_request(f"r{i}", [3, 4, 3, 4, 5 + i], max_tokens=40))
     worker = FakeWorker(4, model=lambda tokens: (tokens[-1] * 7 + len(tokens)) % 997 + 1)
@@ -356,14 +356,14 @@ def test_scheduler_asks_no_proposer_for_chat_streams_once_steps_say_drafts_do_no
         return 0.010 + 0.001 * rows
     for rows in (8, 16, 40):
         for _ in range(STEP_SAMPLES):
-            sched.spec_policy.observe_step(rows, step_s(rows))
+            sched.drafting.policy.observe_step(rows, step_s(rows))
     for _ in range(100):
-        sched.spec_policy.record(4, 0)  # drafts have failed so far
+        sched.drafting.policy.record(4, 0)  # drafts have failed so far
     for _ in range(6):
         plan, _ = step(sched, worker)
         sched.step_ran(plan, step_s(plan.total_num_scheduled_tokens))
     assert calls == []  # the prompts' step has a prefill chunk, the decodes do not pay
-    sched.spec_policy.record(1000, 995)  # had they been right, they would be asked
+    sched.drafting.policy.record(1000, 995)  # had they been right, they would be asked
     step(sched, worker)
     assert len(calls) == 8
 
@@ -379,7 +379,7 @@ def test_scheduler_feeds_decode_step_times_to_the_policy():
         plan, _ = step(sched, worker)
         sched.step_ran(plan, 0.001 * plan.total_num_scheduled_tokens)
         seen.append(plan.total_num_scheduled_tokens)
-    times = sched.spec_policy.times
+    times = sched.drafting.policy.times
     assert seen[0] == 4 and 4 not in times.count  # the prompt's step
     assert seen[1] > 1  # nothing measured yet: drafts priced by the cost terms
     assert times.count.get(1, 0) >= STEP_SAMPLES  # then steps without drafts, measured
@@ -451,7 +451,7 @@ def test_draft_model_plans_carry_counts_and_outputs_equal_plain_decoding():
     assert all(c.num_scheduled_tokens == 1 + c.num_model_drafts for c in cached)
     stats = sched.stats()
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
-    assert any(rows > 1 for rows in sched.spec_policy.times.count)  # steps with drafts
+    assert any(rows > 1 for rows in sched.drafting.policy.times.count)  # steps with drafts
 
 
 def test_drafts_count_against_the_budget_and_stop_inside_the_run_truncates():
