@@ -18,9 +18,8 @@ import time
 from typing import TYPE_CHECKING
 
 from .request import Request, RequestStatus
-from .spec_decode import (
-    AdaptivePolicy, CostTerms, SpecStats, SpeculativeConfig, make_proposer,
-)
+from .proposers import make_proposer
+from .spec_decode import AdaptivePolicy, CostTerms, SpecStats, SpeculativeConfig
 from ..ipc.worker_messages import BatchPlan
 
 if TYPE_CHECKING:  # the scheduler's scratch record of one step (no import cycle at run time)

@@ -1,5 +1,6 @@
-"""Speculative decoding in the engine core: the config, the proposers that need no model, and
-the policy that decides every step how many draft tokens each request proposes.
+"""Speculative decoding in the engine core: the config and the policy that decides every step
+how many draft tokens each request proposes (the proposers are in `proposers.py`, the
+scheduler's side in `drafting.py`).
 
     --speculative-config '{"method": "ngram", "num_speculative_tokens": 4,
                            "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
@@ -11,7 +12,7 @@ agrees with plus one token of its own (greedy: argmax; sampled: rejection sampli
 keeps the target distribution exactly), and the scheduler sets `num_computed_tokens` to
 what was accepted (the rejected drafts' KV slots are overwritten by the next step).
 
-Proposers (pure Python, no model, no torch):
+Proposers (`proposers.py`; pure Python, no model, no torch):
 
 - `ngram` (prompt lookup, vLLM's): the last n tokens (n from prompt_lookup_max down to
   prompt_lookup_min) are looked up earlier in the request's own tokens (a per-request index
@@ -24,7 +25,7 @@ Proposers (pure Python, no model, no torch):
   suffix_max_match), so a lookup is a few dict probes, not a scan.
 
 - `draft_model`: a smaller model with the target's vocabulary, run by the workers
-  (`workers/drafter.py`); here only `DraftModelProposer`, which always has the ceiling's
+  (`workers/drafter.py`); here only `proposers.DraftModelProposer`, which always has the ceiling's
   worth of drafts, so the plan carries how many (`CachedRequestData.num_model_drafts`).
 
 The adaptive policy (`AdaptivePolicy`, on unless `"adaptive": false`): every step it picks
@@ -49,7 +50,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
 
 METHODS = ("ngram", "suffix", "draft_model")
@@ -137,177 +138,6 @@ def _int(value, key: str, lo: int, hi: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise ValueError(f"speculative_config.{key} must be an integer in [{lo}, {hi}], "
                          f"got {value!r}")
-
-
-# ---------------------------------------------------------------------------------------------
-# proposers
-
-
-class NgramProposer:
-    """Prompt lookup: the continuation of the latest earlier occurrence of the last n tokens
-    (n from prompt_lookup_max down to prompt_lookup_min). Per request an incremental index
-    (`_NgramIndex` over every token: each n-gram's latest end), extended by the tokens new
-    since the last call, so a call costs O(new tokens + probes): the backward scan over the
-    whole token list it replaces cost O(tokens) per request and step."""
-
-    def __init__(self, config: SpeculativeConfig) -> None:
-        self.k = config.num_speculative_tokens
-        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
-        self.own: dict[str, _NgramIndex] = {}
-        self.match = 0
-        """The length of the n-gram whose continuation the last `propose` returned (0:
-        none): the policy's acceptance estimates are kept per match length."""
-
-    def propose(self, req_id: str, tokens: list[int], k: int | None = None) -> list[int]:
-        """Up to k (default: the ceiling) draft tokens to follow `tokens`; [] for none. The
-        longest match (at most prompt_lookup_max) wins, the latest among equals."""
-        k = self.k if k is None else k
-        n_tokens = len(tokens)
-        self.match = 0
-        if n_tokens < 2 or k <= 0:
-            return []
-        index = _own_index(self.own, req_id, self.max_n, tokens)
-        # every token indexed: an n-gram ending at position i (i <= n_tokens - 2) maps to
-        # i + 1, so the query (the last n tokens) is found only strictly earlier
-        if len(index.tokens) < n_tokens:
-            index.extend(tokens[len(index.tokens):])
-        where = index.where
-        for n in range(min(self.max_n, n_tokens - 1), self.min_n - 1, -1):
-            at = where.get(tuple(tokens[n_tokens - n:]))
-            if at is not None:
-                self.match = n
-                return tokens[at:at + k]
-        return []
-
-    def finished(self, req_id: str, tokens: list[int], num_prompt: int) -> None:
-        """A request finished: its index goes."""
-        self.own.pop(req_id, None)
-
-    def forget(self, req_id: str) -> None:
-        self.own.pop(req_id, None)
-
-
-def _own_index(own: dict, req_id: str, max_n: int, tokens: list[int]) -> _NgramIndex:
-    """A request's own index (new, or afresh when it holds more tokens than `tokens`: the
-    request was recomputed after a preemption)."""
-    index = own.get(req_id)
-    if index is None or len(index.tokens) > len(tokens):
-        index = own[req_id] = _NgramIndex(max_n)
-    return index
-
-
-class _NgramIndex:
-    """n-gram (as a tuple, n = 1 .. max_n) -> the position after its latest occurrence, over
-    one token list that only grows (`extend`)."""
-
-    __slots__ = ("tokens", "max_n", "where")
-
-    def __init__(self, max_n: int) -> None:
-        self.tokens: list[int] = []
-        self.max_n = max_n
-        self.where: dict[tuple, int] = {}
-
-    def extend(self, new_tokens) -> None:
-        tokens, where, max_n = self.tokens, self.where, self.max_n
-        for t in new_tokens:
-            tokens.append(t)
-            end = len(tokens)
-            # the n-grams ending before this token now continue with it
-            for n in range(1, min(max_n, end - 1) + 1):
-                where[tuple(tokens[end - 1 - n:end - 1])] = end - 1
-
-
-class SuffixProposer:
-    """The longest suffix of the request's tokens (up to suffix_max_match) seen before, in
-    the request itself or in earlier requests' outputs, proposes what followed it. Per
-    request an incremental n-gram index; globally a bounded LRU of earlier requests' indexes
-    (their prompt tails and outputs), searched after the request's own through one merged
-    map (`store`: each n-gram's latest finished occurrence), so a lookup is one probe per n
-    whatever the store's size: searching the indexes one by one cost up to max_n x 256
-    probes a request and step, and made 32 chat streams 0.83x as fast as without speculation
-    (2026-12-04, SmolLM2 on the AVX2 EPYC, the policy drafting almost nothing)."""
-
-    def __init__(self, config: SpeculativeConfig) -> None:
-        self.k = config.num_speculative_tokens
-        self.max_n = config.suffix_max_match
-        self.capacity = config.suffix_cache_requests
-        self.own: dict[str, _NgramIndex] = {}
-        self.earlier: OrderedDict[str, _NgramIndex] = OrderedDict()
-        self.store: dict[tuple, tuple[_NgramIndex, int]] = {}
-        """n-gram -> (the latest earlier request's index holding it, the position after)."""
-        self.match = 0
-        """The length of the suffix whose continuation the last `propose` returned (0:
-        none): the policy's acceptance estimates are kept per match length."""
-
-    def propose(self, req_id: str, tokens: list[int], k: int | None = None) -> list[int]:
-        k = self.k if k is None else k
-        self.match = 0
-        index = _own_index(self.own, req_id, self.max_n, tokens)
-        # index every token but the last: the suffix ending at the last is the query
-        if len(index.tokens) < len(tokens) - 1:
-            index.extend(tokens[len(index.tokens):len(tokens) - 1])
-        for n in range(min(self.max_n, len(tokens)), 0, -1):
-            suffix = tuple(tokens[len(tokens) - n:])
-            at = index.where.get(suffix)  # the index holds a prefix of `tokens`
-            if at is not None:
-                self.match = n
-                return tokens[at:at + k]
-            found = self.store.get(suffix)
-            if found is not None:
-                other, at = found
-                self.match = n
-                return other.tokens[at:at + k]
-        return []
-
-    def finished(self, req_id: str, tokens: list[int], num_prompt: int) -> None:
-        """Keep a finished request's output (with the prompt's last tokens as context) in
-        the global store."""
-        self.own.pop(req_id, None)
-        if self.capacity == 0 or len(tokens) <= num_prompt:
-            return
-        index = _NgramIndex(self.max_n)
-        index.extend(tokens[max(0, num_prompt - self.max_n):])
-        self.earlier[req_id] = index
-        store = self.store
-        for ngram, at in index.where.items():
-            store[ngram] = (index, at)
-        while len(self.earlier) > self.capacity:
-            _, oldest = self.earlier.popitem(last=False)
-            # an n-gram the oldest holds in the store is in no newer request (a newer one
-            # would have taken it), so it leaves the store with it
-            for ngram in oldest.where:
-                if store.get(ngram, (None,))[0] is oldest:
-                    del store[ngram]
-
-    def forget(self, req_id: str) -> None:
-        self.own.pop(req_id, None)
-
-
-class DraftModelProposer:
-    """draft_model: the workers make the drafts at step time with the draft model
-    (`workers/drafter.py`), so here a request always "has" k drafts; the plan carries only
-    their count. The tokens returned are placeholders (never sent)."""
-
-    def __init__(self, config: SpeculativeConfig) -> None:
-        self.k = config.num_speculative_tokens
-        self.match = 0
-        """Always 0: every draft model's draft is one kind (one row of acceptances)."""
-
-    def propose(self, req_id: str, tokens: list[int], k: int | None = None) -> list[int]:
-        k = self.k if k is None else k
-        return [0] * max(k, 0)
-
-    def finished(self, req_id: str, tokens: list[int], num_prompt: int) -> None:
-        """A request finished (nothing kept here)."""
-
-    def forget(self, req_id: str) -> None:
-        """A request left (nothing kept here)."""
-
-
-def make_proposer(config: SpeculativeConfig):
-    if config.method == "draft_model":
-        return DraftModelProposer(config)
-    return NgramProposer(config) if config.method == "ngram" else SuffixProposer(config)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,10 +12,10 @@ from sched_utils import (
     FakeWorker, make_request, make_scheduler, reference_tokens, step,
 )
 from tidal.engine_core.config import EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from tidal.engine_core.proposers import NgramProposer, SuffixProposer
 from tidal.engine_core.spec_decode import (
-    STEP_SAMPLES, STEP_STALE, AcceptanceTable, AdaptivePolicy, CostTerms, NgramProposer,
-    StepTimes, SuffixProposer, expected_tokens, parse_speculative_config, run_gains,
-    verified_positions,
+    STEP_SAMPLES, STEP_STALE, AcceptanceTable, AdaptivePolicy, CostTerms, StepTimes,
+    expected_tokens, parse_speculative_config, run_gains, verified_positions,
 )
 from tidal.ipc.messages import unpack_token_ids
 
