@@ -312,12 +312,6 @@ def verified_positions(num_drafts: int, num_accepted: int) -> int:
     return num_accepted + (num_accepted < num_drafts)
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """1 + a + ... + a^k: tokens a step yields for a request with k drafts, each accepted
-    with probability a given the ones before it were."""
-    return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
 def run_gains(accept, cap: int) -> list[float]:
     """The chance that each of a request's first `cap` drafts is accepted (so each draft's
     expected tokens): `accept` is one acceptance a for every position (a, a^2, ..) or each

@@ -15,7 +15,7 @@ from tidal.engine_core.config import EngineConfig, ModelConfig, ParallelConfig, 
 from tidal.engine_core.proposers import NgramProposer, SuffixProposer
 from tidal.engine_core.spec_decode import (
     STEP_SAMPLES, STEP_STALE, AcceptanceTable, AdaptivePolicy, CostTerms, StepTimes,
-    expected_tokens, parse_speculative_config, run_gains, verified_positions,
+    parse_speculative_config, run_gains, verified_positions,
 )
 from tidal.ipc.messages import unpack_token_ids
 
@@ -120,12 +120,6 @@ def test_suffix_store_prefers_the_latest_output_and_forgets_the_oldest_beyond_it
 
 
 # -- the adaptive policy ----------------------------------------------------------------------
-
-
-def test_expected_tokens_is_one_plus_a_geometric_run():
-    assert expected_tokens(0.0, 4) == 1.0
-    assert expected_tokens(1.0, 4) == 5.0
-    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
 
 
 def test_policy_drafts_for_one_stream_and_holds_back_when_they_do_not_pay():
