@@ -18,7 +18,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .request import Request, RequestStatus
-from .proposers import make_proposer
+from .proposers import NO_DRAFT, make_proposer
 from .spec_decode import AdaptivePolicy, CostTerms, SpecStats, SpeculativeConfig
 from ..ipc.worker_messages import BatchPlan
 
@@ -91,14 +91,14 @@ class Drafting:
         candidates, proposals = [], []
         started, asked = time.perf_counter(), 0
         for (request, most), entry, asking in zip(eligible, best_case, ask):
-            draft = []
+            draft = NO_DRAFT
             if asking:
                 asked += 1
                 draft = proposer.propose(request.req_id, request.all_token_ids, most)
-            if draft:
-                candidates.append((len(draft), entry[1],
-                                   policy.draft_probs(proposer.match, len(draft))))
-                proposals.append((request, draft, proposer.match))
+            if draft.tokens:
+                candidates.append((len(draft.tokens), entry[1],
+                                   policy.draft_probs(draft.match, len(draft.tokens))))
+                proposals.append((request, draft))
             else:
                 rest.append((request, 1))
                 rest_tokens += 1  # a decode of its last token: it yields one
@@ -109,7 +109,7 @@ class Drafting:
         for request, num_new in rest:
             base_cost += terms.entry(request.num_computed_tokens, num_new)
         counts = policy.choose(candidates, base_cost, rest_tokens, step.budget, rows)
-        for (request, draft, match), k in zip(proposals, counts):
+        for (request, draft), k in zip(proposals, counts):
             if k <= 0:
                 continue
             extra = kv.allocate_slots(request, 1 + k, publish=False)
@@ -119,9 +119,9 @@ class Drafting:
             _, _, block_ids, _ = step.scheduled[req_id]
             step.scheduled[req_id] = (request, 1 + k, block_ids + extra, False)
             step.budget -= k
-            step.drafts[req_id] = draft[:k]
+            step.drafts[req_id] = draft.tokens[:k]
             request.num_drafts_in_flight = k
-            request.draft_match = match
+            request.draft_match = draft.match
 
     def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """A request's drafts came back verified: the policy's acceptances, /metrics."""

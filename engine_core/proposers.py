@@ -1,14 +1,28 @@
 """Speculative decoding's proposers: the draft for a request's next tokens, from its own
 tokens (`ngram`), from them and earlier requests' outputs (`suffix`), or only how many a draft
 model in the workers will make (`draft_model`); `spec_decode.py`'s docstring describes each.
-Each reports `match`, the length of the match its last draft follows, which the adaptive
-policy prices drafts by. Pure Python: no model, no torch."""
+Each returns a `Draft`: the tokens and the length of the match they follow, which the
+adaptive policy prices drafts by. Pure Python: no model, no torch."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import NamedTuple
 
 from .spec_decode import SpeculativeConfig
+
+
+class Draft(NamedTuple):
+    """A proposal for a request's next tokens."""
+
+    tokens: list[int]
+    """The draft tokens ([] for none)."""
+    match: int
+    """The length of the match (n-gram, suffix) they continue, 0 for none: the policy's
+    acceptance estimates are kept per match length (`spec_decode.AcceptanceTable`)."""
+
+
+NO_DRAFT = Draft([], 0)
 
 
 class NgramProposer:
@@ -22,18 +36,14 @@ class NgramProposer:
         self.k = config.num_speculative_tokens
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
         self.own: dict[str, _NgramIndex] = {}
-        self.match = 0
-        """The length of the n-gram whose continuation the last `propose` returned (0:
-        none): the policy's acceptance estimates are kept per match length."""
 
-    def propose(self, req_id: str, tokens: list[int], k: int | None = None) -> list[int]:
-        """Up to k (default: the ceiling) draft tokens to follow `tokens`; [] for none. The
-        longest match (at most prompt_lookup_max) wins, the latest among equals."""
+    def propose(self, req_id: str, tokens: list[int], k: int | None = None) -> Draft:
+        """Up to k (default: the ceiling) draft tokens to follow `tokens`. The longest match
+        (at most prompt_lookup_max) wins, the latest among equals."""
         k = self.k if k is None else k
         n_tokens = len(tokens)
-        self.match = 0
         if n_tokens < 2 or k <= 0:
-            return []
+            return NO_DRAFT
         index = _own_index(self.own, req_id, self.max_n, tokens)
         # every token indexed: an n-gram ending at position i (i <= n_tokens - 2) maps to
         # i + 1, so the query (the last n tokens) is found only strictly earlier
@@ -43,9 +53,8 @@ class NgramProposer:
         for n in range(min(self.max_n, n_tokens - 1), self.min_n - 1, -1):
             at = where.get(tuple(tokens[n_tokens - n:]))
             if at is not None:
-                self.match = n
-                return tokens[at:at + k]
-        return []
+                return Draft(tokens[at:at + k], n)
+        return NO_DRAFT
 
     def finished(self, req_id: str, tokens: list[int], num_prompt: int) -> None:
         """A request finished: its index goes."""
@@ -103,13 +112,11 @@ class SuffixProposer:
         self.earlier: OrderedDict[str, _NgramIndex] = OrderedDict()
         self.store: dict[tuple, tuple[_NgramIndex, int]] = {}
         """n-gram -> (the latest earlier request's index holding it, the position after)."""
-        self.match = 0
-        """The length of the suffix whose continuation the last `propose` returned (0:
-        none): the policy's acceptance estimates are kept per match length."""
 
-    def propose(self, req_id: str, tokens: list[int], k: int | None = None) -> list[int]:
+    def propose(self, req_id: str, tokens: list[int], k: int | None = None) -> Draft:
+        """Up to k (default: the ceiling) tokens that followed the longest suffix of
+        `tokens` seen before: in the request itself first, then in the store."""
         k = self.k if k is None else k
-        self.match = 0
         index = _own_index(self.own, req_id, self.max_n, tokens)
         # index every token but the last: the suffix ending at the last is the query
         if len(index.tokens) < len(tokens) - 1:
@@ -118,14 +125,12 @@ class SuffixProposer:
             suffix = tuple(tokens[len(tokens) - n:])
             at = index.where.get(suffix)  # the index holds a prefix of `tokens`
             if at is not None:
-                self.match = n
-                return tokens[at:at + k]
+                return Draft(tokens[at:at + k], n)
             found = self.store.get(suffix)
             if found is not None:
                 other, at = found
-                self.match = n
-                return other.tokens[at:at + k]
-        return []
+                return Draft(other.tokens[at:at + k], n)
+        return NO_DRAFT
 
     def finished(self, req_id: str, tokens: list[int], num_prompt: int) -> None:
         """Keep a finished request's output (with the prompt's last tokens as context) in
@@ -158,12 +163,12 @@ class DraftModelProposer:
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.k = config.num_speculative_tokens
-        self.match = 0
-        """Always 0: every draft model's draft is one kind (one row of acceptances)."""
 
-    def propose(self, req_id: str, tokens: list[int], k: int | None = None) -> list[int]:
+    def propose(self, req_id: str, tokens: list[int], k: int | None = None) -> Draft:
+        """k placeholders; the match is always 0: every draft model's draft is one kind
+        (one row of acceptances)."""
         k = self.k if k is None else k
-        return [0] * max(k, 0)
+        return Draft([0] * max(k, 0), 0)
 
     def finished(self, req_id: str, tokens: list[int], num_prompt: int) -> None:
         """A request finished (nothing kept here)."""

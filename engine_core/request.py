@@ -161,7 +161,7 @@ class Request:
         back (then `num_computed_tokens` counts them too, and the request is not scheduled
         again until it is back)."""
         self.draft_match = 0
-        """The length of the match those drafts were proposed from (`proposer.match`): the
+        """The length of the match those drafts were proposed from (`proposers.Draft.match`): the
         policy learns acceptance per match length."""
         self.pooling = pooling
         """An embedding request's pooling (resolved by `check_pooling`): it finishes when its

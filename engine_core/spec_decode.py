@@ -330,7 +330,7 @@ def run_gains(accept, cap: int) -> list[float]:
 
 class AcceptanceTable:
     """Each draft position's acceptance given the positions before it were accepted, by the
-    length of the match the proposer drafted from (`proposer.match`), learned from every
+    length of the match the proposer drafted from (`proposers.Draft.match`), learned from every
     verification (`record`, over the positions it tested: `verified_positions`).
 
     Why not one running a per request with a^j: a copy run, once its first drafts are

@@ -12,7 +12,7 @@ from sched_utils import (
     FakeWorker, make_request, make_scheduler, reference_tokens, step,
 )
 from tidal.engine_core.config import EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from tidal.engine_core.proposers import NgramProposer, SuffixProposer
+from tidal.engine_core.proposers import Draft, NgramProposer, SuffixProposer
 from tidal.engine_core.spec_decode import (
     STEP_SAMPLES, STEP_STALE, AcceptanceTable, AdaptivePolicy, CostTerms, StepTimes,
     parse_speculative_config, run_gains, verified_positions,
@@ -84,24 +84,21 @@ def test_ngram_proposes_what_followed_the_longest_latest_match():
     #            0  1  2  3  4  5  6  7  8  9
     tokens = [5, 6, 7, 8, 9, 6, 7, 1, 2, 6, 7]
     # "6 7" occurs at 1 and 5; "5 6 7"/"9 6 7"/"2 6 7" do not recur: the latest "6 7" wins
-    assert p.propose("a", tokens) == [1, 2, 6, 7]
-    assert p.propose("a", tokens, k=2) == [1, 2]
-    assert p.match == 2  # the length of the n-gram the draft followed
-    assert p.propose("a", [1, 2, 3]) == []  # nothing recurs
-    assert p.match == 0
+    assert p.propose("a", tokens).tokens == [1, 2, 6, 7]
+    # the length of the n-gram the draft follows comes with it
+    assert p.propose("a", tokens, k=2) == Draft([1, 2], 2)
+    assert p.propose("a", [1, 2, 3]) == Draft([], 0)  # nothing recurs
     strict = NgramProposer(parse_speculative_config({**NGRAM, "prompt_lookup_min": 3}))
-    assert strict.propose("a", tokens) == []  # only 2 tokens match
+    assert strict.propose("a", tokens).tokens == []  # only 2 tokens match
 
 
 def test_suffix_matches_own_tokens_then_earlier_requests_outputs():
     p = SuffixProposer(parse_speculative_config({"method": "suffix",
                                                  "num_speculative_tokens": 3}))
-    assert p.propose("a", [1, 2, 3, 4, 1, 2]) == [3, 4, 1]
-    assert p.match == 2
-    assert p.propose("b", [9, 8, 40, 41]) == []
+    assert p.propose("a", [1, 2, 3, 4, 1, 2]) == Draft([3, 4, 1], 2)
+    assert p.propose("b", [9, 8, 40, 41]) == Draft([], 0)
     p.finished("a", [1, 2, 3, 4, 1, 2, 40, 41, 42, 43], num_prompt=4)
-    assert p.propose("b", [9, 8, 40, 41]) == [42, 43]  # from a's output
-    assert p.match == 2
+    assert p.propose("b", [9, 8, 40, 41]) == Draft([42, 43], 2)  # from a's output
     assert "a" not in p.own
 
 
@@ -110,13 +107,13 @@ def test_suffix_store_prefers_the_latest_output_and_forgets_the_oldest_beyond_it
                                                  "suffix_cache_requests": 2}))
     p.finished("a", [0, 7, 8, 1, 2], num_prompt=1)
     p.finished("b", [0, 7, 8, 3, 4], num_prompt=1)
-    assert p.propose("x", [5, 7, 8]) == [3, 4]  # b, the latest, wins over a
-    assert p.propose("y", [5, 50, 51]) == []
+    assert p.propose("x", [5, 7, 8]).tokens == [3, 4]  # b, the latest, wins over a
+    assert p.propose("y", [5, 50, 51]).tokens == []
     p.finished("c", [0, 50, 51, 60, 61], num_prompt=1)  # a leaves the store
-    assert p.propose("x", [5, 7, 8]) == [3, 4]  # b's n-grams stay
+    assert p.propose("x", [5, 7, 8]).tokens == [3, 4]  # b's n-grams stay
     p.finished("d", [0, 9, 9, 9], num_prompt=1)  # b leaves: no request holds 7 8 now
-    assert p.propose("z", [5, 7, 8]) == []
-    assert p.propose("y", [5, 50, 51]) == [60, 61]
+    assert p.propose("z", [5, 7, 8]).tokens == []
+    assert p.propose("y", [5, 50, 51]).tokens == [60, 61]
 
 
 # -- the adaptive policy ----------------------------------------------------------------------
