@@ -702,7 +702,8 @@ int tidal_decode_attention_head_dim_ok(int head_dim) {
 #endif
 /* decode_rows over float32 caches in an AVX-512 build: the heads items, one a row (all its
  * heads) or, where rows are fewer than ITEMS_PER_THREAD a thread, each row's heads in parts of
- * whole KV heads' groups (as far as they go) so that each thread has items. */
+ * whole KV heads' groups (of MAX_GROUP heads where a group is larger) so that each thread has
+ * items, as far as the KV heads go. */
 static int decode_rows_heads(const float *q, const void *key_cache, const void *value_cache,
                              const int *tables, long max_blocks, const int *lens,
                              const long *requests, const long *rows, long n, int num_heads,
@@ -720,6 +721,10 @@ static int decode_rows_heads(const float *q, const void *key_cache, const void *
         parts = (int)((ITEMS_PER_THREAD * threads + n - 1) / n);
         parts = parts < num_heads ? parts : num_heads;
         per = (num_heads + parts - 1) / parts;
+        /* no finer than a KV head's group (or MAX_GROUP of it, as the other items): a part
+         * with a few of a group's heads would read its KV head again for the others */
+        int least = group < MAX_GROUP ? group : MAX_GROUP;
+        per = per > least ? per : least;
         if (per >= group) per = (per + group - 1) / group * group;
         parts = (num_heads + per - 1) / per;
     }
