@@ -392,7 +392,9 @@ typedef void (*item_fn)(const float *, const void *, const void *, const float *
  * (8 x 256, one layer): 0.33 -> 0.26 for 125M's, SmolLM2's within 5%. A tile of VL scores a
  * vsum_tile (as the int8 items) was slower here too: 0.29 against 0.26 from cache; so was
  * taking all of a KV head's query heads at each position (0.42: the runtime group's registers
- * spill). */
+ * spill). Taking them up to 4 at a time with the count fixed at compile time (a K or V row
+ * loaded once for them) was no better for 9 over 3: from cache 0.118 against 0.114, from
+ * memory 0.66 against 0.69, so each head reads the chunk's rows from L1 in turn. */
 #if VL == 16
 #ifndef CHUNKS_AHEAD
 #define CHUNKS_AHEAD 2
@@ -418,7 +420,15 @@ static inline __attribute__((always_inline)) const char *chunk_row(const chunks_
            + s->head + (long)(c % s->kv_heads) * s->head_stride;
 }
 
-/* Prefetch into L2 chunk c of K's chunks then V's (nothing past the last). */
+/* Prefetch into L2 chunk c of K's chunks then V's (nothing past the last), all its rows at
+ * once, each row's address from the block table again. Faster-issuing forms were slower from
+ * memory on the Zen 4 EPYC, though faster from cache (one thread, 12 over 12 KV heads of 64, 32
+ * x 256 positions, 12 layers' caches, CPU ms a layer against this form in the same run,
+ * 2026-12-04): the rows' addresses stepped from the first row, 2.11 -> 2.60 (9 over 3: 0.71 ->
+ * 1.04; from cache 0.95x); one row prefetched beside each row read (as the walks above), 2, 3,
+ * 4 or 8 chunks ahead, 2.16-2.35 -> 2.48-2.65 (from cache 0.85x); only a row's first line,
+ * 2.32 -> 2.49; none at all, 2.32 -> 2.45 (and 2.12 -> 2.24 in another run); NTA, 2.32 ->
+ * 3.09. Why the slower issue wins is not known: what was measured is kept. */
 static inline __attribute__((always_inline)) void prefetch_chunk(const chunks_t *s, int c) {
     if (c >= 2 * s->chunks) return;
     const char *cache = c < s->chunks ? s->k : s->v;
