@@ -393,8 +393,9 @@ typedef void (*item_fn)(const float *, const void *, const void *, const float *
  * vsum_tile (as the int8 items) was slower here too: 0.29 against 0.26 from cache; so was
  * taking all of a KV head's query heads at each position (0.42: the runtime group's registers
  * spill). Taking them up to 4 at a time with the count fixed at compile time (a K or V row
- * loaded once for them) was no better for 9 over 3: from cache 0.118 against 0.114, from
- * memory 0.66 against 0.69, so each head reads the chunk's rows from L1 in turn. */
+ * loaded once for them) was mixed for 9 over 3, one run each: from cache 0.118 against 0.114,
+ * from memory 0.66 against 0.69; not worth its code, so each head reads the chunk's rows from
+ * L1 in turn. */
 #if VL == 16
 #ifndef CHUNKS_AHEAD
 #define CHUNKS_AHEAD 2
