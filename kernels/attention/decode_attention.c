@@ -11,15 +11,19 @@
  * scale per (position, KV head) beside it; rows are widened to float a tile at a time and the
  * arithmetic is then the float32 kernel's.
  *
- * Work item = (query row, KV head, up to MAX_GROUP of the query heads that share it), taken by
- * the threads dynamically (lengths vary). An item makes two passes over its KV head's rows:
+ * Work item (int8 caches, and AVX2 builds) = (query row, KV head, up to MAX_GROUP of the query
+ * heads that share it), taken by the threads dynamically (lengths vary); AVX-512 builds over
+ * float32 caches take (query row, its query heads: all of them, or a part where the rows are
+ * too few for the threads) and walk all those heads' KV heads a cache block at a time, which
+ * reads the head-major cache's blocks front to back (HEADS_ITEM below: 0.74x the time of an
+ * item a KV head for 12 KV heads, from memory). An item makes two passes over its KV heads' rows:
  *
  *   scores[g, p] = scale * q[g] . K[p]        then the row maximum, and for each head
  *   e[g, p]      = exp(scores[g, p] - max)    (16 at a time, exp16), and their sum;
  *   out[g]       = sum_p e[g, p] V[p] / sum_p e[g, p]
  *
  * so each K and V row is read once for all heads of its group (q and the group's output
- * accumulators stay in registers). A KV head's rows are contiguous within a block (head-major)
+ * accumulators stay in registers: in the heads items, for a block's rows). A KV head's rows are contiguous within a block (head-major)
  * or D floats every KVH x D (position-major), and blocks lie anywhere: the hardware prefetcher
  * does not follow them from block to block. Each pass prefetches the row PREFETCH positions
  * ahead through the block table: measured on the 2-vCPU Xeon (position-major), 32 requests x
@@ -362,75 +366,183 @@ typedef void (*item_fn)(const float *, const void *, const void *, const float *
                         const float *, const int *, int, int, layout_t, long, layout_t, long,
                         int, float, float, float *, float *);
 
-/* AVX-512 builds' float32 items: one position at a time, all heads' accumulators live (the
- * group's DV x group vectors fit in 32 registers), one vsum a score. Measured against the
- * tiles above on the 2-vCPU AMD EPYC (Zen 4), SmolLM2's geometry, 8 x 4096 positions from
- * memory in 2 MB pages (benchmarks/decode_attention_ab.py, OMP_NUM_THREADS=1, CPU time,
- * 2026-12-04): the tiles took 1.04-1.22x this item's time in six runs, where in AVX2 builds
- * they took 0.93-0.96x (12 KV heads: 0.93x) and read from cache 0.76x. So AVX-512 builds keep
- * this item for float32 caches, and use the tiles for int8 (the widening once a tile). */
+/* AVX-512 builds' float32 items: query heads [first, first + count) of one query row (all of
+ * its heads unless there are too few rows for the threads, see decode_rows_heads), every KV
+ * head they read in one walk. A chunk is one KV head's positions within one cache block (16
+ * rows of D floats, contiguous in the head-major cache); the walk takes a block's chunks head
+ * after head, then the next block's: with the cpu backend's [num_blocks, KVH, block_size, D]
+ * a whole block, 12 x 4 KB for 12 KV heads of 64, is read front to back, where an item of one
+ * KV head (as before) read 4 KB runs scattered over the cache, its hardware prefetch starting
+ * cold at every block. Software prefetches (into L2) run CHUNKS_AHEAD chunks ahead, through
+ * the K chunks and on into the V chunks.
+ *
+ * Within a chunk each query head's scores are those of the row-at-a-time arithmetic (scale q,
+ * one vsum a position), each head's V sum goes position by position into its accumulators
+ * (kept in scratch between chunks): per head the same operations in the same order as the
+ * item of one KV head's group this replaced, so results are bit for bit its results, and do
+ * not depend on how heads are split into items.
+ *
+ * Measured on the 2-vCPU AMD EPYC (Zen 4), benchmarks/decode_attention_ab.py (random caches
+ * in 2 MB pages, layers' caches in turn, from memory), OMP_NUM_THREADS=1, CPU ms a layer, the
+ * item of one KV head against this, 2026-12-04: 125M's geometry (12 heads over 12 KV heads of
+ * 64), 32 x 256 positions: 2.88 -> 2.12 (24 GB/s, where a 1-thread streaming read gets 25.6);
+ * 8 x 1024: 2.55 -> 2.09; SmolLM2's (9 over 3), 32 x 256: 0.80 -> 0.72. Without the software
+ * prefetches 2.24 (32 x 256): the contiguous walk alone is most of the gain. Prefetch 1, 4 or
+ * 8 chunks ahead: within noise of 2; into L1 (T0) 2.93; L3 (T2) the same as L2. From cache
+ * (8 x 256, one layer): 0.33 -> 0.26 for 125M's, SmolLM2's within 5%. A tile of VL scores a
+ * vsum_tile (as the int8 items) was slower here too: 0.29 against 0.26 from cache; so was
+ * taking all of a KV head's query heads at each position (0.42: the runtime group's registers
+ * spill). Taking them up to 4 at a time with the count fixed at compile time (a K or V row
+ * loaded once for them) was mixed for 9 over 3, one run each: from cache 0.118 against 0.114,
+ * from memory 0.66 against 0.69; not worth its code, so each head reads the chunk's rows from
+ * L1 in turn. */
 #if VL == 16
-#define ROW_ITEM(DV)                                                                            \
-static void row_item_##DV(const float *q, const void *kc, const void *vc, const float *ks,  \
-                          const float *vs, const int *table, int lo, int seq_len,           \
-                          layout_t at, long head, layout_t sat, long shead, int group,      \
-                          float scale, float cap, float *out, float *scores) {              \
-    (void)ks; (void)vs; (void)sat; (void)shead;                                             \
-    vec qv[MAX_GROUP][DV], acc[MAX_GROUP][DV];                                              \
-    float top[MAX_GROUP], inverse[MAX_GROUP];                                               \
-    int n = seq_len - lo;                                                                   \
-    for (int g = 0; g < group; g++) {                                                       \
-        top[g] = -INFINITY;                                                                 \
-        for (int c = 0; c < DV; c++) {                                                      \
-            qv[g][c] = V(mul_ps)(V(loadu_ps)(q + g * VL * DV + VL * c),                     \
-                                     V(set1_ps)(scale));                                    \
-            acc[g][c] = V(setzero_ps)();                                                    \
-        }                                                                                   \
-    }                                                                                       \
-    walk_t kw = walk_from(kc, table, at, head, lo, seq_len, 4);                             \
-    walk_t ka = walk_from(kc, table, at, head, lo + PREFETCH, seq_len, 4);                  \
-    for (int p = 0; p < n; p++, walk_next(&kw)) {                                           \
-        prefetch_walk(&ka, 4 * VL * DV);                                                    \
-        const float *k = (const float *)kw.row;                                             \
-        vec kv[DV];                                                                         \
-        for (int c = 0; c < DV; c++) kv[c] = V(loadu_ps)(k + VL * c);                       \
-        for (int g = 0; g < group; g++) {                                                   \
-            vec s = V(mul_ps)(qv[g][0], kv[0]);                                             \
-            for (int c = 1; c < DV; c++) s = V(fmadd_ps)(qv[g][c], kv[c], s);               \
-            float score = vsum(s);                                                          \
-            if (cap > 0.0f) score = cap * tanhf(score / cap);                               \
-            scores[g * n + p] = score;                                                      \
-            top[g] = score > top[g] ? score : top[g];                                       \
-        }                                                                                   \
-    }                                                                                       \
-    for (int g = 0; g < group; g++)                                                         \
-        inverse[g] = softmax_row(scores + g * n, n, top[g]);                                \
-    walk_t vw = walk_from(vc, table, at, head, lo, seq_len, 4);                             \
-    walk_t va = walk_from(vc, table, at, head, lo + PREFETCH, seq_len, 4);                  \
-    for (int p = 0; p < n; p++, walk_next(&vw)) {                                           \
-        prefetch_walk(&va, 4 * VL * DV);                                                    \
-        const float *v = (const float *)vw.row;                                             \
-        vec vv[DV];                                                                         \
-        for (int c = 0; c < DV; c++) vv[c] = V(loadu_ps)(v + VL * c);                       \
-        for (int g = 0; g < group; g++) {                                                   \
-            vec w = V(set1_ps)(scores[g * n + p]);                                          \
-            for (int c = 0; c < DV; c++) acc[g][c] = V(fmadd_ps)(w, vv[c], acc[g][c]);      \
-        }                                                                                   \
-    }                                                                                       \
-    for (int g = 0; g < group; g++)                                                         \
-        for (int c = 0; c < DV; c++)                                                        \
-            V(storeu_ps)(out + g * VL * DV + VL * c,                                        \
-                             V(mul_ps)(acc[g][c], V(set1_ps)(inverse[g])));                 \
+#ifndef CHUNKS_AHEAD
+#define CHUNKS_AHEAD 2
+#endif
+/* The chunks of an item: K's then V's (for the prefetches), in bytes. Chunk c: block
+ * lo / bs + c / kv_heads of the table, KV head c % kv_heads counted from `head`. */
+typedef struct { const char *k, *v; const int *table; layout_t at; long head, head_stride;
+                 int lo, seq_len, kv_heads, chunks, row_bytes; } chunks_t;
+
+/* Positions [p0, p1) of chunk c (its block's, within [lo, seq_len)). */
+static inline __attribute__((always_inline)) void chunk_span(const chunks_t *s, int c, int *p0,
+                                                             int *p1) {
+    int b = s->lo / s->at.bs + c / s->kv_heads;
+    *p0 = b * s->at.bs > s->lo ? b * s->at.bs : s->lo;
+    *p1 = (b + 1) * s->at.bs < s->seq_len ? (b + 1) * s->at.bs : s->seq_len;
 }
-ROW_ITEM(1) ROW_ITEM(2) ROW_ITEM(3) ROW_ITEM(4) ROW_ITEM(5) ROW_ITEM(6) ROW_ITEM(7) ROW_ITEM(8)
-ROW_ITEM(16)
+
+/* Position p's row of chunk c's KV head in `cache` (s->k or s->v). */
+static inline __attribute__((always_inline)) const char *chunk_row(const chunks_t *s,
+                                                                   const char *cache, int c,
+                                                                   int p) {
+    return cache + (long)s->table[p / s->at.bs] * s->at.block + (long)(p % s->at.bs) * s->at.pos
+           + s->head + (long)(c % s->kv_heads) * s->head_stride;
+}
+
+/* Prefetch into L2 chunk c of K's chunks then V's (nothing past the last), all its rows at
+ * once, each row's address from the block table again. Faster-issuing forms were slower from
+ * memory on the Zen 4 EPYC, though faster from cache (one thread, 12 over 12 KV heads of 64, 32
+ * x 256 positions, 12 layers' caches, CPU ms a layer against this form in the same run,
+ * 2026-12-04): the rows' addresses stepped from the first row, 2.11 -> 2.60 (9 over 3: 0.71 ->
+ * 1.04; from cache 0.95x); one row prefetched beside each row read (as the walks above), 2, 3,
+ * 4 or 8 chunks ahead, 2.16-2.35 -> 2.48-2.65 (from cache 0.85x); only a row's first line,
+ * 2.32 -> 2.49; none at all, 2.32 -> 2.45 (and 2.12 -> 2.24 in another run); NTA, 2.32 ->
+ * 3.09. Why the slower issue wins is not known: what was measured is kept. */
+static inline __attribute__((always_inline)) void prefetch_chunk(const chunks_t *s, int c) {
+    if (c >= 2 * s->chunks) return;
+    const char *cache = c < s->chunks ? s->k : s->v;
+    c = c < s->chunks ? c : c - s->chunks;
+    int p0, p1;
+    chunk_span(s, c, &p0, &p1);
+    for (int p = p0; p < p1; p++) {
+        const char *row = chunk_row(s, cache, c, p);
+        for (int l = 0; l < s->row_bytes; l += 64) _mm_prefetch(row + l, _MM_HINT_T1);
+    }
+}
+
+/* Query heads [first, first + count) of row q (all its heads; out likewise) over positions
+ * [lo, seq_len), scores above 0 soft-capped at cap. scratch: count x (2 D + 2 + seq_len - lo)
+ * floats, 64-byte aligned. */
+#define HEADS_ITEM(DV)                                                                      \
+static void heads_item_##DV(const float *q, const float *kc, const float *vc,               \
+                            const int *table, int lo, int seq_len, layout_t at,             \
+                            long head_stride, int group, int first, int count, float scale, \
+                            float cap, float *out, float *scratch) {                        \
+    enum { D = VL * (DV) };                                                                 \
+    int n = seq_len - lo, kv0 = first / group, kv_heads = (first + count - 1) / group + 1 - kv0; \
+    /* per query head i = h - first: scaled q, V sums, top score, 1 / sum, scores */        \
+    float *qs = scratch, *accs = qs + (long)count * D, *top = accs + (long)count * D;       \
+    float *inverse = top + count, *scores = inverse + count;                                \
+    for (int i = 0; i < count; i++) {                                                       \
+        top[i] = -INFINITY;                                                                 \
+        for (int j = 0; j < DV; j++) {                                                      \
+            V(storeu_ps)(qs + i * D + VL * j,                                               \
+                         V(mul_ps)(V(loadu_ps)(q + (first + i) * D + VL * j),               \
+                                   V(set1_ps)(scale)));                                     \
+            V(storeu_ps)(accs + i * D + VL * j, V(setzero_ps)());                           \
+        }                                                                                   \
+    }                                                                                       \
+    int blocks = (seq_len - 1) / at.bs - lo / at.bs + 1;                                    \
+    layout_t bytes = {at.bs, at.block * 4, at.pos * 4};                                     \
+    chunks_t s = {(const char *)kc, (const char *)vc, table, bytes, kv0 * head_stride * 4,  \
+                  head_stride * 4, lo, seq_len, kv_heads, blocks * kv_heads, D * 4};        \
+    for (int c = 0; c < CHUNKS_AHEAD; c++) prefetch_chunk(&s, c);                           \
+    for (int c = 0; c < s.chunks; c++) {                                                    \
+        prefetch_chunk(&s, c + CHUNKS_AHEAD);                                               \
+        int p0, p1, kv = kv0 + c % kv_heads;                                                \
+        int i0 = kv * group - first > 0 ? kv * group - first : 0;                           \
+        int i1 = (kv + 1) * group - first < count ? (kv + 1) * group - first : count;       \
+        chunk_span(&s, c, &p0, &p1);                                                        \
+        const float *k0 = (const float *)chunk_row(&s, s.k, c, p0);                         \
+        for (int i = i0; i < i1; i++) {                                                     \
+            vec qv[DV];                                                                     \
+            float t = top[i], *sc = scores + (long)i * n - lo;                              \
+            const float *k = k0;                                                            \
+            for (int j = 0; j < DV; j++) qv[j] = V(loadu_ps)(qs + i * D + VL * j);          \
+            for (int p = p0; p < p1; p++, k += at.pos) {                                    \
+                vec x = V(mul_ps)(qv[0], V(loadu_ps)(k));                                   \
+                for (int j = 1; j < DV; j++)                                                \
+                    x = V(fmadd_ps)(qv[j], V(loadu_ps)(k + VL * j), x);                     \
+                float score = vsum(x);                                                      \
+                if (cap > 0.0f) score = cap * tanhf(score / cap);                           \
+                sc[p] = score;                                                              \
+                t = score > t ? score : t;                                                  \
+            }                                                                               \
+            top[i] = t;                                                                     \
+        }                                                                                   \
+    }                                                                                       \
+    for (int i = 0; i < count; i++)                                                         \
+        inverse[i] = softmax_row(scores + (long)i * n, n, top[i]);                          \
+    for (int c = 0; c < s.chunks; c++) {                                                    \
+        prefetch_chunk(&s, s.chunks + c + CHUNKS_AHEAD);                                    \
+        int p0, p1, kv = kv0 + c % kv_heads;                                                \
+        int i0 = kv * group - first > 0 ? kv * group - first : 0;                           \
+        int i1 = (kv + 1) * group - first < count ? (kv + 1) * group - first : count;       \
+        chunk_span(&s, c, &p0, &p1);                                                        \
+        const float *v0 = (const float *)chunk_row(&s, s.v, c, p0);                         \
+        for (int i = i0; i < i1; i++) {                                                     \
+            vec a[DV];                                                                      \
+            const float *e = scores + (long)i * n - lo, *v = v0;                            \
+            for (int j = 0; j < DV; j++) a[j] = V(loadu_ps)(accs + i * D + VL * j);         \
+            for (int p = p0; p < p1; p++, v += at.pos) {                                    \
+                vec w = V(set1_ps)(e[p]);                                                   \
+                for (int j = 0; j < DV; j++)                                                \
+                    a[j] = V(fmadd_ps)(w, V(loadu_ps)(v + VL * j), a[j]);                   \
+            }                                                                               \
+            for (int j = 0; j < DV; j++) V(storeu_ps)(accs + i * D + VL * j, a[j]);         \
+        }                                                                                   \
+    }                                                                                       \
+    for (int i = 0; i < count; i++)                                                         \
+        for (int j = 0; j < DV; j++)                                                        \
+            V(storeu_ps)(out + (first + i) * D + VL * j,                                    \
+                         V(mul_ps)(V(loadu_ps)(accs + i * D + VL * j),                      \
+                                   V(set1_ps)(inverse[i])));                                \
+}
+HEADS_ITEM(1) HEADS_ITEM(2) HEADS_ITEM(3) HEADS_ITEM(4) HEADS_ITEM(5) HEADS_ITEM(6)
+HEADS_ITEM(7) HEADS_ITEM(8) HEADS_ITEM(16)
+
+typedef void (*heads_fn)(const float *, const float *, const float *, const int *, int, int,
+                         layout_t, long, int, int, int, float, float, float *, float *);
+
+/* The heads item for a head size (0: none). */
+static heads_fn heads_for(int head_dim) {
+    switch (head_dim / VL * (head_dim % VL == 0)) {
+#define CASE(DV) case DV: return heads_item_##DV;
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(16)
+#undef CASE
+    default: return 0;
+    }
+}
 #endif
 
-/* The item for a head size (0: none), over float32 caches or (`quantized`) int8 ones. */
-static item_fn item_for(int head_dim, int quantized) {
+/* The tile item for a head size (0: none): AVX2 builds' for float32 and int8 caches, AVX-512
+ * builds' for int8 (their float32 caches take the heads items above). */
+static item_fn item_for(int head_dim) {
     switch (head_dim / VL * (head_dim % VL == 0)) {
 #if VL == 16
-#define CASE(DV) case DV: return quantized ? item_##DV : row_item_##DV;
+#define CASE(DV) case DV: return item_##DV;
     CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(16)
 #undef CASE
 #else
@@ -438,7 +550,7 @@ static item_fn item_for(int head_dim, int quantized) {
     case 10: return item_10; case 12: return item_12; case 14: return item_14;
     case 16: return item_16; case 32: return item_32;
 #endif
-    default: (void)quantized; return 0;
+    default: return 0;
     }
 }
 
@@ -572,7 +684,7 @@ int tidal_decode_attention_available(void) { return TIDAL_DECODE_ATTENTION; }
 /* 1 where tidal_decode_attention takes this head size (16..128 in steps of 16, or 256). */
 int tidal_decode_attention_head_dim_ok(int head_dim) {
 #if TIDAL_DECODE_ATTENTION
-    return item_for(head_dim, 0) != 0;
+    return item_for(head_dim) != 0;
 #else
     (void)head_dim;
     return 0;
@@ -590,6 +702,71 @@ int tidal_decode_attention_head_dim_ok(int head_dim) {
  * so they stay split. */
 #define ROWS_PARALLEL_WORK 4096
 
+/* Items a thread, at least, where the rows are too few for one item each (decode_rows_heads):
+ * lengths vary, and with dynamic scheduling a thread's last item is what the others may wait
+ * for. */
+#define ITEMS_PER_THREAD 4
+
+#if TIDAL_DECODE_ATTENTION && VL == 16
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+/* decode_rows over float32 caches in an AVX-512 build: the heads items, one a row (all its
+ * heads) or, where rows are fewer than ITEMS_PER_THREAD a thread, each row's heads in parts of
+ * whole KV heads' groups (of MAX_GROUP heads where a group is larger) so that each thread has
+ * items, as far as the KV heads go. */
+static int decode_rows_heads(const float *q, const void *key_cache, const void *value_cache,
+                             const int *tables, long max_blocks, const int *lens,
+                             const long *requests, const long *rows, long n, int num_heads,
+                             int num_kv_heads, int head_dim, layout_t at, long head_stride,
+                             float scale, int window, float soft_cap, float *out) {
+    heads_fn item = heads_for(head_dim);
+    int group = num_heads / num_kv_heads, threads = 1, failed = 0;
+    long work = 0; /* (key position, head) pairs: the rows' arithmetic */
+    for (long r = 0; r < n; r++) work += (long)lens[r] * num_heads;
+#ifdef _OPENMP
+    if (work >= ROWS_PARALLEL_WORK) threads = omp_get_max_threads();
+#endif
+    int parts = 1, per = num_heads; /* items a row, query heads an item */
+    if (threads > 1 && n < (long)ITEMS_PER_THREAD * threads) {
+        parts = (int)((ITEMS_PER_THREAD * threads + n - 1) / n);
+        parts = parts < num_heads ? parts : num_heads;
+        per = (num_heads + parts - 1) / parts;
+        /* no finer than a KV head's group (or MAX_GROUP of it, as the other items): a part
+         * with a few of a group's heads would read its KV head again for the others */
+        int least = group < MAX_GROUP ? group : MAX_GROUP;
+        per = per > least ? per : least;
+        if (per >= group) per = (per + group - 1) / group * group;
+        parts = (num_heads + per - 1) / per;
+    }
+    long items = n * parts;
+    #pragma omp parallel if (threads > 1)
+    {
+        float *scratch = 0;
+        long capacity = 0;
+        #pragma omp for schedule(dynamic)
+        for (long i = 0; i < items; i++) {
+            long r = i / parts, row = rows[r];
+            int first = (int)(i % parts) * per;
+            int count = num_heads - first < per ? num_heads - first : per;
+            int seq_len = lens[r], lo = window > 0 && seq_len > window ? seq_len - window : 0;
+            long need = (long)count * (2 * head_dim + 2 + seq_len - lo);
+            if (need > capacity) {
+                free(scratch);
+                capacity = (need + 15) / 16 * 16;
+                scratch = aligned_alloc(64, capacity * sizeof(float));
+                if (!scratch) { capacity = 0; failed = 1; continue; }
+            }
+            item(q + row * num_heads * head_dim, key_cache, value_cache,
+                 tables + requests[r] * max_blocks, lo, seq_len, at, head_stride, group, first,
+                 count, scale, soft_cap, out + row * num_heads * head_dim, scratch);
+        }
+        free(scratch);
+    }
+    return failed ? -2 : 0;
+}
+#endif
+
 #if TIDAL_DECODE_ATTENTION
 /* The work items of tidal_decode_attention_window and _int8 (ks and vs 0: float32 caches),
  * split between the threads. */
@@ -599,8 +776,14 @@ static int decode_rows(const float *q, const void *key_cache, const void *value_
                        int num_heads, int num_kv_heads, int head_dim, layout_t at,
                        long head_stride, layout_t sat, long scale_head, float scale,
                        int window, float soft_cap, float *out) {
-    item_fn item = item_for(head_dim, ks != 0);
+    item_fn item = item_for(head_dim);
     if (!item) return -1;
+#if VL == 16
+    if (!ks)
+        return decode_rows_heads(q, key_cache, value_cache, tables, max_blocks, lens, requests,
+                                 rows, n, num_heads, num_kv_heads, head_dim, at, head_stride,
+                                 scale, window, soft_cap, out);
+#endif
     int group = num_heads / num_kv_heads;
     int parts = (group + MAX_GROUP - 1) / MAX_GROUP; /* items per KV head */
     long items = n * num_kv_heads * parts;

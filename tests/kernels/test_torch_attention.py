@@ -192,7 +192,8 @@ def test_cpu_where_it_cannot_run_is_an_error_naming_the_field(device_type, dtype
 @pytest.mark.parametrize("head_dim, num_heads, num_kv_heads", [
     (64, 9, 3),  # SmolLM2's geometry
     (128, 4, 1),
-    (16, 12, 1),  # a group of 12: two work items of 8 and 4 heads per KV head
+    (16, 12, 1),  # a group of 12: int8 and AVX2 items take 8 and 4 heads per KV head
+    (64, 12, 12),  # the 125M model's MHA: an item walks all 12 KV heads a block at a time
     (24, 4, 2),  # a head size the C kernel does not take: numba's kernel instead
 ])
 def test_c_kernel_equals_reference_across_head_sizes_and_groups(head_dim, num_heads,
@@ -204,6 +205,38 @@ def test_c_kernel_equals_reference_across_head_sizes_and_groups(head_dim, num_he
     expected = paged_attention_ref(*case.args(), out=poisoned_like(case.query))
     out = attend(CpuBackend(), case, out=poisoned_like(case.query))
     assert_matches(out, expected, case.owned_rows())
+
+
+@pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler or no AVX-512")
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(12, 12), (9, 3), (16, 1)])
+def test_c_decode_of_a_row_is_bit_for_bit_the_same_alone_or_among_others(num_heads,
+                                                                        num_kv_heads):
+    """A decode row's heads are one work item when the rows are many, and parts of a few KV
+    heads each when they are too few for the threads (a row alone, on a machine of two
+    threads or more); each head's arithmetic is the same either way, so the row's output is
+    bit for bit the same."""
+    lib, g = cpu_attention.load(), torch.Generator().manual_seed(3)
+    rows, head_dim, block_size, per = 16, 64, 16, 40  # 40 blocks a request: 640 positions
+    blocks = rows * per
+    key_cache, value_cache = (torch.randn(blocks, num_kv_heads, block_size, head_dim,
+                                          generator=g).transpose(1, 2) for _ in range(2))
+    tables = torch.randperm(blocks, generator=g).to(torch.int32).reshape(rows, per)
+    lens = torch.randint(460, per * block_size + 1, (rows,), generator=g).to(torch.int32)
+    query = torch.randn(rows, num_heads, head_dim, generator=g)
+    order = torch.arange(rows, dtype=torch.int64)
+
+    def decode(n: int) -> torch.Tensor:
+        out = torch.full_like(query, float("nan"))
+        assert lib.tidal_decode_attention(
+            query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
+            per, lens.data_ptr(), order.data_ptr(), order.data_ptr(), n, num_heads,
+            num_kv_heads, head_dim, block_size, *key_cache.stride()[:3], head_dim ** -0.5,
+            out.data_ptr()) == 0
+        return out
+
+    together, alone = decode(rows), decode(1)
+    assert torch.equal(alone[0], together[0])
+    assert not together.isnan().any()
 
 
 @pytest.mark.skipif(not cpu_attention.available()
