@@ -413,6 +413,16 @@ static inline __attribute__((always_inline)) void chunk_span(const chunks_t *s, 
     *p1 = (b + 1) * s->at.bs < s->seq_len ? (b + 1) * s->at.bs : s->seq_len;
 }
 
+/* The query heads [*i0, *i1) of an item's heads [first, first + count) that read chunk c's
+ * KV head (kv0: the item's first KV head; group: query heads a KV head). */
+static inline __attribute__((always_inline)) void chunk_heads(const chunks_t *s, int c, int kv0,
+                                                              int group, int first, int count,
+                                                              int *i0, int *i1) {
+    int kv = kv0 + c % s->kv_heads;
+    *i0 = kv * group - first > 0 ? kv * group - first : 0;
+    *i1 = (kv + 1) * group - first < count ? (kv + 1) * group - first : count;
+}
+
 /* Position p's row of chunk c's KV head in `cache` (s->k or s->v). */
 static inline __attribute__((always_inline)) const char *chunk_row(const chunks_t *s,
                                                                    const char *cache, int c,
@@ -471,9 +481,8 @@ static void heads_item_##DV(const float *q, const float *kc, const float *vc,   
     for (int c = 0; c < CHUNKS_AHEAD; c++) prefetch_chunk(&s, c);                           \
     for (int c = 0; c < s.chunks; c++) {                                                    \
         prefetch_chunk(&s, c + CHUNKS_AHEAD);                                               \
-        int p0, p1, kv = kv0 + c % kv_heads;                                                \
-        int i0 = kv * group - first > 0 ? kv * group - first : 0;                           \
-        int i1 = (kv + 1) * group - first < count ? (kv + 1) * group - first : count;       \
+        int p0, p1, i0, i1;                                                                 \
+        chunk_heads(&s, c, kv0, group, first, count, &i0, &i1);                             \
         chunk_span(&s, c, &p0, &p1);                                                        \
         const float *k0 = (const float *)chunk_row(&s, s.k, c, p0);                         \
         for (int i = i0; i < i1; i++) {                                                     \
@@ -497,9 +506,8 @@ static void heads_item_##DV(const float *q, const float *kc, const float *vc,   
         inverse[i] = softmax_row(scores + (long)i * n, n, top[i]);                          \
     for (int c = 0; c < s.chunks; c++) {                                                    \
         prefetch_chunk(&s, s.chunks + c + CHUNKS_AHEAD);                                    \
-        int p0, p1, kv = kv0 + c % kv_heads;                                                \
-        int i0 = kv * group - first > 0 ? kv * group - first : 0;                           \
-        int i1 = (kv + 1) * group - first < count ? (kv + 1) * group - first : count;       \
+        int p0, p1, i0, i1;                                                                 \
+        chunk_heads(&s, c, kv0, group, first, count, &i0, &i1);                             \
         chunk_span(&s, c, &p0, &p1);                                                        \
         const float *v0 = (const float *)chunk_row(&s, s.v, c, p0);                         \
         for (int i = i0; i < i1; i++) {                                                     \
