@@ -122,14 +122,25 @@ def worker_threads(cpu_threads: int | None, cores: list[int] | None, num_ranks: 
     return max(1, available_cpus() // num_ranks)
 
 
+OPENBLAS_THREAD_TIMEOUT = "4"
+"""A worker's OpenBLAS threads spin 2^4 cycles, not OpenBLAS's default 2^28 (~70 ms), before
+they sleep. numpy's OpenBLAS starts OMP_NUM_THREADS - 1 threads when torch imports numpy, and
+each spins its timeout right away; no worker code calls numpy's BLAS (torch's products are
+MKL's and oneDNN's on x86, tidal's own are C). Spinning, they took ~0.1 s of CPU from the
+start-up's other processes: the demo model answered 1.23 s after the command against 1.29 s
+(medians of 9, interleaved, the 2-vCPU Zen 4 EPYC, 2026-12-04)."""
+
+
 def worker_env(base: dict[str, str], threads: int, ranks_here: int = 1) -> dict[str, str]:
-    """`base` plus one rank's thread count (for torch's and numba's pools) and the library
-    path that gives numba torch's OpenMP runtime (when torch's libgomp is found). When the
+    """`base` plus one rank's thread count (for torch's and numba's pools), the library
+    path that gives numba torch's OpenMP runtime (when torch's libgomp is found) and
+    OpenBLAS's short spin (`OPENBLAS_THREAD_TIMEOUT`; a value in `base` wins). When the
     `ranks_here` ranks on this machine have more threads in all than it has cores, idle
     threads sleep at once (PASSIVE, unless `base` sets a policy): spinning threads that
     outnumber the cores wait at every barrier for a partner that is not running."""
     env = dict(base)
     env["OMP_NUM_THREADS"] = env["NUMBA_NUM_THREADS"] = str(threads)
+    env.setdefault("OPENBLAS_THREAD_TIMEOUT", OPENBLAS_THREAD_TIMEOUT)
     if threads * ranks_here > available_cpus():
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return with_shared_openmp(env)

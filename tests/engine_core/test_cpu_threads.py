@@ -52,6 +52,13 @@ def test_worker_env_sets_threads_for_both_pools_and_keeps_the_users_wait_policy(
     assert worker_env({"OMP_WAIT_POLICY": "PASSIVE"}, 1)["OMP_WAIT_POLICY"] == "PASSIVE"
 
 
+def test_a_workers_openblas_threads_sleep_at_once_unless_the_user_says_otherwise():
+    """numpy's OpenBLAS threads would spin ~70 ms each right after torch imports numpy,
+    taking the CPU from the start-up's other processes; no worker code calls numpy's BLAS."""
+    assert worker_env({}, 2)["OPENBLAS_THREAD_TIMEOUT"] == "4"
+    assert worker_env({"OPENBLAS_THREAD_TIMEOUT": "28"}, 2)["OPENBLAS_THREAD_TIMEOUT"] == "28"
+
+
 def test_threads_that_outnumber_the_cores_sleep_at_once():
     cores = available_cpus()
     assert "OMP_WAIT_POLICY" not in worker_env({}, cores, ranks_here=1)
