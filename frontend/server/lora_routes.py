@@ -41,30 +41,6 @@ def runtime_updates_allowed() -> bool:
     return os.environ.get(RUNTIME_ENV, "").strip().lower() in ("1", "true")
 
 
-def parse_lora_modules(items: list[str] | None) -> list[tuple[str, str]]:
-    """--lora-modules' (name, path) pairs: `name=path` or JSON `{"name", "path"}`; ValueError
-    naming the flag otherwise."""
-    pairs = []
-    for item in items or []:
-        if item.lstrip().startswith("{"):
-            try:
-                spec = json.loads(item)
-                name, path = spec["name"], spec["path"]
-            except (ValueError, KeyError, TypeError):
-                raise ValueError(f"--lora-modules {item!r}: a JSON entry needs \"name\" and "
-                                 "\"path\"") from None
-        else:
-            name, sep, path = item.partition("=")
-            if not sep:
-                raise ValueError(f"--lora-modules {item!r}: expected name=path")
-        if not name or not path:
-            raise ValueError(f"--lora-modules {item!r}: name and path must not be empty")
-        if name in (n for n, _ in pairs):
-            raise ValueError(f"--lora-modules names {name!r} twice")
-        pairs.append((name, path))
-    return pairs
-
-
 class LoRARegistry:
     """The adapter names this HTTP process serves (see the module docstring)."""
 

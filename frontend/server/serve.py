@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import functools
+import json
 import logging
 import multiprocessing
 import os
@@ -578,9 +579,31 @@ def _check_args(ns: argparse.Namespace) -> None:
 
 def _lora_modules(ns: argparse.Namespace) -> list[tuple[str, str]]:
     """--lora-modules' (name, path) pairs (ValueError naming the flag)."""
-    from .lora_routes import parse_lora_modules  # fastapi: the HTTP processes' import
-
     return parse_lora_modules(getattr(ns, "lora_modules", None))
+
+
+def parse_lora_modules(items: list[str] | None) -> list[tuple[str, str]]:
+    """--lora-modules' (name, path) pairs: `name=path` or JSON `{"name", "path"}`; ValueError
+    naming the flag otherwise."""
+    pairs = []
+    for item in items or []:
+        if item.lstrip().startswith("{"):
+            try:
+                spec = json.loads(item)
+                name, path = spec["name"], spec["path"]
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"--lora-modules {item!r}: a JSON entry needs \"name\" and "
+                                 "\"path\"") from None
+        else:
+            name, sep, path = item.partition("=")
+            if not sep:
+                raise ValueError(f"--lora-modules {item!r}: expected name=path")
+        if not name or not path:
+            raise ValueError(f"--lora-modules {item!r}: name and path must not be empty")
+        if name in (n for n, _ in pairs):
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        pairs.append((name, path))
+    return pairs
 
 
 def _api_key(ns: argparse.Namespace) -> str | None:

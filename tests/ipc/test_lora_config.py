@@ -62,7 +62,7 @@ def test_a_folder_without_the_files_is_refused(tmp_path):
 
 
 def test_lora_modules_take_name_path_and_json():
-    from tidal.frontend.server.lora_routes import parse_lora_modules
+    from tidal.frontend.server.serve import parse_lora_modules
 
     assert parse_lora_modules(["a=/x", '{"name": "b", "path": "/y"}']) == [("a", "/x"),
                                                                          ("b", "/y")]
