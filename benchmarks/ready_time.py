@@ -1,6 +1,6 @@
 """Ready time (issue 36 item 4): seconds from the command to the first token, warm page cache.
 
-    python benchmarks/ready_time.py [MODEL ...] [--runs 5] [--bytecode]
+    python benchmarks/ready_time.py [MODEL ...] [--runs 5] [--bytecode] [--serve [--port P]]
 
 For each model (default: the bundled demo model, and SmolLM2-135M-Instruct's GGUF from the
 tests' cache, ~/.cache/tidal-test, when it is there) runs `--runs` fresh processes of
@@ -10,17 +10,26 @@ tests' cache, ~/.cache/tidal-test, when it is there) runs `--runs` fresh process
 and times each from its start to the line it prints once the token is back (its shutdown is
 not counted). One run first, not counted, warms the page cache and tidal's compile caches
 (numba, the C kernels). Prints each model's runs and their median, and the load average.
+
+--serve times `tidal serve MODEL --port P` instead (the `tidal` next to this Python): from the
+command to GET /health answering 200 (polled every 20 ms), and to the first token of a
+one-token /v1/completions request sent then; each server is stopped (SIGTERM to its process
+group) after.
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 
 CHILD = """
 import sys
@@ -53,6 +62,39 @@ def ready_s(model: str, env: dict | None = None) -> float:
     raise RuntimeError(f"no token from {model or 'the demo model'} (exit {proc.wait()})")
 
 
+def serve_ready_s(model: str, port: int, env: dict | None = None) -> tuple[float, float]:
+    """Seconds from starting `tidal serve` to /health 200, and to its first token."""
+    tidal = os.path.join(os.path.dirname(sys.executable), "tidal")
+    start = time.perf_counter()
+    proc = subprocess.Popen([tidal, "serve", *([model] if model else []), "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                            start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"tidal serve {model or '(demo)'} exited {proc.returncode}")
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=1) as answer:
+                    if answer.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.02)
+        health = time.perf_counter() - start
+        with urllib.request.urlopen(f"{base}/v1/models") as answer:
+            name = json.load(answer)["data"][0]["id"]
+        body = json.dumps({"model": name, "prompt": "def", "max_tokens": 1}).encode()
+        request = urllib.request.Request(f"{base}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request) as answer:
+            answer.read()
+        return health, time.perf_counter() - start
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("models", nargs="*", help="models (default: demo, SmolLM2 if cached)")
@@ -63,6 +105,9 @@ def main(argv=None) -> int:
                          "and CI images, not by Python's defaults): each of tidal's three "
                          "processes then compiles its sources once, in the warm-up run, as a "
                          "user's first start does, instead of at every start")
+    ap.add_argument("--serve", action="store_true",
+                    help="time `tidal serve` to /health 200 and to a first token over HTTP")
+    ap.add_argument("--port", type=int, default=8411, help="--serve's port")
     a = ap.parse_args(argv)
     env = None
     if a.bytecode:
@@ -72,6 +117,15 @@ def main(argv=None) -> int:
     print(f"load average before: {' '.join(open('/proc/loadavg').read().split()[:3])}; "
           f"bytecode caches {bytecode}")
     for model in a.models or default_models():
+        if a.serve:
+            serve_ready_s(model, a.port, env)  # warm-up
+            runs = [serve_ready_s(model, a.port, env) for _ in range(a.runs)]
+            health, first = [h for h, _ in runs], [f for _, f in runs]
+            print(f"tidal serve {os.path.basename(model) or 'demo model'}: /health 200 median "
+                  f"{statistics.median(health):.2f} s (runs {', '.join(f'{r:.2f}' for r in health)}); "
+                  f"first token median {statistics.median(first):.2f} s "
+                  f"(runs {', '.join(f'{r:.2f}' for r in first)})", flush=True)
+            continue
         ready_s(model, env)  # warm the page cache and compile caches
         runs = [ready_s(model, env) for _ in range(a.runs)]
         print(f"{os.path.basename(model) or 'demo model'}: median {statistics.median(runs):.2f} s "
