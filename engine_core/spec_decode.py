@@ -342,15 +342,24 @@ class AcceptanceTable:
     yields, and one a prices a 1-token match like an 8-token one.
 
     A position with little evidence leans on the one before it in the same row (`weight`
-    positions' worth of it), and a row's first position on `prior` (the engine's pooled
-    acceptance), so a position never verified is priced like its predecessor: longer
-    drafts get tried where the earlier positions hold, and learned from."""
+    positions' worth of it), so a position never verified is priced like its predecessor:
+    longer drafts get tried where the earlier positions hold, and learned from. A row's
+    first position leans on the engine's pooled acceptance `prior`, or on the best first
+    position of a shorter match where that is higher (`_first_leans`): acceptance rises with
+    the match, so a long match is priced at least like the shorter ones. Leaning on the
+    pooled acceptance alone, a fresh engine's first copy run stopped drafting: its first
+    verifications followed 1-3-token matches (the quotes' starts) and pulled the pool to
+    0.36-0.42, every long match with no evidence of its own was priced so and declined,
+    and one copying stream made 1.03-1.07 tokens a step over its first ~600 tokens
+    (SmolLM2, 2026-12-05), where a warm engine makes 2-3."""
 
     def __init__(self, weight: float) -> None:
         self.weight = weight
         self.accepted: dict[tuple[int, int], int] = {}
         self.tested: dict[tuple[int, int], int] = {}
         """(match length, draft position from 0) -> positions accepted / tested."""
+        self._leans: tuple[float, list[int], list[float]] | None = None
+        """`_first_leans`' answer for the prior it was made with; None after a `record`."""
 
     def record(self, match: int, num_drafts: int, num_accepted: int) -> None:
         accepted, tested = self.accepted, self.tested
@@ -359,6 +368,30 @@ class AcceptanceTable:
             tested[key] = tested.get(key, 0) + 1
             if j < num_accepted:
                 accepted[key] = accepted.get(key, 0) + 1
+        self._leans = None
+
+    def _first_leans(self, prior: float) -> tuple[list[int], list[float]]:
+        """The matches with a tested first position, ascending, and for each the lean of
+        a longer match's first position: the highest of `prior` and the first-position
+        estimates up to it (each itself leaning so). One pass, kept until the next
+        `record` or another prior."""
+        if self._leans is None or self._leans[0] != prior:
+            matches = sorted(m for m, j in self.tested if j == 0)
+            leans, lean = [], prior
+            for m in matches:
+                estimate = ((self.accepted.get((m, 0), 0) + self.weight * lean)
+                            / (self.tested[(m, 0)] + self.weight))
+                lean = max(lean, estimate)
+                leans.append(lean)
+            self._leans = (prior, matches, leans)
+        return self._leans[1], self._leans[2]
+
+    def _first_lean(self, match: int, prior: float) -> float:
+        """What `match`'s first position leans on: `prior`, or the best first position
+        of a shorter match (`_first_leans`)."""
+        matches, leans = self._first_leans(prior)
+        i = bisect_left(matches, match)
+        return leans[i - 1] if i else prior
 
     def best(self, k: int, prior: float) -> list[float]:
         """The acceptances of the row (match length) whose first `k` drafts promise the
@@ -375,7 +408,7 @@ class AcceptanceTable:
     def probs(self, match: int, k: int, prior: float) -> list[float]:
         """The first `k` positions' acceptances for drafts from a match of `match` tokens."""
         accepted, tested, weight = self.accepted, self.tested, self.weight
-        out, p = [], prior
+        out, p = [], self._first_lean(match, prior)
         for j in range(k):
             key = (match, j)
             p = (accepted.get(key, 0) + weight * p) / (tested.get(key, 0) + weight)

@@ -177,6 +177,38 @@ def test_acceptance_table_learns_each_position_by_the_match_it_was_drafted_from(
     assert table.best(4, prior=0.5) == pytest.approx(long)
 
 
+def test_a_long_match_without_evidence_is_priced_like_the_best_shorter_one():
+    """Acceptance rises with the match, so a row's first position leans on the best first
+    position of a shorter match where that beats the pooled acceptance; a shorter row
+    that fails does not pull a longer one below the pool."""
+    table = AcceptanceTable(weight=4.0)
+    for _ in range(30):
+        table.record(1, 4, 0)  # 1-token matches fail at once
+    for _ in range(10):
+        table.record(3, 4, 4)  # 3-token matches are right
+    three = table.probs(3, 2, prior=0.3)
+    assert three[0] > 0.7
+    assert table.probs(8, 2, prior=0.3) == pytest.approx([three[0], three[0]])
+    assert table.probs(2, 1, prior=0.3) == pytest.approx([0.3])  # the pool beats match 1's
+    assert table.probs(1, 1, prior=0.3)[0] < 0.1
+
+
+def test_a_fresh_engine_drafts_a_long_match_while_short_ones_hold_the_pool_down():
+    """A copy run's first verifications follow the quotes' starts (short matches, most
+    failing): the pooled acceptance falls, yet a long match, not verified yet, is drafted
+    on the strength of the shorter matches that held (it was declined at the pool's
+    acceptance, and one copying stream made 1.03 tokens a step for its first ~600)."""
+    policy = measured_policy([1, 5])
+    for _ in range(100):
+        policy.record(4, 0, match=1)
+    for _ in range(10):
+        policy.record(4, 4, match=3)
+    assert policy.prior() < 0.3
+    [drafts] = policy.choose([(4, 100, policy.draft_probs(8, 4))], 0.0, 0.0, 100, rows=1)
+    assert drafts >= 2  # as many as the EPYC's step times pay for at ~0.8 a position
+    assert policy.choose([(4, 100, policy.prior())], 0.0, 0.0, 100, rows=1) == [0]
+
+
 def test_measured_policy_prices_drafts_by_the_match_they_follow():
     """With the EPYC's step times one stream verifies four drafts that follow an 8-token
     match known to be copied, and none after a 1-token match known to fail, in the same
