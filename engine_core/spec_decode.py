@@ -234,6 +234,11 @@ class StepTimes:
         if n == STEP_SAMPLES:
             self._trusted = sorted(self._trusted + [rows])
 
+    @property
+    def steps(self) -> int:
+        """Steps measured so far."""
+        return self._steps
+
     def _forget_stale(self) -> None:
         """Drop the row counts not measured in the last STEP_STALE steps."""
         stale = [r for r, at in self._last.items() if self._steps - at > STEP_STALE]
@@ -293,8 +298,13 @@ times) grows with drafts. Without it, the quiet benchmark (2026-12-04, SmolLM2 o
 EPYC) drafted on 32 chat streams for 1% more tokens a step and ran at 0.92x, and on 4
 copying streams at 0.94-0.95x."""
 
-PROPOSE_SMOOTHING = 0.1
-"""Weight of the newest step in the proposer's running mean time per request asked."""
+PROPOSE_WINDOW = 9
+"""The proposer's time per request asked is the median of its last this many steps (and
+is forgotten after STEP_STALE measured steps without one). It was a running mean (a tenth
+of the way per step): one slow call (a collection or a page fault in the engine core,
+20 ms) early in a fresh engine, while its acceptance evidence was still thin, priced every
+ask out (1.5 ms a request added to a 7 ms step), and since the time is measured only when
+the proposer is asked, asking never resumed (2026-12-05)."""
 
 PRIOR_WEIGHT = 4.0
 """Positions' worth of weight an `AcceptanceTable` estimate gives what it leans on (the
@@ -433,8 +443,11 @@ class AdaptivePolicy:
         self.times = StepTimes()
         """Measured decode step times by query rows (fed by the engine core's loop)."""
         self.propose_s = 0.0
-        """The proposer's seconds per request asked (a running mean, `observe_proposer`):
-        engine-core time a step spends before its plan, not in the measured step times."""
+        """The proposer's seconds per request asked (the median of its last
+        PROPOSE_WINDOW steps, `observe_proposer`): engine-core time a step spends before
+        its plan, not in the measured step times."""
+        self._propose_recent: deque[float] = deque(maxlen=PROPOSE_WINDOW)
+        self._propose_at = 0  # the measured step count when the proposer was last timed
 
     def prior(self) -> float:
         """The global acceptance per draft position (0.5 before any evidence)."""
@@ -471,7 +484,16 @@ class AdaptivePolicy:
     def observe_proposer(self, seconds: float, asked: int) -> None:
         """The proposer took `seconds` for `asked` requests in one step."""
         if asked > 0 and seconds >= 0:
-            self.propose_s += (seconds / asked - self.propose_s) * PROPOSE_SMOOTHING
+            self._propose_recent.append(seconds / asked)
+            self.propose_s = statistics.median(self._propose_recent)
+            self._propose_at = self.times.steps
+
+    def _forget_stale_proposer(self) -> None:
+        """Forget the proposer's time when it was not asked in the last STEP_STALE
+        measured steps: what kept it from being asked may have passed."""
+        if self._propose_recent and self.times.steps - self._propose_at > STEP_STALE:
+            self._propose_recent.clear()
+            self.propose_s = 0.0
 
     def ask(self, candidates: list[tuple[int, int, float]], base_tokens: float, budget: int,
             rows: int | None) -> list[bool]:
@@ -488,6 +510,7 @@ class AdaptivePolicy:
             return [True] * len(candidates)
         if rows is None:
             return [False] * len(candidates)  # a step with a prefill chunk drafts nothing
+        self._forget_stale_proposer()
         caps = [min(n, self.ceiling) for n, _, _ in candidates]
         ks = self._choose_measured(candidates, caps, base_tokens, budget, rows,
                                    self.propose_s)

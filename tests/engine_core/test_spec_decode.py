@@ -359,12 +359,41 @@ def test_policy_asks_the_proposer_only_where_the_best_case_pays():
     assert four.ask([(4, 100, 0.2), (4, 100, 0.9), (4, 100, 0.2), (4, 100, 0.9)], 0.0, 100,
                     rows=4) == [False, True, False, True]
     # one stream gains (4.1 tokens in 40 ms against 1 in 16 ms); a proposer taking 30 ms a
-    # request (its running mean) makes that 4.1 in 70 ms: a loss
-    one.observe_proposer(0.300, 1)  # the running mean moves a tenth of the way: 30 ms
+    # request (the median of its recent steps) makes that 4.1 in 70 ms: a loss
+    for _ in range(2):
+        one.observe_proposer(0.030, 1)
     assert one.propose_s == pytest.approx(0.030)
     assert one.ask([(4, 100, 0.9)], 0.0, 100, rows=1) == [False]
     unmeasured = AdaptivePolicy(4, CostTerms())  # no engine loop: everyone is asked
     assert unmeasured.ask([(4, 100, 0.1)] * 2, 0.0, 100, rows=2) == [True, True]
+
+
+def test_one_slow_proposer_call_does_not_stop_the_asking():
+    """The proposer's time is the median of its recent steps, so one slow call (a pause
+    in the engine core) does not price every ask out while the acceptance evidence is
+    thin; and a time that kept the proposer from being asked is forgotten after
+    STEP_STALE measured steps, so a slowness that passed is measured again."""
+    policy = AdaptivePolicy(4, CostTerms())
+    for rows, ms in {1: 7.0, 2: 9.2, 3: 11.3, 5: 14.9}.items():  # SmolLM2, Zen 4 EPYC
+        for _ in range(STEP_SAMPLES):
+            policy.observe_step(rows, ms / 1000)
+    policy.record(4, 1, match=2)
+    policy.record(4, 0, match=1)
+    best = policy.best_probs(4)  # thin evidence: ~0.5 a position
+    policy.observe_proposer(0.020, 1)  # one 20 ms call
+    for _ in range(3):
+        policy.observe_proposer(0.00005, 1)
+    assert policy.ask([(4, 100, best)], 0.0, 100, rows=1) == [True]
+    slow = AdaptivePolicy(4, CostTerms())
+    for rows, ms in {1: 7.0, 2: 9.2, 3: 11.3, 5: 14.9}.items():
+        for _ in range(STEP_SAMPLES):
+            slow.observe_step(rows, ms / 1000)
+    for _ in range(3):
+        slow.observe_proposer(0.020, 1)  # slow for a while: not asked
+    assert slow.ask([(4, 100, best)], 0.0, 100, rows=1) == [False]
+    for _ in range(STEP_STALE + 1):
+        slow.observe_step(1, 0.007)
+    assert slow.ask([(4, 100, best)], 0.0, 100, rows=1) == [True]
 
 
 def test_scheduler_asks_no_proposer_for_chat_streams_once_steps_say_drafts_do_not_pay():
