@@ -37,37 +37,25 @@ def worker_for(model: str):
     return worker
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("model")
-    parser.add_argument("--requests", type=int, default=1)
-    parser.add_argument("--drafts", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--parts", action="store_true")
-    args = parser.parse_args()
+def stepper(model: str, requests: int = 1):
+    """A worker in this process holding `requests` requests of ~200 tokens, and `run(k)`:
+    one step of every request with k drafts (a fixed token, mostly rejected: a step costs
+    the same either way), returning its seconds at the worker."""
     import numpy as np
-    import torch
 
     from tidal.ipc.messages import SamplingParams, pack_token_ids
     from tidal.ipc.worker_messages import BatchPlan, CachedRequestData, NewRequestData
 
-    torch.set_num_threads(args.threads)
-    if args.parts:
-        from tidal.kernels.cpu import fused_layers
-        if fused_layers.timed_build().library is None:
-            raise SystemExit("the timed build of decoder_layers.c failed")
-    worker = worker_for(args.model)
+    worker = worker_for(model)
     rng = random.Random(0)
     sampling = SamplingParams(temperature=0.0, max_tokens=10**6, ignore_eos=True)
     prompt = 200
-    known = {f"r{i}": prompt for i in range(args.requests)}  # tokens each request holds
+    known = {f"r{i}": prompt for i in range(requests)}  # tokens each request holds
     new = [NewRequestData(req_id, pack_token_ids([rng.randrange(3, 1000) for _ in range(prompt)]),
                           prompt, list(range(1 + i * 40, 1 + (i + 1) * 40)), 0, prompt,
                           sampling) for i, req_id in enumerate(known)]
     worker.execute(BatchPlan(1, new_requests=new,
-                             total_num_scheduled_tokens=prompt * args.requests))
+                             total_num_scheduled_tokens=prompt * requests))
     for req_id in known:
         known[req_id] += 1
     step_id = 1
@@ -79,16 +67,37 @@ def main() -> None:
         cached = [CachedRequestData(req_id, [], n - 1, 1 + k, spec_token_ids=drafts)
                   for req_id, n in known.items()]
         plan = BatchPlan(step_id, cached_requests=cached,
-                         total_num_scheduled_tokens=args.requests * (1 + k))
+                         total_num_scheduled_tokens=requests * (1 + k))
         start = time.perf_counter()
         result = worker.execute(plan)
         seconds = time.perf_counter() - start
         counts = (np.frombuffer(result.num_tokens, np.int32) if result.num_tokens
-                  else [1] * args.requests)
+                  else [1] * requests)
         for req_id, c in zip(known, counts):
             known[req_id] += int(c)
         return seconds
 
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model")
+    parser.add_argument("--requests", type=int, default=1)
+    parser.add_argument("--drafts", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--parts", action="store_true")
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    if args.parts:
+        from tidal.kernels.cpu import fused_layers
+        if fused_layers.timed_build().library is None:
+            raise SystemExit("the timed build of decoder_layers.c failed")
+    run = stepper(args.model, args.requests)
     for _ in range(3):
         run(0)
         run(args.drafts)
