@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import httpx
 import pytest
@@ -59,7 +60,20 @@ def test_sigkilled_serve_leaves_no_process_and_frees_its_port(tiny_llama):
         # engine core + worker + 2 HTTP processes (+ multiprocessing's resource tracker)
         pids = wait_for(lambda: (lambda found: found if len(found) >= 4 else None)(
             descendants(server.proc.pid)), timeout=30, what="the serve process tree")
-        assert httpx.get(server.base_url + "/health", timeout=5).status_code == 200
+        # serving: /health answers 200 (a 503 here once in CI's suite, 2026-12-05, cause not
+        # seen: the server said 200 just before; the answers are kept for the next time)
+        answers = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            health = httpx.get(server.base_url + "/health", timeout=5)
+            answers.append((health.status_code, health.headers.get("x-tidal-server"),
+                            health.text[:200]))
+            if health.status_code == 200:
+                break
+            time.sleep(0.2)
+        assert answers[-1][0] == 200, (answers, server.output()[-3000:])
+        if len(answers) > 1:  # shown in the suite's warnings summary
+            warnings.warn(f"/health answered {answers[:-1]} before 200")
         metrics_dir = _metrics_dir(pids)
         assert os.path.isdir(metrics_dir), metrics_dir
         os.kill(server.proc.pid, signal.SIGKILL)
