@@ -98,6 +98,12 @@ class ServerSettings:
     on_attach_failed: Callable[[BaseException], None] | None = None
     """Called when the attach fails (`tidal serve`: the server process ends); None: the
     failure is raised (from the lifespan when it waits for the engine)."""
+    on_attached: Callable[[], None] | None = None
+    """Called once the attach succeeded and this process serves (`tidal serve`'s first
+    server: the others may accept connections from then on)."""
+    before_serving: Callable[[], Awaitable[None]] | None = None
+    """Awaited after a successful attach that the lifespan waits for, before uvicorn
+    accepts a connection (`tidal serve`'s other servers: until the first one serves)."""
     tool_settings: Any = None
     """--enable-auto-tool-choice / --tool-call-parser (`tools.ToolSettings`); None: neither."""
     chat_template: str | None = None
@@ -226,6 +232,8 @@ def build_app(engine_factory: Callable[[], Awaitable[Any]],
         attaching = asyncio.ensure_future(_attach(app, engine_factory, settings, tasks))
         if not settings.attach_in_background:
             await attaching
+            if settings.before_serving is not None and app.state.serving is not None:
+                await settings.before_serving()
         try:
             yield
         finally:
@@ -265,6 +273,8 @@ async def _attach(app: FastAPI, engine_factory, settings: ServerSettings,
         settings.on_attach_failed(exc)
         return
     tasks += _start_state(app, engine, settings)
+    if settings.on_attached is not None:
+        settings.on_attached()
 
 
 async def _stop_tasks(tasks: list[asyncio.Task]) -> None:

@@ -251,8 +251,12 @@ async def _attach_engine(spec: ServerSpec):
     return create.result()
 
 
-def serve_one(index: int, spec: ServerSpec, sock: socket.socket, slots) -> int:
-    """Run one HTTP server process until SIGTERM/SIGINT; its exit status."""
+def serve_one(index: int, spec: ServerSpec, sock: socket.socket, slots,
+              first_serving=None) -> int:
+    """Run one HTTP server process until SIGTERM/SIGINT; its exit status. `first_serving`
+    (a multiprocessing Event, with --api-server-count > 1): set once server 0 serves."""
+    import asyncio
+
     import uvicorn
 
     from .app import Server, ServerSettings, build_app
@@ -268,9 +272,18 @@ def serve_one(index: int, spec: ServerSpec, sock: socket.socket, slots) -> int:
         server.should_exit = True
 
     # Only server 0 serves while the engine loads (503 "loading", /health 503): the others
-    # accept connections on the shared socket once attached. Were they all to accept at once,
-    # a request could reach one still attaching after another's /health said 200 (a 503 in
-    # the suite beside two busy loops, with --api-server-count 2).
+    # accept connections on the shared socket once attached and once server 0 serves.
+    # Were they all to accept at once, a request could reach one still attaching after
+    # another's /health said 200 (a 503 in the suite beside two busy loops, with
+    # --api-server-count 2); and were the others not to wait for server 0, their 200 could
+    # come while server 0 still loads the tokenizer, and its next answer be a 503 "Loading
+    # model" (CI's suite, 2026-12-05). A server 0 started again after that attaches before
+    # it accepts, as the others.
+    first = index == 0 and (first_serving is None or not first_serving.is_set())
+
+    async def wait_for_first() -> None:
+        while not first_serving.is_set() and not server.should_exit:
+            await asyncio.sleep(0.02)
     settings = ServerSettings(served_model_names=spec.served_model_names,
                               api_key=spec.api_key, admission_slots=slots, server_index=index,
                               record_trace=spec.record_trace,
@@ -281,8 +294,12 @@ def serve_one(index: int, spec: ServerSpec, sock: socket.socket, slots) -> int:
                               lora_modules=spec.lora_modules or [],
                               runtime_lora_loads=spec.api_server_count == 1,
                               ui=spec.ui,
-                              attach_in_background=index == 0,
+                              attach_in_background=first,
                               on_attach_failed=attach_failed,
+                              on_attached=(first_serving.set if first_serving is not None
+                                           and index == 0 else None),
+                              before_serving=(wait_for_first if first_serving is not None
+                                              and not first else None),
                               json_any_whitespace=spec.json_any_whitespace)
     app = build_app(lambda: _attach_engine(spec), settings)
     http = timed_http_protocol(spec.timeout_request_header, spec.timeout_request_body)
@@ -295,7 +312,8 @@ def serve_one(index: int, spec: ServerSpec, sock: socket.socket, slots) -> int:
     return 0 if server.started and not failed else EXIT_NOT_STARTED
 
 
-def _server_process_main(index: int, spec: ServerSpec, sock: socket.socket, slots) -> None:
+def _server_process_main(index: int, spec: ServerSpec, sock: socket.socket, slots,
+                         first_serving=None) -> None:
     from ...ipc.lifeline import watch_parent
 
     supervisor = multiprocessing.parent_process()
@@ -305,7 +323,7 @@ def _server_process_main(index: int, spec: ServerSpec, sock: socket.socket, slot
     if metrics_lock is not None and supervisor is not None:
         signal.signal(signal.SIGTERM, functools.partial(_end_on_sigterm, supervisor,
                                                         metrics_lock))
-    sys.exit(serve_one(index, spec, sock, slots))
+    sys.exit(serve_one(index, spec, sock, slots, first_serving))
 
 
 def _end_on_sigterm(supervisor, lock_fd: int, signum: int, _frame) -> None:
@@ -407,7 +425,9 @@ class _ProcessTree:
         self.metrics_dir: str | None = None
         self.stop_event = threading.Event()
         self.exit_code = 0
-        self._spawn_args = None  # (spec, socket, shared admission slots) of every process
+        self._spawn_args = None
+        """(spec, socket, shared admission slots, the first server's Event: `serve_one`) of
+        every HTTP process."""
 
     def start_engine(self) -> tuple[str, str | None, int | None]:
         """(address, tokenizer folder, daemon pid): start a daemon unless --engine."""
@@ -438,14 +458,15 @@ class _ProcessTree:
         return address, config.model.tokenizer_path, daemon.pid
 
     def start_servers(self, spec: ServerSpec, sock: socket.socket) -> None:
-        slots = None
+        slots = first_serving = None
         if self.num_servers > 1:
             from .admission import make_shared_slots
 
             slots = make_shared_slots(self.num_servers)
+            first_serving = multiprocessing.get_context("spawn").Event()
             self.metrics_dir = tempfile.mkdtemp(prefix="tidal-prometheus-")
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_dir
-        self._spawn_args = (spec, sock, slots)
+        self._spawn_args = (spec, sock, slots, first_serving)
         for index in range(self.num_servers):
             server = Supervisor(f"HTTP server tidal-http-{index}",
                                 lambda index=index: _HttpProcess(index, self._spawn_args),
@@ -523,9 +544,9 @@ class _ProcessTree:
             logger.error("%s; shutting down", self.engine.final_reason)
             return False
         daemon = self.engine.respawn()  # what is left of the old one is stopped first
-        spec, sock, slots = self._spawn_args
+        spec, *rest = self._spawn_args
         # an HTTP process started from now on watches the new daemon while it attaches
-        self._spawn_args = (replace(spec, daemon_pid=daemon.pid), sock, slots)
+        self._spawn_args = (replace(spec, daemon_pid=daemon.pid), *rest)
         return True
 
     def stop(self) -> None:
