@@ -1,7 +1,8 @@
 """How far one stream's speculation could go on this machine: the adaptive policy replayed
 offline over real outputs against measured step times, beside fixed draft counts, the best
-draft count for each match length (fit on the same outputs, so an upper bound for any
-policy that sees only the match) and an oracle that knows each draft's accepted run.
+fixed draft count for each match length (fit on the same outputs: the best any one count
+per match length does; a policy that adapts as it goes may still beat it) and an oracle
+that knows each draft's accepted run.
 
     python benchmarks/spec_ceiling.py MODEL_FOLDER [--prompts 48] [--max-tokens 96]
         [--method suffix] [--ceiling 4] [--most 16] [--costs measured|flat|1,1.3,...]
